@@ -1,0 +1,1 @@
+"""kafila-ctl: the command-line client of kafilad."""

@@ -1,0 +1,1 @@
+"""control package (see the layout in STYLE.md)."""

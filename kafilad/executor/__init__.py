@@ -1,0 +1,1 @@
+"""executor package (see the layout in STYLE.md)."""

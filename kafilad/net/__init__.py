@@ -1,0 +1,1 @@
+"""net package (see the layout in STYLE.md)."""

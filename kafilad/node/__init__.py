@@ -1,0 +1,1 @@
+"""node package (see the layout in STYLE.md)."""

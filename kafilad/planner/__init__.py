@@ -1,0 +1,1 @@
+"""planner package (see the layout in STYLE.md)."""

@@ -1,0 +1,1 @@
+"""proto package (see the layout in STYLE.md)."""

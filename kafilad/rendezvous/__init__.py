@@ -1,0 +1,1 @@
+"""rendezvous package (see the layout in STYLE.md)."""
