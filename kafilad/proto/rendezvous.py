@@ -1,0 +1,521 @@
+"""Rendezvous wire format and the server's sans-IO state machine (proto_spec/03-rendezvous.md).
+
+Every WebSocket message is binary; byte 0 is the kind (proto_spec §1)::
+
+    +------+---------------------------------------------+
+    | 0x00 | msgpack map, key "t" = type   (control, §2) |
+    +------+---------------------------------------------+
+    | 0x01 | circuit id u64 BE | opaque payload  (§3)    |
+    +------+---------------------------------------------+
+
+`RendezvousState` is the whole server logic (sessions, members, circuits, limits) with no I/O:
+the driver feeds it `receive_message(conn, data, now)` and executes the actions it drains from
+`actions()` (h11 / aioquic style, STYLE.md). Nothing here imports trio or sockets.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import struct
+from typing import Any, Callable
+
+import attrs
+import msgpack
+
+from kafilad.errors import LocalProtocolError, RemoteProtocolError
+
+KIND_CONTROL = 0x00
+KIND_RELAY = 0x01
+RELAY_HEADER = struct.Struct(">BQ")  # kind, circuit id (proto_spec §3)
+RECORD_HEADER = struct.Struct(">QI")  # circuit id, payload length (proto_spec §7)
+NOISE_MAX_MESSAGE_BYTES = 65_535
+SIGNAL_RECORD_CIRCUIT = 0
+
+CLOSE_POLICY_VIOLATION = 1008  # RFC 6455 §7.4.1
+CLOSE_MESSAGE_TOO_BIG = 1009
+
+
+@attrs.frozen
+class ControlMessage:
+    """A decoded control message (proto_spec §2): `type` is the "t" key, `fields` the whole map."""
+
+    type: str
+    fields: dict
+
+
+@attrs.frozen
+class RelayData:
+    """Relay data (proto_spec §3): `circuit_id` uint64, `payload` opaque bytes."""
+
+    circuit_id: int
+    payload: bytes
+
+
+def encode_control(msg: dict) -> bytes:
+    """Encode a control message (proto_spec §2) as one binary WebSocket message.
+
+    Args:
+        msg: a map with a str "t" key and msgpack-serialisable values.
+    Raises:
+        LocalProtocolError: "t" is missing or not a string, or a value cannot be encoded.
+    """
+    if not isinstance(msg.get("t"), str):
+        raise LocalProtocolError(f"A rendezvous control message needs a string 't' key; got {msg!r}.")
+    try:
+        return bytes([KIND_CONTROL]) + msgpack.packb(msg, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LocalProtocolError(f"Cannot encode rendezvous message {msg.get('t')!r}: {exc}.") from exc
+
+
+def encode_relay(circuit_id: int, payload: bytes) -> bytes:
+    """Encode relay data (proto_spec §3): 0x01, circuit id u64 BE, payload.
+
+    Raises:
+        LocalProtocolError: the circuit id does not fit in 64 bits.
+    """
+    if not 0 <= circuit_id < 1 << 64:
+        raise LocalProtocolError(f"Circuit id {circuit_id} does not fit in an unsigned 64-bit integer.")
+    return RELAY_HEADER.pack(KIND_RELAY, circuit_id) + bytes(payload)
+
+
+def decode_message(data: bytes) -> ControlMessage | RelayData:
+    """Decode one WebSocket message (proto_spec §1-§3). Bytes after the msgpack map are ignored.
+
+    Raises:
+        RemoteProtocolError: empty, unknown kind, bad msgpack, not a map, no string "t",
+            or relay data shorter than its 9-byte header.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise RemoteProtocolError("The rendezvous protocol uses binary WebSocket messages only; got text.")
+    data = bytes(data)
+    if not data:
+        raise RemoteProtocolError("Received an empty rendezvous message.")
+    kind = data[0]
+    if kind == KIND_RELAY:
+        if len(data) < RELAY_HEADER.size:
+            raise RemoteProtocolError(
+                f"Relay data needs a {RELAY_HEADER.size}-byte header; got {len(data)} bytes."
+            )
+        _, circuit_id = RELAY_HEADER.unpack_from(data)
+        return RelayData(circuit_id, data[RELAY_HEADER.size :])
+    if kind != KIND_CONTROL:
+        raise RemoteProtocolError(f"Unknown rendezvous message kind 0x{kind:02x} (expected 0x00 or 0x01).")
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=len(data))
+    unpacker.feed(data[1:])
+    try:
+        obj = unpacker.unpack()
+    except msgpack.OutOfData:
+        raise RemoteProtocolError("A rendezvous control message was truncated.") from None
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise RemoteProtocolError(f"A rendezvous control message is not valid msgpack: {exc}.") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
+        raise RemoteProtocolError("A rendezvous control message must be a msgpack map with a string 't'.")
+    return ControlMessage(obj["t"], obj)
+
+
+# Requests a client may send and their required fields (proto_spec §2.1), as data (h11 style).
+_REQUESTS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "register": {"model_id": str, "members": int, "capability": dict, "peer_id": str, "name": str},
+    "join": {"session_id": str, "peer_id": str, "name": str},
+    "leave": {},
+    "signal": {"to": str},
+    "circuit_open": {"to": str, "label": str, "req": int},
+    "circuit_close": {"circuit": int, "reason": str},
+}
+
+
+def check_fields(msg: ControlMessage, schema: dict[str, type | tuple[type, ...]]) -> None:
+    """Check that `msg` has every field of `schema` with the right type (bool is not an int).
+
+    Raises:
+        RemoteProtocolError: a field is missing or mistyped.
+    """
+    for key, kind in schema.items():
+        value = msg.fields.get(key)
+        if value is None or isinstance(value, bool) and kind is int or not isinstance(value, kind):
+            raise RemoteProtocolError(
+                f"Rendezvous message {msg.type!r} needs field {key!r} of type "
+                f"{getattr(kind, '__name__', kind)}; got {value!r}."
+            )
+    if "body" not in msg.fields and msg.type == "signal":
+        raise RemoteProtocolError("Rendezvous message 'signal' needs a 'body' field.")
+
+
+def parse_relay_record(data: bytes) -> list[tuple[int, bytes]]:
+    """Parse a relay record file's bytes (proto_spec §7) into (circuit id, payload) pairs.
+
+    Raises:
+        RemoteProtocolError: the file ends inside a record.
+    """
+    out, pos = [], 0
+    while pos < len(data):
+        if pos + RECORD_HEADER.size > len(data):
+            raise RemoteProtocolError(f"The relay record is truncated at byte {pos}.")
+        circuit_id, length = RECORD_HEADER.unpack_from(data, pos)
+        pos += RECORD_HEADER.size
+        if pos + length > len(data):
+            raise RemoteProtocolError(f"The relay record is truncated at byte {pos}.")
+        out.append((circuit_id, data[pos : pos + length]))
+        pos += length
+    return out
+
+
+def encode_relay_record(circuit_id: int, payload: bytes) -> bytes:
+    """One relay record (proto_spec §7): circuit id u64 BE, length u32 BE, payload."""
+    return RECORD_HEADER.pack(circuit_id, len(payload)) + payload
+
+
+@attrs.frozen
+class RendezvousLimits:
+    """Server limits (proto_spec §1, §5); defaults are generous, tests shrink them."""
+
+    max_control_bytes: int = 65_536
+    max_relay_payload_bytes: int = NOISE_MAX_MESSAGE_BYTES + 1_024
+    ws_max_message_bytes: int = 131_072
+    session_budget_bytes: int = 64 << 30
+    session_rate_Bps: float = float(128 << 20)
+    session_burst_bytes: float = float(16 << 20)
+    control_rate_per_s: float = 500.0
+    control_burst: float = 500.0
+    max_members: int = 64
+    max_circuits: int = 1_024
+    max_sessions: int = 10_000
+
+
+class TokenBucket:
+    """Token bucket that lends: `consume` always succeeds and returns how long to pause (s).
+
+    Tokens refill at `rate_per_s` up to `burst`; a debt is repaid before more traffic passes,
+    so the long-run rate never exceeds `rate_per_s` (proto_spec §5).
+    """
+
+    def __init__(self, rate_per_s: float, burst: float, now: float):
+        self.rate_per_s, self.burst = rate_per_s, burst
+        self._tokens, self._t = burst, now
+
+    def consume(self, amount: float, now: float) -> float:
+        """Take `amount` tokens at time `now` (s); return the pause in seconds (0 if none)."""
+        self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate_per_s)
+        self._t = now
+        self._tokens -= amount
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate_per_s
+
+
+@attrs.frozen
+class SendTo:
+    """Action: send `data` (one binary WebSocket message) on connection `conn`."""
+
+    conn: int
+    data: bytes
+
+
+@attrs.frozen
+class CloseConn:
+    """Action: close connection `conn` with WebSocket close `code` and `reason`."""
+
+    conn: int
+    code: int
+    reason: str
+
+
+@attrs.frozen
+class RecordPayload:
+    """Action: append a forwarded payload to the relay record (proto_spec §7)."""
+
+    circuit_id: int
+    payload: bytes
+
+
+Action = SendTo | CloseConn | RecordPayload
+
+
+@attrs.define
+class _Conn:
+    bucket: TokenBucket
+    session_id: str | None = None
+    peer_id: str = ""
+    name: str = ""
+
+
+@attrs.define
+class _Session:
+    session_id: str
+    model_id: str
+    expected: int
+    capability: dict
+    host_conn: int
+    members: dict[str, int]  # peer id -> conn, host first (insertion order)
+    bucket: TokenBucket
+    relayed_bytes: int = 0
+    circuits: set[int] = attrs.Factory(set)
+
+
+@attrs.define
+class _Circuit:
+    session_id: str
+    ends: tuple[int, int]  # (opener conn, acceptor conn)
+
+
+class _Refusal(Exception):
+    """A non-fatal error reply (proto_spec §2.3)."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+class RendezvousState:
+    """All rendezvous server logic, sans-IO (proto_spec §2-§5; DESIGN §2, §3 steps 1-2, §4 "Relay").
+
+    Connections are opaque ints chosen by the driver. After each call, drain `actions()` and
+    execute them in order (SendTo, CloseConn, RecordPayload).
+
+    Args:
+        limits: the server's limits.
+        random_bytes: source of randomness (n -> n bytes) for session and circuit ids.
+    """
+
+    def __init__(self, limits: RendezvousLimits | None = None,
+                 random_bytes: Callable[[int], bytes] = os.urandom):
+        self.limits = limits or RendezvousLimits()
+        self._random = random_bytes
+        self._conns: dict[int, _Conn] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._circuits: dict[int, _Circuit] = {}
+        self._actions: list[Action] = []
+        self._now = 0.0
+
+    # --- driver interface -------------------------------------------------------------------
+
+    def actions(self) -> list[Action]:
+        """Return and forget the actions queued so far, in the order they must run."""
+        out, self._actions = self._actions, []
+        return out
+
+    @property
+    def session_count(self) -> int:
+        """Number of live sessions."""
+        return len(self._sessions)
+
+    def connection_made(self, conn: int, now: float) -> None:
+        """Register a new WebSocket connection `conn` at time `now` (s)."""
+        lim = self.limits
+        self._conns[conn] = _Conn(TokenBucket(lim.control_rate_per_s, lim.control_burst, now))
+
+    def connection_lost(self, conn: int, reason: str) -> None:
+        """Forget `conn`: close its circuits and tell its session (proto_spec §4). Idempotent."""
+        if conn in self._conns:
+            self._leave(conn, reason)
+            del self._conns[conn]
+
+    def receive_message(self, conn: int, data: bytes | str, now: float) -> float:
+        """Handle one WebSocket message from `conn` at time `now` (s).
+
+        Returns:
+            seconds the driver should wait before reading `conn` again (rate limits, §5).
+        """
+        if conn not in self._conns:
+            return 0.0
+        self._now = now
+        try:
+            msg = decode_message(data)  # text raises too
+        except RemoteProtocolError as exc:
+            self._fatal(conn, "malformed", str(exc), CLOSE_POLICY_VIOLATION, None)
+            return 0.0
+        if isinstance(msg, RelayData):
+            return self._relay(conn, msg, now)
+        req = msg.fields.get("req")
+        req = req if isinstance(req, int) and not isinstance(req, bool) else None
+        pause_s = self._conns[conn].bucket.consume(1, now)
+        if len(data) > self.limits.max_control_bytes:
+            self._fatal(conn, "message_too_large",
+                        f"A control message of {len(data)} bytes exceeds the limit of "
+                        f"{self.limits.max_control_bytes} bytes.", CLOSE_MESSAGE_TOO_BIG, req)
+            return 0.0
+        schema = _REQUESTS.get(msg.type)
+        try:
+            if schema is None:
+                raise _Refusal("unknown_type", f"The rendezvous does not know message type {msg.type!r}.")
+            check_fields(msg, schema)
+            getattr(self, "_on_" + msg.type)(conn, msg.fields)
+        except RemoteProtocolError as exc:
+            self._fatal(conn, "malformed", str(exc), CLOSE_POLICY_VIOLATION, req)
+        except _Refusal as refusal:
+            self._send(conn, t="error", code=refusal.code, reason=refusal.reason, fatal=False,
+                       **({"req": req} if req is not None else {}))
+        return pause_s
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _send(self, conn: int, **msg: Any) -> None:
+        self._actions.append(SendTo(conn, encode_control(msg)))
+
+    def _fatal(self, conn: int, code: str, reason: str, close_code: int, req: int | None) -> None:
+        extra = {"req": req} if req is not None else {}
+        self._send(conn, t="error", code=code, reason=reason, fatal=True, **extra)
+        self._actions.append(CloseConn(conn, close_code, reason[:120]))
+        self.connection_lost(conn, f"it sent a bad message: {reason}")
+
+    def _session_of(self, conn: int) -> _Session:
+        sid = self._conns[conn].session_id
+        if sid is None:
+            raise _Refusal("not_in_session", "Register or join a session first.")
+        return self._sessions[sid]
+
+    def _new_id(self, nbytes: int, taken: Any) -> Any:
+        while True:
+            raw = self._random(nbytes)
+            new = base64.b32encode(raw).decode().lower() if nbytes == 5 else int.from_bytes(raw, "big")
+            if new and new not in taken:
+                return new
+
+    def _close_circuit(self, circuit_id: int, reason: str, notify: tuple[int, ...]) -> None:
+        circuit = self._circuits.pop(circuit_id, None)
+        if circuit is None:
+            return
+        self._sessions[circuit.session_id].circuits.discard(circuit_id)
+        for conn in notify:
+            self._send(conn, t="circuit_closed", circuit=circuit_id, reason=reason)
+
+    def _leave(self, conn: int, reason: str) -> None:
+        """Unbind `conn` from its session (proto_spec §4)."""
+        state = self._conns[conn]
+        if state.session_id is None:
+            return
+        session = self._sessions[state.session_id]
+        state.session_id = None
+        if conn == session.host_conn:
+            for cid in list(session.circuits):
+                survivors = tuple(c for c in self._circuits[cid].ends if c != conn)
+                self._close_circuit(cid, f"The session host left: {reason}", survivors)
+            for peer, member in session.members.items():
+                if member != conn:
+                    self._conns[member].session_id = None
+                    self._send(member, t="session_closed", session_id=session.session_id,
+                               reason=f"The host {state.name!r} left the session: {reason}")
+            del self._sessions[session.session_id]
+            return
+        for cid in list(session.circuits):
+            ends = self._circuits[cid].ends
+            if conn in ends:
+                survivor = tuple(c for c in ends if c != conn)
+                self._close_circuit(cid, f"Peer {state.name!r} left the session: {reason}", survivor)
+        del session.members[state.peer_id]
+        for member in session.members.values():
+            self._send(member, t="member_left", peer_id=state.peer_id, reason=reason)
+
+    # --- requests (proto_spec §2.1) -----------------------------------------------------------
+
+    def _on_register(self, conn: int, f: dict) -> None:
+        lim, state = self.limits, self._conns[conn]
+        if state.session_id is not None:
+            raise _Refusal("already_in_session", "This connection is already in a session; leave it first.")
+        if not 1 <= f["members"] <= lim.max_members:
+            raise _Refusal("invalid_request",
+                           f"A session has 1 to {lim.max_members} members; {f['members']} were asked for.")
+        if len(self._sessions) >= lim.max_sessions:
+            raise _Refusal("too_many_sessions", "The rendezvous is full; try again later.")
+        sid = self._new_id(5, self._sessions)
+        self._sessions[sid] = _Session(
+            sid, f["model_id"], f["members"], f["capability"], conn, {f["peer_id"]: conn},
+            TokenBucket(lim.session_rate_Bps, lim.session_burst_bytes, self._now))
+        state.session_id, state.peer_id, state.name = sid, f["peer_id"], f["name"]
+        self._send(conn, t="registered", session_id=sid, **_req(f))
+
+    def _on_join(self, conn: int, f: dict) -> None:
+        state = self._conns[conn]
+        if state.session_id is not None:
+            raise _Refusal("already_in_session", "This connection is already in a session; leave it first.")
+        session = self._sessions.get(f["session_id"].lower())
+        if session is None:
+            raise _Refusal("unknown_session",
+                           f"No session {f['session_id']!r} is open at this rendezvous; check the code "
+                           "and that the host is still running.")
+        if len(session.members) >= session.expected:
+            raise _Refusal("session_full",
+                           f"Session {session.session_id!r} already has all {session.expected} members.")
+        if f["peer_id"] in session.members:
+            raise _Refusal("duplicate_peer",
+                           f"Peer {f['peer_id']!r} is already a member of session {session.session_id!r}.")
+        roster = [{"peer_id": p, "name": self._conns[c].name} for p, c in session.members.items()]
+        for member in session.members.values():
+            self._send(member, t="member_joined", peer_id=f["peer_id"], name=f["name"])
+        session.members[f["peer_id"]] = conn
+        state.session_id, state.peer_id, state.name = session.session_id, f["peer_id"], f["name"]
+        host_peer = self._conns[session.host_conn].peer_id
+        self._send(conn, t="joined", session_id=session.session_id, host_peer_id=host_peer,
+                   members=roster + [{"peer_id": f["peer_id"], "name": f["name"]}],
+                   model_id=session.model_id, **_req(f))
+
+    def _on_leave(self, conn: int, f: dict) -> None:
+        self._session_of(conn)
+        reason = f.get("reason")
+        self._leave(conn, reason if isinstance(reason, str) else "it left")
+
+    def _peer(self, session: _Session, peer_id: str) -> int:
+        target = session.members.get(peer_id)
+        if target is None:
+            raise _Refusal("unknown_peer",
+                           f"Peer {peer_id!r} is not a member of session {session.session_id!r}.")
+        return target
+
+    def _on_signal(self, conn: int, f: dict) -> None:
+        target = self._peer(self._session_of(conn), f["to"])
+        body = f["body"]
+        self._actions.append(RecordPayload(SIGNAL_RECORD_CIRCUIT, msgpack.packb(body, use_bin_type=True)))
+        self._send(target, t="signal", **{"from": self._conns[conn].peer_id}, body=body)
+
+    def _on_circuit_open(self, conn: int, f: dict) -> None:
+        session = self._session_of(conn)
+        target = self._peer(session, f["to"])
+        if target == conn:
+            raise _Refusal("invalid_request", "A circuit must join two different members.")
+        if len(session.circuits) >= self.limits.max_circuits:
+            raise _Refusal("too_many_circuits",
+                           f"Session {session.session_id!r} already has {self.limits.max_circuits} circuits.")
+        cid = self._new_id(8, self._circuits)
+        self._circuits[cid] = _Circuit(session.session_id, (conn, target))
+        session.circuits.add(cid)
+        self._send(target, t="circuit_incoming", circuit=cid, **{"from": self._conns[conn].peer_id},
+                   label=f["label"])
+        self._send(conn, t="circuit_opened", req=f["req"], circuit=cid, to=f["to"])
+
+    def _on_circuit_close(self, conn: int, f: dict) -> None:
+        circuit = self._circuits.get(f["circuit"])
+        if circuit is not None and conn in circuit.ends:
+            other = tuple(c for c in circuit.ends if c != conn)
+            self._close_circuit(f["circuit"], f["reason"], other)
+
+    # --- relay (proto_spec §3, §5) ------------------------------------------------------------
+
+    def _relay(self, conn: int, msg: RelayData, now: float) -> float:
+        lim = self.limits
+        if len(msg.payload) > lim.max_relay_payload_bytes:
+            self._fatal(conn, "message_too_large",
+                        f"A relay payload of {len(msg.payload)} bytes exceeds the limit of "
+                        f"{lim.max_relay_payload_bytes} bytes (one Noise message plus overhead).",
+                        CLOSE_MESSAGE_TOO_BIG, None)
+            return 0.0
+        circuit = self._circuits.get(msg.circuit_id)
+        if circuit is None or conn not in circuit.ends:
+            self._send(conn, t="circuit_closed", circuit=msg.circuit_id,
+                       reason="No such circuit is open for this connection; the data was dropped.")
+            return 0.0
+        session = self._sessions[circuit.session_id]
+        if session.relayed_bytes + len(msg.payload) > lim.session_budget_bytes:
+            reason = (f"Session {session.session_id!r} has used its relay budget of "
+                      f"{lim.session_budget_bytes} bytes; the circuit is closed.")
+            self._send(conn, t="error", code="budget_exhausted", reason=reason, fatal=False)
+            self._close_circuit(msg.circuit_id, reason, circuit.ends)
+            return 0.0
+        session.relayed_bytes += len(msg.payload)
+        other = circuit.ends[1] if circuit.ends[0] == conn else circuit.ends[0]
+        self._actions.append(RecordPayload(msg.circuit_id, msg.payload))
+        self._actions.append(SendTo(other, encode_relay(msg.circuit_id, msg.payload)))
+        return session.bucket.consume(len(msg.payload), now)
+
+
+def _req(fields: dict) -> dict:
+    req = fields.get("req")
+    return {"req": req} if isinstance(req, int) and not isinstance(req, bool) else {}

@@ -1,0 +1,361 @@
+"""Rendezvous codec and sans-IO server state machine (proto_spec/03-rendezvous.md), no sockets."""
+
+from __future__ import annotations
+
+import itertools
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kafilad.errors import LocalProtocolError, RemoteProtocolError
+from kafilad.proto.rendezvous import (
+    CloseConn,
+    ControlMessage,
+    RecordPayload,
+    RelayData,
+    RendezvousLimits,
+    RendezvousState,
+    SendTo,
+    TokenBucket,
+    decode_message,
+    encode_control,
+    encode_relay,
+    encode_relay_record,
+    parse_relay_record,
+)
+
+# --- codec (proto_spec §1-§3, §7) -------------------------------------------------------------
+
+
+def test_relay_layout_is_kind_then_big_endian_circuit_then_payload():
+    assert encode_relay(0x0102030405060708, b"xyz") == b"\x01\x01\x02\x03\x04\x05\x06\x07\x08xyz"
+    assert decode_message(b"\x01" + b"\xff" * 8) == RelayData(2**64 - 1, b"")
+
+
+def test_control_layout_is_zero_then_msgpack_map():
+    data = encode_control({"t": "join", "session_id": "abcdefgh"})
+    assert data[0] == 0
+    assert msgpack.unpackb(data[1:]) == {"t": "join", "session_id": "abcdefgh"}
+    assert decode_message(data) == ControlMessage("join", {"t": "join", "session_id": "abcdefgh"})
+
+
+def test_trailing_bytes_after_the_map_are_ignored():
+    data = encode_control({"t": "leave"}) + b"\xc1future"
+    assert decode_message(data).type == "leave"
+
+
+@given(st.integers(0, 2**64 - 1), st.binary(max_size=300))
+def test_relay_roundtrip(circuit_id, payload):
+    assert decode_message(encode_relay(circuit_id, payload)) == RelayData(circuit_id, payload)
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=20) | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@given(st.text(min_size=1, max_size=20), st.dictionaries(st.text(max_size=8), _values, max_size=5))
+def test_control_roundtrip(type_, fields):
+    msg = {**fields, "t": type_}
+    decoded = decode_message(encode_control(msg))
+    assert decoded == ControlMessage(type_, msg)
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (b"", "empty"),
+        (b"\x02abc", "Unknown rendezvous message kind 0x02"),
+        (b"\x01\x00\x00\x00", "9-byte header"),
+        (b"\x00" + msgpack.packb([1, 2]), "map with a string 't'"),
+        (b"\x00" + msgpack.packb({"t": 5}), "map with a string 't'"),
+        (b"\x00" + msgpack.packb({"t": "join", "x": "abcdef"})[:-3], "truncated"),
+        (b"\x00\xc1", "not valid msgpack"),
+        ("text", "binary WebSocket messages only"),
+    ],
+)
+def test_malformed_messages_raise_remote_protocol_error(data, match):
+    with pytest.raises(RemoteProtocolError, match=match):
+        decode_message(data)
+
+
+def test_encode_rejects_missing_type_and_oversized_circuit():
+    with pytest.raises(LocalProtocolError, match="string 't'"):
+        encode_control({"x": 1})
+    with pytest.raises(LocalProtocolError, match="64-bit"):
+        encode_relay(2**64, b"")
+
+
+def test_relay_record_roundtrip_and_truncation():
+    blob = encode_relay_record(7, b"abc") + encode_relay_record(0, b"") + encode_relay_record(2**64 - 1, b"z")
+    assert blob[:12] == b"\x00\x00\x00\x00\x00\x00\x00\x07\x00\x00\x00\x03"
+    assert parse_relay_record(blob) == [(7, b"abc"), (0, b""), (2**64 - 1, b"z")]
+    with pytest.raises(RemoteProtocolError, match="truncated"):
+        parse_relay_record(blob[:-1])
+
+
+def test_token_bucket_lends_then_asks_for_the_debt_to_be_repaid():
+    bucket = TokenBucket(rate_per_s=100.0, burst=50.0, now=0.0)
+    assert bucket.consume(50, now=0.0) == 0.0
+    assert bucket.consume(30, now=0.0) == pytest.approx(0.3)  # 30 tokens short at 100/s
+    assert bucket.consume(10, now=1.0) == 0.0  # debt repaid, refilled to the 50-token cap
+    assert bucket.consume(60, now=1.0) == pytest.approx(0.2)
+
+
+# --- state machine (proto_spec §2, §4, §5, §6) -------------------------------------------------
+
+
+class Harness:
+    """One RendezvousState and the decoded traffic to each fake connection."""
+
+    def __init__(self, limits: RendezvousLimits | None = None):
+        counter = itertools.count(1)
+        self.state = RendezvousState(limits, random_bytes=lambda n: next(counter).to_bytes(n, "big"))
+        self.inbox: dict[int, list] = {}
+        self.closed: dict[int, CloseConn] = {}
+        self.records: list[tuple[int, bytes]] = []
+        self.now = 0.0
+
+    def connect(self, conn: int) -> int:
+        self.state.connection_made(conn, self.now)
+        self.inbox[conn] = []
+        return conn
+
+    def feed(self, conn: int, data) -> float:
+        pause = self.state.receive_message(conn, data, self.now)
+        self._drain()
+        return pause
+
+    def send(self, conn: int, **msg) -> float:
+        return self.feed(conn, encode_control(msg))
+
+    def lose(self, conn: int, reason: str = "gone") -> None:
+        self.state.connection_lost(conn, reason)
+        self._drain()
+
+    def _drain(self) -> None:
+        for action in self.state.actions():
+            if isinstance(action, SendTo):
+                msg = decode_message(action.data)
+                self.inbox[action.conn].append(msg.fields if isinstance(msg, ControlMessage) else msg)
+            elif isinstance(action, CloseConn):
+                self.closed[action.conn] = action
+            elif isinstance(action, RecordPayload):
+                self.records.append((action.circuit_id, action.payload))
+
+    def take(self, conn: int) -> list:
+        out, self.inbox[conn] = self.inbox[conn], []
+        return out
+
+    def session(self, members: int = 3) -> str:
+        """Host on conn 1, members on conns 2..; returns the session id."""
+        self.connect(1)
+        self.send(1, t="register", model_id="m", members=members, capability={"memory_bytes": 1}, peer_id="H",
+                  name="host", req=1)
+        [reply] = self.take(1)
+        return reply["session_id"]
+
+    def join(self, conn: int, sid: str, peer: str) -> list:
+        self.connect(conn)
+        self.send(conn, t="join", session_id=sid, peer_id=peer, name=peer.lower(), req=9)
+        return self.take(conn)
+
+
+def test_register_returns_eight_base32_chars_and_join_tells_everyone():
+    h = Harness()
+    sid = h.session()
+    assert len(sid) == 8 and set(sid) <= set("abcdefghijklmnopqrstuvwxyz234567")
+    assert h.join(2, sid, "A") == [{"t": "joined", "session_id": sid, "host_peer_id": "H", "model_id": "m",
+                                   "members": [{"peer_id": "H", "name": "host"}, {"peer_id": "A", "name": "a"}],
+                                   "req": 9}]
+    assert h.take(1) == [{"t": "member_joined", "peer_id": "A", "name": "a"}]
+    h.join(3, sid.upper(), "B")  # codes may be typed in upper case
+    assert h.take(1) == [{"t": "member_joined", "peer_id": "B", "name": "b"}]
+    assert h.take(2) == [{"t": "member_joined", "peer_id": "B", "name": "b"}]
+
+
+def test_join_refusals_are_errors_that_keep_the_connection():
+    h = Harness()
+    sid = h.session(members=2)
+    [err] = h.join(2, "zzzzzzzz", "A")
+    assert err["t"] == "error" and err["code"] == "unknown_session" and err["fatal"] is False
+    assert err["req"] == 9 and "No session 'zzzzzzzz'" in err["reason"]
+    [err] = h.join(3, sid, "H")
+    assert err["code"] == "duplicate_peer"
+    assert h.join(4, sid, "A")[0]["t"] == "joined"
+    [err] = h.join(5, sid, "B")
+    assert err["code"] == "session_full" and err["reason"] == f"Session {sid!r} already has all 2 members."
+    assert h.closed == {}
+
+
+def test_invalid_member_count_and_double_register_are_refused():
+    h = Harness(RendezvousLimits(max_members=4))
+    h.connect(1)
+    h.send(1, t="register", model_id="m", members=5, capability={}, peer_id="H", name="h")
+    assert h.take(1)[0]["reason"] == "A session has 1 to 4 members; 5 were asked for."
+    h.send(1, t="register", model_id="m", members=2, capability={}, peer_id="H", name="h")
+    assert h.take(1)[0]["t"] == "registered"
+    h.send(1, t="join", session_id="x", peer_id="H", name="h")
+    assert h.take(1)[0]["code"] == "already_in_session"
+
+
+def test_signal_is_forwarded_with_sender_and_recorded():
+    h = Harness()
+    sid = h.session()
+    h.join(2, sid, "A")
+    h.take(1)
+    h.send(2, t="signal", to="H", body={"cand": [1, 2]})
+    assert h.take(1) == [{"t": "signal", "from": "A", "body": {"cand": [1, 2]}}]
+    assert h.records == [(0, msgpack.packb({"cand": [1, 2]}))]
+    h.send(2, t="signal", to="nobody", body=None, req=4)
+    assert h.take(2) == [{"t": "error", "code": "unknown_peer", "fatal": False, "req": 4,
+                          "reason": f"Peer 'nobody' is not a member of session {sid!r}."}]
+
+
+def open_circuit(h: Harness, opener: int, to: str, req: int = 1) -> int:
+    h.take(opener)  # earlier traffic is not under test here
+    h.send(opener, t="circuit_open", to=to, label="ring", req=req)
+    [opened] = h.take(opener)
+    assert opened["t"] == "circuit_opened" and opened["req"] == req and opened["to"] == to
+    return opened["circuit"]
+
+
+def test_circuit_relays_both_ways_and_close_propagates():
+    h = Harness()
+    sid = h.session()
+    h.join(2, sid, "A")
+    h.take(1)
+    cid = open_circuit(h, 1, "A")
+    assert h.take(2) == [{"t": "circuit_incoming", "circuit": cid, "from": "H", "label": "ring"}]
+    h.feed(1, encode_relay(cid, b"\x00ciphertext"))
+    h.feed(2, encode_relay(cid, b"reply"))
+    assert h.take(2) == [RelayData(cid, b"\x00ciphertext")]
+    assert h.take(1) == [RelayData(cid, b"reply")]
+    assert h.records == [(cid, b"\x00ciphertext"), (cid, b"reply")]
+    cid2 = open_circuit(h, 2, "H", req=2)
+    assert cid2 != cid
+    h.send(2, t="circuit_close", circuit=cid, reason="done")
+    assert h.take(1)[1:] == [{"t": "circuit_closed", "circuit": cid, "reason": "done"}]
+    h.feed(1, encode_relay(cid, b"late"))
+    [closed] = h.take(1)
+    assert closed["t"] == "circuit_closed" and closed["circuit"] == cid
+    assert h.take(2) == []
+
+
+def test_outsider_cannot_send_on_someone_elses_circuit():
+    h = Harness()
+    sid = h.session()
+    h.join(2, sid, "A")
+    h.join(3, sid, "B")
+    cid = open_circuit(h, 1, "A")
+    h.take(2)
+    h.feed(3, encode_relay(cid, b"inject"))
+    assert h.take(2) == [] and h.take(3)[-1]["t"] == "circuit_closed"
+
+
+def test_member_disconnect_closes_its_circuits_then_notifies():
+    h = Harness()
+    sid = h.session()
+    h.join(2, sid, "A")
+    h.join(3, sid, "B")
+    cid_ha = open_circuit(h, 1, "A")
+    cid_ab = open_circuit(h, 2, "B", req=5)
+    cid_hb = open_circuit(h, 3, "H", req=6)
+    for c in (1, 2, 3):
+        h.take(c)
+    h.lose(2, "network unreachable")
+    assert [m["t"] for m in h.take(1)] == ["circuit_closed", "member_left"]
+    assert h.take(3) == [
+        {"t": "circuit_closed", "circuit": cid_ab, "reason": "Peer 'a' left the session: network unreachable"},
+        {"t": "member_left", "peer_id": "A", "reason": "network unreachable"},
+    ]
+    h.feed(1, encode_relay(cid_hb, b"still"))
+    assert h.take(3) == [RelayData(cid_hb, b"still")]
+    assert cid_ha not in (cid_ab, cid_hb)
+
+
+def test_host_leaving_closes_the_session():
+    h = Harness()
+    sid = h.session()
+    h.join(2, sid, "A")
+    cid = open_circuit(h, 2, "H")
+    h.take(1)
+    h.send(1, t="leave", reason="bye")
+    assert h.take(2) == [
+        {"t": "circuit_closed", "circuit": cid, "reason": "The session host left: bye"},
+        {"t": "session_closed", "session_id": sid, "reason": "The host 'host' left the session: bye"},
+    ]
+    assert h.state.session_count == 0
+    assert h.join(3, sid, "B")[0]["code"] == "unknown_session"
+    h.send(2, t="signal", to="H", body=1)
+    assert h.take(2)[0]["code"] == "not_in_session"
+
+
+@pytest.mark.parametrize(
+    "data, code",
+    [
+        (b"\x07", "malformed"),
+        ("a text message", "malformed"),
+        (encode_control({"t": "join", "session_id": 5, "peer_id": "A", "name": "a"}), "malformed"),
+        (encode_control({"t": "circuit_open", "to": "A", "label": "x", "req": True}), "malformed"),
+        (encode_relay(1, b"x" * 101), "message_too_large"),
+        (encode_control({"t": "signal", "to": "A", "body": "x" * 200}), "message_too_large"),
+    ],
+)
+def test_violations_close_only_the_offending_connection(data, code):
+    h = Harness(RendezvousLimits(max_relay_payload_bytes=100, max_control_bytes=200))
+    sid = h.session()
+    h.join(2, sid, "A")
+    h.take(1)
+    h.feed(2, data)
+    [err] = h.take(2)
+    assert err["t"] == "error" and err["code"] == code and err["fatal"] is True
+    assert h.closed[2].code == (1008 if code == "malformed" else 1009)
+    assert list(h.closed) == [2]
+    assert h.take(1) == [{"t": "member_left", "peer_id": "A", "reason": f"it sent a bad message: {err['reason']}"}]
+    assert h.join(3, sid, "B")[0]["t"] == "joined"  # the server carries on
+
+
+def test_unknown_type_is_a_non_fatal_error():
+    h = Harness()
+    h.connect(1)
+    h.send(1, t="teleport", req=3)
+    assert h.take(1) == [{"t": "error", "code": "unknown_type", "fatal": False, "req": 3,
+                          "reason": "The rendezvous does not know message type 'teleport'."}]
+    assert h.closed == {}
+
+
+def test_byte_budget_drops_data_and_closes_the_circuit_with_a_clear_error():
+    h = Harness(RendezvousLimits(session_budget_bytes=10))
+    sid = h.session()
+    h.join(2, sid, "A")
+    cid = open_circuit(h, 1, "A")
+    h.take(2)
+    h.feed(1, encode_relay(cid, b"123456"))
+    h.feed(1, encode_relay(cid, b"1234"))
+    h.feed(1, encode_relay(cid, b"x"))
+    reason = f"Session {sid!r} has used its relay budget of 10 bytes; the circuit is closed."
+    assert h.take(1) == [{"t": "error", "code": "budget_exhausted", "reason": reason, "fatal": False},
+                         {"t": "circuit_closed", "circuit": cid, "reason": reason}]
+    assert h.take(2) == [RelayData(cid, b"123456"), RelayData(cid, b"1234"),
+                         {"t": "circuit_closed", "circuit": cid, "reason": reason}]
+    assert [p for _, p in h.records] == [b"123456", b"1234"]
+
+
+def test_rate_limit_pauses_the_reader_instead_of_dropping():
+    h = Harness(RendezvousLimits(session_rate_Bps=1000.0, session_burst_bytes=1000.0,
+                                 control_rate_per_s=10.0, control_burst=2.0))
+    sid = h.session()  # 1 control message from conn 1
+    h.join(2, sid, "A")
+    cid = open_circuit(h, 1, "A")  # 2nd: bucket empty, no pause yet
+    h.take(2)
+    assert h.feed(1, encode_relay(cid, b"x" * 1000)) == 0.0
+    assert h.feed(1, encode_relay(cid, b"x" * 500)) == pytest.approx(0.5)
+    assert len(h.take(2)) == 2  # both forwarded
+    assert h.send(1, t="signal", to="A", body=0) == pytest.approx(0.1)
+    h.now = 2.0
+    assert h.feed(1, encode_relay(cid, b"x" * 500)) == 0.0
