@@ -1,1 +1,25 @@
-"""planner package (see the layout in STYLE.md)."""
+"""The planner (DESIGN §5): pure code, no sockets, no trio, no MLX.
+
+Public API:
+    plan(devices, model, *, context=4096, concurrency=1, strategy="kafila", mu=0.05) -> Plan
+    Plan, Device, ModelProfile                         records
+    predict_path(a_class, b_class) -> "direct" | "relayed"   DESIGN §3 step 4
+    order_ring(devices) -> list[Device]                DESIGN §5.2, anchor first
+    load_fleet(obj_or_path) -> Fleet; fleet_to_json(devices, context, concurrency) -> dict
+    uniform_counts(n, m), memory_counts(n, memory_bytes)      DESIGN §5.5
+See docs/planner.md and proto_spec/06-fleet.md.
+"""
+
+from kafilad.planner.baselines import memory_counts, uniform_counts
+from kafilad.planner.costmodel import ChainCost, select_tier
+from kafilad.planner.fleet import Fleet, FleetFormatError, fleet_to_json, load_fleet
+from kafilad.planner.partition import choose_rotation, solve_chain
+from kafilad.planner.plan import STRATEGIES, admit, build_plan, plan
+from kafilad.planner.records import Device, ModelProfile, Plan
+from kafilad.planner.ring import order_ring, predict_path
+
+__all__ = [
+    "ChainCost", "Device", "Fleet", "FleetFormatError", "ModelProfile", "Plan", "STRATEGIES",
+    "admit", "build_plan", "choose_rotation", "fleet_to_json", "load_fleet", "memory_counts",
+    "order_ring", "plan", "predict_path", "select_tier", "solve_chain", "uniform_counts",
+]

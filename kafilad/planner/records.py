@@ -58,3 +58,95 @@ class ModelProfile:
     @property
     def n_blocks(self) -> int:
         return len(self.block_bytes)
+
+
+def _edges_converter(edges) -> tuple[tuple[str, str, str], ...]:
+    return tuple(tuple(e) for e in edges)
+
+
+@attrs.frozen
+class Plan:
+    """A division of a model over a ring of devices and its predicted costs (DESIGN §5).
+
+    Attributes:
+        order: device names in ring order, head first (the chosen rotation).
+        head: name of the head (holds blocks from 0, embedding, final norm, lm_head; DESIGN §2).
+        blocks: name -> (start, end), the half-open block range the device holds.
+        stage_s: name -> predicted per-token stage time, seconds (in the "memory" tier a
+            working-set proxy, see kafilad.planner.costmodel).
+        bottleneck_s: max of stage_s.
+        circuit_s: sum of stage_s plus the one-way latency (RTT/2) of every ring edge whose RTT
+            estimate is known (DESIGN §5.1, §5.2).
+        utilization: sum(stage_s) / (m * bottleneck_s), in (0, 1].
+        imbalance: max(stage_s) / min(stage_s), >= 1.
+        resident_bytes: name -> bytes the device holds at the declared context and concurrency.
+        tier: "cost-model", "flops" or "memory" (DESIGN §5.4).
+        strategy: "kafila", "uniform" or "memory" (DESIGN §5.3, §5.5).
+        edges: (from, to, predicted_path) for each ring edge in order, the last closing the ring
+            back to the head; predicted_path is "direct" or "relayed" (DESIGN §3 step 4).
+        model_id: the model's display name.
+        n_blocks: number of transformer blocks divided.
+        context: context length (tokens) the resident bytes were checked at.
+        concurrency: concurrent requests the resident bytes were checked at.
+        memory_bytes: name -> memory available to the model on that device.
+        edge_latency_s: one-way latency of each edge in `edges` (RTT estimate / 2), or None
+            where an RTT is unknown.
+        rotation_bottleneck_s: head name -> best bottleneck with that head (None where that
+            rotation cannot fit); for the "kafila" strategy only, else empty.
+    """
+
+    order: tuple[str, ...]
+    head: str
+    blocks: dict
+    stage_s: dict
+    bottleneck_s: float
+    circuit_s: float
+    utilization: float
+    imbalance: float
+    resident_bytes: dict
+    tier: str
+    strategy: str
+    edges: tuple = attrs.field(converter=_edges_converter, default=())
+    model_id: str = ""
+    n_blocks: int = 0
+    context: int = 0
+    concurrency: int = 0
+    memory_bytes: dict = attrs.field(factory=dict)
+    edge_latency_s: tuple = ()
+    rotation_bottleneck_s: dict = attrs.field(factory=dict)
+
+    def counts(self) -> dict:
+        """name -> number of blocks held."""
+        return {name: end - start for name, (start, end) in self.blocks.items()}
+
+    def to_json(self) -> dict:
+        """The `kafila-ctl plan --json` object (issue 4 item 2, proto_spec/06-fleet.md §3).
+
+        Keys: order, head, blocks ({name: [start, end]}), stage_s, bottleneck_s, circuit_s,
+        utilization, imbalance, resident_bytes, tier, plus strategy, model_id, n_blocks, context,
+        concurrency, memory_bytes, edges ([{from, to, path, latency_s}]) and rotation_bottleneck_s.
+        """
+        return {
+            "order": list(self.order),
+            "head": self.head,
+            "blocks": {n: [int(a), int(b)] for n, (a, b) in self.blocks.items()},
+            "stage_s": dict(self.stage_s),
+            "bottleneck_s": self.bottleneck_s,
+            "circuit_s": self.circuit_s,
+            "utilization": self.utilization,
+            "imbalance": self.imbalance,
+            "resident_bytes": {n: int(v) for n, v in self.resident_bytes.items()},
+            "tier": self.tier,
+            "strategy": self.strategy,
+            "model_id": self.model_id,
+            "n_blocks": self.n_blocks,
+            "context": self.context,
+            "concurrency": self.concurrency,
+            "memory_bytes": {n: int(v) for n, v in self.memory_bytes.items()},
+            "edges": [
+                {"from": a, "to": b, "path": p,
+                 "latency_s": (self.edge_latency_s[i] if i < len(self.edge_latency_s) else None)}
+                for i, (a, b, p) in enumerate(self.edges)
+            ],
+            "rotation_bottleneck_s": dict(self.rotation_bottleneck_s),
+        }

@@ -1,0 +1,160 @@
+"""Per-stage cost and resident bytes of a chain of devices (DESIGN §5.1, tiers of §5.4).
+
+A *chain* is the ring cut at the head: device 0 of the chain is the head and holds blocks
+from 0; device j holds the half-open range [a, b). All three tiers share one shape:
+
+```
+ stage_s(j, a, b) = step_overhead_s(j) + (work(a, b) + [j == 0] * head_work) / rate(j)
+
+ tier         work per block              head_work             rate(j)
+ cost-model   block_bytes                 head_read_bytes       bandwidth_Bps        (bytes/s)
+ flops        block_flops_per_token       head_flops_per_token  flops_per_s          (FLOP/s)
+ memory       block_bytes                 head_read_bytes       memory_bytes per 1 s (see below)
+```
+
+The tier is the best one every device supports: all devices report `bandwidth_Bps` → the cost
+model; else all report `flops_per_s` (and the profile carries FLOP counts) → raw arithmetic
+throughput; else the working-set tier. In the working-set tier nothing about speed is known, so
+a device is assumed to read its whole `memory_bytes` once per second: stage_s is then the
+fraction of the device's memory its stage reads per token (plus any step overhead), i.e. a
+*dimensionless working-set share expressed in pseudo-seconds*. Minimising its maximum divides
+the model in proportion to memory (exo's rule) while still respecting the head's extra bytes,
+and ratios between divisions remain meaningful; absolute values are not times.
+
+Resident bytes (all tiers, DESIGN §5.1):
+
+```
+ resident(j, a, b) = Σ block_bytes[a:b] + (b - a) * kv_bytes_per_block_token * context * concurrency
+                     + [j == 0] * head_resident_bytes          must be <= memory_bytes(j)
+```
+
+Pure: no I/O. Cost is non-decreasing in b and non-increasing in a, which the exact partition
+(kafilad.planner.partition) relies on.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kafilad.errors import PlanError
+from kafilad.planner.records import Device, ModelProfile
+
+TIERS = ("cost-model", "flops", "memory")
+
+
+def select_tier(devices: Sequence[Device], model: ModelProfile) -> str:
+    """The best tier of DESIGN §5.4 every device supports.
+
+    Returns:
+        "cost-model" when every device has bandwidth_Bps; else "flops" when every device has
+        flops_per_s and the profile has per-block FLOP counts; else "memory".
+    """
+    if devices and all(d.bandwidth_Bps for d in devices):
+        return "cost-model"
+    if devices and all(d.flops_per_s for d in devices) and len(model.block_flops_per_token) == model.n_blocks:
+        return "flops"
+    return "memory"
+
+
+def check_devices(devices: Sequence[Device]) -> None:
+    """Validate a fleet for planning.
+
+    Raises:
+        PlanError: no devices, duplicate names, or a non-positive memory, bandwidth or FLOP rate.
+    """
+    if not devices:
+        raise PlanError("The fleet has no devices; list at least one.")
+    seen: set[str] = set()
+    for d in devices:
+        if d.name in seen:
+            raise PlanError(f"Device name {d.name!r} appears twice in the fleet; names must be unique.")
+        seen.add(d.name)
+        if d.memory_bytes <= 0:
+            raise PlanError(f"Device {d.name!r} has memory_bytes {d.memory_bytes}; it must be positive.")
+        for field in ("bandwidth_Bps", "flops_per_s"):
+            v = getattr(d, field)
+            if v is not None and v <= 0:
+                raise PlanError(f"Device {d.name!r} has {field} {v}; it must be positive when given.")
+        if d.step_overhead_s < 0:
+            raise PlanError(f"Device {d.name!r} has a negative step_overhead_s ({d.step_overhead_s}).")
+
+
+class ChainCost:
+    """Stage time and resident bytes of each device of one chain (head = chain[0]).
+
+    Args:
+        chain: devices in chain order, head first; length m.
+        model: the model's byte profile (n blocks).
+        context: tokens of context each request may reach.
+        concurrency: concurrent requests.
+        tier: one of TIERS (see the module docstring).
+
+    All block indices are half-open [a, b) with 0 <= a < b <= n.
+    """
+
+    def __init__(self, chain: Sequence[Device], model: ModelProfile, *, context: int,
+                 concurrency: int, tier: str):
+        if tier not in TIERS:
+            raise PlanError(f"Unknown planner tier {tier!r}; expected one of {', '.join(TIERS)}.")
+        self.chain = tuple(chain)
+        self.model = model
+        self.tier = tier
+        self.n = model.n_blocks
+        self.m = len(self.chain)
+        # integer prefix sums keep resident bytes exact; work prefix sums are floats only in
+        # the flops tier, and every caller computes a cost through stage_s, so equal inputs
+        # give bit-identical outputs (the exact search compares candidates with <=).
+        self._bytes = [0]
+        for x in model.block_bytes:
+            self._bytes.append(self._bytes[-1] + int(x))
+        if tier == "flops":
+            work = model.block_flops_per_token
+            self._head_work = float(model.head_flops_per_token)
+            self._rate = [float(d.flops_per_s) for d in self.chain]
+        else:
+            work = model.block_bytes
+            self._head_work = model.head_read_bytes
+            if tier == "cost-model":
+                self._rate = [float(d.bandwidth_Bps) for d in self.chain]
+            else:
+                self._rate = [float(d.memory_bytes) for d in self.chain]
+        self._work = [0]
+        for x in work:
+            self._work.append(self._work[-1] + x)
+        self._kv_per_block = model.kv_bytes_per_block_token * int(context) * int(concurrency)
+        self._mem = [int(d.memory_bytes) for d in self.chain]
+        self._ov = [float(d.step_overhead_s) for d in self.chain]
+
+    def stage_s(self, j: int, a: int, b: int) -> float:
+        """Predicted per-token time of chain device j holding blocks [a, b), seconds (tier units)."""
+        work = self._work[b] - self._work[a]
+        if j == 0:
+            work = work + self._head_work
+        return self._ov[j] + work / self._rate[j]
+
+    def resident_bytes(self, j: int, a: int, b: int) -> int:
+        """Bytes chain device j holds for blocks [a, b) at the declared context and concurrency."""
+        r = self._bytes[b] - self._bytes[a] + (b - a) * self._kv_per_block
+        if j == 0:
+            r += self.model.head_resident_bytes
+        return r
+
+    def overflow_bytes(self, j: int, a: int, b: int) -> int:
+        """resident_bytes - memory_bytes (positive = shortfall) of chain device j on [a, b)."""
+        return self.resident_bytes(j, a, b) - self._mem[j]
+
+    def fits(self, j: int, a: int, b: int) -> bool:
+        """Whether chain device j can hold blocks [a, b) (plus the head parts if j == 0)."""
+        return self.resident_bytes(j, a, b) <= self._mem[j]
+
+
+def summarize(stage_s: Sequence[float]) -> tuple[float, float, float]:
+    """(bottleneck_s, utilization, imbalance) of a list of stage times (DESIGN §5.1).
+
+    utilization = Σ stage_s / (m * max); imbalance = max / min (inf when a stage costs 0).
+    """
+    mx = max(stage_s)
+    mn = min(stage_s)
+    util = sum(stage_s) / (len(stage_s) * mx) if mx > 0 else 1.0
+    imb = mx / mn if mn > 0 else (1.0 if mx == 0 else float("inf"))
+    return mx, util, imb

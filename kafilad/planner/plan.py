@@ -1,0 +1,165 @@
+"""The planner entry point: order the ring, divide the model, choose the head (DESIGN §5).
+
+Steps of `plan` (strategy "kafila"):
+1. validate the fleet and pick the tier every device supports (§5.4, kafilad.planner.costmodel);
+2. order the ring from NAT classes and rendezvous RTTs, anchor first (§5.2, .ring);
+3. for each of the m rotations, solve the chain partition exactly within memory (§5.3, .partition);
+4. keep the anchor as head unless another rotation lowers the bottleneck by more than μ;
+5. if no rotation fits, find the division that minimises the worst memory shortfall and
+   raise AdmissionError naming that device and its shortfall (§5.4).
+Strategies "uniform" and "memory" (§5.5) use the same order with the head on the anchor, are
+evaluated with the same cost model, and are admitted against memory the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from kafilad.errors import AdmissionError, PlanError
+from kafilad.planner import baselines, partition, ring
+from kafilad.planner.costmodel import ChainCost, check_devices, select_tier, summarize
+from kafilad.planner.records import Device, ModelProfile, Plan
+
+STRATEGIES = ("kafila", "uniform", "memory")
+DEFAULT_MU = 0.05
+
+
+def _gb(x: int) -> str:
+    return f"{x / 1e9:.2f} GB"
+
+
+def build_plan(chain: Sequence[Device], model: ModelProfile, bounds: Sequence[int], *, tier: str,
+               strategy: str, context: int, concurrency: int,
+               rotation_bottleneck_s: Optional[dict] = None) -> Plan:
+    """Evaluate a division of `model` over `chain` (head = chain[0]) as a Plan.
+
+    Args:
+        chain: devices in ring order, head first.
+        bounds: [0, b1, ..., n]; chain[j] holds [bounds[j], bounds[j+1]).
+        tier, strategy, context, concurrency: as in `plan`.
+    Returns:
+        the Plan (no memory check; see `admit`).
+    """
+    cc = ChainCost(chain, model, context=context, concurrency=concurrency, tier=tier)
+    names = [d.name for d in chain]
+    stage = [cc.stage_s(j, bounds[j], bounds[j + 1]) for j in range(len(chain))]
+    bottleneck, util, imb = summarize(stage)
+    edges, lat = [], []
+    for a, b in ring.ring_edges(chain):
+        edges.append((a.name, b.name, ring.predict_path(a.nat_class, b.nat_class)))
+        rtt = ring.edge_rtt_ms(a, b)
+        lat.append(None if rtt is None else rtt / 2.0 / 1000.0)
+    circuit = sum(stage) + sum(x for x in lat if x is not None)
+    return Plan(
+        order=tuple(names),
+        head=names[0],
+        blocks={names[j]: (bounds[j], bounds[j + 1]) for j in range(len(chain))},
+        stage_s=dict(zip(names, stage)),
+        bottleneck_s=bottleneck,
+        circuit_s=circuit,
+        utilization=util,
+        imbalance=imb,
+        resident_bytes={names[j]: cc.resident_bytes(j, bounds[j], bounds[j + 1]) for j in range(len(chain))},
+        tier=tier,
+        strategy=strategy,
+        edges=edges,
+        model_id=model.model_id,
+        n_blocks=model.n_blocks,
+        context=context,
+        concurrency=concurrency,
+        memory_bytes={d.name: int(d.memory_bytes) for d in chain},
+        edge_latency_s=tuple(lat),
+        rotation_bottleneck_s=dict(rotation_bottleneck_s or {}),
+    )
+
+
+def _admission_error(p: Plan, name: str, shortfall: int, best: bool) -> AdmissionError:
+    a, b = p.blocks[name]
+    what = "even the division that best fits memory" if best else f"the {p.strategy} division"
+    head = " and the head's embedding and output layers" if name == p.head else ""
+    msg = (f"{p.model_id or 'The model'} does not fit this fleet at context {p.context} x "
+           f"concurrency {p.concurrency}: {what} leaves device {name!r} short by {shortfall} bytes "
+           f"({_gb(shortfall)}); it would hold blocks [{a}, {b}){head}, {p.resident_bytes[name]} "
+           f"bytes, in {p.memory_bytes[name]} bytes available. Add memory or a device, or lower "
+           f"the context or concurrency.")
+    return AdmissionError(msg, name, shortfall)
+
+
+def admit(p: Plan) -> Plan:
+    """Check every member's resident bytes against its memory (DESIGN §5.4).
+
+    Raises:
+        AdmissionError: naming the device with the largest shortfall and that shortfall in bytes.
+    """
+    worst = max(p.order, key=lambda n: p.resident_bytes[n] - p.memory_bytes[n])
+    short = p.resident_bytes[worst] - p.memory_bytes[worst]
+    if short > 0:
+        raise _admission_error(p, worst, short, best=False)
+    return p
+
+
+def _refuse(order: list[Device], model: ModelProfile, *, tier: str, context: int,
+            concurrency: int) -> AdmissionError:
+    """The AdmissionError for a fleet no rotation fits: the division minimising the worst
+    shortfall (exact, over all rotations, anchor preferred on ties) names the device."""
+    best = None
+    for r in range(len(order)):
+        chain = partition.rotate(order, r)
+        cc = ChainCost(chain, model, context=context, concurrency=concurrency, tier=tier)
+        sol = partition.solve_chain(model.n_blocks, len(chain), cc.overflow_bytes)
+        if sol is not None and (best is None or sol[0] < best[0]):
+            best = (sol[0], chain, sol[1])
+    assert best is not None  # n >= m was checked
+    short, chain, bounds = best
+    p = build_plan(chain, model, bounds, tier=tier, strategy="kafila", context=context,
+                   concurrency=concurrency)
+    worst = max(p.order, key=lambda n: p.resident_bytes[n] - p.memory_bytes[n])
+    return _admission_error(p, worst, p.resident_bytes[worst] - p.memory_bytes[worst], best=True)
+
+
+def plan(devices: Sequence[Device], model: ModelProfile, *, context: int = 4096,
+         concurrency: int = 1, strategy: str = "kafila", mu: float = DEFAULT_MU) -> Plan:
+    """Divide `model` over `devices` (DESIGN §5).
+
+    Args:
+        devices: the fleet, anchor (the host) first.
+        model: the byte profile as the members will hold it (kafilad.modelinfo ... .profile()).
+        context: tokens of context per request the KV cache must hold.
+        concurrency: concurrent requests the KV cache must hold.
+        strategy: "kafila" (exact partition + rotation rule), "uniform" or "memory" (§5.5).
+        mu: relative bottleneck gain a rotation needs to move the head off the anchor.
+    Returns:
+        the Plan; `order` is the ring from the head.
+    Raises:
+        PlanError: no devices, duplicate names, bad values, fewer blocks than devices, unknown
+            strategy, or context/concurrency below 1.
+        AdmissionError: a device cannot hold its share (names it and the shortfall in bytes).
+    """
+    if strategy not in STRATEGIES:
+        raise PlanError(f"Unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+    if context < 1 or concurrency < 1:
+        raise PlanError(f"Context ({context}) and concurrency ({concurrency}) must both be at least 1.")
+    check_devices(devices)
+    n, m = model.n_blocks, len(devices)
+    if n < m:
+        baselines.uniform_counts(n, m)  # raises the PlanError with its message
+    tier = select_tier(devices, model)
+    order = ring.order_ring(devices)
+    kw = dict(tier=tier, context=context, concurrency=concurrency)
+    if strategy == "uniform":
+        counts = baselines.uniform_counts(n, m)
+        return admit(build_plan(order, model, baselines.bounds_of(counts), strategy=strategy, **kw))
+    if strategy == "memory":
+        counts = baselines.memory_counts(n, [d.memory_bytes for d in order])
+        return admit(build_plan(order, model, baselines.bounds_of(counts), strategy=strategy, **kw))
+    sols = []
+    for r in range(m):
+        chain = partition.rotate(order, r)
+        cc = ChainCost(chain, model, **kw)
+        sols.append((chain, partition.solve_chain(n, m, cc.stage_s, cc.fits)))
+    rot_b = {chain[0].name: (sol[0] if sol else None) for chain, sol in sols}
+    r = partition.choose_rotation([sol[0] if sol else None for _, sol in sols], mu)
+    if r is None:
+        raise _refuse(order, model, **kw)
+    chain, sol = sols[r]
+    return build_plan(chain, model, sol[1], strategy=strategy, rotation_bottleneck_s=rot_b, **kw)

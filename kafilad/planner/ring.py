@@ -1,0 +1,129 @@
+"""Ring ordering from NAT classes and rendezvous RTTs (DESIGN §3 step 4, §5.2).
+
+Path prediction (table lookup, zero packets; classes measured in the NAT lab):
+
+```
+         O        C        S
+  O   direct   direct   direct
+  C   direct   direct   relayed
+  S   direct   relayed  relayed
+```
+
+A pair with an unknown class (None) is *guessed* direct: the chosen edges are verified by hole
+punching anyway (DESIGN §3 step 5) and a failed direct edge falls back to relay, so guessing
+direct only costs a fallback, while guessing relay could split a ring needlessly.
+
+Edge RTT estimates from the members' rendezvous RTTs rA, rB (ms): a direct edge ≈ |rA − rB|
+(a lower bound), a relayed one = rA + rB. Unknown when either RTT is unknown.
+
+Ordering (anchor = devices[0] stays first). The ring is cyclic, so each ordering of the others
+is one candidate ring. Candidates are ranked by, in turn:
+1. Σ edge RTT estimates, when every device has an RTT (relays cost rA + rB, so this already
+   prefers direct edges);
+2. the number of predicted-relayed edges;
+3. Σ |rA − rB| over edges when RTTs are known — breaks the tie when every edge relays (then
+   key 1 is 2·Σr for every order) by putting members with similar RTT next to each other;
+4. the listed order (the first candidate in lexicographic order of listed positions wins).
+The search is exhaustive for m <= EXACT_MAX_DEVICES (8: 5,040 rings); above it, a nearest-
+neighbour start improved by 2-opt moves until none helps (documented heuristic).
+Without any NAT class or RTT the listed order is returned unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Sequence
+
+from kafilad.planner.records import Device
+
+EXACT_MAX_DEVICES = 8
+_RELAY = {("C", "S"), ("S", "C"), ("S", "S")}
+
+
+def predict_path(a_class: Optional[str], b_class: Optional[str]) -> str:
+    """Predicted path between two NAT classes (DESIGN §3 step 4).
+
+    Args:
+        a_class, b_class: "O", "C", "S" or None (unknown).
+    Returns:
+        "relayed" for C–S and S–S, else "direct" (including any unknown class: a guess).
+    """
+    if a_class is None or b_class is None:
+        return "direct"
+    return "relayed" if (a_class.upper(), b_class.upper()) in _RELAY else "direct"
+
+
+def edge_rtt_ms(a: Device, b: Device) -> Optional[float]:
+    """RTT estimate of the edge a→b in ms (DESIGN §5.2), or None when an RTT is unknown."""
+    ra, rb = a.rendezvous_rtt_ms, b.rendezvous_rtt_ms
+    if ra is None or rb is None:
+        return None
+    if predict_path(a.nat_class, b.nat_class) == "relayed":
+        return float(ra) + float(rb)
+    return abs(float(ra) - float(rb))
+
+
+def ring_edges(order: Sequence[Device]) -> list[tuple[Device, Device]]:
+    """Ring edges in order, the last closing back to order[0]; none for a single device."""
+    m = len(order)
+    if m < 2:
+        return []
+    return [(order[i], order[(i + 1) % m]) for i in range(m)]
+
+
+def _key(order: Sequence[Device], all_rtt: bool) -> tuple:
+    edges = ring_edges(order)
+    relays = sum(1 for a, b in edges if predict_path(a.nat_class, b.nat_class) == "relayed")
+    if not all_rtt:
+        return (relays,)
+    rtt = sum(edge_rtt_ms(a, b) for a, b in edges)  # type: ignore[misc]
+    spread = sum(abs(a.rendezvous_rtt_ms - b.rendezvous_rtt_ms) for a, b in edges)  # type: ignore[operator]
+    return (round(rtt, 9), relays, round(spread, 9))
+
+
+def _two_opt(order: list[Device], all_rtt: bool) -> list[Device]:
+    best, best_key = order, _key(order, all_rtt)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(1, len(best) - 1):
+            for k in range(i + 1, len(best)):
+                cand = best[:i] + best[i:k + 1][::-1] + best[k + 1:]
+                ck = _key(cand, all_rtt)
+                if ck < best_key:
+                    best, best_key, improved = cand, ck, True
+    return best
+
+
+def order_ring(devices: Sequence[Device]) -> list[Device]:
+    """Choose the ring order (DESIGN §5.2); devices[0] (the anchor) stays first.
+
+    Args:
+        devices: the fleet, anchor first.
+    Returns:
+        the devices in ring order (a new list). Unchanged when no device has a NAT class or RTT.
+    """
+    devices = list(devices)
+    if len(devices) <= 2:
+        return devices
+    if all(d.nat_class is None and d.rendezvous_rtt_ms is None for d in devices):
+        return devices
+    all_rtt = all(d.rendezvous_rtt_ms is not None for d in devices)
+    anchor, rest = devices[0], devices[1:]
+    if len(devices) <= EXACT_MAX_DEVICES:
+        best, best_key = devices, _key(devices, all_rtt)
+        for perm in itertools.permutations(rest):
+            cand = [anchor, *perm]
+            k = _key(cand, all_rtt)
+            if k < best_key:
+                best, best_key = cand, k
+        return best
+    # nearest-neighbour start, then 2-opt
+    order = [anchor]
+    left = list(rest)
+    while left:
+        last = order[-1]
+        nxt = min(left, key=lambda d: _key([last, d], all_rtt))
+        order.append(nxt)
+        left.remove(nxt)
+    return _two_opt(order, all_rtt)
