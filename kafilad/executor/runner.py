@@ -1,0 +1,209 @@
+"""Per-request execution of one stage, and the activation wire format (DESIGN §2 ring, §6).
+
+A `StageRunner` holds one KV cache list per request id. The trio node calls its synchronous
+methods with `trio.to_thread.run_sync` (DESIGN §6: MLX work runs off the trio thread); a lock
+serialises MLX work inside one runner, so several worker threads may call it at once.
+
+How the ring replays `mlx_lm.generate.generate_step` exactly (the token-identity rule):
+
+1. Prefill: `prefill_chunks(prompt_ids, prefill_step_size)` splits the prompt as generate_step
+   does: prompt[:-1] in consecutive chunks of at most `prefill_step_size` (2048, mlx-lm's
+   default) tokens, then the last prompt token alone. Every chunk goes round the whole ring in
+   order (head: `head_embed_and_run`; other stages: `run`), but only the hidden state of the
+   *last* chunk (one token) returns to the head for `head_sample`; the earlier chunks only fill
+   the KV caches and their outputs are dropped at the last stage.
+2. Decode: each sampled token is a one-token chunk: `head_embed_and_run(rid, [token])`, `run`
+   on every other stage, `head_sample` on the head.
+3. `drop(rid)` on every stage when the request ends (EOS, max tokens, error).
+
+Because every matmul then has the same shapes as in the single-process run, and f32 activations
+cross the wire bit-exactly (`array_to_wire`/`array_from_wire`), the greedy tokens, and with the
+bundled BLAS the log-probs too, equal generate_step's.
+
+Wire format of an activation (a msgpack-able dict; proto_spec describes the frame around it):
+    {"dtype": "float32" | "bfloat16" | "float16", "shape": [B, L, D], "data": bytes}
+where `data` is the array in C order, little-endian (bf16: its raw 16-bit patterns).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import make_sampler
+
+from kafilad.errors import RemoteProtocolError
+from kafilad.executor.stage import Stage
+
+#: mlx-lm's generate_step default prefill chunk (tokens).
+DEFAULT_PREFILL_STEP_SIZE = 2048
+#: wire dtype name -> numpy dtype of its bytes.
+_WIRE_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+#: largest activation we accept from a peer (elements), far above any real (1, L, D).
+MAX_WIRE_ELEMENTS = 1 << 30
+
+
+def prefill_chunks(ids: list[int], prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE) -> list[list[int]]:
+    """Split a prompt as mlx-lm's generate_step does: prompt[:-1] by `prefill_step_size`, then [last].
+
+    Returns a list of non-empty chunks whose concatenation is `ids`; the last is one token.
+    Raises:
+        ValueError: empty prompt or non-positive step size.
+    """
+    if not ids:
+        raise ValueError("A prompt needs at least one token.")
+    if prefill_step_size < 1:
+        raise ValueError("prefill_step_size must be at least 1.")
+    body = list(ids[:-1])
+    chunks = [body[i:i + prefill_step_size] for i in range(0, len(body), prefill_step_size)]
+    return chunks + [[ids[-1]]]
+
+
+def array_to_wire(a: mx.array) -> dict:
+    """Encode an activation for the wire, bit-exactly. Returns {"dtype", "shape", "data"}.
+
+    Raises:
+        ValueError: a dtype other than float32, float16, bfloat16.
+    """
+    if a.dtype == mx.float32:
+        name, arr = "float32", np.array(a, copy=True)
+    elif a.dtype == mx.float16:
+        name, arr = "float16", np.array(a, copy=True)
+    elif a.dtype == mx.bfloat16:
+        name, arr = "bfloat16", np.array(a.view(mx.uint16), copy=True)
+    else:
+        raise ValueError(f"Activations of dtype {a.dtype} cannot be sent; use float32, float16 or bfloat16.")
+    arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+    return {"dtype": name, "shape": list(a.shape), "data": np.ascontiguousarray(arr).tobytes()}
+
+
+def array_from_wire(d: dict) -> mx.array:
+    """Decode `array_to_wire`'s dict back into an MLX array (bit-exact).
+
+    Raises:
+        RemoteProtocolError: unknown dtype, bad shape, or a byte count that does not match.
+    """
+    try:
+        name, shape, data = d["dtype"], [int(s) for s in d["shape"]], d["data"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise RemoteProtocolError(f"An activation arrived without a valid dtype, shape and data ({e}).") from e
+    np_dtype = _WIRE_NP.get(name)
+    if np_dtype is None:
+        raise RemoteProtocolError(f"An activation arrived in dtype {name!r}; expected float32, float16 or bfloat16.")
+    n = 1
+    for s in shape:
+        if s < 0:
+            raise RemoteProtocolError(f"An activation arrived with negative shape {shape}.")
+        n *= s
+    if n > MAX_WIRE_ELEMENTS:
+        raise RemoteProtocolError(f"An activation of shape {shape} exceeds the {MAX_WIRE_ELEMENTS}-element limit.")
+    itemsize = np.dtype(np_dtype).itemsize
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) != n * itemsize:
+        got = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else type(data).__name__
+        raise RemoteProtocolError(f"An activation of shape {shape} ({name}) needs {n * itemsize} bytes but {got} arrived.")
+    arr = np.frombuffer(data, dtype=np.dtype(np_dtype).newbyteorder("<")).reshape(shape)
+    out = mx.array(arr)
+    return out.view(mx.bfloat16) if name == "bfloat16" else out
+
+
+class StageRunner:
+    """Runs one stage for many requests, each with its own KV caches (DESIGN §6).
+
+    See the module docstring for the call sequence that reproduces mlx-lm's generate_step.
+    Methods are synchronous and evaluate their result (they block for the compute); call them
+    from a worker thread (`trio.to_thread.run_sync`).
+    """
+
+    def __init__(self, stage: Stage):
+        self.stage = stage
+        self._caches: dict[str, list] = {}
+        self._samplers: dict[float, object] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def active_requests(self) -> list[str]:
+        return list(self._caches)
+
+    def cache_length(self, request_id: str) -> int:
+        """Tokens held in this request's KV cache (0 if unknown)."""
+        cache = self._caches.get(request_id)
+        return int(cache[0].offset) if cache else 0
+
+    def _cache(self, request_id: str) -> list:
+        cache = self._caches.get(request_id)
+        if cache is None:
+            cache = self._caches[request_id] = self.stage.make_cache()
+        return cache
+
+    def head_embed_and_run(self, request_id: str, ids: list[int]) -> mx.array:
+        """Head: embed `ids` (one chunk, L tokens) and run the head's blocks. Returns (1, L, D)."""
+        with self._lock:
+            h = self.stage.run_blocks(self.stage.embed(ids), self._cache(request_id))
+            mx.eval(h)
+            return h
+
+    def run(self, request_id: str, h: mx.array) -> mx.array:
+        """Any stage: run its blocks on h (1, L, D) from the previous stage. Returns (1, L, D)."""
+        with self._lock:
+            out = self.stage.run_blocks(h, self._cache(request_id))
+            mx.eval(out)
+            return out
+
+    def head_sample(self, request_id: str, h: mx.array, temperature: float = 0.0) -> int:
+        """Head: final norm + lm_head on the last position of h (1, L, D), then sample one token.
+
+        The log-probs are `logits - logsumexp(logits)` and the sampler is mlx-lm's
+        `make_sampler(temperature)` (argmax at 0), exactly as in generate_step.
+        `request_id` is accepted for symmetry and future per-request samplers.
+        """
+        with self._lock:
+            sampler = self._samplers.get(temperature)
+            if sampler is None:
+                sampler = self._samplers[temperature] = make_sampler(temp=temperature)
+            logits = self.stage.logits(h)
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            return int(sampler(logprobs).item())
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request's KV caches (no error if unknown)."""
+        with self._lock:
+            self._caches.pop(request_id, None)
+
+
+def generate_local(runners: list[StageRunner], prompt_ids: list[int], max_tokens: int, *,
+                   temperature: float = 0.0, eos_token_ids: Optional[set[int]] = None,
+                   prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+                   request_id: str = "local", wire: bool = True) -> list[int]:
+    """Drive a ring of runners in one process (head first), following the module's call sequence.
+
+    A reference for the node's pipeline and the tests: with `wire=True` every hop goes through
+    `array_to_wire`/`array_from_wire`, as it does between machines. Returns the generated ids
+    (not the prompt), stopping after an EOS id (included) or `max_tokens`.
+    """
+    head = runners[0]
+    hop = (lambda a: array_from_wire(array_to_wire(a))) if wire else (lambda a: a)
+
+    def around(chunk: list[int]) -> mx.array:
+        h = head.head_embed_and_run(request_id, chunk)
+        for r in runners[1:]:
+            h = r.run(request_id, hop(h))
+        return hop(h)
+
+    out: list[int] = []
+    try:
+        chunks = prefill_chunks(prompt_ids, prefill_step_size)
+        for chunk in chunks[:-1]:
+            around(chunk)
+        h = around(chunks[-1])
+        while len(out) < max_tokens:
+            tok = head.head_sample(request_id, h, temperature)
+            out.append(tok)
+            if eos_token_ids and tok in eos_token_ids or len(out) >= max_tokens:
+                break
+            h = around([tok])
+    finally:
+        for r in runners:
+            r.drop(request_id)
+    return out
