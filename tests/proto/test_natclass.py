@@ -1,0 +1,223 @@
+"""NAT behaviour discovery against an in-memory NAT model and a fake clock (no sockets).
+
+The NAT model follows RFC 4787 §4.1 (mapping) and §5 (filtering); the server is the real
+StunResponder. proto_spec §4.4-§4.6.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from kafilad.errors import LocalProtocolError
+from kafilad.proto.natclass import ADF, ADM, APDF, APDM, EIF, EIM, UNKNOWN, NatClassifier, nat_class
+from kafilad.proto.stun import Class, Message, Method, StunResponder, encode
+
+LOCAL = ("10.0.1.2", 5000)
+PUBLIC_IP = "203.0.113.5"
+IP1, IP2, P1, P2 = "192.0.2.10", "192.0.2.11", 3478, 3479
+FOUR = [(IP1, P1), (IP1, P2), (IP2, P1), (IP2, P2)]
+
+
+@dataclass
+class FakeNat:
+    """One NAT box: ``mapping``/``filtering`` in RFC 4787 vocabulary; None mapping = no NAT."""
+
+    mapping: str | None
+    filtering: str | None
+    next_port: int = 40000
+    table: dict = field(default_factory=dict)        # mapping key -> public port
+    reverse: dict = field(default_factory=dict)      # public port -> local address
+    permits: set = field(default_factory=set)        # (public port, remote filter key)
+
+    def outbound(self, src, dst):
+        if self.mapping is None:
+            return src
+        key = {EIM: (src,), ADM: (src, dst[0]), APDM: (src, dst)}[self.mapping]
+        if key not in self.table:
+            self.table[key] = self.next_port
+            self.reverse[self.next_port] = src
+            self.next_port += 7
+        port = self.table[key]
+        self.permits.add((port, self._filter_key(dst)))
+        return (PUBLIC_IP, port)
+
+    def _filter_key(self, remote):
+        return {EIF: None, ADF: remote[0], APDF: remote, None: None}[self.filtering]
+
+    def inbound(self, src, dst):
+        if self.mapping is None:
+            if self.filtering is not None and (dst[1], self._filter_key(src)) not in self.permits:
+                return None
+            return dst
+        if dst[0] != PUBLIC_IP or dst[1] not in self.reverse:
+            return None
+        if (dst[1], self._filter_key(src)) not in self.permits:
+            return None
+        return self.reverse[dst[1]]
+
+    def note_outbound_without_nat(self, src, dst):
+        self.permits.add((src[1], self._filter_key(dst)))
+
+
+def run(nat: FakeNat, servers, responder_addresses=FOUR, *, loss=0.0, seed=0, local=LOCAL, **kw):
+    """Pump datagrams between the classifier, the NAT and the responder on a fake clock."""
+    rng = random.Random(seed)
+    responder = StunResponder(responder_addresses) if responder_addresses else None
+    machine = NatClassifier(servers, local_address=local, **kw)
+    now, sent = 0.0, 0
+    for _ in range(10_000):
+        # Answers are handled inline and may start new tests: flush until nothing is queued.
+        while batch := machine.datagrams_to_send(now):
+            for data, dest in batch:
+                sent += 1
+                if rng.random() < loss:
+                    continue
+                if nat.mapping is None:
+                    nat.note_outbound_without_nat(local, dest)
+                public = nat.outbound(local, dest)
+                if responder is None or tuple(dest) not in responder_addresses:
+                    continue
+                answer = responder.handle_datagram(data, dest, public)
+                if answer is None or rng.random() < loss:
+                    continue
+                reply, origin = answer
+                inside = nat.inbound(origin, public)
+                if inside is not None:
+                    machine.receive_datagram(reply, origin, now)
+        if machine.done:
+            return machine.report, now, sent
+        timer = machine.get_timer()
+        assert timer is not None and timer >= now
+        now = timer
+        machine.handle_timer(now)
+    raise AssertionError("classifier never finished")
+
+
+BEHAVIOURS = [(m, f) for m in (EIM, ADM, APDM) for f in (EIF, ADF, APDF)]
+
+
+@pytest.mark.parametrize("mapping, filtering", BEHAVIOURS)
+def test_full_discovery_finds_every_rfc4787_behaviour(mapping, filtering):
+    report, elapsed_s, _ = run(FakeNat(mapping, filtering), [(IP1, P1)])
+    assert (report.mapping, report.filtering) == (mapping, filtering)
+    assert report.nat_class == {(EIM, EIF): "O", (EIM, ADF): "O", (EIM, APDF): "C"}.get((mapping, filtering), "S")
+    assert report.discovery == "rfc5780"
+    assert report.behind_nat is True
+    assert report.mapped_address == (PUBLIC_IP, 40000)
+    assert report.probes == (4 if mapping == EIM else 5)
+    assert report.rtt_ms == 0.0
+    # Two timed-out filtering tests at most: the whole run stays within 1.5 s + a hair.
+    assert elapsed_s <= 1.5 + 1e-9
+
+
+def test_no_nat_is_open_and_skips_mapping_tests():
+    report, _, _ = run(FakeNat(None, None), [(IP1, P1)])
+    assert (report.mapping, report.filtering, report.nat_class) == (EIM, EIF, "O")
+    assert report.behind_nat is False and report.mapped_address == LOCAL
+    assert report.probes == 3
+
+
+def test_no_nat_behind_a_filtering_firewall_is_cone():
+    report, _, _ = run(FakeNat(None, APDF), [(IP1, P1)])
+    assert (report.mapping, report.filtering, report.nat_class) == (EIM, APDF, "C")
+
+
+@pytest.mark.parametrize(
+    "mapping, filtering, expected",
+    [
+        (EIM, EIF, (EIM, ADF, "O")),     # "address-dependent" here means "at most that"
+        (EIM, ADF, (EIM, ADF, "O")),
+        (EIM, APDF, (EIM, APDF, "C")),
+        (APDM, APDF, (APDM, APDF, "S")),
+        (APDM, EIF, (APDM, ADF, "S")),
+        # Documented assumption: with one IP an address-dependent mapping looks independent.
+        (ADM, APDF, (EIM, APDF, "C")),
+    ],
+)
+def test_one_ip_two_ports_detects_port_dependent_mapping(mapping, filtering, expected):
+    two_ports = [(IP1, P1), (IP1, P2)]
+    report, _, _ = run(FakeNat(mapping, filtering), [(IP1, P1)], two_ports)
+    assert (report.mapping, report.filtering, report.nat_class) == expected
+    assert report.discovery == "ports-only"
+    assert report.probes <= 3
+
+
+@pytest.mark.parametrize("mapping, expected", [(EIM, EIM), (ADM, ADM), (APDM, ADM)])
+def test_single_address_servers_use_the_second_server_for_mapping(mapping, expected):
+    # Two single-address servers on different IPs; filtering cannot be tested.
+    both = [(IP1, P1), (IP2, P1)]
+    machine_servers = [(IP1, P1), (IP2, P1)]
+    report, _, _ = run(FakeNat(mapping, APDF), machine_servers, both)
+    # The responder has 2 IPs x 1 port: it advertises OTHER-ADDRESS with the same port, which
+    # the classifier ignores, so this is the two-server path.
+    assert report.discovery == "two-servers"
+    assert (report.mapping, report.filtering) == (expected, UNKNOWN)
+    assert report.nat_class == ("C" if mapping == EIM else "S")
+
+
+def test_single_server_single_address_gives_unknown_mapping_and_class_s():
+    report, _, _ = run(FakeNat(EIM, EIF), [(IP1, P1)], [(IP1, P1)])
+    assert (report.mapping, report.filtering, report.nat_class, report.discovery) == (UNKNOWN, UNKNOWN, "S", "single")
+    assert report.probes == 1
+
+
+def test_silent_server_fails_over_to_the_next_and_then_gives_up():
+    report, elapsed_s, sent = run(FakeNat(EIM, APDF), [("192.0.2.99", P1), (IP1, P1)])
+    assert report.discovery == "rfc5780" and report.nat_class == "C"
+    assert report.probes == 5  # 1 lost + 4
+    report, elapsed_s, sent = run(FakeNat(EIM, APDF), [("192.0.2.99", P1)], None)
+    assert (report.mapping, report.nat_class, report.discovery, report.mapped_address) == (UNKNOWN, "S", "failed", None)
+    assert report.probes == 1
+    # RFC 8489 §6.2.1 schedule 0, 0.5, 1.5 (then 3.5 > cap): three sends, then Test I's 3 s cap.
+    assert sent == 3 and elapsed_s == pytest.approx(3.0)
+
+
+def test_rto_follows_the_measured_rtt_but_not_below_the_floor():
+    machine = NatClassifier([(IP1, P1)], local_address=LOCAL)
+    (data, dest), = machine.datagrams_to_send(0.0)
+    responder = StunResponder(FOUR)
+    reply, origin = responder.handle_datagram(data, dest, (PUBLIC_IP, 40000))
+    machine.receive_datagram(reply, origin, 0.040)  # 40 ms RTT
+    sends = machine.datagrams_to_send(0.040)
+    assert len(sends) == 2  # both filtering tests at once
+    assert machine.get_timer() == pytest.approx(0.040 + 0.120)  # 3 x RTT
+    machine.handle_timer(0.160)
+    assert len(machine.datagrams_to_send(0.160)) == 2  # retransmissions...
+    assert machine.report is None
+    assert machine._probes == 3  # ...are not probes
+
+
+RANK = {"O": 0, "C": 1, "S": 2}
+
+
+@pytest.mark.parametrize("mapping, filtering", [(EIM, EIF), (EIM, ADF), (EIM, APDF), (APDM, APDF)])
+def test_lossy_network_errs_only_towards_relay_and_mostly_gets_it_right(mapping, filtering):
+    # 10% loss each way, 20 seeded runs. Retransmissions recover most losses; what they cannot
+    # recover may only make the prediction more conservative (O -> C -> S), never less.
+    expected = nat_class(mapping, filtering)
+    exact = 0
+    for seed in range(20):
+        report, elapsed_s, _ = run(FakeNat(mapping, filtering), [(IP1, P1)], loss=0.1, seed=seed)
+        assert report.probes <= 6
+        assert elapsed_s <= 5 * 1.5 + 1e-9
+        assert RANK[report.nat_class] >= RANK[expected], (seed, report)
+        exact += report.nat_class == expected
+    assert exact >= 18
+
+
+def test_ignores_unrelated_and_forged_datagrams():
+    machine = NatClassifier([(IP1, P1)], local_address=LOCAL)
+    machine.datagrams_to_send(0.0)
+    machine.receive_datagram(b"\x00\x01garbage", (IP1, P1), 0.01)
+    foreign = StunResponder(FOUR).handle_datagram(
+        encode(Message(Method.BINDING, Class.REQUEST)), (IP1, P1), LOCAL)
+    machine.receive_datagram(foreign[0], (IP1, P1), 0.01)  # unknown transaction id
+    assert machine.report is None and machine.get_timer() == pytest.approx(0.5)
+
+
+def test_needs_a_server():
+    with pytest.raises(LocalProtocolError, match="at least one STUN server"):
+        NatClassifier([])
