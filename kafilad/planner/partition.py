@@ -16,6 +16,10 @@ b with cost(j, a, b) <= B and the range fitting in memory (found by bisection, b
 monotone in b). B is feasible iff n ∈ R_m. Cost per probe O(m·n·log n); overall
 O(m·n² log(m·n²)) for the candidate sort, trivial for sessions (m <= ~10, n <= ~128).
 
+Among the divisions reaching the optimal bottleneck, the one with the least Σ stage cost
+(the shortest circuit, DESIGN §5.1) is returned: a DP over (device, end) bounded by B*,
+O(m·n²). It lowers single-request latency at no cost to the pipelined rate.
+
 Rotation rule: solve every rotation exactly; keep the anchor's (rotation 0) unless the best
 rotation lowers the bottleneck by more than μ relatively: (B_0 - B_best) / B_0 > μ.
 """
@@ -40,39 +44,58 @@ def _hi(j: int, a: int, cap: int, bound: float, cost: CostFn, fits: Optional[Fit
     return lo
 
 
-def _feasible(n: int, m: int, bound: float, cost: CostFn, fits: Optional[FitsFn]) -> Optional[list[dict]]:
-    """Per device j the map {reachable start a: largest end hi}, or None if n is unreachable."""
+def _feasible(n: int, m: int, bound: float, cost: CostFn, fits: Optional[FitsFn]) -> bool:
+    """Whether some division keeps every stage <= bound and fits (reachable-set pass)."""
     reach = [False] * (n + 1)
     reach[0] = True
-    layers: list[dict] = []
     for j in range(m):
         cap = n - (m - 1 - j)  # leave >= 1 block for each later device
         diff = [0] * (n + 2)
-        his: dict[int, int] = {}
         for a in range(n):
             if not reach[a] or a + 1 > cap:
                 continue
             hi = _hi(j, a, cap, bound, cost, fits)
             if hi >= a + 1:
-                his[a] = hi
                 diff[a + 1] += 1
                 diff[hi + 1] -= 1
-        layers.append(his)
         run = 0
         for b in range(n + 1):
             run += diff[b]
             reach[b] = run > 0
-    return layers if reach[n] else None
+    return reach[n]
 
 
-def _reconstruct(n: int, layers: list[dict]) -> list[int]:
-    """Boundaries [0, b1, ..., n] from the reachable sets; ties give earlier devices more."""
+def _min_sum(n: int, m: int, bound: float, cost: CostFn, fits: Optional[FitsFn]) -> Optional[list[int]]:
+    """Among divisions with every stage <= bound (and fitting), one with the least Σ cost.
+
+    DP over (device, end): O(m·n²) cost evaluations. Ties go to the first found (earlier
+    devices take fewer blocks), so the result is deterministic.
+    """
+    inf = float("inf")
+    best = [inf] * (n + 1)
+    best[0] = 0.0
+    parents: list[list[int]] = []
+    for j in range(m):
+        cap = n - (m - 1 - j)
+        nxt = [inf] * (n + 1)
+        par = [-1] * (n + 1)
+        for a in range(j, cap):
+            if best[a] == inf:
+                continue
+            for b in range(a + 1, cap + 1):
+                c = cost(j, a, b)
+                if c > bound or (fits is not None and not fits(j, a, b)):
+                    break  # both monotone in b
+                if best[a] + c < nxt[b]:
+                    nxt[b] = best[a] + c
+                    par[b] = a
+        parents.append(par)
+        best = nxt
+    if best[n] == inf:
+        return None
     bounds = [n]
-    b = n
-    for his in reversed(layers):
-        a = max(a for a, hi in his.items() if a < b <= hi)
-        bounds.append(a)
-        b = a
+    for par in reversed(parents):
+        bounds.append(par[bounds[-1]])
     bounds.reverse()
     return bounds
 
@@ -86,7 +109,8 @@ def solve_chain(n: int, m: int, cost: CostFn, fits: Optional[FitsFn] = None) -> 
         cost: cost(j, a, b) of device j holding [a, b); non-decreasing in b, non-increasing in a.
         fits: optional fits(j, a, b); monotone (true for small ranges, false past a point).
     Returns:
-        (bottleneck, bounds) with bounds = [0, b_1, ..., b_{m-1}, n], device j holding
+        (bottleneck, bounds) — the least bottleneck and, among divisions reaching it, one with
+        the least Σ cost — with bounds = [0, b_1, ..., b_{m-1}, n], device j holding
         [bounds[j], bounds[j+1]); or None when n < m or no division fits.
     """
     if m <= 0 or n < m:
@@ -101,18 +125,17 @@ def solve_chain(n: int, m: int, cost: CostFn, fits: Optional[FitsFn] = None) -> 
     if not cands:
         return None
     order = sorted(cands)
-    if _feasible(n, m, order[-1], cost, fits) is None:
+    if not _feasible(n, m, order[-1], cost, fits):
         return None
     lo, hi = 0, len(order) - 1  # order[hi] is feasible
     while lo < hi:
         mid = (lo + hi) // 2
-        if _feasible(n, m, order[mid], cost, fits) is not None:
+        if _feasible(n, m, order[mid], cost, fits):
             hi = mid
         else:
             lo = mid + 1
-    layers = _feasible(n, m, order[lo], cost, fits)
-    assert layers is not None
-    bounds = _reconstruct(n, layers)
+    bounds = _min_sum(n, m, order[lo], cost, fits)
+    assert bounds is not None
     return max(cost(j, bounds[j], bounds[j + 1]) for j in range(m)), bounds
 
 

@@ -1,0 +1,219 @@
+"""`kafila-ctl plan`: offline what-if planning from a fleet file (issue 4 items 1-4, DESIGN §5).
+
+No daemon is needed. The fleet format is proto_spec/06-fleet.md §1; the `--json` object is §3.
+
+Model bytes come from the model directory's config.json and safetensors headers only
+(kafilad.modelinfo; tensor data may be absent or sparse). By default weights are counted *as
+stored* (`--hold-dtype stored`: bf16 checkpoints as 2 bytes per weight, quantised ones as
+packed), which is what Apple (Metal) and CUDA members hold. A CPU member that casts to f32
+(DESIGN §6) holds twice the bytes: plan for that with `--hold-dtype f32`. The KV dtype follows
+the held dtype (the stored float dtype of block 0 under `stored`).
+
+Exit status: 0 planned; 2 nothing fits (AdmissionError, or fewer blocks than devices) — with
+`--json` an `{"error": {...}}` object is printed; 1 unreadable fleet or model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Union
+
+from rich.console import Console
+from rich.table import Table
+
+from kafilad.errors import AdmissionError, KafilaError, PlanError
+from kafilad.planner import STRATEGIES, Plan, load_fleet, plan
+
+HOLD_DTYPE_BYTES = {"stored": None, "f32": 4, "f16": 2, "bf16": 2}
+DEFAULT_CONTEXT = 4096
+DEFAULT_CONCURRENCY = 1
+
+Outcome = Union[Plan, PlanError]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `plan` subcommand on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "plan", help="plan a model over a fleet file, offline (what-if)",
+        description="Divide a model over a fleet described in a JSON file and compare the division "
+                    "with the uniform and memory-proportional baselines. No daemon is needed.")
+    p.add_argument("--fleet", required=True, type=Path, help="fleet JSON file (proto_spec/06-fleet.md)")
+    p.add_argument("--model", required=True, type=Path, help="model directory (config.json + safetensors headers)")
+    p.add_argument("--context", type=int, default=None, help=f"context tokens per request (default: fleet's, else {DEFAULT_CONTEXT})")
+    p.add_argument("--concurrency", type=int, default=None, help=f"concurrent requests (default: fleet's, else {DEFAULT_CONCURRENCY})")
+    p.add_argument("--strategy", choices=STRATEGIES, default="kafila", help="division to choose (default kafila)")
+    p.add_argument("--hold-dtype", choices=tuple(HOLD_DTYPE_BYTES), default="stored",
+                   help="dtype members hold float weights in (default: as stored)")
+    p.add_argument("--mu", type=float, default=0.05, help="rotation threshold of DESIGN §5.3 (default 0.05)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                   help="draw per-device stage time under each division")
+    p.set_defaults(func=run)
+    return p
+
+
+def error_json(e: KafilaError) -> dict:
+    """The `{"error": {...}}` object of proto_spec/06-fleet.md §3."""
+    err = {"type": type(e).__name__, "message": str(e)}
+    if isinstance(e, AdmissionError):
+        err["device"] = e.device
+        err["shortfall_bytes"] = e.shortfall_bytes
+    return {"error": err}
+
+
+def plan_all(devices, profile, *, context: int, concurrency: int, mu: float) -> dict[str, Outcome]:
+    """strategy -> Plan or the PlanError it raised, for every strategy."""
+    out: dict[str, Outcome] = {}
+    for s in STRATEGIES:
+        try:
+            out[s] = plan(devices, profile, context=context, concurrency=concurrency, strategy=s, mu=mu)
+        except PlanError as e:
+            out[s] = e
+    return out
+
+
+def _summary(p: Plan) -> dict:
+    return {"head": p.head, "bottleneck_s": p.bottleneck_s, "circuit_s": p.circuit_s,
+            "utilization": p.utilization, "imbalance": p.imbalance,
+            "blocks": {n: [a, b] for n, (a, b) in p.blocks.items()}}
+
+
+def _ms(x: float, tier: str) -> str:
+    return f"{x:.3f}" if tier == "memory" else f"{x * 1e3:.1f}"
+
+
+def render(outcomes: dict[str, Outcome], chosen: str, console: Console, fleet_name: str = "") -> None:
+    """Print the comparison tables (pure function of the outcomes; testable with a StringIO console)."""
+    ok = {s: p for s, p in outcomes.items() if isinstance(p, Plan)}
+    ref = outcomes[chosen]
+    tier = next(iter(ok.values())).tier if ok else "?"
+    unit = "(pseudo-s, memory tier)" if tier == "memory" else "ms"
+    any_p = ref if isinstance(ref, Plan) else next(iter(ok.values()), None)
+    title = f"{any_p.model_id if any_p else ''} on {fleet_name or 'fleet'}"
+    if any_p:
+        title += f" · context {any_p.context} x {any_p.concurrency} · tier {tier}"
+    t = Table(title=title)
+    for col in ("division", "head", f"bottleneck {unit}", f"circuit {unit}", "utilization",
+                "imbalance", f"bottleneck / {chosen}"):
+        t.add_column(col, justify="left" if col in ("division", "head") else "right")
+    for s in [chosen] + [x for x in STRATEGIES if x != chosen]:
+        p = outcomes[s]
+        name = f"[bold]{s}[/bold]" if s == chosen else s
+        if isinstance(p, Plan):
+            ratio = f"{p.bottleneck_s / ref.bottleneck_s:.2f}x" if isinstance(ref, Plan) and ref.bottleneck_s > 0 else "-"
+            t.add_row(name, p.head, _ms(p.bottleneck_s, tier), _ms(p.circuit_s, tier),
+                      f"{p.utilization:.0%}", f"{p.imbalance:.2f}x", ratio)
+        else:
+            t.add_row(name, "-", "does not fit", "-", "-", "-", "-")
+    console.print(t)
+    if ok:
+        base = ref if isinstance(ref, Plan) else next(iter(ok.values()))
+        d = Table(title="per device (ring order from the chosen head)")
+        d.add_column("device")
+        d.add_column("memory GB", justify="right")
+        for s in ok:
+            d.add_column(f"{s} blocks", justify="right")
+            d.add_column(f"{s} {'stage' if tier == 'memory' else 'ms'}", justify="right")
+            d.add_column(f"{s} GB", justify="right")
+        for name in base.order:
+            row = [name, f"{base.memory_bytes[name] / 1e9:.1f}"]
+            for p in ok.values():
+                a, b = p.blocks[name]
+                row += [f"[{a},{b}) {b - a}" + (" H" if p.head == name else ""),
+                        _ms(p.stage_s[name], tier), f"{p.resident_bytes[name] / 1e9:.1f}"]
+            d.add_row(*row)
+        console.print(d)
+    for s, p in outcomes.items():
+        if not isinstance(p, Plan):
+            console.print(f"[red]{s}[/red]: {p}")
+
+
+def plot(outcomes: dict[str, Outcome], path: Path, title: str = "") -> None:
+    """Bar chart of per-device stage time under each division (matplotlib, Agg backend).
+
+    Raises:
+        KafilaError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - matplotlib is a test dependency
+        raise KafilaError("--plot needs matplotlib; install it with `pip install matplotlib`.") from e
+    ok = {s: p for s, p in outcomes.items() if isinstance(p, Plan)}
+    if not ok:
+        raise KafilaError("Nothing to plot: no division fits this fleet.")
+    names = list(next(iter(ok.values())).order)
+    memory_tier = next(iter(ok.values())).tier == "memory"
+    scale = 1.0 if memory_tier else 1e3
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names) + 2), 4))
+    w = 0.8 / len(ok)
+    for k, (s, p) in enumerate(ok.items()):
+        xs = [i + (k - (len(ok) - 1) / 2) * w for i in range(len(names))]
+        ys = [p.stage_s[n] * scale for n in names]
+        bars = ax.bar(xs, ys, w, label=f"{s} (bottleneck {p.bottleneck_s * scale:.1f}, util {p.utilization:.0%})")
+        ax.axhline(p.bottleneck_s * scale, color=bars.patches[0].get_facecolor(), ls="--", lw=0.8)
+        for x, n in zip(xs, names):
+            a, b = p.blocks[n]
+            ax.annotate(str(b - a), (x, p.stage_s[n] * scale), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names)
+    ax.set_ylabel("stage time per token (pseudo-s)" if memory_tier else "stage time per token (ms)")
+    ax.set_title(title or "per-device stage time (numbers: blocks held)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `kafila-ctl plan`; returns the exit status (0 ok, 2 nothing fits, 1 bad input)."""
+    from kafilad.modelinfo import read_model_info
+
+    console = Console()
+    try:
+        fleet = load_fleet(args.fleet)
+        profile = read_model_info(args.model).profile(float_dtype_bytes=HOLD_DTYPE_BYTES[args.hold_dtype])
+    except KafilaError as e:
+        if args.json:
+            print(json.dumps(error_json(e)))
+        else:
+            console.print(f"[red]error:[/red] {e}")
+        return 1
+    context = args.context or fleet.context or DEFAULT_CONTEXT
+    concurrency = args.concurrency or fleet.concurrency or DEFAULT_CONCURRENCY
+    outcomes = plan_all(fleet.devices, profile, context=context, concurrency=concurrency, mu=args.mu)
+    chosen = outcomes[args.strategy]
+    if args.json:
+        if isinstance(chosen, PlanError):
+            print(json.dumps(error_json(chosen)))
+            return 2
+        obj = chosen.to_json()
+        obj["fleet"] = fleet.name
+        obj["hold_dtype"] = args.hold_dtype
+        obj["baselines"] = {s: (_summary(p) if isinstance(p, Plan) else error_json(p))
+                            for s, p in outcomes.items() if s != args.strategy}
+        print(json.dumps(obj, indent=2))
+    else:
+        render(outcomes, args.strategy, console, fleet.name or Path(args.fleet).stem)
+    if args.plot is not None:
+        try:
+            plot(outcomes, args.plot, f"{profile.model_id} on {fleet.name or Path(args.fleet).stem}")
+        except KafilaError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2 if isinstance(chosen, PlanError) else 1
+    return 2 if isinstance(chosen, PlanError) else 0
+
+
+def _standalone(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(prog="kafila-ctl")
+    add_parser(ap.add_subparsers(required=True))
+    a = ap.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(_standalone())
