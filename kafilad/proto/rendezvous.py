@@ -432,12 +432,12 @@ class RendezvousState:
             raise _Refusal("unknown_session",
                            f"No session {f['session_id']!r} is open at this rendezvous; check the code "
                            "and that the host is still running.")
-        if len(session.members) >= session.expected:
-            raise _Refusal("session_full",
-                           f"Session {session.session_id!r} already has all {session.expected} members.")
         if f["peer_id"] in session.members:
             raise _Refusal("duplicate_peer",
                            f"Peer {f['peer_id']!r} is already a member of session {session.session_id!r}.")
+        if len(session.members) >= session.expected:
+            raise _Refusal("session_full",
+                           f"Session {session.session_id!r} already has all {session.expected} members.")
         roster = [{"peer_id": p, "name": self._conns[c].name} for p, c in session.members.items()]
         for member in session.members.values():
             self._send(member, t="member_joined", peer_id=f["peer_id"], name=f["name"])

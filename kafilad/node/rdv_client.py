@@ -1,0 +1,413 @@
+"""Client of the rendezvous service: registration, join, signalling and relayed circuits.
+
+DESIGN §3 steps 1-2 and §4 "Relay"; wire format in proto_spec/03-rendezvous.md. One WebSocket per
+daemon; a reader task routes replies to the waiting request, membership and signal messages to
+`events`, relay data to the circuit it belongs to.
+
+Backpressure: each circuit buffers at most `circuit_buffer` messages; when one is full the reader
+waits, which stalls the whole WebSocket (and, through TCP, the sender at the rendezvous). Read
+every circuit you open or accept, and read `events`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, AsyncIterator
+
+import attrs
+import trio
+import trio_websocket
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+from kafilad.errors import LocalProtocolError, RemoteProtocolError, SessionError
+from kafilad.proto.rendezvous import (
+    ControlMessage,
+    RelayData,
+    RendezvousLimits,
+    decode_message,
+    encode_control,
+    encode_relay,
+)
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class MemberJoined:
+    """A member joined our session (proto_spec §2.2 `member_joined`)."""
+
+    peer_id: str
+    name: str
+
+
+@attrs.frozen
+class MemberLeft:
+    """A member left or lost its connection (proto_spec §2.2 `member_left`)."""
+
+    peer_id: str
+    reason: str
+
+
+@attrs.frozen
+class Signal:
+    """An opaque signalling body from another member (proto_spec §2.2 `signal`)."""
+
+    from_peer_id: str
+    body: Any
+
+
+@attrs.frozen
+class SessionClosed:
+    """The host left; the session is gone (proto_spec §2.2 `session_closed`)."""
+
+    session_id: str
+    reason: str
+
+
+@attrs.frozen
+class RendezvousErrorEvent:
+    """A non-fatal `error` not tied to a waiting request, e.g. `budget_exhausted` (proto_spec §2.3)."""
+
+    code: str
+    reason: str
+
+
+@attrs.frozen
+class Disconnected:
+    """The WebSocket to the rendezvous is gone; every circuit is broken. Always the last event."""
+
+    reason: str
+
+
+RendezvousEvent = MemberJoined | MemberLeft | Signal | SessionClosed | RendezvousErrorEvent | Disconnected
+
+
+class Circuit:
+    """A relayed circuit to one peer; implements the MessageTransport protocol (DESIGN §4).
+
+    Attributes:
+        circuit_id: the rendezvous' uint64 id (proto_spec §4).
+        peer_id: the remote member's peer id.
+        label: what the opener said the circuit is for.
+    """
+
+    def __init__(self, client: RendezvousClient, circuit_id: int, peer_id: str, label: str, buffer: int):
+        self._client = client
+        self.circuit_id, self.peer_id, self.label = circuit_id, peer_id, label
+        self._in_send, self._in_recv = trio.open_memory_channel[bytes](buffer)
+        self._closed_locally = False
+        self.close_reason: str | None = None  # why the remote end or the rendezvous closed it
+        self._broken = False
+
+    def __repr__(self) -> str:
+        return f"<Circuit {self.circuit_id:#x} to {self.peer_id} label={self.label!r}>"
+
+    async def send_message(self, data: bytes) -> None:
+        """Send one message (at most `max_payload_bytes`; one Noise message, DESIGN §4).
+
+        Raises:
+            trio.ClosedResourceError: we closed this circuit.
+            trio.BrokenResourceError: the other end closed it or the rendezvous connection is lost.
+            LocalProtocolError: `data` is larger than the relay accepts.
+        """
+        if self._closed_locally:
+            raise trio.ClosedResourceError(f"The circuit to {self.peer_id} was closed by this side.")
+        if self.close_reason is not None:
+            raise trio.BrokenResourceError(f"The circuit to {self.peer_id} is closed: {self.close_reason}")
+        limit = self._client.limits.max_relay_payload_bytes
+        if len(data) > limit:
+            raise LocalProtocolError(
+                f"A relayed message of {len(data)} bytes exceeds the relay's limit of {limit} bytes; "
+                "chunk it into Noise messages first."
+            )
+        await self._client._send_raw(encode_relay(self.circuit_id, data))
+
+    async def receive_message(self) -> bytes:
+        """Receive the next message, in order.
+
+        Raises:
+            trio.EndOfChannel: the other end closed the circuit (after its last message).
+            trio.BrokenResourceError: the rendezvous connection was lost.
+            trio.ClosedResourceError: we closed this circuit.
+        """
+        try:
+            return await self._in_recv.receive()
+        except trio.EndOfChannel:
+            if self._broken:
+                raise trio.BrokenResourceError(
+                    f"The circuit to {self.peer_id} broke: {self.close_reason}"
+                ) from None
+            raise
+
+    async def aclose(self, reason: str = "closed by peer") -> None:
+        """Close the circuit; the other end gets EndOfChannel. Idempotent."""
+        if self._closed_locally:
+            return
+        self._closed_locally = True
+        self._in_recv.close()
+        self._client._circuits.pop(self.circuit_id, None)
+        if self.close_reason is None:
+            try:
+                await self._client._send_control(t="circuit_close", circuit=self.circuit_id, reason=reason)
+            except trio.BrokenResourceError:
+                pass
+
+    def _remote_closed(self, reason: str, broken: bool) -> None:
+        if self.close_reason is None:
+            self.close_reason, self._broken = reason, broken
+        self._in_send.close()
+
+
+@attrs.define
+class _Pending:
+    done: trio.Event = attrs.Factory(trio.Event)
+    reply: dict | None = None
+    label: str = ""
+
+
+class RendezvousClient:
+    """One daemon's connection to the rendezvous; make it with `open_rendezvous`.
+
+    Attributes:
+        url, peer_id, name: as given to `open_rendezvous`.
+        session_id: set by `register` or `join`.
+        roster: after `join`, the members as [{"peer_id", "name"}] (host first).
+        events: receive channel of `RendezvousEvent`s; ends after `Disconnected`.
+        incoming_circuits: receive channel of `Circuit`s opened to us.
+    """
+
+    def __init__(self, ws: WebSocketConnection, url: str, peer_id: str, name: str,
+                 limits: RendezvousLimits, circuit_buffer: int, event_buffer: int):
+        self._ws, self.url, self.peer_id, self.name, self.limits = ws, url, peer_id, name, limits
+        self._circuit_buffer = circuit_buffer
+        self._reqs = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._circuits: dict[int, Circuit] = {}
+        self._events_send, self.events = trio.open_memory_channel[RendezvousEvent](event_buffer)
+        self._incoming_send, self.incoming_circuits = trio.open_memory_channel[Circuit](event_buffer)
+        self._lost: str | None = None
+        self.session_id: str | None = None
+        self.roster: list[dict] = []
+
+    # --- requests -------------------------------------------------------------------------------
+
+    async def register(self, model_id: str, members: int, capability: dict) -> str:
+        """Open a session as its host (DESIGN §3 step 1; proto_spec §2.1 `register`).
+
+        Args:
+            model_id: the model the host serves.
+            members: expected member count, host included.
+            capability: the host's capability map (msgpack-serialisable).
+        Returns:
+            the session id (8 lowercase base32 characters).
+        Raises:
+            SessionError: the rendezvous refused, with its reason, or the connection was lost.
+        """
+        reply = await self._request("register", model_id=model_id, members=members, capability=capability,
+                                    peer_id=self.peer_id, name=self.name)
+        self.session_id = reply["session_id"]
+        return self.session_id
+
+    async def join(self, session_id: str) -> str:
+        """Join a session as a member (DESIGN §3 step 2; proto_spec §2.1 `join`).
+
+        Returns:
+            the host's peer id (check it against the code's fingerprint in the Noise handshake).
+        Raises:
+            SessionError: unknown session, session full, duplicate peer id (the server's reason),
+                or the connection was lost.
+        """
+        reply = await self._request("join", session_id=session_id, peer_id=self.peer_id, name=self.name)
+        self.session_id, self.roster = reply["session_id"], list(reply.get("members", []))
+        return reply["host_peer_id"]
+
+    async def leave(self, reason: str = "it left") -> None:
+        """Leave the session and keep the connection (proto_spec §2.1 `leave`)."""
+        await self._send_control(t="leave", reason=reason)
+        self.session_id = None
+
+    async def send_signal(self, to: str, body: Any) -> None:
+        """Send an opaque signalling body to a member (proto_spec §2.1 `signal`).
+
+        An unknown addressee comes back as a `RendezvousErrorEvent` with code `unknown_peer`.
+        Raises:
+            trio.BrokenResourceError: the rendezvous connection is lost.
+        """
+        await self._send_control(t="signal", to=to, body=body, req=next(self._reqs))
+
+    async def open_circuit(self, to_peer_id: str, label: str) -> Circuit:
+        """Open a relayed circuit to a member of our session (proto_spec §4).
+
+        Raises:
+            SessionError: the peer is not in the session, too many circuits, or the connection is lost.
+        """
+        reply = await self._request("circuit_open", to=to_peer_id, label=label)
+        return self._circuits[reply["circuit"]]  # registered by the reader, before any data
+
+    async def accept_circuit(self) -> Circuit:
+        """Wait for the next circuit another member opens to us.
+
+        Raises:
+            trio.EndOfChannel: the rendezvous connection is gone.
+        """
+        return await self.incoming_circuits.receive()
+
+    # --- plumbing -------------------------------------------------------------------------------
+
+    async def _send_raw(self, data: bytes) -> None:
+        if self._lost is not None:
+            raise trio.BrokenResourceError(f"The connection to the rendezvous at {self.url} is lost: {self._lost}")
+        try:
+            await self._ws.send_message(data)
+        except ConnectionClosed as exc:
+            raise trio.BrokenResourceError(
+                f"The connection to the rendezvous at {self.url} is lost: {self._lost or exc}"
+            ) from None
+
+    async def _send_control(self, **msg: Any) -> None:
+        await self._send_raw(encode_control(msg))
+
+    async def _request(self, type_: str, **fields: Any) -> dict:
+        req = next(self._reqs)
+        pending = self._pending[req] = _Pending(label=fields.get("label", ""))
+        try:
+            await self._send_control(t=type_, req=req, **fields)
+            await pending.done.wait()
+        except trio.BrokenResourceError as exc:
+            raise SessionError(str(exc)) from None
+        finally:
+            self._pending.pop(req, None)
+        reply = pending.reply
+        if reply is None:
+            raise SessionError(f"The connection to the rendezvous at {self.url} is lost: {self._lost}")
+        if reply["t"] == "error":
+            raise SessionError(str(reply.get("reason", "The rendezvous refused without a reason.")))
+        return reply
+
+    async def _reader(self) -> None:
+        reason = "the connection closed"
+        try:
+            while True:
+                try:
+                    data = await self._ws.get_message()
+                except ConnectionClosed as exc:
+                    if self._lost is None:
+                        reason = f"the rendezvous closed the connection ({exc.reason})"
+                    break
+                try:
+                    msg = decode_message(data)
+                    if isinstance(msg, RelayData):
+                        await self._on_relay(msg)
+                    else:
+                        await self._on_control(msg)
+                except (RemoteProtocolError, KeyError, TypeError) as exc:
+                    reason = f"the rendezvous sent a malformed message: {exc}"
+                    log.warning("rendezvous %s: %s", self.url, reason)
+                    await self._ws.aclose(1008, reason[:120])
+                    break
+        finally:
+            self._lost = self._lost or reason
+            self._fail_everything()
+        with trio.move_on_after(1.0):
+            await self._events_send.send(Disconnected(self._lost))
+        self._events_send.close()
+
+    def _fail_everything(self) -> None:
+        for pending in self._pending.values():
+            pending.done.set()
+        for circuit in list(self._circuits.values()):
+            circuit._remote_closed(f"the connection to the rendezvous is lost: {self._lost}", broken=True)
+        self._circuits.clear()
+        self._incoming_send.close()
+
+    async def _on_relay(self, msg: RelayData) -> None:
+        circuit = self._circuits.get(msg.circuit_id)
+        if circuit is None:
+            return  # we closed it; the rendezvous will learn from our circuit_close
+        try:
+            await circuit._in_send.send(msg.payload)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # closed locally while we waited for buffer space
+
+    async def _on_control(self, msg: ControlMessage) -> None:
+        f, t = msg.fields, msg.type
+        req = f.get("req")
+        if t in ("registered", "joined", "circuit_opened", "error") and req in self._pending:
+            pending = self._pending[req]
+            if t == "circuit_opened":  # register now: the peer's first data may follow at once
+                self._circuits[f["circuit"]] = Circuit(self, f["circuit"], f["to"], pending.label,
+                                                       self._circuit_buffer)
+            pending.reply = f
+            pending.done.set()
+            return
+        if t == "circuit_opened":  # its open_circuit was cancelled: give the circuit back
+            with contextlib.suppress(trio.BrokenResourceError):
+                await self._send_control(t="circuit_close", circuit=f["circuit"], reason="the opener gave up")
+        elif t == "circuit_incoming":
+            circuit = Circuit(self, f["circuit"], f["from"], f["label"], self._circuit_buffer)
+            self._circuits[circuit.circuit_id] = circuit
+            await self._incoming_send.send(circuit)
+        elif t == "circuit_closed":
+            circuit = self._circuits.pop(f["circuit"], None)
+            if circuit is not None:
+                circuit._remote_closed(f["reason"], broken=False)
+        elif t == "member_joined":
+            await self._events_send.send(MemberJoined(f["peer_id"], f["name"]))
+        elif t == "member_left":
+            await self._events_send.send(MemberLeft(f["peer_id"], f["reason"]))
+        elif t == "signal":
+            await self._events_send.send(Signal(f["from"], f.get("body")))
+        elif t == "session_closed":
+            self.session_id = None
+            await self._events_send.send(SessionClosed(f["session_id"], f["reason"]))
+        elif t == "error":
+            if f.get("fatal"):
+                self._lost = f"the rendezvous closed the connection: {f.get('reason')}"
+            await self._events_send.send(RendezvousErrorEvent(f.get("code", ""), f.get("reason", "")))
+        else:
+            log.debug("rendezvous %s: ignoring message type %r", self.url, t)
+
+
+@asynccontextmanager
+async def open_rendezvous(
+    url: str,
+    *,
+    peer_id: str,
+    name: str,
+    limits: RendezvousLimits | None = None,
+    circuit_buffer: int = 64,
+    event_buffer: int = 256,
+    connect_timeout_s: float = 10.0,
+) -> AsyncIterator[RendezvousClient]:
+    """Connect to the rendezvous at `url` (ws:// or wss://) for the duration of the block.
+
+    Args:
+        url: the rendezvous URL (configuration, not part of the session code; DESIGN §3 step 1).
+        peer_id, name: this daemon's peer id and display name.
+        limits: must agree with the server's relay payload limit; None means the defaults.
+        circuit_buffer: messages buffered per circuit before the reader waits (backpressure).
+        event_buffer: events and incoming circuits buffered before the reader waits.
+        connect_timeout_s: give up connecting after this many seconds.
+    Raises:
+        SessionError: the rendezvous cannot be reached or refused the WebSocket.
+    """
+    limits = limits or RendezvousLimits()
+    async with AsyncExitStack() as stack:
+        try:
+            ws = await stack.enter_async_context(trio_websocket.open_websocket_url(
+                url, max_message_size=limits.ws_max_message_bytes, connect_timeout=connect_timeout_s,
+                disconnect_timeout=5,
+            ))
+        except (OSError, trio_websocket.HandshakeError, ValueError) as exc:
+            raise SessionError(f"Cannot reach the rendezvous at {url}: {exc!r}. Check the URL and that "
+                               "the rendezvous is running.") from None
+        client = RendezvousClient(ws, url, peer_id, name, limits, circuit_buffer, event_buffer)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client._reader)
+            try:
+                yield client
+            finally:
+                nursery.cancel_scope.cancel()

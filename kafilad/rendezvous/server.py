@@ -1,0 +1,160 @@
+"""The rendezvous WebSocket server: a thin trio driver around `RendezvousState`.
+
+DESIGN §2 (rendezvous role), §3 steps 1-2, §4 "Relay"; wire format and rules in
+proto_spec/03-rendezvous.md. Every connection gets a reader (feeds the state machine, pauses for
+rate limits) and a writer draining a bounded outbound queue. Actions are queued in the order the
+state machine emits them, so causal order holds across connections: `circuit_incoming` is queued
+to B before `circuit_opened` to A, hence before any data A or B can send on the circuit.
+A slow receiver fills its queue and thereby slows whoever sends to it (backpressure, never drops).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from functools import partial
+from typing import BinaryIO
+
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+
+from kafilad.proto.rendezvous import (
+    Action,
+    CloseConn,
+    RecordPayload,
+    RendezvousLimits,
+    RendezvousState,
+    SendTo,
+    encode_relay_record,
+)
+
+log = logging.getLogger(__name__)
+
+#: Environment variable naming the relay record file (proto_spec §7) when `record_path` is None.
+RECORD_ENV = "KAFILA_RELAY_RECORD"
+#: Outbound messages queued per connection before senders to it wait.
+OUTBOUND_QUEUE_MESSAGES = 64
+
+
+def describe_close(exc: ConnectionClosed) -> str:
+    """A sentence fragment saying how a WebSocket closed, e.g. "its connection closed (1000 NORMAL_CLOSURE)"."""
+    reason = exc.reason
+    if reason is None:
+        return "its connection closed"
+    text = f"its connection closed ({reason.code} {reason.name}"
+    return text + (f": {reason.reason})" if reason.reason else ")")
+
+
+class RendezvousServer:
+    """Connection bookkeeping for `serve_rendezvous`; one instance per listening server.
+
+    Args:
+        limits: the server's limits (proto_spec §5).
+        record: open binary file to append relay records to (proto_spec §7), or None.
+    """
+
+    def __init__(self, limits: RendezvousLimits, record: BinaryIO | None = None):
+        self.state = RendezvousState(limits)
+        self._record = record
+        self._ids = itertools.count(1)
+        self._queues: dict[int, trio.MemorySendChannel] = {}
+
+    async def handle(self, request: WebSocketRequest) -> None:
+        """Serve one WebSocket until it closes (trio-websocket handler)."""
+        try:
+            ws = await request.accept()
+        except ConnectionClosed:
+            return
+        conn = next(self._ids)
+        send_q, recv_q = trio.open_memory_channel(OUTBOUND_QUEUE_MESSAGES)
+        self._queues[conn] = send_q
+        self.state.connection_made(conn, trio.current_time())
+        reason = "its connection closed"
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._writer, ws, recv_q)
+            try:
+                reason = await self._reader(conn, ws)
+            finally:
+                del self._queues[conn]
+                send_q.close()
+                self.state.connection_lost(conn, reason)
+                with trio.move_on_after(5.0) as scope:
+                    scope.shield = True
+                    await self._dispatch(self.state.actions())
+
+    async def _reader(self, conn: int, ws: WebSocketConnection) -> str:
+        while True:
+            try:
+                data = await ws.get_message()
+            except ConnectionClosed as exc:
+                return describe_close(exc)
+            pause_s = self.state.receive_message(conn, data, trio.current_time())
+            await self._dispatch(self.state.actions())
+            if pause_s > 0:
+                await trio.sleep(pause_s)
+
+    async def _writer(self, ws: WebSocketConnection, queue: trio.MemoryReceiveChannel) -> None:
+        async with queue:  # closing it on exit unblocks anyone still sending to this connection
+            async for item in queue:
+                try:
+                    if isinstance(item, CloseConn):
+                        await ws.aclose(item.code, item.reason)
+                        return
+                    await ws.send_message(item)
+                except ConnectionClosed:
+                    return
+
+    async def _dispatch(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, RecordPayload):
+                if self._record is not None:
+                    self._record.write(encode_relay_record(action.circuit_id, action.payload))
+                    self._record.flush()
+                continue
+            queue = self._queues.get(action.conn)
+            if isinstance(action, CloseConn):
+                log.warning("rendezvous: closing connection %d: %s", action.conn, action.reason)
+            if queue is None:
+                continue
+            try:
+                await queue.send(action.data if isinstance(action, SendTo) else action)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # that connection is going away; its own handler cleans up
+
+
+async def serve_rendezvous(
+    host: str,
+    port: int,
+    *,
+    record_path: str | None = None,
+    limits: RendezvousLimits | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the rendezvous service (DESIGN §2) on ws://host:port until cancelled.
+
+    Args:
+        host: address to listen on ("127.0.0.1", "::", "0.0.0.0").
+        port: TCP port; 0 picks a free one.
+        record_path: append every relayed payload to this file (proto_spec §7); when None,
+            the env var KAFILA_RELAY_RECORD is used if set.
+        limits: server limits (proto_spec §5); None means the defaults.
+        task_status: `started(actual_port)` is called once listening.
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    limits = limits or RendezvousLimits()
+    record_path = record_path or os.environ.get(RECORD_ENV) or None
+    record = open(record_path, "ab") if record_path else None  # noqa: SIM115 (closed below)
+    try:
+        server = RendezvousServer(limits, record)
+        async with trio.open_nursery() as nursery:
+            ws_server = await nursery.start(partial(
+                serve_websocket, server.handle, host, port, None, handler_nursery=nursery,
+                max_message_size=limits.ws_max_message_bytes, connect_timeout=10, disconnect_timeout=5,
+            ))
+            log.info("rendezvous listening on ws://%s:%d", host, ws_server.port)
+            task_status.started(ws_server.port)
+    finally:
+        if record is not None:
+            record.close()

@@ -1,0 +1,360 @@
+"""Rendezvous server with real clients over real WebSockets on loopback (proto_spec/03-rendezvous.md).
+
+`trio.fail_after` below guards against hangs only; nothing here asserts on timing.
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from functools import partial
+
+import msgpack
+import pytest
+import trio
+import trio_websocket
+
+from kafilad.errors import LocalProtocolError, SessionError
+from kafilad.node.rdv_client import (
+    Disconnected,
+    MemberJoined,
+    MemberLeft,
+    RendezvousErrorEvent,
+    SessionClosed,
+    Signal,
+    open_rendezvous,
+)
+from kafilad.proto.rendezvous import (
+    RendezvousLimits,
+    decode_message,
+    encode_control,
+    encode_relay,
+    parse_relay_record,
+)
+from kafilad.rendezvous.server import serve_rendezvous
+
+HANG_GUARD_S = 20
+
+
+def run_with_server(test_fn, **server_kwargs):
+    """Start a real rendezvous on 127.0.0.1:0, run `test_fn(url)`, stop the server."""
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve_rendezvous, "127.0.0.1", 0, **server_kwargs))
+            with trio.fail_after(HANG_GUARD_S):
+                await test_fn(f"ws://127.0.0.1:{port}")
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+async def session(stack: AsyncExitStack, url: str, peers: list[str], members: int | None = None):
+    """Host "H" registers; each peer in `peers` joins. Returns (sid, host client, member clients)."""
+    host = await stack.enter_async_context(open_rendezvous(url, peer_id="H", name="host"))
+    sid = await host.register("stories260K", members or len(peers) + 1, {"memory_bytes": 1 << 30})
+    clients = []
+    for peer in peers:
+        client = await stack.enter_async_context(open_rendezvous(url, peer_id=peer, name=peer.lower()))
+        assert await client.join(sid) == "H"
+        assert await host.events.receive() == MemberJoined(peer, peer.lower())
+        for earlier in clients:
+            assert await earlier.events.receive() == MemberJoined(peer, peer.lower())
+        clients.append(client)
+    return sid, host, clients
+
+
+def test_register_join_unknown_and_full_session():
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            sid, host, [a] = await session(stack, url, ["A"], members=2)
+            assert len(sid) == 8 and sid == host.session_id
+            assert a.roster == [{"peer_id": "H", "name": "host"}, {"peer_id": "A", "name": "a"}]
+            late = await stack.enter_async_context(open_rendezvous(url, peer_id="B", name="b"))
+            with pytest.raises(SessionError) as full:
+                await late.join(sid)
+            assert str(full.value) == f"Session {sid!r} already has all 2 members."
+            with pytest.raises(SessionError, match="No session 'zzzzzzzz' is open at this rendezvous"):
+                await late.join("zzzzzzzz")
+            with pytest.raises(SessionError, match="already a member"):
+                await (await stack.enter_async_context(open_rendezvous(url, peer_id="A", name="x"))).join(sid)
+
+    run_with_server(body)
+
+
+def test_unreachable_rendezvous_is_a_session_error():
+    async def main():
+        listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+        port = listener.socket.getsockname()[1]
+        await listener.aclose()  # nothing listens there now
+        with pytest.raises(SessionError, match=f"Cannot reach the rendezvous at ws://127.0.0.1:{port}"):
+            async with open_rendezvous(f"ws://127.0.0.1:{port}", peer_id="H", name="h"):
+                pass
+
+    trio.run(main)
+
+
+def test_circuits_relay_bytes_both_ways_ids_unique_and_close_propagates():
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            _, host, [a, b] = await session(stack, url, ["A", "B"])
+            c_ha = await host.open_circuit("A", "ring")
+            c_ah = await a.accept_circuit()
+            assert (c_ah.circuit_id, c_ah.peer_id, c_ah.label) == (c_ha.circuit_id, "H", "ring")
+            assert (c_ha.peer_id, c_ha.label) == ("A", "ring")
+            payloads = [b"", b"\x00" * 9, bytes(range(256)) * 4, b"x" * a.limits.max_relay_payload_bytes]
+            for p in payloads:
+                await c_ha.send_message(p)
+                await c_ah.send_message(p[::-1])
+            assert [await c_ah.receive_message() for _ in payloads] == payloads
+            assert [await c_ha.receive_message() for _ in payloads] == [p[::-1] for p in payloads]
+            c_ab = await a.open_circuit("B", "ring")
+            c_bh = await b.open_circuit("H", "shards")
+            c_ha2 = await host.open_circuit("A", "ring")
+            assert (await b.accept_circuit()).label == "ring"
+            assert (await host.accept_circuit()).label == "shards"
+            assert (await a.accept_circuit()).circuit_id == c_ha2.circuit_id
+            ids = {c_ha.circuit_id, c_ab.circuit_id, c_bh.circuit_id, c_ha2.circuit_id}
+            assert len(ids) == 4 and all(0 < i < 2**64 for i in ids)
+            await c_ha.send_message(b"last words")
+            await c_ha.aclose()
+            assert await c_ah.receive_message() == b"last words"
+            with pytest.raises(trio.EndOfChannel):
+                await c_ah.receive_message()
+            assert c_ah.close_reason == "closed by peer"
+            with pytest.raises(trio.BrokenResourceError, match="The circuit to H is closed"):
+                await c_ah.send_message(b"too late")
+            with pytest.raises(trio.ClosedResourceError):
+                await c_ha.send_message(b"after my own close")
+            await c_ha2.send_message(b"other circuits still work")
+            assert await (await _circuit(a, c_ha2.circuit_id)).receive_message() == b"other circuits still work"
+
+    run_with_server(body)
+
+
+async def _circuit(client, circuit_id):
+    return client._circuits[circuit_id]
+
+
+def test_member_disconnect_closes_its_circuits_and_notifies_others():
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            _, host, [a, b] = await session(stack, url, ["A", "B"], members=4)
+            async with open_rendezvous(url, peer_id="C", name="c") as c:
+                await c.join(host.session_id)
+                for client in (host, a, b):
+                    assert await client.events.receive() == MemberJoined("C", "c")
+                c_hc = await host.open_circuit("C", "ring")
+                c_bc = await b.open_circuit("C", "ring")
+                await c.accept_circuit()
+                await c.accept_circuit()
+                c_hb = await host.open_circuit("B", "ring")
+            # C's connection is closed now
+            for client in (host, a, b):
+                event = await client.events.receive()
+                assert isinstance(event, MemberLeft) and event.peer_id == "C"
+                assert event.reason.startswith("its connection closed")
+            for circuit in (c_hc, c_bc):
+                with pytest.raises(trio.EndOfChannel):
+                    await circuit.receive_message()
+                assert circuit.close_reason.startswith("Peer 'c' left the session")
+            await c_hb.send_message(b"survivors unaffected")
+            assert await (await b.accept_circuit()).receive_message() == b"survivors unaffected"
+
+    run_with_server(body)
+
+
+def test_host_leaving_closes_the_session_for_members():
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            _, host, [a] = await session(stack, url, ["A"])
+            sid = host.session_id
+            circuit = await a.open_circuit("H", "ring")
+            await host.accept_circuit()
+            await host.leave("shutting down")
+            with pytest.raises(trio.EndOfChannel):
+                await circuit.receive_message()
+            assert await a.events.receive() == SessionClosed(
+                sid, "The host 'host' left the session: shutting down")
+            assert a.session_id is None
+            probe = await stack.enter_async_context(open_rendezvous(url, peer_id="Z", name="z"))
+            with pytest.raises(SessionError, match="No session"):
+                await probe.join(sid)
+
+    run_with_server(body)
+
+
+def test_signal_is_delivered_with_its_sender():
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            _, host, [a] = await session(stack, url, ["A"])
+            await a.send_signal("H", {"candidates": ["192.0.2.1:4000"], "ufrag": b"\x01\x02"})
+            assert await host.events.receive() == Signal("A", {"candidates": ["192.0.2.1:4000"], "ufrag": b"\x01\x02"})
+            await a.send_signal("nobody", 1)
+            event = await a.events.receive()
+            assert event == RendezvousErrorEvent(
+                "unknown_peer", f"Peer 'nobody' is not a member of session {host.session_id!r}.")
+
+    run_with_server(body)
+
+
+def test_losing_the_rendezvous_breaks_circuits_and_reports_disconnected():
+    async def main():
+        async with trio.open_nursery() as outer:
+            server_scope = trio.CancelScope()
+
+            async def server(task_status=trio.TASK_STATUS_IGNORED):
+                with server_scope:
+                    await serve_rendezvous("127.0.0.1", 0, task_status=task_status)
+
+            port = await outer.start(server)
+            url = f"ws://127.0.0.1:{port}"
+            with trio.fail_after(HANG_GUARD_S):
+                async with AsyncExitStack() as stack:
+                    _, host, [a] = await session(stack, url, ["A"])
+                    circuit = await host.open_circuit("A", "ring")
+                    await a.accept_circuit()
+                    server_scope.cancel()
+                    with pytest.raises(trio.BrokenResourceError, match="The circuit to A broke"):
+                        await circuit.receive_message()
+                    event = await host.events.receive()
+                    assert isinstance(event, Disconnected)
+                    with pytest.raises(trio.EndOfChannel):
+                        await host.events.receive()
+                    with pytest.raises(trio.BrokenResourceError, match="The circuit to A is closed"):
+                        await circuit.send_message(b"x")
+                    with pytest.raises(SessionError, match="lost"):
+                        await host.open_circuit("A", "ring")
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize(
+    "bad, code, close_code",
+    [
+        (b"\x05garbage", "malformed", 1008),
+        ("a text message", "malformed", 1008),
+        (encode_control({"t": "join", "session_id": None}), "malformed", 1008),
+        (encode_relay(1, b"y" * 70_000), "message_too_large", 1009),
+    ],
+    ids=["unknown-kind", "text", "mistyped-field", "oversized-relay"],
+)
+def test_malformed_message_closes_that_connection_only(bad, code, close_code):
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            _, host, [a] = await session(stack, url, ["A"], members=4)
+            circuit = await host.open_circuit("A", "ring")
+            peer_side = await a.accept_circuit()
+            async with trio_websocket.open_websocket_url(url) as raw:
+                await raw.send_message(encode_control({"t": "join", "session_id": host.session_id,
+                                                       "peer_id": "R", "name": "raw"}))
+                assert decode_message(await raw.get_message()).type == "joined"
+                await raw.send_message(bad)
+                err = decode_message(await raw.get_message()).fields
+                assert (err["t"], err["code"], err["fatal"]) == ("error", code, True)
+                with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                    await raw.get_message()
+                assert closed.value.reason.code == close_code
+                assert closed.value.reason.reason == err["reason"][:120]
+            for client in (host, a):
+                assert await client.events.receive() == MemberJoined("R", "raw")
+                left = await client.events.receive()
+                assert left == MemberLeft("R", f"it sent a bad message: {err['reason']}")
+            await circuit.send_message(b"still relaying")
+            assert await peer_side.receive_message() == b"still relaying"
+            newcomer = await stack.enter_async_context(open_rendezvous(url, peer_id="N", name="n"))
+            assert await newcomer.join(host.session_id) == "H"
+
+    run_with_server(body)
+
+
+def test_relay_record_holds_exactly_the_forwarded_payloads(tmp_path):
+    record = tmp_path / "relay.bin"
+    sent = [b"\x00\x01ciphertext", b"", b"z" * 65_535]
+
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            _, host, [a] = await session(stack, url, ["A"])
+            c1 = await host.open_circuit("A", "ring")
+            c2 = await a.accept_circuit()
+            for p in sent:
+                await c1.send_message(p)
+                assert await c2.receive_message() == p
+            await c2.send_message(b"back")
+            assert await c1.receive_message() == b"back"
+            await a.send_signal("H", {"cand": "x"})
+            await host.events.receive()
+            parsed = parse_relay_record(record.read_bytes())
+            assert parsed == [(c1.circuit_id, p) for p in sent] + [(c1.circuit_id, b"back"),
+                                                                   (0, msgpack.packb({"cand": "x"}))]
+
+    run_with_server(body, record_path=str(record))
+
+
+def test_record_path_from_environment(tmp_path, monkeypatch):
+    record = tmp_path / "env-relay.bin"
+    monkeypatch.setenv("KAFILA_RELAY_RECORD", str(record))
+
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            _, host, [a] = await session(stack, url, ["A"])
+            c1 = await host.open_circuit("A", "ring")
+            await c1.send_message(b"opaque")
+            assert await (await a.accept_circuit()).receive_message() == b"opaque"
+            assert parse_relay_record(record.read_bytes()) == [(c1.circuit_id, b"opaque")]
+
+    run_with_server(body)
+
+
+def test_oversized_message_is_refused_locally_with_a_clear_error():
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            _, host, [a] = await session(stack, url, ["A"])
+            circuit = await host.open_circuit("A", "ring")
+            limit = host.limits.max_relay_payload_bytes
+            with pytest.raises(LocalProtocolError) as exc:
+                await circuit.send_message(b"x" * (limit + 1))
+            assert str(exc.value) == (f"A relayed message of {limit + 1} bytes exceeds the relay's limit of "
+                                      f"{limit} bytes; chunk it into Noise messages first.")
+            await circuit.send_message(b"ok")
+            assert await (await a.accept_circuit()).receive_message() == b"ok"
+
+    run_with_server(body)
+
+
+def test_session_byte_budget_exhausted_closes_the_circuit_with_a_clear_error():
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            sid, host, [a] = await session(stack, url, ["A"])
+            sender = await host.open_circuit("A", "ring")
+            receiver = await a.accept_circuit()
+            await sender.send_message(b"a" * 600)
+            await sender.send_message(b"b" * 600)  # 1,200 > 1,000: dropped
+            assert await receiver.receive_message() == b"a" * 600
+            with pytest.raises(trio.EndOfChannel):
+                await receiver.receive_message()
+            reason = f"Session {sid!r} has used its relay budget of 1000 bytes; the circuit is closed."
+            assert receiver.close_reason == reason
+            assert await host.events.receive() == RendezvousErrorEvent("budget_exhausted", reason)
+            with pytest.raises(trio.EndOfChannel):
+                await sender.receive_message()
+
+    run_with_server(body, limits=RendezvousLimits(session_budget_bytes=1000))
+
+
+def test_rate_limit_slows_but_delivers_everything():
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            _, host, [a] = await session(stack, url, ["A"])
+            sender = await host.open_circuit("A", "ring")
+            receiver = await a.accept_circuit()
+            chunks = [bytes([i]) * 1000 for i in range(20)]  # 20 kB at 100 kB/s after a 5 kB burst
+
+            async def send_all():
+                for chunk in chunks:
+                    await sender.send_message(chunk)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_all)
+                assert [await receiver.receive_message() for _ in chunks] == chunks
+
+    run_with_server(body, limits=RendezvousLimits(session_rate_Bps=100_000.0, session_burst_bytes=5_000.0))
