@@ -36,6 +36,7 @@ _NP_DTYPES = {
     "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
 }
 _LAYER_KEY = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
+_LAYER_IN_TEXT = re.compile(r"\blayers\.(\d+)\.")
 
 
 def mx_dtype(name: str) -> mx.Dtype:
@@ -236,11 +237,35 @@ def build_stage(config: dict, start: int, end: int, head: bool, weights: dict[st
     _quantize(model, config, weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise ModelFormatError(f"Weights for stage [{start}, {end}) head={head} do not fit the model: {e}") from e
+    except ValueError as e:  # name tensors by checkpoint block index again, on one line
+        msg = _LAYER_IN_TEXT.sub(lambda m: f"layers.{int(m.group(1)) + start}.", " ".join(str(e).split()))
+        raise ModelFormatError(f"Weights for stage [{start}, {end}) head={head} do not fit the model: {msg}") from e
     model.eval()
     mx.eval(model.parameters())
     return Stage(model, config, start, end, head)
+
+
+def build_random_stage(config: dict, n_blocks: int, *, dtype: Optional[str] = "float32") -> Stage:
+    """A non-head stage of blocks [0, n_blocks) with the mlx-lm class's own random initialisation.
+
+    Same architecture, shapes, dtype and quantisation as the real model, so its timing stands for
+    the real blocks' (probe.measure_stage_Bps). Not for inference.
+    """
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    inner = _inner(model)
+    inner.layers = inner.layers[:n_blocks]
+    for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
+        if name in owner:
+            delattr(owner, name)
+    if dtype is not None:
+        model.set_dtype(mx_dtype(dtype))
+    q = config.get("quantization")
+    if isinstance(q, dict) and "bits" in q:
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"))
+    model.eval()
+    mx.eval(model.parameters())
+    return Stage(model, config, 0, n_blocks, False)
 
 
 def read_tensor_bytes(model_dir: Path, info: TensorInfo) -> bytes:

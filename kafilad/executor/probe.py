@@ -1,0 +1,223 @@
+"""Measure what this member can give the model: memory and effective bandwidth (DESIGN §5.1).
+
+- `available_memory_bytes`: on Apple silicon the Metal recommended working-set size; elsewhere
+  min(MemAvailable from /proc/meminfo, the tightest cgroup (v1 or v2) limit − usage on this
+  process's cgroup path), minus a reserve for the runtime.
+- `measure_bandwidth_Bps`: an MLX matrix-vector product in the model's dtype (x @ W.T, the op a
+  decode step's Linear layers run at batch 1), bytes of W / median time. A plain `mx.sum` probe
+  reads about half of what real decode achieves on CPU; the matrix-vector probe predicted stage
+  time within ~20% here (DESIGN §5.1).
+- `measure_stage_Bps`: times blocks of the session's architecture and shape at batch 1 (one
+  block, then two; random weights, so only config.json is needed) and splits the time into a
+  fixed per-step overhead and an effective bytes/s (DESIGN §5.1 "Best").
+- `measure_capability`: the report a member sends the host (issue 2 item 5).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+#: memory kept back for the Python runtime, MLX's allocator slack and transfer buffers (bytes).
+DEFAULT_RESERVE_BYTES = 256 * 1024 * 1024
+#: size of the probe matrix: larger than the last-level caches of consumer CPUs (32 MiB here).
+DEFAULT_PROBE_BYTES = 64 * 1024 * 1024
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _meminfo_available_bytes() -> Optional[int]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _read_int(path: Path) -> Optional[int]:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _cgroup_dirs() -> list[tuple[Path, str, str]]:
+    """(directory, limit file, usage file) for this process's memory cgroup and its ancestors."""
+    out = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "":  # v2 unified hierarchy
+            base, limit, usage = _CGROUP_ROOT, "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            base, limit, usage = _CGROUP_ROOT / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        d = base / rel.lstrip("/")
+        while True:
+            out.append((d, limit, usage))
+            if d == base or base not in d.parents:
+                break
+            d = d.parent
+    return out
+
+
+def cgroup_headroom_bytes() -> Optional[int]:
+    """min over this process's memory cgroups (and their ancestors) of limit − usage, or None."""
+    best = None
+    for d, limit_file, usage_file in _cgroup_dirs():
+        limit = _read_int(d / limit_file)
+        usage = _read_int(d / usage_file)
+        if limit is None or usage is None or limit >= 1 << 60:  # v1 "unlimited" is ~2^63
+            continue
+        room = max(0, limit - usage)
+        best = room if best is None else min(best, room)
+    return best
+
+
+def available_memory_bytes(reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> int:
+    """Bytes this member can give the model (weights + KV cache), DESIGN §5.1 `memory_bytes`.
+
+    Apple silicon: Metal's `max_recommended_working_set_size` less what MLX already holds. Other
+    systems: min(MemAvailable, cgroup limit − usage). Then minus `reserve_bytes`, floored at 0.
+    Memory already used by this process (the runtime, a loaded stage) is not counted as available.
+    """
+    room: Optional[int] = None
+    if sys.platform == "darwin" and mx.metal.is_available():
+        info = mx.metal.device_info()
+        room = int(info.get("max_recommended_working_set_size", 0)) - int(mx.get_active_memory())
+    else:
+        candidates = [v for v in (_meminfo_available_bytes(), cgroup_headroom_bytes()) if v is not None]
+        if candidates:
+            room = min(candidates)
+    if room is None:
+        return 0
+    return max(0, room - reserve_bytes)
+
+
+def _median_time_s(fn, repeats: int) -> float:
+    fn()  # warm-up: allocation, BLAS thread start
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_bandwidth_Bps(dtype: str = "float32", nbytes: int = DEFAULT_PROBE_BYTES, repeats: int = 5) -> float:
+    """Effective weight-read bandwidth of an MLX matrix-vector product in `dtype` (bytes/s).
+
+    Args:
+        dtype: the dtype the executor holds weights in ("float32" on CPU, DESIGN §6).
+        nbytes: approximate size of the probe matrix (a square n x n).
+        repeats: timed runs; the median is returned.
+    Returns:
+        bytes of the matrix / median seconds per product.
+    """
+    dt = getattr(mx, dtype)
+    n = max(64, int((nbytes / dt.size) ** 0.5))
+    w = mx.full((n, n), 0.5, dtype=dt)
+    x = mx.full((1, n), 1.0, dtype=dt)
+    mx.eval(w, x)
+    t = _median_time_s(lambda: mx.eval(x @ w.T), repeats)
+    return n * n * dt.size / t
+
+
+def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", context_tokens: int = 16,
+                      repeats: int = 7) -> tuple[float, float]:
+    """Time blocks of the session's architecture at batch 1 (DESIGN §5.1 "Best").
+
+    Only the config is needed (a member has not fetched any weights when it reports): two blocks
+    of the model's own mlx-lm class are built with the class's random initialisation, held in
+    `dtype` and quantised as the config says, then one decode step after a `context_tokens`
+    prefill is timed through one block and through both, and fitted as
+    t(k blocks) = overhead + k * block_bytes / Bps.
+
+    Args:
+        model: a model directory (only config.json is read) or its config dict.
+    Returns:
+        (effective bandwidth in bytes/s, fixed step overhead in seconds, >= 0).
+    Raises:
+        ModelFormatError: unreadable config or an architecture mlx-lm lacks.
+    """
+    from kafilad.executor.stage import build_random_stage
+    from kafilad.modelinfo import read_model_info
+
+    config = model if isinstance(model, dict) else read_model_info(model).config
+    n = min(2, int(config["num_hidden_layers"]))
+    stage = build_random_stage(config, n, dtype=dtype)
+    per_block_bytes = stage.nbytes() / n
+    D = int(config["hidden_size"])
+    dt = getattr(mx, dtype)
+    cache = stage.make_cache()
+    mx.eval(stage.run_blocks(mx.zeros((1, context_tokens, D), dtype=dt), cache))
+    h = mx.full((1, 1, D), 0.1, dtype=dt)
+    layers = stage.layers
+
+    def timed(k: int) -> float:
+        stage.layers = layers[:k]
+
+        def one():
+            mx.eval(stage.run_blocks(h, cache[:k]))
+            for c in cache[:k]:  # keep the context length fixed across repeats
+                c.offset -= 1
+
+        return _median_time_s(one, repeats)
+
+    try:
+        t1 = timed(1)
+        t2 = timed(2) if n == 2 else None
+    finally:
+        stage.layers = layers
+    if t2 is None or t2 <= t1:  # one block, or noise swamped a tiny block: no overhead split
+        return per_block_bytes / t1, 0.0
+    per_block_s = t2 - t1
+    return per_block_bytes / per_block_s, max(0.0, t1 - per_block_s)
+
+
+def measure_capability(model_dir: Optional[str | Path | dict] = None, *, dtype: str = "float32",
+                       reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> dict:
+    """This member's capability report (issue 2 item 5; DESIGN §5.1). About a second at most.
+
+    With `model_dir` (a directory, of which only config.json is read, or the config dict the host
+    sent), bandwidth and step overhead come from timing blocks of that architecture
+    (`measure_stage_Bps`); without it, or if that fails, the matrix-vector probe is used and the
+    step overhead is 0 (the what-if default). Every member of a session should be given the same
+    config, so that all are measured the same way.
+
+    Returns:
+        {"memory_bytes": int, "bandwidth_Bps": float, "step_overhead_s": float, "dtype": str,
+         "bandwidth_source": "stage" | "gemv"}
+    """
+    memory = available_memory_bytes(reserve_bytes)
+    bw, overhead, source = None, 0.0, "gemv"
+    if model_dir is not None:
+        try:
+            bw, overhead = measure_stage_Bps(model_dir, dtype=dtype)
+            source = "stage"
+        except Exception:  # noqa: BLE001 - a probe failure must not stop the member; fall back
+            bw = None
+    if bw is None:
+        bw = measure_bandwidth_Bps(dtype)
+    return {"memory_bytes": int(memory), "bandwidth_Bps": float(bw), "step_overhead_s": float(overhead),
+            "dtype": dtype, "bandwidth_source": source}
