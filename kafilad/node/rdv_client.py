@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import logging
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, ClassVar
 
 import attrs
 import trio
@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 class MemberJoined:
     """A member joined our session (proto_spec §2.2 `member_joined`)."""
 
+    type: ClassVar[str] = "member_joined"
+
     peer_id: str
     name: str
 
@@ -46,6 +48,8 @@ class MemberJoined:
 @attrs.frozen
 class MemberLeft:
     """A member left or lost its connection (proto_spec §2.2 `member_left`)."""
+
+    type: ClassVar[str] = "member_left"
 
     peer_id: str
     reason: str
@@ -55,6 +59,8 @@ class MemberLeft:
 class Signal:
     """An opaque signalling body from another member (proto_spec §2.2 `signal`)."""
 
+    type: ClassVar[str] = "signal"
+
     from_peer_id: str
     body: Any
 
@@ -62,6 +68,8 @@ class Signal:
 @attrs.frozen
 class SessionClosed:
     """The host left; the session is gone (proto_spec §2.2 `session_closed`)."""
+
+    type: ClassVar[str] = "session_closed"
 
     session_id: str
     reason: str
@@ -71,6 +79,8 @@ class SessionClosed:
 class RendezvousErrorEvent:
     """A non-fatal `error` not tied to a waiting request, e.g. `budget_exhausted` (proto_spec §2.3)."""
 
+    type: ClassVar[str] = "error"
+
     code: str
     reason: str
 
@@ -79,9 +89,12 @@ class RendezvousErrorEvent:
 class Disconnected:
     """The WebSocket to the rendezvous is gone; every circuit is broken. Always the last event."""
 
+    type: ClassVar[str] = "disconnected"
+
     reason: str
 
 
+#: Every event has a `type` class attribute equal to the proto_spec §2.2 message type.
 RendezvousEvent = MemberJoined | MemberLeft | Signal | SessionClosed | RendezvousErrorEvent | Disconnected
 
 
@@ -251,9 +264,13 @@ class RendezvousClient:
         """Wait for the next circuit another member opens to us.
 
         Raises:
-            trio.EndOfChannel: the rendezvous connection is gone.
+            trio.BrokenResourceError: the rendezvous connection is lost.
         """
-        return await self.incoming_circuits.receive()
+        try:
+            return await self.incoming_circuits.receive()
+        except trio.EndOfChannel:
+            raise trio.BrokenResourceError(
+                f"The connection to the rendezvous at {self.url} is lost: {self._lost}") from None
 
     # --- plumbing -------------------------------------------------------------------------------
 

@@ -75,6 +75,11 @@ class RendezvousServer:
             nursery.start_soon(self._writer, ws, recv_q)
             try:
                 reason = await self._reader(conn, ws)
+            except Exception:  # a bug must cost one connection, never the server (proto_spec §6)
+                log.exception("rendezvous: internal error on connection %d; closing it", conn)
+                reason = "the rendezvous hit an internal error on its connection"
+                with trio.move_on_after(5.0):
+                    await ws.aclose(1011, "internal error")
             finally:
                 del self._queues[conn]
                 send_q.close()

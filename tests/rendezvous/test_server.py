@@ -151,7 +151,7 @@ def test_member_disconnect_closes_its_circuits_and_notifies_others():
             # C's connection is closed now
             for client in (host, a, b):
                 event = await client.events.receive()
-                assert isinstance(event, MemberLeft) and event.peer_id == "C"
+                assert isinstance(event, MemberLeft) and event.peer_id == "C" and event.type == "member_left"
                 assert event.reason.startswith("its connection closed")
             for circuit in (c_hc, c_bc):
                 with pytest.raises(trio.EndOfChannel):
@@ -217,7 +217,10 @@ def test_losing_the_rendezvous_breaks_circuits_and_reports_disconnected():
                     with pytest.raises(trio.BrokenResourceError, match="The circuit to A broke"):
                         await circuit.receive_message()
                     event = await host.events.receive()
-                    assert isinstance(event, Disconnected)
+                    assert isinstance(event, Disconnected) and event.type == "disconnected"
+                    assert event.reason.startswith("the rendezvous closed the connection")
+                    with pytest.raises(trio.BrokenResourceError, match="rendezvous at ws://127.0.0.1.* is lost"):
+                        await a.accept_circuit()
                     with pytest.raises(trio.EndOfChannel):
                         await host.events.receive()
                     with pytest.raises(trio.BrokenResourceError, match="The circuit to A is closed"):
