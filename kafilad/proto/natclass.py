@@ -219,6 +219,11 @@ class NatClassifier:
         t.done, t.response, t.origin, t.answered_at = True, message, origin, now
         self._advance(now)
 
+    def abort(self) -> None:
+        """Stop now and report what is known; an undecided mapping is "unknown" (class S)."""
+        if self.report is None:
+            self._finish(UNKNOWN, self._filtering, self._mode if self._mapped else "failed")
+
     # --- internals ------------------------------------------------------------------------------
 
     def _start(self, name: str, dest: Address, change: int | None, now: float) -> None:
