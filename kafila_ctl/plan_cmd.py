@@ -94,10 +94,9 @@ def render(outcomes: dict[str, Outcome], chosen: str, console: Console, fleet_na
     any_p = ref if isinstance(ref, Plan) else next(iter(ok.values()), None)
     title = f"{any_p.model_id if any_p else ''} on {fleet_name or 'fleet'}"
     if any_p:
-        title += f" · context {any_p.context} x {any_p.concurrency} · tier {tier}"
+        title += f" · context {any_p.context} x {any_p.concurrency} · tier {tier} · times in {unit}"
     t = Table(title=title)
-    for col in ("division", "head", f"bottleneck {unit}", f"circuit {unit}", "utilization",
-                "imbalance", f"bottleneck / {chosen}"):
+    for col in ("division", "head", "bottleneck", "circuit", "util.", "imbalance", f"÷ {chosen}"):
         t.add_column(col, justify="left" if col in ("division", "head") else "right")
     for s in [chosen] + [x for x in STRATEGIES if x != chosen]:
         p = outcomes[s]
@@ -111,19 +110,17 @@ def render(outcomes: dict[str, Outcome], chosen: str, console: Console, fleet_na
     console.print(t)
     if ok:
         base = ref if isinstance(ref, Plan) else next(iter(ok.values()))
-        d = Table(title="per device (ring order from the chosen head)")
+        d = Table(title=f"per device, ring order · cells: blocks (H = head) / stage {unit}")
         d.add_column("device")
         d.add_column("memory GB", justify="right")
+        d.add_column(f"{base.strategy} GB held", justify="right")
         for s in ok:
-            d.add_column(f"{s} blocks", justify="right")
-            d.add_column(f"{s} {'stage' if tier == 'memory' else 'ms'}", justify="right")
-            d.add_column(f"{s} GB", justify="right")
+            d.add_column(s, justify="right")
         for name in base.order:
-            row = [name, f"{base.memory_bytes[name] / 1e9:.1f}"]
+            row = [name, f"{base.memory_bytes[name] / 1e9:.1f}", f"{base.resident_bytes[name] / 1e9:.1f}"]
             for p in ok.values():
                 a, b = p.blocks[name]
-                row += [f"[{a},{b}) {b - a}" + (" H" if p.head == name else ""),
-                        _ms(p.stage_s[name], tier), f"{p.resident_bytes[name] / 1e9:.1f}"]
+                row.append(f"{b - a}{'H' if p.head == name else ''} / {_ms(p.stage_s[name], tier)}")
             d.add_row(*row)
         console.print(d)
     for s, p in outcomes.items():
