@@ -11,7 +11,8 @@ A frame (proto_spec 02 §1)::
     +-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+-+
 
     1 <= L <= MAX_FRAME_BYTES (64 MiB). The body's key "t" (str) is the frame type; receivers
-    ignore keys they do not know (forward compatibility, proto_spec 02 §1.2).
+    ignore keys they do not know and bytes after the map inside the L bytes (forward
+    compatibility, proto_spec 02 §1.2).
 
 Frames form a byte stream (inside the Noise channel, proto_spec 01 §3), so one frame may span
 many Noise messages and one Noise message may hold parts of several frames: ``chunk`` cuts a
@@ -128,8 +129,8 @@ class FrameDecoder:
         """The next complete frame body, or None until more bytes arrive.
 
         Raises:
-            RemoteProtocolError: a length of 0 or over the limit, a body that is not one msgpack
-                map (trailing bytes included), or no str "t".
+            RemoteProtocolError: a length of 0 or over the limit, a body that does not start with a
+                complete msgpack map, or no str "t".
         """
         if self._error is not None:
             raise self._error
@@ -147,8 +148,11 @@ class FrameDecoder:
         raw = bytes(memoryview(self._buf)[HEADER_BYTES:end])
         del self._buf[:end]
         try:
-            body = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
-        except Exception as exc:  # msgpack raises many types (ExtraData, FormatError, ValueError, ...)
+            # One msgpack object; bytes after it inside the frame are ignored (proto_spec 02 §1.2).
+            unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True, max_buffer_size=len(raw))
+            unpacker.feed(raw)
+            body = unpacker.unpack()
+        except Exception as exc:  # msgpack raises many types (OutOfData, FormatError, ValueError, ...)
             self._fail(f"A frame of {length} bytes is not valid msgpack ({type(exc).__name__}: {exc}).")
         if not isinstance(body, dict):
             self._fail(f"A frame body is a msgpack {type(body).__name__}, not a map (proto_spec 02 §1.2).")

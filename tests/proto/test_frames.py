@@ -33,10 +33,14 @@ def test_layout_is_u32_be_length_then_msgpack_map():
     assert dec.next_event() is None and dec.pending_bytes == 0 and dec.frames_decoded == 1
 
 
-def test_unknown_keys_are_kept_and_ignored():
+def test_unknown_keys_and_trailing_bytes_are_ignored():
     dec = frames.FrameDecoder()
     dec.receive_data(frames.encode_frame({"t": "hello", "future_field": {"x": 1}}))
     assert dec.next_event() == {"t": "hello", "future_field": {"x": 1}}
+    # A later version may append data after the map inside the frame (proto_spec 02 §1.2).
+    dec.receive_data(_raw_frame(msgpack.packb({"t": "a"}) + b"\x00future") + frames.encode_frame({"t": "b"}))
+    assert dec.next_event() == {"t": "a"}
+    assert dec.next_event() == {"t": "b"}
 
 
 @pytest.mark.parametrize(
@@ -66,7 +70,7 @@ def _raw_frame(body_bytes: bytes) -> bytes:
         (_raw_frame(b"\xc1"), "not valid msgpack"),  # 0xc1 is never used in msgpack
         (_raw_frame(msgpack.packb([1, 2])), "not a map"),
         (_raw_frame(msgpack.packb({"x": 1})), "no str key 't'"),
-        (_raw_frame(msgpack.packb({"t": "a"}) + b"\x00"), "not valid msgpack"),  # trailing bytes
+        (_raw_frame(msgpack.packb({"t": "a", "n": 5})[:-1]), "not valid msgpack"),  # map cut short
         (_raw_frame(msgpack.packb({"t": b"bytes-not-str"}, use_bin_type=True)), "no str key 't'"),
         (_raw_frame(b"\xa2\xff\xfe"), "not valid msgpack"),  # str that is not UTF-8
     ],
