@@ -6,7 +6,7 @@ import itertools
 
 import msgpack
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kafilad.errors import LocalProtocolError, RemoteProtocolError
@@ -359,3 +359,32 @@ def test_rate_limit_pauses_the_reader_instead_of_dropping():
     assert h.send(1, t="signal", to="A", body=0) == pytest.approx(0.1)
     h.now = 2.0
     assert h.feed(1, encode_relay(cid, b"x" * 500)) == 0.0
+
+
+_field_values = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=10),
+                          st.binary(max_size=10), st.dictionaries(st.text(max_size=4), st.integers(0, 9), max_size=2),
+                          st.lists(st.integers(0, 9), max_size=2))
+_fuzz_messages = st.one_of(
+    st.binary(max_size=40),
+    st.text(max_size=10),
+    st.builds(lambda t, f: encode_control({**f, "t": t}),
+              st.sampled_from(["register", "join", "leave", "signal", "circuit_open", "circuit_close", "x"]),
+              st.dictionaries(st.sampled_from(["model_id", "members", "capability", "peer_id", "name", "session_id",
+                                               "to", "body", "label", "req", "circuit", "reason"]),
+                              _field_values, max_size=8)),
+    st.builds(encode_relay, st.integers(0, 3), st.binary(max_size=20)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), _fuzz_messages), max_size=25))
+def test_any_input_yields_actions_never_an_exception(script):
+    h = Harness(RendezvousLimits(max_relay_payload_bytes=16))
+    sid = h.session(members=3)
+    h.join(2, sid, "A")
+    h.connect(3)
+    for conn, data in script:
+        h.feed(conn, data)  # must not raise
+    for conn in (1, 2, 3):
+        h.lose(conn)
+    assert h.state.session_count == 0
