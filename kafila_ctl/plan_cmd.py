@@ -34,6 +34,16 @@ DEFAULT_CONCURRENCY = 1
 Outcome = Union[Plan, PlanError]
 
 
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    return v
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `plan` subcommand on an argparse subparsers object."""
     p = subparsers.add_parser(
@@ -42,8 +52,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "with the uniform and memory-proportional baselines. No daemon is needed.")
     p.add_argument("--fleet", required=True, type=Path, help="fleet JSON file (proto_spec/06-fleet.md)")
     p.add_argument("--model", required=True, type=Path, help="model directory (config.json + safetensors headers)")
-    p.add_argument("--context", type=int, default=None, help=f"context tokens per request (default: fleet's, else {DEFAULT_CONTEXT})")
-    p.add_argument("--concurrency", type=int, default=None, help=f"concurrent requests (default: fleet's, else {DEFAULT_CONCURRENCY})")
+    p.add_argument("--context", type=_positive_int, default=None, help=f"context tokens per request (default: fleet's, else {DEFAULT_CONTEXT})")
+    p.add_argument("--concurrency", type=_positive_int, default=None, help=f"concurrent requests (default: fleet's, else {DEFAULT_CONCURRENCY})")
     p.add_argument("--strategy", choices=STRATEGIES, default="kafila", help="division to choose (default kafila)")
     p.add_argument("--hold-dtype", choices=tuple(HOLD_DTYPE_BYTES), default="stored",
                    help="dtype members hold float weights in (default: as stored)")
@@ -180,8 +190,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             console.print(f"[red]error:[/red] {e}")
         return 1
-    context = args.context or fleet.context or DEFAULT_CONTEXT
-    concurrency = args.concurrency or fleet.concurrency or DEFAULT_CONCURRENCY
+    context = args.context if args.context is not None else (fleet.context or DEFAULT_CONTEXT)
+    concurrency = args.concurrency if args.concurrency is not None else (fleet.concurrency or DEFAULT_CONCURRENCY)
     outcomes = plan_all(fleet.devices, profile, context=context, concurrency=concurrency, mu=args.mu)
     chosen = outcomes[args.strategy]
     if args.json:
