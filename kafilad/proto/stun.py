@@ -256,6 +256,9 @@ class StunResponder:
 
         response = Message(Method.BINDING, Class.RESPONSE, transaction_id=request.transaction_id)
         response.attributes["XOR-MAPPED-ADDRESS"] = source
+        # Also the plain form: RFC 3489-era clients (coturn's turnutils_natdiscovery among them)
+        # look for it (RFC 8489 §14.1).
+        response.attributes["MAPPED-ADDRESS"] = source
         response.attributes["RESPONSE-ORIGIN"] = origin
         other = self.other_address(local)
         if other is not None:

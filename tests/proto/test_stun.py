@@ -173,6 +173,7 @@ def test_responder_two_by_two_honours_change_request(change, origin):
     assert response.message_class == Class.RESPONSE
     assert response.transaction_id == b"0123456789ab"
     assert response.attributes["XOR-MAPPED-ADDRESS"] == CLIENT
+    assert response.attributes["MAPPED-ADDRESS"] == CLIENT  # for RFC 3489-era clients
     assert response.attributes["RESPONSE-ORIGIN"] == origin
     assert response.attributes["OTHER-ADDRESS"] == ("192.0.2.11", 3479)
     assert "FINGERPRINT" in response.attributes
