@@ -1,0 +1,240 @@
+"""`kafila-ctl`: one small function per subcommand (STYLE.md "Daemon and CLI"; DESIGN §7)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import trio
+
+from kafilad.errors import KafilaError
+from kafila_ctl.client import ControlClient
+
+
+def _client(args) -> ControlClient:
+    from kafilad.node.statedir import StateDir
+    return ControlClient(StateDir(args.state_dir).socket_path)
+
+
+def _call(args, op: str, **kw):
+    return trio.run(lambda: _client(args).call(op, **kw))
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=1, default=lambda o: o.hex() if isinstance(o, bytes) else str(o)))
+
+
+def cmd_keys(args) -> int:
+    r = _call(args, "keys")
+    if args.json:
+        _print_json(r)
+    else:
+        print(f"name        {r['name']}\npeer id     {r['peer_id']}\nfingerprint {r['fingerprint']}")
+    return 0
+
+
+def cmd_host(args) -> int:
+    from pathlib import Path
+    r = _call(args, "host", model_dir=str(Path(args.model).resolve()), members=args.members, context=args.context,
+              concurrency=args.concurrency, rendezvous=args.rendezvous, open=args.open,
+              admit_timeout_s=args.admit_timeout)
+    if args.json:
+        _print_json(r)
+    else:
+        print(r["code"])
+    return 0
+
+
+def cmd_join(args) -> int:
+    async def run():
+        async for kind, body in _client(args).stream("join", code=args.code, rendezvous=args.rendezvous):
+            if kind == "event":
+                print(body.get("msg", ""), file=sys.stderr, flush=True)
+            else:
+                print(f"admitted to session {body['session_id']} hosted by {body['host']}")
+    trio.run(run)
+    return 0
+
+
+def cmd_pending(args) -> int:
+    r = _call(args, "pending")
+    if args.json:
+        _print_json(r)
+    elif not r:
+        print("no peers are waiting for admission")
+    else:
+        for p in r:
+            print(f"{p['peer_id']}  {p['name']}  fingerprint {p['fingerprint']}")
+    return 0
+
+
+def cmd_admit(args) -> int:
+    r = _call(args, "admit", peer=args.peer)
+    print(f"admitted {r['name']} ({r['peer_id']})")
+    return 0
+
+
+def cmd_deny(args) -> int:
+    r = _call(args, "deny", peer=args.peer)
+    print(f"denied {r['name']} ({r['peer_id']})")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from rich.console import Console
+    from rich.live import Live
+    from kafila_ctl.render import status_json, status_renderable
+    if args.watch:
+        async def run():
+            console = Console()
+            with Live(console=console, auto_refresh=False) as live:
+                async for kind, body in _client(args).stream("watch"):
+                    if kind == "event":
+                        live.update(status_renderable(body["snapshot"]), refresh=True)
+        try:
+            trio.run(run)
+        except KeyboardInterrupt:
+            pass
+        return 0
+    snap = _call(args, "status")
+    if args.json:
+        _print_json(status_json(snap))
+    else:
+        Console().print(status_renderable(snap))
+    return 0
+
+
+def cmd_wait(args) -> int:
+    snap = _call(args, "wait", states=args.state, timeout_s=args.timeout)
+    print(snap["state"])
+    return 0
+
+
+def cmd_generate(args) -> int:
+    async def run():
+        result = None
+        async for kind, body in _client(args).stream("generate", prompt=args.prompt, max_tokens=args.max_tokens,
+                                                     temperature=args.temperature):
+            if kind == "event" and not args.json and body.get("text"):
+                print(body["text"], end="", flush=True)
+            elif kind == "result":
+                result = body
+        return result
+    result = trio.run(run)
+    if args.json:
+        _print_json({"text": result["text"], "token_ids": result["token_ids"],
+                     **{k: v for k, v in result.items() if k not in ("text", "token_ids")}})
+    else:
+        print()
+    return 0
+
+
+def cmd_trace(args) -> int:
+    for rec in _call(args, "trace"):
+        print(json.dumps(rec))
+    return 0
+
+
+def cmd_leave(args) -> int:
+    r = _call(args, "leave")
+    print(f"left session {r['left']}")
+    return 0
+
+
+def cmd_stop(args) -> int:
+    _call(args, "stop")
+    print("kafilad is stopping")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from kafila_ctl.demo import run_demo
+    return run_demo(model=args.model, members=args.members, prompt=args.prompt, max_tokens=args.max_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kafila-ctl", description="Control a local kafilad.")
+    p.add_argument("--state-dir", help="the daemon's state directory (default: the platform's user state dir)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("keys", help="this daemon's peer id and key fingerprint")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_keys)
+
+    s = sub.add_parser("host", help="open a session and print its code")
+    s.add_argument("--model", required=True, help="model directory (config.json + *.safetensors + tokenizer)")
+    s.add_argument("--members", type=int, required=True, help="machines in the session, the host included")
+    s.add_argument("--context", type=int, default=4096, help="tokens of context to admit (default 4096)")
+    s.add_argument("--concurrency", type=int, default=1, help="concurrent requests to admit (default 1)")
+    s.add_argument("--rendezvous", help="rendezvous URL (default: the daemon's)")
+    s.add_argument("--open", action="store_true", help="admit any holder of the code without approval")
+    s.add_argument("--admit-timeout", type=float, default=120.0, help="seconds a pending key waits (default 120)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_host)
+
+    s = sub.add_parser("join", help="join a session by its code")
+    s.add_argument("code")
+    s.add_argument("--rendezvous", help="rendezvous URL (default: the daemon's)")
+    s.set_defaults(func=cmd_join)
+
+    s = sub.add_parser("pending", help="keys waiting for admission")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_pending)
+    for name, fn in (("admit", cmd_admit), ("deny", cmd_deny)):
+        s = sub.add_parser(name, help=f"{name} a pending peer (peer id or name)")
+        s.add_argument("peer")
+        s.set_defaults(func=fn)
+
+    s = sub.add_parser("status", help="the session: members, blocks, stage times")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--watch", action="store_true", help="live view, pushed by the daemon")
+    s.set_defaults(func=cmd_status)
+
+    s = sub.add_parser("wait", help="wait until the session reaches a state (default: ready)")
+    s.add_argument("--state", action="append", default=None)
+    s.add_argument("--timeout", type=float, default=300.0)
+    s.set_defaults(func=cmd_wait)
+
+    s = sub.add_parser("generate", help="generate from a prompt (host only)")
+    s.add_argument("prompt")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("trace", help="print the session trace (JSONL)")
+    s.set_defaults(func=cmd_trace)
+    s = sub.add_parser("leave", help="leave or close the current session")
+    s.set_defaults(func=cmd_leave)
+    s = sub.add_parser("stop", help="stop the daemon")
+    s.set_defaults(func=cmd_stop)
+
+    s = sub.add_parser("demo", help="rendezvous + daemons on loopback: form a session, generate, stop")
+    s.add_argument("--model", help="model directory (default: a synthesised model)")
+    s.add_argument("--members", type=int, default=3)
+    s.add_argument("--prompt", default="Once upon a time")
+    s.add_argument("--max-tokens", type=int, default=32)
+    s.set_defaults(func=cmd_demo)
+
+    try:
+        from kafila_ctl import plan_cmd
+        plan_cmd.add_parser(sub)
+    except ImportError:  # pragma: no cover - the planner CLI is part of the package
+        pass
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except KafilaError as e:
+        print(f"kafila-ctl: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

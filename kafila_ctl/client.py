@@ -1,0 +1,70 @@
+"""Typed client of kafilad's control socket (DESIGN §7, kafilad/control/api.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import trio
+
+from kafilad.control.api import FramedStream, request
+from kafilad.errors import KafilaError, RemoteProtocolError
+
+
+class DaemonNotRunning(KafilaError):
+    """No kafilad answers on the control socket."""
+
+
+class ControlClient:
+    """Talks to one kafilad over `socket_path`."""
+
+    def __init__(self, socket_path: Path):
+        self.socket_path = Path(socket_path)
+
+    async def _connect(self) -> FramedStream:
+        try:
+            stream = await trio.open_unix_socket(str(self.socket_path))
+        except (FileNotFoundError, ConnectionRefusedError, OSError) as e:
+            raise DaemonNotRunning(
+                f"kafilad is not running at {self.socket_path} ({e.strerror or e}); "
+                f"start it with `kafilad --state-dir {self.socket_path.parent}`.") from None
+        return FramedStream(stream)
+
+    async def call(self, op: str, **args: Any) -> Any:
+        """One request; returns its result.
+
+        Raises:
+            DaemonNotRunning: nothing answers on the socket.
+            KafilaError: the daemon replied with an error (its message).
+        """
+        result = None
+        async for kind, body in self.stream(op, **args):
+            if kind == "result":
+                result = body
+        return result
+
+    async def stream(self, op: str, **args: Any) -> AsyncIterator[tuple[str, Any]]:
+        """Yield ("event", dict) for each streamed event, then ("result", result).
+
+        Raises:
+            DaemonNotRunning, KafilaError: as for `call`.
+        """
+        conn = await self._connect()
+        try:
+            await conn.send(request(op, args))
+            while True:
+                try:
+                    msg = await conn.receive()
+                except (trio.BrokenResourceError, RemoteProtocolError) as e:
+                    raise KafilaError(f"kafilad closed the control connection during '{op}': {e}.") from None
+                if msg is None:
+                    raise KafilaError(f"kafilad closed the control connection during '{op}' without a reply.")
+                if msg.get("t") == "event":
+                    yield "event", msg
+                elif msg.get("t") == "reply":
+                    if not msg.get("ok"):
+                        raise KafilaError(msg.get("error") or f"'{op}' failed.")
+                    yield "result", msg.get("result")
+                    return
+        finally:
+            await conn.aclose()

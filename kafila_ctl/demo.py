@@ -1,0 +1,165 @@
+"""`kafila-ctl demo` and the loopback cluster used by tests and benchmarks.
+
+Starts a rendezvous and N daemons as separate processes with separate state directories on
+loopback, forms a session (the first daemon hosts), and drives it through the same control API
+that `kafila-ctl` uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import trio
+
+from kafilad.errors import KafilaError
+from kafila_ctl.client import ControlClient, DaemonNotRunning
+
+START_TIMEOUT_S = 30.0
+
+
+class LoopbackCluster:
+    """A rendezvous plus `n` kafilad processes on 127.0.0.1, each with its own state dir.
+
+    Use as a context manager; every process is stopped (SIGTERM, then SIGKILL) on exit.
+    Attributes:
+        root: temporary directory holding state dirs (`m0`, `m1`, ...) and logs.
+        rdv_url: ws://127.0.0.1:PORT of the rendezvous.
+        record_path: file receiving every payload the rendezvous relayed (when `record_relay`).
+    """
+
+    def __init__(self, n: int, *, root: Optional[str] = None, record_relay: bool = False,
+                 names: Optional[list[str]] = None, env: Optional[dict] = None):
+        self.n = n
+        self._own_root = root is None
+        self.root = Path(root or tempfile.mkdtemp(prefix="kafila-demo-"))
+        self.record_path = self.root / "relay.rec" if record_relay else None
+        self.names = names or [f"m{i}" for i in range(n)]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.rdv: Optional[subprocess.Popen] = None
+        self.daemons: list[Optional[subprocess.Popen]] = []
+        self.rdv_url = ""
+
+    def state_dir(self, i: int) -> Path:
+        return self.root / self.names[i]
+
+    def client(self, i: int) -> ControlClient:
+        return ControlClient(self.state_dir(i) / "kafilad.sock")
+
+    def __enter__(self) -> "LoopbackCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "kafilad.main", "rendezvous", "--listen", "127.0.0.1:0"]
+        if self.record_path:
+            cmd += ["--record-relay", str(self.record_path)]
+        log = open(self.root / "rendezvous.log", "wb")
+        self.rdv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=self.env)
+        line = self.rdv.stdout.readline().decode()
+        m = re.search(r"ws://[\d.]+:(\d+)", line)
+        if not m:
+            raise KafilaError(f"The rendezvous did not start: {line!r}; see {self.root / 'rendezvous.log'}.")
+        self.rdv_url = f"ws://127.0.0.1:{m.group(1)}"
+        for i in range(self.n):
+            self.daemons.append(self.start_daemon(i))
+        for i in range(self.n):
+            self.wait_daemon(i)
+
+    def start_daemon(self, i: int) -> subprocess.Popen:
+        d = self.state_dir(i)
+        d.mkdir(parents=True, exist_ok=True)
+        log = open(self.root / f"{self.names[i]}.log", "ab")
+        return subprocess.Popen([sys.executable, "-m", "kafilad.main", "--state-dir", str(d), "--name", self.names[i],
+                                 "--rendezvous", self.rdv_url], stdout=log, stderr=log, env=self.env)
+
+    def wait_daemon(self, i: int) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                trio.run(self.client(i).call, "keys")
+                return
+            except DaemonNotRunning:
+                if self.daemons[i].poll() is not None or time.monotonic() > deadline:
+                    raise KafilaError(f"kafilad {self.names[i]} did not start; see {self.root / (self.names[i] + '.log')}.")
+                time.sleep(0.1)
+
+    def call(self, i: int, op: str, **args):
+        return trio.run(lambda: self.client(i).call(op, **args))
+
+    def form(self, model_dir: str, *, members: Optional[int] = None, context: int = 512, concurrency: int = 1,
+             timeout_s: float = 120.0) -> dict:
+        """Host on daemon 0 (open session), join with the others, wait until ready; return timings."""
+        members = members or self.n
+        t0 = time.perf_counter()
+        code = self.call(0, "host", model_dir=str(Path(model_dir).resolve()), members=members, context=context,
+                         concurrency=concurrency, open=True)["code"]
+
+        async def join_all():
+            async with trio.open_nursery() as nursery:
+                for i in range(1, members):
+                    nursery.start_soon(lambda i=i: self.client(i).call("join", code=code))
+        trio.run(join_all)
+        snap = self.call(0, "wait", states=["ready"], timeout_s=timeout_s)
+        return {"code": code, "form_s": time.perf_counter() - t0, "status": snap}
+
+    def generate(self, prompt: str, max_tokens: int, temperature: float = 0.0) -> dict:
+        return self.call(0, "generate", prompt=prompt, max_tokens=max_tokens, temperature=temperature)
+
+    def stop(self) -> None:
+        procs = [p for p in self.daemons if p is not None] + ([self.rdv] if self.rdv else [])
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.rdv and self.rdv.stdout:
+            self.rdv.stdout.close()
+        if self._own_root and not os.environ.get("KAFILA_KEEP_DEMO"):
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def run_demo(*, model: Optional[str], members: int, prompt: str, max_tokens: int) -> int:
+    """The `kafila-ctl demo` command."""
+    from rich.console import Console
+    from kafila_ctl.render import members_table
+    console = Console()
+    if model is None:
+        from kafilad.executor.synth import default_synth_model_dir
+        model = str(default_synth_model_dir())
+        console.print(f"model: synthesised (random weights, byte-level tokenizer) at {model}")
+    with LoopbackCluster(members) as cluster:
+        console.print(f"rendezvous {cluster.rdv_url}; {members} daemons started")
+        formed = cluster.form(model, members=members)
+        console.print(f"session {formed['code']} formed in {formed['form_s']:.2f} s")
+        console.print(members_table(formed["status"]))
+        plan = formed["status"].get("plan") or {}
+        console.print(f"plan: bottleneck {plan.get('bottleneck_s', 0) * 1e3:.3f} ms, "
+                      f"utilisation {plan.get('utilization', 0):.0%}, tier {plan.get('tier')}")
+        result = cluster.generate(prompt, max_tokens)
+        console.print(f"[bold]{prompt}[/bold]{result['text']}")
+        tps = result.get("decode_tokens_per_s")
+        console.print(f"{len(result['token_ids'])} tokens; decode {tps:.1f} tokens/s" if tps else
+                      f"{len(result['token_ids'])} tokens")
+    return 0

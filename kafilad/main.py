@@ -1,0 +1,78 @@
+"""`kafilad` command line: the daemon (foreground) and `kafilad rendezvous`.
+
+    kafilad [--state-dir DIR] [--name NAME] [--rendezvous ws://HOST:PORT] [-v]
+    kafilad rendezvous --listen HOST:PORT [--stun ADDR:PORT ...] [--record-relay FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import trio
+
+from kafilad.errors import KafilaError
+
+
+def _hostport(s: str) -> tuple[str, int]:
+    host, _, port = s.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {s!r}")
+    return host.strip("[]"), int(port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kafilad", description="Kafila daemon (runs in the foreground).")
+    p.add_argument("--state-dir", help="state directory (default: the platform's user state dir)")
+    p.add_argument("--name", help="this member's name (default: the host name)")
+    p.add_argument("--rendezvous", help="default rendezvous URL, e.g. ws://rdv.example:7400")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command")
+    r = sub.add_parser("rendezvous", help="run the rendezvous / relay / STUN service")
+    r.add_argument("--listen", type=_hostport, required=True, help="WebSocket HOST:PORT")
+    r.add_argument("--stun", type=_hostport, action="append", default=[],
+                   help="STUN responder ADDR:PORT (repeat: 2 IPs x 2 ports enable RFC 5780 discovery)")
+    r.add_argument("--record-relay", help="append every relayed payload to FILE (tests, audits)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        if args.command == "rendezvous":
+            trio.run(_rendezvous, args)
+        else:
+            trio.run(_daemon, args)
+    except KafilaError as e:
+        print(f"kafilad: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def _rendezvous(args) -> None:
+    from kafilad.rendezvous.server import serve_rendezvous
+    host, port = args.listen
+    async with trio.open_nursery() as nursery:
+        if args.stun:
+            from kafilad.rendezvous.stun_server import serve_stun
+            await nursery.start(serve_stun, args.stun)
+        actual = await nursery.start(lambda task_status: serve_rendezvous(
+            host, port, record_path=args.record_relay, task_status=task_status))
+        logging.getLogger("kafilad.rendezvous").info("rendezvous listening on ws://%s:%s", host, actual)
+        print(f"rendezvous listening on ws://{host}:{actual}", flush=True)
+
+
+async def _daemon(args) -> None:
+    from kafilad.node.daemon import Node
+    from kafilad.node.statedir import StateDir, default_name
+    node = Node(StateDir(args.state_dir), name=args.name or default_name(), rendezvous=args.rendezvous)
+    await node.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

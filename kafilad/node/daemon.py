@@ -1,0 +1,220 @@
+"""The daemon: one root nursery holding the control server and at most one session (DESIGN §7).
+
+The control handler table (STYLE.md "Daemon and CLI") maps each op of kafilad/control/api.py
+to a method here. Sessions run as tasks of the root nursery, started with `nursery.start` so that
+errors before they are established reach the `kafila-ctl` command that asked for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Optional
+
+import trio
+
+from kafilad.control.api import OPS
+from kafilad.control.server import serve_control
+from kafilad.errors import KafilaError
+from kafilad.node.statedir import StateDir
+from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
+
+log = logging.getLogger("kafilad")
+
+DEFAULT_ADMIT_TIMEOUT_S = 120.0
+
+
+class Node:
+    """One kafilad process.
+
+    Args:
+        state: the state directory (key, roster, cache, socket, traces).
+        name: this member's display name.
+        rendezvous: default rendezvous URL for host/join (overridable per command).
+    """
+
+    def __init__(self, state: StateDir, *, name: str, rendezvous: Optional[str]):
+        self.state = state.ensure()
+        self.name = name
+        self.rendezvous = rendezvous
+        self.static_private, self.public_key = self.state.load_or_create_static_key()
+        self.peer_id = peer_id_of(self.public_key)
+        self.session = None
+        self.mlx_lock = trio.Lock()
+        self._changed = trio.Event()
+        self._session_scope: Optional[trio.CancelScope] = None
+        self.handlers = {op: getattr(self, f"op_{op}") for op in OPS}
+
+    def changed(self) -> None:
+        """Wake every `watch` stream (state changes are pushed, not polled)."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            await nursery.start(serve_control, self.state.socket_path, self.handlers)
+            nursery.start_soon(self._signals, nursery.cancel_scope)
+            log.info("kafilad %s (peer %s) listening on %s", self.name, self.peer_id, self.state.socket_path)
+            task_status.started()
+
+    async def _signals(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+            async for sig in sigs:
+                log.info("received signal %s; shutting down", sig)
+                scope.cancel()
+                return
+
+    # ---- sessions ------------------------------------------------------------------------------
+    def _rdv(self, args: dict) -> str:
+        url = args.get("rendezvous") or self.rendezvous
+        if not url:
+            raise KafilaError("No rendezvous given: pass --rendezvous ws://HOST:PORT to this command or to kafilad.")
+        return url
+
+    def _ensure_no_session(self) -> None:
+        if self.session is not None and self.session.state not in ("failed", "closed"):
+            raise KafilaError(f"This daemon is already in session {self.session.session_id} "
+                              f"(state {self.session.state}); run `kafila-ctl leave` first.")
+
+    async def _run_session(self, session, *, task_status, **kw) -> None:
+        """Run a session task; after it is established, no error of it may stop the daemon."""
+        started = False
+
+        class _Status:
+            def started(self, value=None):
+                nonlocal started
+                started = True
+                task_status.started(value)
+
+        with trio.CancelScope() as scope:
+            self._session_scope = scope
+            try:
+                await session.run(task_status=_Status(), **kw)
+            except Exception as e:
+                if not started:
+                    raise
+                log.exception("session %s stopped by an internal error", session.session_id)
+                session._fail(f"internal error: {e!r}")
+            finally:
+                if session.state not in ("failed",):
+                    session.state = "closed"
+                self.changed()
+
+    async def op_host(self, args: dict, emit) -> dict:
+        from kafilad.node.host import HostSession
+        self._ensure_no_session()
+        session = HostSession(self, model_dir=args["model_dir"], members=int(args.get("members", 1)),
+                              context=int(args.get("context") or 4096), concurrency=int(args.get("concurrency") or 1),
+                              rendezvous=self._rdv(args), open_=bool(args.get("open")),
+                              admit_timeout_s=float(args.get("admit_timeout_s") or DEFAULT_ADMIT_TIMEOUT_S))
+        if session.expected < 1:
+            raise KafilaError("--members counts every machine, the host included: it must be at least 1.")
+        code = await self.nursery.start(self._run_session, session)
+        self.session = session
+        self.changed()
+        return {"code": code, "session_id": session.session_id}
+
+    async def op_join(self, args: dict, emit) -> dict:
+        from kafilad.node.member import MemberSession
+        self._ensure_no_session()
+        session = MemberSession(self, code=str(args["code"]).strip(), rendezvous=self._rdv(args))
+        self.session = session
+
+        async def progress(ev: dict) -> None:
+            try:
+                await emit(ev)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+        try:
+            await self.nursery.start(lambda task_status: self._run_session(session, task_status=task_status,
+                                                                           progress=progress))
+        except BaseException:
+            session.state = "failed"
+            self.changed()
+            raise
+        self.changed()
+        return {"session_id": session.session_id, "host": session.host_name, "state": session.state}
+
+    def _host_session(self):
+        from kafilad.node.host import HostSession
+        if not isinstance(self.session, HostSession):
+            raise KafilaError("This daemon is not hosting a session.")
+        return self.session
+
+    async def op_pending(self, args: dict, emit) -> list:
+        s = self.session
+        return [{"peer_id": p.peer_id, "name": p.name, "fingerprint": fingerprint(p.public_key)}
+                for p in getattr(s, "pending", {}).values()]
+
+    async def op_admit(self, args: dict, emit) -> dict:
+        return self._host_session().decide(str(args["peer"]), "admit")
+
+    async def op_deny(self, args: dict, emit) -> dict:
+        return self._host_session().decide(str(args["peer"]), "deny")
+
+    async def op_keys(self, args: dict, emit) -> dict:
+        return {"name": self.name, "peer_id": self.peer_id, "fingerprint": fingerprint(self.public_key),
+                "public_key": self.public_key.hex()}
+
+    def snapshot(self) -> dict:
+        base = {"name": self.name, "peer_id": self.peer_id, "fingerprint": fingerprint(self.public_key),
+                "rendezvous": self.rendezvous}
+        if self.session is None:
+            return {**base, "session": None, "state": "idle", "members": []}
+        snap = self.session.snapshot()
+        return {**base, "session": snap["session_id"], **snap}
+
+    async def op_status(self, args: dict, emit) -> dict:
+        return self.snapshot()
+
+    async def op_wait(self, args: dict, emit) -> dict:
+        """Wait until the session state is in args["states"]; error if it fails or times out."""
+        states = set(args.get("states") or ["ready"])
+        with trio.move_on_after(float(args.get("timeout_s", 300))):
+            while True:
+                snap = self.snapshot()
+                if snap["state"] in states:
+                    return snap
+                if snap["state"] == "failed" and "failed" not in states:
+                    raise KafilaError(f"The session failed: {snap.get('error')}.")
+                ev = self._changed
+                await ev.wait()
+        raise KafilaError(f"Timed out waiting for the session to become {'/'.join(sorted(states))} "
+                          f"(state: {self.snapshot()['state']}).")
+
+    async def op_watch(self, args: dict, emit) -> None:
+        while True:
+            await emit({"snapshot": self.snapshot()})
+            ev = self._changed
+            await ev.wait()
+
+    async def op_generate(self, args: dict, emit) -> dict:
+        s = self._host_session()
+        return await s.generate(str(args["prompt"]), max_tokens=int(args.get("max_tokens", 64)),
+                                temperature=float(args.get("temperature", 0.0)), emit=emit)
+
+    async def op_trace(self, args: dict, emit) -> list:
+        from kafilad.node.trace import Trace
+        if self.session is None or not self.session.session_id:
+            raise KafilaError("This daemon has no session, so there is no trace.")
+        return Trace(self.state.trace_path(self.session.session_id)).read()
+
+    async def op_leave(self, args: dict, emit) -> dict:
+        if self.session is None:
+            raise KafilaError("This daemon is not in a session.")
+        sid = self.session.session_id
+        await self.session.close()
+        if self._session_scope is not None:
+            self._session_scope.cancel()
+        self.session = None
+        self.changed()
+        return {"left": sid}
+
+    async def op_stop(self, args: dict, emit) -> dict:
+        async def stop_after_reply() -> None:
+            await trio.sleep(0.2)
+            self.nursery.cancel_scope.cancel()
+        self.nursery.start_soon(stop_after_reply)
+        return {"stopping": True}

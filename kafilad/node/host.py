@@ -1,0 +1,533 @@
+"""The host's side of a session (DESIGN §3 steps 1-2, §5, §6; proto_spec 05 §1-§2).
+
+Control frames on a host<->member "ctl" link (inside Noise; proto_spec 05 §1):
+
+```
+host -> member  {"t": "pending"}                      unknown key: wait for `kafila-ctl admit`
+host -> member  {"t": "denied", "reason": str}        then the link closes
+host -> member  {"t": "admitted", "model_id", "config", "dtype", "context", "concurrency"}
+member -> host  {"t": "capability", "memory_bytes", "bandwidth_Bps", "step_overhead_s"}
+host -> member  {"t": "plan", "plan": {...}, "ring": [peer_id...], "roster": {peer_id: {name, public_key}},
+                 "start", "end", "head", "tensors": [{name, file, dtype, shape, offset, nbytes, sha256}],
+                 "files": [{name, nbytes, sha256}]}
+member -> host  {"t": "fetch", "id": int, "file": str, "offset": int, "length": int}
+host -> member  {"t": "data", "id": int, "data": bytes}   | {"t": "fetch_error", "id", "reason"}
+member -> host  {"t": "ready", "fetched_bytes", "cached_bytes", "load_s"} | {"t": "failed", "reason"}
+host -> member  {"t": "gen", "req", "prompt", "max_tokens", "temperature"}   (to the head)
+member -> host  {"t": "gen_event", "req", "event": {...}} / {"t": "gen_done", "req", "result": {...}}
+host -> member  {"t": "session_failed", "reason"}
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import attrs
+import trio
+
+from kafilad.errors import GenerationError, HandshakeError, KafilaError, SessionError
+from kafilad.modelinfo import read_model_info
+from kafilad.node import stagehost
+from kafilad.node.link import Link, LinkClosed, secure_link
+from kafilad.planner import plan as make_plan
+from kafilad.planner.records import Device
+from kafilad.proto.identity import compose_session_code, peer_id as peer_id_of
+
+log = logging.getLogger("kafilad.host")
+
+#: files the head needs beside its tensors (tokenizer and generation settings).
+HEAD_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+FETCH_MAX_BYTES = 4 * 1024 * 1024
+HOLD_DTYPE_BYTES = 4  # CPU members hold f32 weights (DESIGN §6)
+
+
+@attrs.define
+class MemberRecord:
+    peer_id: str
+    name: str
+    public_key: bytes
+    link: Optional[Link] = None  # None for the host itself
+    capability: Optional[dict] = None
+    ready: bool = False
+    lost: Optional[str] = None
+    load: dict = attrs.field(factory=dict)
+
+
+@attrs.define
+class PendingPeer:
+    peer_id: str
+    name: str
+    public_key: bytes
+    since_s: float
+    decision: Optional[str] = None
+    reason: str = ""
+    event: trio.Event = attrs.field(factory=trio.Event)
+
+
+class HostSession:
+    """One session hosted by this daemon. Runs inside the node's root nursery."""
+
+    role = "host"
+
+    def __init__(self, node, *, model_dir: str, members: int, context: int, concurrency: int,
+                 rendezvous: str, open_: bool, admit_timeout_s: float):
+        self.node = node
+        self.model_dir = str(Path(model_dir).resolve())
+        self.expected = members
+        self.context = context
+        self.concurrency = concurrency
+        self.rdv_url = rendezvous
+        self.open = open_
+        self.admit_timeout_s = admit_timeout_s
+        self.info = read_model_info(self.model_dir)
+        self.session_id = ""
+        self.code = ""
+        self.state = "starting"
+        self.error: Optional[str] = None
+        self.members: dict[str, MemberRecord] = {}
+        self.pending: dict[str, PendingPeer] = {}
+        self.plan = None
+        self.fleet_devices: list[Device] = []
+        self.ring_order: list[str] = []
+        self.ring = None
+        self.generations: dict[str, trio.MemorySendChannel] = {}
+        self.started_s = time.time()
+        self.formed_s: Optional[float] = None
+        self.measured_stage_s: dict[str, float] = {}
+        self.last_generation: dict = {}
+        self._members_changed = trio.Event()
+        self._ring_incoming_send, self._ring_incoming = trio.open_memory_channel(8)
+        self.trace = None
+        self.rdv = None
+        self._culprit: Optional[str] = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        from kafilad.node.rdv_client import open_rendezvous
+        from kafilad.node.trace import Trace
+
+        me = MemberRecord(peer_id=self.node.peer_id, name=self.node.name, public_key=self.node.public_key)
+        self.members[me.peer_id] = me
+        try:
+            async with open_rendezvous(self.rdv_url, peer_id=self.node.peer_id, name=self.node.name) as rdv:
+                self.rdv = rdv
+                self.session_id = await rdv.register(self.info.model_id, self.expected,
+                                                     {"name": self.node.name})
+                self.code = compose_session_code(self.session_id, self.node.public_key)
+                self.trace = Trace(self.node.state.trace_path(self.session_id))
+                self.trace.write("session_opened", session_id=self.session_id, role="host",
+                                 model_id=self.info.model_id, members=self.expected,
+                                 context=self.context, concurrency=self.concurrency)
+                self.state = "forming"
+                self.node.changed()
+                task_status.started(self.code)
+                async with trio.open_nursery() as nursery:
+                    self.nursery = nursery
+                    nursery.start_soon(self._accept_loop, rdv)
+                    nursery.start_soon(self._events_loop, rdv)
+                    nursery.start_soon(self._form)
+        except KafilaError as e:
+            if self.code:
+                self._fail(str(e))
+            else:
+                raise
+        except (trio.BrokenResourceError, OSError) as e:
+            if self.code:
+                self._fail(f"the rendezvous connection was lost ({e!r})")
+            else:
+                raise SessionError(f"cannot reach the rendezvous at {self.rdv_url}: {e}") from None
+
+    def _fail(self, reason: str) -> None:
+        if self.state in ("failed", "closed"):
+            return
+        log.warning("session %s failed: %s", self.session_id, reason)
+        self.state = "failed"
+        self.error = reason
+        for ch in list(self.generations.values()):
+            try:
+                ch.send_nowait({"t": "gen_error", "message": reason})
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        if self.ring is not None:
+            self.ring.fail_all(reason, member=self._culprit or "?")
+        if self.trace:
+            self.trace.write("session_failed", reason=reason)
+        self.node.changed()
+
+    # ---- membership -------------------------------------------------------------------------
+    async def _accept_loop(self, rdv) -> None:
+        while True:
+            circuit = await rdv.accept_circuit()
+            if circuit.label == "ctl":
+                self.nursery.start_soon(self._serve_member, circuit)
+            elif circuit.label == "ring":
+                await self._ring_incoming_send.send(circuit)
+            else:
+                await circuit.aclose()
+
+    async def _events_loop(self, rdv) -> None:
+        from kafilad.node.rdv_client import Disconnected, MemberLeft
+        async for ev in rdv.events:
+            if isinstance(ev, MemberLeft):
+                rec = self.members.get(ev.peer_id)
+                if rec is not None and rec.lost is None:
+                    rec.lost = ev.reason or "it left the rendezvous"
+                    if self.state in ("planning", "loading", "ready"):
+                        await self._member_lost(rec, rec.lost)
+                    else:
+                        self.members.pop(ev.peer_id, None)
+                        self._members_changed.set()
+                        self.node.changed()
+            elif isinstance(ev, Disconnected):
+                self._fail(f"the connection to the rendezvous was lost: {ev.reason}")
+
+    async def _member_lost(self, rec: MemberRecord, reason: str) -> None:
+        msg = f"member {rec.name} ({rec.peer_id}) left the session: {reason}"
+        self._culprit = rec.name
+        self._fail(msg)
+        for other in self.members.values():
+            if other.link is not None and other is not rec and other.lost is None:
+                with trio.move_on_after(2):
+                    try:
+                        await other.link.send({"t": "session_failed", "reason": msg})
+                    except LinkClosed:
+                        pass
+
+    def _check_member(self, remote_static: bytes, hello: dict) -> str:
+        claimed = hello.get("peer_id")
+        if claimed != peer_id_of(remote_static):
+            raise HandshakeError("the member's claimed peer id does not match its static key")
+        return str(hello.get("name") or claimed)[:64]
+
+    async def _serve_member(self, circuit) -> None:
+        try:
+            link, remote_static, hello = await secure_link(
+                circuit, initiator=False, static_private=self.node.static_private, session_id=self.session_id,
+                hello={"peer_id": self.node.peer_id, "name": self.node.name, "role": "host"},
+                check_remote=self._check_member, label="ctl")
+        except HandshakeError as e:
+            log.warning("refused a member handshake: %s", e)
+            return
+        pid = link.peer_id
+        try:
+            if not await self._admission(link, pid, remote_static):
+                return
+            rec = MemberRecord(peer_id=pid, name=link.peer_name, public_key=remote_static, link=link)
+            self.members[pid] = rec
+            self.node.changed()
+            await link.send({"t": "admitted", "model_id": self.info.model_id, "config": self.info.config,
+                             "dtype": "float32", "context": self.context, "concurrency": self.concurrency,
+                             "session_id": self.session_id})
+            await self._member_loop(rec)
+        except LinkClosed as e:
+            rec = self.members.get(pid)
+            if rec is not None and rec.link is link and rec.lost is None:
+                rec.lost = e.reason
+                if self.state in ("planning", "loading", "ready"):
+                    await self._member_lost(rec, e.reason)
+                else:
+                    self.members.pop(pid, None)
+                    self._members_changed.set()
+                    self.node.changed()
+        finally:
+            await link.close()
+
+    async def _admission(self, link: Link, pid: str, remote_static: bytes) -> bool:
+        """Admit, hold pending, or deny a member that completed the handshake (DESIGN §4)."""
+        if self.state != "forming" or len(self.members) >= self.expected:
+            await link.send({"t": "denied", "reason": "the session is already complete"})
+            return False
+        roster = self.node.state.load_roster()
+        known = roster.get(pid, {}).get("public_key") == remote_static.hex()
+        if self.open or known:
+            self._remember(pid, link.peer_name, remote_static)
+            return True
+        pend = PendingPeer(pid, link.peer_name, remote_static, time.time())
+        self.pending[pid] = pend
+        self.node.changed()
+        await link.send({"t": "pending"})
+        with trio.move_on_after(self.admit_timeout_s):
+            await pend.event.wait()
+        self.pending.pop(pid, None)
+        self.node.changed()
+        if pend.decision == "admit":
+            self._remember(pid, link.peer_name, remote_static)
+            return True
+        reason = (pend.reason or "the host denied this device") if pend.decision == "deny" else \
+            f"the host did not admit this device within {self.admit_timeout_s:g} s"
+        await link.send({"t": "denied", "reason": reason})
+        return False
+
+    def _remember(self, pid: str, name: str, public_key: bytes) -> None:
+        roster = self.node.state.load_roster()
+        roster[pid] = {"public_key": public_key.hex(), "name": name}
+        self.node.state.save_roster(roster)
+
+    def decide(self, who: str, decision: str) -> dict:
+        """Admit or deny a pending peer named by peer id or name.
+
+        Raises:
+            KafilaError: no pending peer matches `who`.
+        """
+        for p in self.pending.values():
+            if who in (p.peer_id, p.name):
+                p.decision = decision
+                p.event.set()
+                return {"peer_id": p.peer_id, "name": p.name, "decision": decision}
+        raise KafilaError(f"No pending peer named '{who}'; `kafila-ctl pending` lists them.")
+
+    # ---- per-member control loop ------------------------------------------------------------
+    async def _member_loop(self, rec: MemberRecord) -> None:
+        link = rec.link
+        while True:
+            f = await link.receive()
+            t = f.get("t")
+            if t == "capability":
+                rec.capability = {k: f.get(k) for k in ("memory_bytes", "bandwidth_Bps", "step_overhead_s")}
+                self._members_changed.set()
+                self.node.changed()
+            elif t == "fetch":
+                await self._serve_fetch(link, f)
+            elif t == "ready":
+                rec.ready = True
+                rec.load = {k: f.get(k) for k in ("fetched_bytes", "cached_bytes", "load_s")}
+                self._members_changed.set()
+                self.node.changed()
+            elif t == "failed":
+                raise LinkClosed(f"{rec.name} failed to load its stage: {f.get('reason')}")
+            elif t in ("gen_event", "gen_done", "gen_error"):
+                ch = self.generations.get(f.get("req"))
+                if ch is not None:
+                    await ch.send(f)
+            else:
+                log.info("ignoring control frame %r from %s", t, rec.name)
+
+    async def _serve_fetch(self, link: Link, f: dict) -> None:
+        """Serve one byte range of a model file (proto_spec 05 §2) — only files of the model."""
+        req_id, fname = f.get("id"), str(f.get("file", ""))
+        offset, length = int(f.get("offset", 0)), int(f.get("length", 0))
+        allowed = {t.file for t in self.info.tensors.values()} | set(HEAD_FILES)
+        path = Path(self.model_dir) / fname
+        if fname not in allowed or "/" in fname or not path.is_file() or length < 0 or length > FETCH_MAX_BYTES:
+            await link.send({"t": "fetch_error", "id": req_id, "reason": f"cannot serve {fname!r} [{offset}, +{length})"})
+            return
+        data = await trio.to_thread.run_sync(_read_range, path, offset, length)
+        await link.send({"t": "data", "id": req_id, "data": data})
+
+    # ---- formation --------------------------------------------------------------------------
+    async def _form(self) -> None:
+        t0 = time.perf_counter()
+        me = self.members[self.node.peer_id]
+        me.capability = await trio.to_thread.run_sync(stagehost.measure_capability, self.model_dir)
+        self.node.changed()
+        while True:
+            live = [r for r in self.members.values() if r.lost is None]
+            if len(live) == self.expected and all(r.capability for r in live):
+                break
+            self._members_changed = trio.Event()
+            await self._members_changed.wait()
+        self.state = "planning"
+        self.node.changed()
+        order = list(self.members.values())  # the host (anchor) first, then members in join order
+        self.fleet_devices = [Device(name=r.name, memory_bytes=int(r.capability["memory_bytes"]),
+                                     bandwidth_Bps=r.capability.get("bandwidth_Bps"),
+                                     step_overhead_s=float(r.capability.get("step_overhead_s") or 0.0))
+                              for r in order]
+        try:
+            self.plan = make_plan(self.fleet_devices, self.info.profile(float_dtype_bytes=HOLD_DTYPE_BYTES),
+                                  context=self.context, concurrency=self.concurrency)
+        except KafilaError as e:
+            self._fail(f"no plan fits this fleet: {e}")
+            return
+        by_name = {r.name: r for r in order}
+        self.ring_order = [by_name[n].peer_id for n in self.plan.order]
+        self.trace.write("plan", plan=self.plan.to_json(), fleet=self.fleet_json())
+        roster = {r.peer_id: {"name": r.name, "public_key": r.public_key} for r in order}
+        self.state = "loading"
+        self.node.changed()
+        for r in order:
+            if r.link is None:
+                continue
+            start, end = self.plan.blocks[r.name]
+            head = self.plan.head == r.name
+            tensors = await trio.to_thread.run_sync(self._tensor_table, start, end, head)
+            files = await trio.to_thread.run_sync(self._file_table) if head else []
+            await r.link.send({"t": "plan", "plan": self.plan.to_json(), "ring": self.ring_order, "roster": roster,
+                               "start": start, "end": end, "head": head, "tensors": tensors, "files": files})
+        await self._load_own(roster)
+        while not all(r.ready for r in self.members.values()):
+            if self.state == "failed":
+                return
+            self._members_changed = trio.Event()
+            await self._members_changed.wait()
+        self.formed_s = time.perf_counter() - t0
+        self.state = "ready"
+        self.trace.write("session_formed", form_s=self.formed_s,
+                         load={r.name: r.load for r in self.members.values()})
+        self.node.changed()
+
+    async def _load_own(self, roster: dict) -> None:
+        t0 = time.perf_counter()
+        me = self.members[self.node.peer_id]
+        start, end = self.plan.blocks[me.name]
+        head = self.plan.head == me.name
+
+        def build():
+            ex = stagehost.executor()
+            stage = ex.stage.load_stage_from_dir(self.model_dir, start, end, head)
+            tok = ex.synth.load_tokenizer(self.model_dir) if head else None
+            return stage, tok
+
+        async with self.node.mlx_lock:
+            stage, tok = await trio.to_thread.run_sync(build)
+        self.ring = stagehost.make_ring_member(self.node, stage=stage, head=head, tokenizer=tok)
+        nxt, prv = await stagehost.connect_ring(node=self.node, rdv=self.rdv, session_id=self.session_id,
+                                                ring=self.ring_order, roster=roster, incoming=self._ring_incoming)
+        self._attach_ring(nxt, prv)
+        me.ready = True
+        me.load = {"fetched_bytes": 0, "cached_bytes": 0, "load_s": time.perf_counter() - t0}
+
+    def _attach_ring(self, nxt, prv) -> None:
+        ring = self.ring
+        ring.next_link = nxt
+        i = self.ring_order.index(self.node.peer_id)
+        nxt_pid = self.ring_order[(i + 1) % len(self.ring_order)]
+        ring.next_is_head = nxt_pid == self.ring_order[0]
+        ring.next_name = self.members[nxt_pid].name
+        self.nursery.start_soon(ring.run)
+        if prv is not None:
+            self.nursery.start_soon(ring.feed_from, prv)
+
+    def _tensor_table(self, start: int, end: int, head: bool) -> list[dict]:
+        out = []
+        for t in self.info.stage_tensors(start, end, head):
+            data = _read_range(Path(self.model_dir) / t.file, t.offset_bytes, t.nbytes)
+            out.append({"name": t.name, "file": t.file, "dtype": t.dtype, "shape": list(t.shape),
+                        "offset": t.offset_bytes, "nbytes": t.nbytes, "sha256": hashlib.sha256(data).hexdigest()})
+        return out
+
+    def _file_table(self) -> list[dict]:
+        out = []
+        for name in HEAD_FILES:
+            p = Path(self.model_dir) / name
+            if p.is_file():
+                data = p.read_bytes()
+                out.append({"name": name, "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        return out
+
+    # ---- generation ---------------------------------------------------------------------------
+    async def generate(self, prompt: str, *, max_tokens: int, temperature: float, emit) -> dict:
+        """Serve one request through the head; stream tokens to `emit`; return the result.
+
+        Raises:
+            GenerationError: the session is not ready, or a member was lost (named in the message).
+        """
+        if self.state != "ready":
+            raise GenerationError(f"The session is not ready to generate (state: {self.state}"
+                                  + (f"; {self.error}" if self.error else "") + ").")
+        req = uuid.uuid4().hex[:12]
+        head = self.members[self.ring_order[0]]
+        t0 = time.perf_counter()
+        if head.link is None:
+            st = await self.ring.generate(req, prompt, max_tokens=max_tokens, temperature=temperature,
+                                          on_event=lambda ev: emit(ev))
+            if st.error:
+                raise GenerationError(st.error)
+            result = result_of(st)
+        else:
+            send, recv = trio.open_memory_channel(1024)
+            self.generations[req] = send
+            try:
+                await head.link.send({"t": "gen", "req": req, "prompt": prompt, "max_tokens": max_tokens,
+                                      "temperature": temperature})
+                result = None
+                async for f in recv:
+                    if f["t"] == "gen_event":
+                        await emit(f["event"])
+                    elif f["t"] == "gen_done":
+                        result = f["result"]
+                        break
+                    else:
+                        raise GenerationError(f.get("message") or "generation failed")
+            except LinkClosed as e:
+                raise GenerationError(f"member {head.name} is unreachable: {e.reason}") from None
+            finally:
+                self.generations.pop(req, None)
+        result["wall_s"] = time.perf_counter() - t0
+        self._record_generation(result)
+        return result
+
+    def _record_generation(self, result: dict) -> None:
+        names = {r.peer_id: r.name for r in self.members.values()}
+        for pid, steps, total_s, median_s, nbytes in result.get("stats", []):
+            if pid in names:
+                self.measured_stage_s[names[pid]] = median_s
+        self.last_generation = {k: v for k, v in result.items() if k not in ("text", "token_ids")}
+        self.trace.write("generation", **{k: v for k, v in result.items() if k != "text"},
+                         stages={names.get(s[0], s[0]): {"steps": s[1], "compute_s": s[2], "decode_stage_s": s[3],
+                                                         "ring_bytes_sent": s[4]} for s in result.get("stats", [])},
+                         predicted_stage_s=self.plan.stage_s if self.plan else {},
+                         path={names.get(pid, pid): "relayed" for pid in self.ring_order})
+        self.node.changed()
+
+    # ---- reporting ----------------------------------------------------------------------------
+    def fleet_json(self) -> dict:
+        from kafilad.planner import fleet_to_json
+        return fleet_to_json(self.fleet_devices, self.context, self.concurrency)
+
+    def snapshot(self) -> dict:
+        plan = self.plan
+        members = []
+        ordered = [self.members[p] for p in self.ring_order if p in self.members] or list(self.members.values())
+        for r in ordered:
+            blocks = list(plan.blocks[r.name]) if plan and r.name in plan.blocks else None
+            members.append({"name": r.name, "peer_id": r.peer_id, "blocks": blocks,
+                            "head": bool(plan and plan.head == r.name),
+                            "predicted_stage_s": plan.stage_s.get(r.name) if plan else None,
+                            "measured_stage_s": self.measured_stage_s.get(r.name),
+                            "ready": r.ready, "lost": r.lost, "capability": r.capability})
+        return {"role": "host", "session_id": self.session_id, "code": self.code, "state": self.state,
+                "error": self.error, "model_id": self.info.model_id, "expected_members": self.expected,
+                "context": self.context, "concurrency": self.concurrency, "members": members,
+                "pending": [{"peer_id": p.peer_id, "name": p.name} for p in self.pending.values()],
+                "form_s": self.formed_s, "last_generation": self.last_generation,
+                "fleet": self.fleet_json() if self.fleet_devices else None,
+                "plan": plan.to_json() if plan else None}
+
+    async def close(self) -> None:
+        for r in self.members.values():
+            if r.link is not None:
+                await r.link.close("host closed the session")
+        self.state = "closed"
+
+
+def result_of(st) -> dict:
+    """The result record of a finished RequestState (kafilad/node/ring.py)."""
+    decode = st.circuit_s[len(st.circuit_s) - len(st.generated) + 1:] if len(st.generated) > 1 else []
+    ttft = (st.first_token_s - st.started_s) if st.first_token_s else None
+    decode_s = sum(decode)
+    return {"text": st.text, "token_ids": list(st.generated), "prompt_tokens": len(st.prompt_ids),
+            "ttft_s": ttft, "decode_tokens": len(decode),
+            "decode_tokens_per_s": (len(decode) / decode_s) if decode_s > 0 else None,
+            "circuit_s_median": _median(decode),
+            "stats": getattr(st, "end_stats", [])}
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def _read_range(path: Path, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
