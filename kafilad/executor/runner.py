@@ -16,6 +16,15 @@ How the ring replays `mlx_lm.generate.generate_step` exactly (the token-identity
    on every other stage, `head_sample` on the head.
 3. `drop(rid)` on every stage when the request ends (EOS, max tokens, error).
 
+Batched decode (DESIGN §6): after its prefill (steps 1, done alone, including the first sampled
+token), a request may decode in a batch: the head sends the ordered request ids with each step
+and every stage calls `run_batch(ids, h)` (head: `head_embed_and_run_batch(ids, tokens)` and
+`head_sample_batch(ids, h, temperatures)`). Each stage keeps one persistent mlx-lm
+`BatchKVCache` per block and reconciles it with the ids of each step: new ids are merged in
+from their single caches (`merge`/`extend`), absent ids are taken out (`extract`, `filter`) back
+into single caches, and the order is permuted to match. Batched steps run (B, 1, D) matmuls, so
+tokens match single-request decoding but log-probs may differ in the last bits.
+
 Because every matmul then has the same shapes as in the single-process run, and f32 activations
 cross the wire bit-exactly (`array_to_wire`/`array_from_wire`), the greedy tokens, and with the
 bundled BLAS the log-probs too, equal generate_step's.
@@ -119,23 +128,76 @@ class StageRunner:
     def __init__(self, stage: Stage):
         self.stage = stage
         self._caches: dict[str, list] = {}
+        self._batch_ids: list[str] = []
+        self._batch: list = []  # one BatchKVCache per block, rows in _batch_ids order
         self._samplers: dict[float, object] = {}
         self._lock = threading.Lock()
 
     @property
     def active_requests(self) -> list[str]:
-        return list(self._caches)
+        """Request ids holding a KV cache here, single ones first, then the batch in order."""
+        return list(self._caches) + list(self._batch_ids)
+
+    @property
+    def batch_ids(self) -> list[str]:
+        return list(self._batch_ids)
 
     def cache_length(self, request_id: str) -> int:
         """Tokens held in this request's KV cache (0 if unknown)."""
-        cache = self._caches.get(request_id)
-        return int(cache[0].offset) if cache else 0
+        with self._lock:
+            self._take_out_of_batch([request_id])
+            cache = self._caches.get(request_id)
+            return int(cache[0].offset) if cache else 0
 
     def _cache(self, request_id: str) -> list:
+        self._take_out_of_batch([request_id])
         cache = self._caches.get(request_id)
         if cache is None:
             cache = self._caches[request_id] = self.stage.make_cache()
         return cache
+
+    def _filter_batch(self, keep: list[int]) -> None:
+        if not keep:
+            self._batch, self._batch_ids = [], []
+            return
+        for c in self._batch:
+            c.filter(keep)
+        self._batch_ids = [self._batch_ids[i] for i in keep]
+
+    def _take_out_of_batch(self, request_ids: list[str], keep_cache: bool = True) -> None:
+        rows = [i for i, r in enumerate(self._batch_ids) if r in request_ids]
+        if not rows:
+            return
+        if keep_cache:
+            for i in rows:
+                self._caches[self._batch_ids[i]] = [c.extract(i) for c in self._batch]
+        self._filter_batch([i for i in range(len(self._batch_ids)) if i not in rows])
+
+    def _sync_batch(self, request_ids: list[str]) -> None:
+        """Make the batch cache hold exactly `request_ids`, in that order."""
+        if not request_ids:
+            raise RemoteProtocolError("A batched step listed no requests.")
+        if len(set(request_ids)) != len(request_ids):
+            raise RemoteProtocolError(f"A batched step listed a request twice: {request_ids}.")
+        wanted = set(request_ids)
+        self._take_out_of_batch([r for r in self._batch_ids if r not in wanted])
+        new = [r for r in request_ids if r not in self._batch_ids]
+        missing = [r for r in new if r not in self._caches]
+        if missing:
+            raise RemoteProtocolError(
+                f"Stage [{self.stage.start}, {self.stage.end}) has no KV cache for request(s) {missing}: "
+                "a request must be prefilled alone before it joins a batch.")
+        if new:
+            singles = [self._caches.pop(r) for r in new]
+            merged = [singles[0][i].merge([s[i] for s in singles]) for i in range(len(singles[0]))]
+            if self._batch:
+                for mine, theirs in zip(self._batch, merged):
+                    mine.extend(theirs)
+            else:
+                self._batch = merged
+            self._batch_ids += new
+        if self._batch_ids != list(request_ids):
+            self._filter_batch([self._batch_ids.index(r) for r in request_ids])
 
     def head_embed_and_run(self, request_id: str, ids: list[int]) -> mx.array:
         """Head: embed `ids` (one chunk, L tokens) and run the head's blocks. Returns (1, L, D)."""
@@ -166,10 +228,63 @@ class StageRunner:
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
             return int(sampler(logprobs).item())
 
+    def head_embed_and_run_batch(self, request_ids: list[str], tokens: list[int]) -> mx.array:
+        """Head, batched decode: embed one token per request and run the head's blocks.
+
+        tokens[i] belongs to request_ids[i]. Returns (B, 1, D) with B = len(request_ids).
+        Raises:
+            RemoteProtocolError: a request that was not prefilled here, or listed twice.
+        """
+        if len(tokens) != len(request_ids):
+            raise RemoteProtocolError(f"A batched step has {len(request_ids)} requests but {len(tokens)} tokens.")
+        with self._lock:
+            self._sync_batch(request_ids)
+            h = self.stage.embed(list(tokens)).reshape(len(tokens), 1, -1)
+            h = self.stage.run_blocks(h, self._batch)
+            mx.eval(h)
+            return h
+
+    def run_batch(self, request_ids: list[str], h: mx.array) -> mx.array:
+        """Any stage, batched decode: h (B, 1, D), row i for request_ids[i]. Returns (B, 1, D).
+
+        Raises:
+            RemoteProtocolError: shape does not match the ids, or an id was not prefilled here.
+        """
+        if not request_ids:
+            raise RemoteProtocolError("A batched step listed no requests.")
+        if h.ndim != 3 or h.shape[0] != len(request_ids) or h.shape[1] != 1:
+            raise RemoteProtocolError(
+                f"A batched step for {len(request_ids)} requests carried activations of shape {tuple(h.shape)}.")
+        with self._lock:
+            self._sync_batch(request_ids)
+            out = self.stage.run_blocks(h, self._batch)
+            mx.eval(out)
+            return out
+
+    def head_sample_batch(self, request_ids: list[str], h: mx.array, temperatures: float | list[float] = 0.0) -> list[int]:
+        """Head, batched decode: one sampled token per row of h (B, L, D), as `head_sample` per row."""
+        temps = [temperatures] * len(request_ids) if isinstance(temperatures, (int, float)) else list(temperatures)
+        if len(temps) != len(request_ids) or h.shape[0] != len(request_ids):
+            raise RemoteProtocolError(f"A batched sample for {len(request_ids)} requests got {h.shape[0]} rows "
+                                      f"and {len(temps)} temperatures.")
+        with self._lock:
+            logits = self.stage.logits(h)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            if all(t == 0 for t in temps):
+                return [int(x) for x in mx.argmax(logprobs, axis=-1).tolist()]
+            out = []
+            for i, t in enumerate(temps):
+                sampler = self._samplers.get(t)
+                if sampler is None:
+                    sampler = self._samplers[t] = make_sampler(temp=t)
+                out.append(int(sampler(logprobs[i:i + 1]).item()))
+            return out
+
     def drop(self, request_id: str) -> None:
-        """Forget a request's KV caches (no error if unknown)."""
+        """Forget a request's KV caches, single or batched (no error if unknown)."""
         with self._lock:
             self._caches.pop(request_id, None)
+            self._take_out_of_batch([request_id], keep_cache=False)
 
 
 def generate_local(runners: list[StageRunner], prompt_ids: list[int], max_tokens: int, *,
