@@ -10,6 +10,8 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kafilad.errors import LocalProtocolError
 from kafilad.proto.natclass import ADF, ADM, APDF, APDM, EIF, EIM, UNKNOWN, NatClassifier, nat_class
@@ -221,3 +223,30 @@ def test_ignores_unrelated_and_forged_datagrams():
 def test_needs_a_server():
     with pytest.raises(LocalProtocolError, match="at least one STUN server"):
         NatClassifier([])
+
+
+# --- fuzzing ----------------------------------------------------------------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(flips=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=6),
+       cut=st.integers(0, 200), junk=st.binary(max_size=80))
+def test_fuzz_mutated_answers_never_raise_and_the_machine_still_finishes(flips, cut, junk):
+    machine = NatClassifier([(IP1, P1)], local_address=LOCAL)
+    responder = StunResponder(FOUR)
+    (data, dest), = machine.datagrams_to_send(0.0)
+    reply, origin = responder.handle_datagram(data, dest, (PUBLIC_IP, 40000))
+    mutated = bytearray(reply)
+    for pos, value in flips:
+        if pos < len(mutated):
+            mutated[pos] = value
+    machine.receive_datagram(bytes(mutated[:cut] if cut < len(mutated) else mutated), origin, 0.01)
+    machine.receive_datagram(junk, origin, 0.01)
+    machine.receive_datagram(reply, ("not an ip", "x"), 0.01)
+    machine.receive_datagram(reply, origin, 0.02)  # the genuine answer (ignored if a mutant won)
+    now = 0.02
+    while not machine.done:
+        machine.datagrams_to_send(now)
+        now = machine.get_timer()
+        machine.handle_timer(now)
+    assert machine.report.nat_class in ("O", "C", "S")
+    assert machine.report.probes <= 6
