@@ -90,7 +90,8 @@ def _register(entry: tuple) -> None:
 _register((UNKNOWN_ATTRIBUTES, "UNKNOWN-ATTRIBUTES", _pack_unknown_attributes, _unpack_unknown_attributes))
 for _type, _name in ((CHANGE_REQUEST, "CHANGE-REQUEST"), (RESPONSE_ORIGIN, "RESPONSE-ORIGIN"),
                      (OTHER_ADDRESS, "OTHER-ADDRESS")):
-    assert ATTRIBUTES_BY_TYPE[_type][1] == _name, f"aioice lost the {_name} attribute; pin aioice==0.13.0"
+    if ATTRIBUTES_BY_TYPE.get(_type, (0, ""))[1] != _name:
+        raise ImportError(f"aioice.stun no longer defines {_name}; install the pinned aioice==0.13.0.")
 
 
 def looks_like_stun(data: bytes) -> bool:
