@@ -3,8 +3,11 @@
 The `mlx[cpu]` wheel on Linux links the reference (netlib) BLAS, so float32 GEMM/GEMV runs at a
 few GFLOP/s. MLX resolves `cblas_sgemm`/`cblas_sgemv` through the dynamic linker, so a library
 loaded earlier with `RTLD_GLOBAL` interposes its symbols: loading OpenBLAS before the first
-`import mlx.core` makes MLX use it. Measured here (scripts/bench_executor.py): f32 decode 2.4x,
-prefill ~40x faster at the Qwen3-0.6B shape.
+`import mlx.core` makes MLX use it. Measured here with scripts/bench_executor.py (Debian's
+OpenBLAS 0.3.21, one thread, on a 2-core VM shared with other work): f32 GEMM 256x1024x3072 37x,
+batch-4 GEMM 4.2x, a 128-token prefill of 4 Qwen3-0.6B blocks 28x faster; batch-1 decode, which
+is memory-bound, 0.9-1.2x (noise) here, where DESIGN §6 measured 2.4x on an idle machine. It
+never lost beyond noise, so it is on by default.
 
 This module must not import mlx. `kafilad/executor/__init__.py` calls `load_openblas()` first.
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -97,14 +96,16 @@ def cgroup_headroom_bytes() -> Optional[int]:
 def available_memory_bytes(reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> int:
     """Bytes this member can give the model (weights + KV cache), DESIGN §5.1 `memory_bytes`.
 
-    Apple silicon: Metal's `max_recommended_working_set_size` less what MLX already holds. Other
-    systems: min(MemAvailable, cgroup limit − usage). Then minus `reserve_bytes`, floored at 0.
+    When MLX's device reports a `max_recommended_working_set_size` (Metal): that less what MLX
+    already holds. Otherwise: min(MemAvailable, cgroup limit − usage); on CUDA this is host RAM,
+    not free VRAM (MLX exposes no free-VRAM figure we rely on yet). Then minus `reserve_bytes`,
+    floored at 0.
     Memory already used by this process (the runtime, a loaded stage) is not counted as available.
     """
     room: Optional[int] = None
-    if sys.platform == "darwin" and mx.metal.is_available():
-        info = mx.metal.device_info()
-        room = int(info.get("max_recommended_working_set_size", 0)) - int(mx.get_active_memory())
+    working_set = mx.device_info().get("max_recommended_working_set_size")  # Metal reports it
+    if working_set:
+        room = int(working_set) - int(mx.get_active_memory())
     else:
         candidates = [v for v in (_meminfo_available_bytes(), cgroup_headroom_bytes()) if v is not None]
         if candidates:

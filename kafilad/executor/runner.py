@@ -16,7 +16,12 @@ How the ring replays `mlx_lm.generate.generate_step` exactly (the token-identity
    on every other stage, `head_sample` on the head.
 3. `drop(rid)` on every stage when the request ends (EOS, max tokens, error).
 
-Batched decode (DESIGN §6): after its prefill (steps 1, done alone, including the first sampled
+Because every matmul then has the same shapes as in the single-process run, and f32 activations
+cross the wire bit-exactly (`array_to_wire`/`array_from_wire`), the greedy tokens and the
+log-probs equal generate_step's bit for bit (tests/executor checks both, with OpenBLAS loaded).
+A single whole-prompt pass would give the same tokens in practice but log-probs ~1e-6 apart.
+
+Batched decode (DESIGN §6): after its prefill (step 1, done alone, including the first sampled
 token), a request may decode in a batch: the head sends the ordered request ids with each step
 and every stage calls `run_batch(ids, h)` (head: `head_embed_and_run_batch(ids, tokens)` and
 `head_sample_batch(ids, h, temperatures)`). Each stage keeps one persistent mlx-lm
@@ -24,10 +29,6 @@ and every stage calls `run_batch(ids, h)` (head: `head_embed_and_run_batch(ids, 
 from their single caches (`merge`/`extend`), absent ids are taken out (`extract`, `filter`) back
 into single caches, and the order is permuted to match. Batched steps run (B, 1, D) matmuls, so
 tokens match single-request decoding but log-probs may differ in the last bits.
-
-Because every matmul then has the same shapes as in the single-process run, and f32 activations
-cross the wire bit-exactly (`array_to_wire`/`array_from_wire`), the greedy tokens, and with the
-bundled BLAS the log-probs too, equal generate_step's.
 
 Wire format of an activation (a msgpack-able dict; proto_spec describes the frame around it):
     {"dtype": "float32" | "bfloat16" | "float16", "shape": [B, L, D], "data": bytes}
@@ -315,7 +316,7 @@ def generate_local(runners: list[StageRunner], prompt_ids: list[int], max_tokens
         while len(out) < max_tokens:
             tok = head.head_sample(request_id, h, temperature)
             out.append(tok)
-            if eos_token_ids and tok in eos_token_ids or len(out) >= max_tokens:
+            if (eos_token_ids and tok in eos_token_ids) or len(out) >= max_tokens:
                 break
             h = around([tok])
     finally:

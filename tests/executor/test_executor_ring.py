@@ -106,3 +106,41 @@ def test_prefill_chunks_follow_generate_step():
     assert prefill_chunks([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
     with pytest.raises(ValueError, match="at least one token"):
         prefill_chunks([])
+
+
+def test_ring_driven_from_trio_worker_threads(stories260k):
+    """The node calls the runner with trio.to_thread.run_sync (DESIGN §6); two requests interleave."""
+    import trio
+
+    runners = ring_runners(stories260k, [(0, 2), (2, 3), (3, 5)])
+    results = {}
+
+    async def request(rid, prompt, n):
+        head = runners[0]
+        out = []
+
+        async def around(chunk):
+            h = await trio.to_thread.run_sync(head.head_embed_and_run, rid, chunk)
+            for r in runners[1:]:
+                h = await trio.to_thread.run_sync(r.run, rid, array_from_wire(array_to_wire(h)))
+            return h
+
+        chunks = prefill_chunks(prompt)
+        for c in chunks[:-1]:
+            await around(c)
+        h = await around(chunks[-1])
+        while len(out) < n:
+            out.append(await trio.to_thread.run_sync(head.head_sample, rid, h, 0.0))
+            h = await around([out[-1]])
+        for r in runners:
+            r.drop(rid)
+        results[rid] = out
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(request, "one", STORIES_PROMPT_IDS, 20)
+            nursery.start_soon(request, "two", STORIES_PROMPT_IDS[:3], 20)
+
+    trio.run(main)
+    assert results["one"] == STORIES_REFERENCE_IDS[:20]
+    assert results["two"] == generate_local(runners, STORIES_PROMPT_IDS[:3], 20)
