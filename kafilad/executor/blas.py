@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import warnings
 from typing import Optional
 
 #: Candidate OpenBLAS libraries, most preferred first (Debian/Ubuntu multiarch, Fedora, generic).
@@ -44,9 +45,8 @@ _tried = False
 def load_openblas() -> Optional[str]:
     """Load OpenBLAS with RTLD_GLOBAL so MLX's CPU backend uses it; idempotent.
 
-    Must run before `mlx.core` is first imported; afterwards it has no effect on MLX (a warning
-    is not raised: `blas_status()` reports what happened). On macOS MLX uses Accelerate and this
-    does nothing.
+    Must run before `mlx.core` is first imported; afterwards it has no effect on MLX, so it warns
+    (RuntimeWarning) and returns None. On macOS MLX uses Accelerate and this does nothing.
 
     Returns:
         The path of the library loaded, or None when KAFILA_BLAS=reference, on macOS, when mlx
@@ -59,7 +59,11 @@ def load_openblas() -> Optional[str]:
     _tried = True
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     choice = os.environ.get("KAFILA_BLAS", "openblas").strip()
-    if choice == "reference" or sys.platform == "darwin" or "mlx.core" in sys.modules:
+    if choice == "reference" or sys.platform == "darwin":
+        return None
+    if "mlx.core" in sys.modules:
+        warnings.warn("mlx.core was imported before kafilad.executor, so MLX keeps its slow reference BLAS; "
+                      "import kafilad.executor first.", RuntimeWarning, stacklevel=2)
         return None
     candidates = (choice,) if choice not in ("", "openblas") else OPENBLAS_CANDIDATES
     for path in candidates:

@@ -75,3 +75,19 @@ def test_blas_reference_switch_and_default():
     lib, threads = _blas_in_child({"KAFILA_BLAS": "openblas"})
     assert threads == "1"
     assert lib == (installed[0] if installed else "None")
+
+
+def test_blas_warns_when_mlx_came_first():
+    code = ("import warnings, mlx.core; warnings.simplefilter('error'); import kafilad.executor")
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KAFILA_BLAS": "openblas"},
+                       capture_output=True, text=True)
+    assert p.returncode != 0
+    assert "mlx.core was imported before kafilad.executor" in p.stderr
+
+
+def test_this_test_process_uses_openblas_when_installed():
+    import kafilad.executor as ex
+
+    installed = [p for p in OPENBLAS_CANDIDATES if p.startswith("/") and Path(p).exists()]
+    if os.environ.get("KAFILA_BLAS", "openblas") == "openblas":
+        assert ex.BLAS_LIBRARY == (installed[0] if installed else None)

@@ -6,7 +6,7 @@ and Qwen3 models. Hops go through the wire encoding, as between machines.
 
 from __future__ import annotations
 
-import mlx.core as mx  # noqa: F401  (kafilad.executor loads OpenBLAS first via conftest import order)
+import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
