@@ -42,6 +42,7 @@ class LoopbackCluster:
         self.n = n
         self._own_root = root is None
         self.root = Path(root or tempfile.mkdtemp(prefix="kafila-demo-"))
+        self.root.mkdir(parents=True, exist_ok=True)
         self.record_path = self.root / "relay.rec" if record_relay else None
         self.names = names or [f"m{i}" for i in range(n)]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -7,33 +7,13 @@ must run and so fail loudly instead.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-SHARED_MODELS = Path(os.environ.get("KAFILA_SHARED_MODELS", REPO.parent / "shared" / "models"))
-IN_CI = os.environ.get("CI", "").lower() == "true"
-
-#: README of ../shared/models/stories260K: greedy continuation of "Once upon a time".
-STORIES_PROMPT = "Once upon a time"
-STORIES_PROMPT_IDS = [1, 403, 407, 261, 378]
-STORIES_REFERENCE_IDS = [
-    432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410, 408, 419, 292,
-    411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432, 352, 266, 268, 388, 426,
-]
-
-
-def shared_model(name: str) -> Path:
-    """Path of a model in ../shared/models, or skip (fail in CI) when it is absent."""
-    path = SHARED_MODELS / name
-    if not (path / "config.json").exists():
-        msg = f"shared model {name} not found at {path} (../shared/ is absent in this clone)"
-        if IN_CI:
-            pytest.fail(msg + "; CI=true requires it")
-        pytest.skip(msg)
-    return path
+from kafila_testing import (  # noqa: F401 - re-exported for tests
+    IN_CI, REPO, SHARED_MODELS, STORIES_PROMPT, STORIES_PROMPT_IDS, STORIES_REFERENCE_IDS, shared_model,
+)
 
 
 @pytest.fixture(scope="session")

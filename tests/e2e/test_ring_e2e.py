@@ -1,0 +1,71 @@
+"""Issue 2 "Done when": a rendezvous and 3 daemons (real processes, real sockets, Noise, MLX)
+serve a model split across all three, token-identical to single-process mlx-lm, and the relay
+never sees plaintext."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from kafila_testing import STORIES_PROMPT, STORIES_PROMPT_IDS, STORIES_REFERENCE_IDS, reference_tokens
+from kafilad.proto.rendezvous import parse_relay_record
+
+pytestmark = pytest.mark.slow
+
+FRAME_TYPES = ["act", "end", "gen", "gen_event", "gen_done", "token", "fetch", "data", "plan", "capability",
+               "admitted", "ready"]
+
+
+def relayed_bytes(cluster) -> bytes:
+    records = parse_relay_record(cluster.record_path.read_bytes())
+    return b"".join(payload for _, payload in records)
+
+
+def assert_no_plaintext(blob: bytes, prompt: str, prompt_ids: list[int], generated: list[int]) -> None:
+    assert len(blob) > 10_000, "the ring should have relayed its activations through the rendezvous"
+    assert prompt.encode() not in blob
+    assert msgpack.packb(prompt_ids) not in blob
+    assert msgpack.packb(generated) not in blob
+    for tok in generated:  # each streamed token as its frame encodes it
+        assert b"\xa8token_id" + msgpack.packb(tok) not in blob
+    for t in FRAME_TYPES:  # any frame's plaintext header: {"t": <type>, ...}
+        assert b"\xa1t" + msgpack.packb(t) not in blob
+
+
+def check_split(status: dict, n_blocks: int) -> None:
+    blocks = status["plan"]["blocks"]
+    assert len(blocks) == 3 and all(b - a >= 1 for a, b in blocks.values())
+    spans = sorted(tuple(v) for v in blocks.values())
+    assert spans[0][0] == 0 and spans[-1][1] == n_blocks
+    assert all(spans[i][1] == spans[i + 1][0] for i in range(2))
+    assert status["state"] == "ready"
+    assert {m["name"] for m in status["members"]} == {"m0", "m1", "m2"}
+
+
+def test_stories260k_ring_matches_reference(stories260k, cluster3):
+    formed = cluster3.form(str(stories260k))
+    check_split(formed["status"], 5)
+    result = cluster3.generate(STORIES_PROMPT, 40)
+    assert result["token_ids"] == STORIES_REFERENCE_IDS
+    assert result["token_ids"] == reference_tokens(stories260k, STORIES_PROMPT, 40)
+    assert result["text"] == (", there was a little girl named Lily. She loved to play outside in the park. "
+                              "One day, she saw a big, red ball.")
+    assert result["prompt_tokens"] == len(STORIES_PROMPT_IDS)
+    assert_no_plaintext(relayed_bytes(cluster3), STORIES_PROMPT, STORIES_PROMPT_IDS, result["token_ids"])
+    status = cluster3.call(0, "status")
+    assert all(m["measured_stage_s"] and m["measured_stage_s"] > 0 for m in status["members"])
+    assert {d["name"] for d in status["fleet"]["devices"]} == {"m0", "m1", "m2"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_synthesised_ring_matches_single_process(arch, synth_llama, synth_qwen3, cluster3):
+    model = synth_llama if arch == "llama" else synth_qwen3
+    prompt = "Kafila serves"
+    formed = cluster3.form(str(model))
+    check_split(formed["status"], 6 if arch == "llama" else 5)
+    expected = reference_tokens(model, prompt, 60)
+    result = cluster3.generate(prompt, 60)
+    assert result["token_ids"] == expected
+    from mlx_lm.utils import load_tokenizer
+    prompt_ids = list(load_tokenizer(model).encode(prompt))
+    assert_no_plaintext(relayed_bytes(cluster3), prompt, prompt_ids, result["token_ids"])
