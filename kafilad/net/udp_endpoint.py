@@ -1,0 +1,251 @@
+"""The daemon's one UDP socket, demultiplexed by first byte (DESIGN §4; RFC 9443 §3; proto_spec 07 §1).
+
+Every datagram of the direct path (STUN classification, ICE connectivity checks, QUIC) uses one
+socket, so the mapping a NAT made for STUN is the one the peer punches to. The first byte says
+which protocol a datagram belongs to (RFC 9443 §3)::
+
+    first byte   protocol                     routed to
+    0 .. 3       STUN (RFC 8489 §5)           STUN handlers in order (ICE agents), else the STUN view
+    64 .. 127    QUIC short header (RFC 9000 §17.3)   the QUIC connection owning the DCID
+    192 .. 255   QUIC long header  (RFC 9000 §17.2)   by DCID; an unknown DCID from an expected
+                                                 address starts a server connection
+    anything else                             dropped (counted)
+
+Routing QUIC by destination connection id, not by address, lets two edges share one address pair
+(a two-member ring has an edge each way between the same sockets).
+
+The STUN view (:meth:`UdpEndpoint.stun_socket`) looks like a trio UDP socket to
+:func:`kafilad.net.stun_client.classify_nat`, so classification runs on this socket while the
+demultiplexer owns it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Callable, Optional
+
+import trio
+
+log = logging.getLogger("kafilad.udp")
+
+Address = tuple[str, int]
+
+#: Largest datagram read (QUIC's max_datagram_size is 1200-1452; anything larger is not ours).
+RECV_BYTES = 65536
+#: STUN datagrams buffered for the STUN view before new ones are dropped.
+STUN_VIEW_BUFFER = 64
+#: Unclaimed QUIC long-header datagrams kept per remote address until a server is expected.
+STASH_PER_ADDRESS = 8
+STASH_ADDRESSES = 32
+#: Length of the connection ids we issue (aioquic's QuicConfiguration.connection_id_length default).
+CID_BYTES = 8
+
+
+def protocol_of(data: bytes) -> str:
+    """"stun", "quic" or "other" by the first byte (RFC 9443 §3)."""
+    if not data:
+        return "other"
+    b = data[0]
+    if b <= 3:
+        return "stun"
+    if 64 <= b <= 127 or b >= 192:
+        return "quic"
+    return "other"
+
+
+def quic_dcid(data: bytes, short_cid_bytes: int = CID_BYTES) -> Optional[bytes]:
+    """Destination connection id of a QUIC packet (RFC 9000 §17.2, §17.3), or None if truncated.
+
+    Long header: flags(1) version(4) dcid_len(1) dcid(dcid_len) ...; short header: flags(1)
+    dcid(short_cid_bytes) ... (the length is ours to know: we issued it).
+    """
+    if not data:
+        return None
+    if data[0] & 0x80:
+        if len(data) < 6:
+            return None
+        n = data[5]
+        if n > 20 or len(data) < 6 + n:
+            return None
+        return bytes(data[6:6 + n])
+    if len(data) < 1 + short_cid_bytes:
+        return None
+    return bytes(data[1:1 + short_cid_bytes])
+
+
+def _norm(addr) -> Address:
+    return (str(addr[0]), int(addr[1]))
+
+
+class StunView:
+    """A read/write view of the endpoint for STUN clients that expect a trio UDP socket.
+
+    Implements the subset :func:`kafilad.net.stun_client.classify_nat` uses: ``family``,
+    ``getsockname()``, ``sendto(data, addr)``, ``recvfrom(n)``. It receives the STUN datagrams
+    no ICE agent claimed.
+    """
+
+    def __init__(self, endpoint: "UdpEndpoint"):
+        self._endpoint = endpoint
+        self.family = endpoint.sock.family
+        self._send, self._recv = trio.open_memory_channel(STUN_VIEW_BUFFER)
+
+    def getsockname(self):
+        return self._endpoint.sock.getsockname()
+
+    async def sendto(self, data: bytes, addr) -> int:
+        return await self._endpoint.sock.sendto(data, addr)
+
+    async def recvfrom(self, n: int) -> tuple[bytes, Address]:
+        data, addr = await self._recv.receive()
+        return data[:n], addr
+
+    def _offer(self, data: bytes, addr: Address) -> None:
+        try:
+            self._send.send_nowait((data, addr))
+        except trio.WouldBlock:
+            self._endpoint.dropped += 1
+
+
+class UdpEndpoint:
+    """One bound UDP socket and its demultiplexer (DESIGN §4).
+
+    Args:
+        sock: a bound trio UDP socket. Call :meth:`serve` (``nursery.start``) to start reading.
+
+    Attributes:
+        dropped: datagrams dropped (unknown protocol, unclaimed, or a full buffer).
+        received: datagrams read.
+    """
+
+    def __init__(self, sock: trio.socket.SocketType):
+        self.sock = sock
+        self.dropped = 0
+        self.received = 0
+        self._stun_handlers: list[Callable[[bytes, Address], bool]] = []
+        self._stun_view: Optional[StunView] = None
+        self._by_cid: dict[bytes, Callable[[bytes, Address], None]] = {}
+        self._expect: dict[Address, Callable[[bytes, Address], None]] = {}
+        self._stash: OrderedDict[Address, list[bytes]] = OrderedDict()
+
+    @classmethod
+    async def bind(cls, host: str = "0.0.0.0", port: int = 0) -> "UdpEndpoint":
+        """Bind a new UDP socket on (host, port); port 0 picks a free one.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        family = trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET
+        sock = trio.socket.socket(family, trio.socket.SOCK_DGRAM)
+        try:
+            await sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+        return cls(sock)
+
+    @property
+    def local_address(self) -> Address:
+        """(ip, port) the socket is bound to (ip may be 0.0.0.0)."""
+        return _norm(self.sock.getsockname())
+
+    async def sendto(self, data: bytes, addr: Address) -> None:
+        """Send one datagram; an unreachable destination is treated as a lost datagram."""
+        try:
+            await self.sock.sendto(data, addr)
+        except OSError as e:
+            log.debug("udp: send to %s failed: %s", addr, e)
+
+    # ---- registration ---------------------------------------------------------------------
+    def stun_socket(self) -> StunView:
+        """A fresh STUN view (the previous one stops receiving)."""
+        self._stun_view = StunView(self)
+        return self._stun_view
+
+    def add_stun_handler(self, handler: Callable[[bytes, Address], bool]) -> None:
+        """Offer STUN datagrams to ``handler(data, addr) -> claimed`` before the STUN view."""
+        self._stun_handlers.append(handler)
+
+    def remove_stun_handler(self, handler) -> None:
+        if handler in self._stun_handlers:
+            self._stun_handlers.remove(handler)
+
+    def route_cid(self, cid: bytes, handler: Callable[[bytes, Address], None]) -> None:
+        """Deliver QUIC datagrams whose DCID is ``cid`` to ``handler``."""
+        self._by_cid[bytes(cid)] = handler
+
+    def unroute(self, handler) -> None:
+        """Forget every route and expectation delivering to ``handler``."""
+        for cid in [c for c, h in self._by_cid.items() if h is handler]:
+            del self._by_cid[cid]
+        for a in [a for a, h in self._expect.items() if h is handler]:
+            del self._expect[a]
+
+    def expect_quic_client(self, addr: Address, handler: Callable[[bytes, Address], None]) -> None:
+        """Hand QUIC long-header datagrams with an unknown DCID from ``addr`` to ``handler``.
+
+        Datagrams that arrived from ``addr`` before this call (a client may start as soon as its
+        own check succeeds) are replayed at once.
+        """
+        addr = _norm(addr)
+        self._expect[addr] = handler
+        for data in self._stash.pop(addr, []):
+            handler(data, addr)
+
+    def cancel_expectation(self, addr: Address) -> None:
+        self._expect.pop(_norm(addr), None)
+
+    # ---- demultiplexer ------------------------------------------------------------------------
+    def dispatch(self, data: bytes, addr) -> None:
+        """Route one received datagram (public for tests and for drivers feeding datagrams)."""
+        addr = _norm(addr)
+        self.received += 1
+        kind = protocol_of(data)
+        if kind == "stun":
+            for handler in list(self._stun_handlers):
+                if handler(data, addr):
+                    return
+            if self._stun_view is not None:
+                self._stun_view._offer(data, addr)
+            else:
+                self.dropped += 1
+            return
+        if kind != "quic":
+            self.dropped += 1
+            return
+        cid = quic_dcid(data)
+        handler = self._by_cid.get(cid) if cid is not None else None
+        if handler is not None:
+            handler(data, addr)
+            return
+        if data[0] & 0x80:
+            handler = self._expect.get(addr)
+            if handler is not None:
+                handler(data, addr)
+                return
+            stash = self._stash.setdefault(addr, [])
+            self._stash.move_to_end(addr)
+            if len(stash) < STASH_PER_ADDRESS:
+                stash.append(bytes(data))
+            while len(self._stash) > STASH_ADDRESSES:
+                self._stash.popitem(last=False)
+            return
+        self.dropped += 1
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Read and route datagrams until cancelled; closes the socket on exit."""
+        task_status.started()
+        try:
+            while True:
+                try:
+                    data, addr = await self.sock.recvfrom(RECV_BYTES)
+                except OSError:
+                    continue  # ICMP errors surface here on Linux: the same as a lost datagram
+                try:
+                    self.dispatch(data, addr)
+                except Exception:  # a bug in one handler must not stop the socket
+                    log.exception("udp: handler failed on a datagram from %s; dropped", addr)
+                    self.dropped += 1
+        finally:
+            self.sock.close()

@@ -1,0 +1,114 @@
+"""The daemon's one UDP socket and its first-byte demultiplexer (kafilad.net.udp_endpoint), real loopback sockets."""
+
+from __future__ import annotations
+
+import os
+
+import trio
+from trio.testing import trio_test
+
+from kafilad.net.stun_client import classify_nat
+from kafilad.net.udp_endpoint import UdpEndpoint, protocol_of, quic_dcid
+from kafilad.proto.ice import IceAgent, PathVerified, make_candidate, new_credentials
+from kafilad.rendezvous.stun_server import serve_stun
+
+
+def test_protocol_of_follows_rfc_9443_ranges():
+    assert [protocol_of(bytes([b])) for b in (0, 3, 4, 63, 64, 127, 128, 191, 192, 255)] == [
+        "stun", "stun", "other", "other", "quic", "quic", "other", "other", "quic", "quic"]
+    assert protocol_of(b"") == "other"
+
+
+def test_quic_dcid_of_long_and_short_headers():
+    cid = bytes(range(8))
+    assert quic_dcid(bytes([0xC3]) + b"\x00\x00\x00\x01" + bytes([8]) + cid + b"rest") == cid
+    assert quic_dcid(bytes([0x41]) + cid + b"payload") == cid
+    assert quic_dcid(bytes([0xC3, 0, 0, 0, 1, 30]) + bytes(40)) is None  # dcid longer than 20: not QUIC v1
+    assert quic_dcid(bytes([0x41, 1, 2])) is None
+
+
+@trio_test
+async def test_classification_runs_on_the_endpoint_while_it_demultiplexes():
+    async with trio.open_nursery() as nursery:
+        servers = await nursery.start(serve_stun, [("127.0.0.1", 0)])
+        ep = await UdpEndpoint.bind("127.0.0.1")
+        await nursery.start(ep.serve)
+        report = await classify_nat(ep.stun_socket(), servers, timeout_s=5)
+        assert report.mapped_address == ep.local_address
+        assert report.behind_nat is False and report.nat_class == "O"
+        assert report.rtt_ms is not None and report.rtt_ms > 0
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_quic_datagrams_route_by_connection_id_and_junk_is_dropped():
+    a, b = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
+    got: dict[str, list] = {"one": [], "two": [], "server": []}
+    cid1, cid2 = os.urandom(8), os.urandom(8)
+    b.route_cid(cid1, lambda d, addr: got["one"].append(d))
+    b.route_cid(cid2, lambda d, addr: got["two"].append(d))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        initial = bytes([0xC0, 0, 0, 0, 1, 8]) + os.urandom(8) + b"initial"
+        await a.sendto(initial, b.local_address)  # before anyone expects it: stashed
+        await a.sendto(bytes([0x40]) + cid2 + b"short", b.local_address)
+        await a.sendto(bytes([0x80]) + b"not ours", b.local_address)
+        await a.sendto(bytes([0x40]) + cid1 + b"short", b.local_address)
+        with trio.fail_after(5):
+            while len(got["one"]) + len(got["two"]) < 2:
+                await trio.sleep(0.01)
+        b.expect_quic_client(a.local_address, lambda d, addr: got["server"].append((d, addr)))
+        assert got["server"] == [(initial, a.local_address)]
+        assert got["one"] == [bytes([0x40]) + cid1 + b"short"] and got["two"] == [bytes([0x40]) + cid2 + b"short"]
+        assert b.dropped == 1
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_two_ice_agents_verify_over_two_endpoints():
+    a, b = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
+    ca, cb = new_credentials(), new_credentials()
+    now = trio.current_time()
+    agents = {
+        "a": (a, IceAgent(controlling=True, local=ca, remote=cb, now=now,
+                          remote_candidates=[make_candidate("host", b.local_address)])),
+        "b": (b, IceAgent(controlling=False, local=cb, remote=ca, now=now,
+                          remote_candidates=[make_candidate("host", a.local_address)])),
+    }
+    events: dict[str, object] = {}
+    addr_a, addr_b = a.local_address, b.local_address
+
+    async def drive(name):
+        ep, agent = agents[name]
+        wake = trio.Event()
+
+        def on_stun(data, addr):
+            claimed = agent.receive_datagram(data, addr, trio.current_time())
+            wake.set()
+            return claimed
+        ep.add_stun_handler(on_stun)
+        while name not in events:
+            for data, dst in agent.datagrams_to_send(trio.current_time()):
+                await ep.sendto(data, dst)
+            ev = agent.next_event()
+            if ev is not None:
+                events[name] = ev
+                break
+            with trio.move_on_at(agent.get_timer()):
+                await wake.wait()
+            wake = trio.Event()
+            if trio.current_time() >= agent.get_timer():
+                agent.handle_timer(trio.current_time())
+        for data, dst in agent.datagrams_to_send(trio.current_time()):
+            await ep.sendto(data, dst)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.serve)
+            await nursery.start(b.serve)
+            async with trio.open_nursery() as inner:
+                inner.start_soon(drive, "a")
+                inner.start_soon(drive, "b")
+            nursery.cancel_scope.cancel()
+    assert events["a"] == PathVerified(addr_b, events["a"].rtt_ms)
+    assert isinstance(events["b"], PathVerified) and events["b"].remote == addr_a
