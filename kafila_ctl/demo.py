@@ -105,17 +105,21 @@ class LoopbackCluster:
         return trio.run(lambda: self.client(i).call(op, **args))
 
     def form(self, model_dir: str, *, members: Optional[int] = None, context: int = 512, concurrency: int = 1,
-             timeout_s: float = 120.0) -> dict:
-        """Host on daemon 0 (open session), join with the others, wait until ready; return timings."""
+             timeout_s: float = 120.0, rendezvous: Optional[str] = None) -> dict:
+        """Host on daemon 0 (open session), join with the others, wait until ready; return timings.
+
+        Args:
+            rendezvous: URL for host and joins instead of the daemons' default (e.g. a test proxy).
+        """
         members = members or self.n
         t0 = time.perf_counter()
         code = self.call(0, "host", model_dir=str(Path(model_dir).resolve()), members=members, context=context,
-                         concurrency=concurrency, open=True)["code"]
+                         concurrency=concurrency, open=True, rendezvous=rendezvous)["code"]
 
         async def join_all():
             async with trio.open_nursery() as nursery:
                 for i in range(1, members):
-                    nursery.start_soon(lambda i=i: self.client(i).call("join", code=code))
+                    nursery.start_soon(lambda i=i: self.client(i).call("join", code=code, rendezvous=rendezvous))
         trio.run(join_all)
         snap = self.call(0, "wait", states=["ready"], timeout_s=timeout_s)
         return {"code": code, "form_s": time.perf_counter() - t0, "status": snap}

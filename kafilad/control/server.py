@@ -90,7 +90,7 @@ async def _handle_connection(stream: trio.abc.Stream, handlers: dict[str, Handle
         args = req.get("args") or {}
 
         async def emit(event: dict) -> None:
-            await conn.send({"t": "event", **event})
+            await conn.send({**event, "t": "event", "kind": event.get("t")})
 
         try:
             result = await handler(args, emit)

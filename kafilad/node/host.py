@@ -192,14 +192,7 @@ class HostSession:
     async def _member_lost(self, rec: MemberRecord, reason: str) -> None:
         msg = f"member {rec.name} ({rec.peer_id}) left the session: {reason}"
         self._culprit = rec.name
-        self._fail(msg)
-        for other in self.members.values():
-            if other.link is not None and other is not rec and other.lost is None:
-                with trio.move_on_after(2):
-                    try:
-                        await other.link.send({"t": "session_failed", "reason": msg})
-                    except LinkClosed:
-                        pass
+        await self._fail_and_notify(msg)
 
     def _check_member(self, remote_static: bytes, hello: dict) -> str:
         claimed = hello.get("peer_id")
@@ -303,6 +296,10 @@ class HostSession:
                 self.node.changed()
             elif t == "failed":
                 raise LinkClosed(f"{rec.name} failed to load its stage: {f.get('reason')}")
+            elif t == "ring_broken":
+                if self.state not in ("failed", "closed"):
+                    self._culprit = f.get("member")
+                    await self._fail_and_notify(f"{f.get('reason')} (reported by {rec.name})")
             elif t in ("gen_event", "gen_done", "gen_error"):
                 ch = self.generations.get(f.get("req"))
                 if ch is not None:
@@ -403,8 +400,26 @@ class HostSession:
         ring.next_is_head = nxt_pid == self.ring_order[0]
         ring.next_name = self.members[nxt_pid].name
         self.nursery.start_soon(ring.run)
+        self.nursery.start_soon(self._watch_ring, ring)
         if prv is not None:
             self.nursery.start_soon(ring.feed_from, prv)
+
+    async def _watch_ring(self, ring) -> None:
+        await ring.broken_event.wait()
+        if self.state not in ("failed", "closed"):
+            self._culprit = ring.broken_member
+            await self._fail_and_notify(ring.broken)
+
+    async def _fail_and_notify(self, msg: str) -> None:
+        """Fail the session and tell every member (whose head then fails its requests)."""
+        self._fail(msg)
+        for other in self.members.values():
+            if other.link is not None and other.lost is None:
+                with trio.move_on_after(2):
+                    try:
+                        await other.link.send({"t": "session_failed", "reason": msg})
+                    except LinkClosed:
+                        pass
 
     def _tensor_table(self, start: int, end: int, head: bool) -> list[dict]:
         out = []

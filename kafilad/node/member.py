@@ -255,6 +255,7 @@ class MemberSession:
             self.ring.next_is_head = nxt_pid == self.ring_order[0]
             self.ring.next_name = self.roster[nxt_pid]["name"]
             self.nursery.start_soon(self.ring.run)
+            self.nursery.start_soon(self._watch_ring, self.ring)
             if prv is not None:
                 self.nursery.start_soon(self.ring.feed_from, prv)
             self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "load_s": time.perf_counter() - t0}
@@ -268,6 +269,13 @@ class MemberSession:
                 await self.link.send({"t": "failed", "reason": reason})
             except LinkClosed:
                 pass
+
+    async def _watch_ring(self, ring) -> None:
+        await ring.broken_event.wait()
+        try:
+            await self.link.send({"t": "ring_broken", "reason": ring.broken, "member": ring.broken_member})
+        except LinkClosed:
+            pass
 
     async def _serve_generation(self, f: dict) -> None:
         req = f["req"]

@@ -89,6 +89,8 @@ class RingMember:
         self.req_steps: dict[str, list] = {}   # req -> compute_s per pass, on every member
         self.req_bytes: dict[str, int] = {}
         self.broken: Optional[str] = None
+        self.broken_member: Optional[str] = None
+        self.broken_event = trio.Event()  # set once the ring cannot serve; sessions report it
         self.steps_total = 0
 
     # ---- plumbing -----------------------------------------------------------------------
@@ -260,6 +262,8 @@ class RingMember:
         msg = f"member {member} is unreachable: {reason}"
         if self.broken is None:
             self.broken = msg
+            self.broken_member = member
+            self.broken_event.set()
             log.warning("ring broken: %s", msg)
         for st in list(self.requests.values()):
             self._finish(st, error=msg)
