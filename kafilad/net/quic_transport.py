@@ -1,0 +1,296 @@
+"""QUIC on the daemon's UDP endpoint: aioquic's sans-IO QuicConnection driven by trio (DESIGN §4; proto_spec 07 §4).
+
+One QUIC connection per direct ring edge. The edge's sender is the QUIC client, its receiver the
+server (fixed roles, never both clients). The connection carries one bidirectional stream (id 0,
+opened by the client) framed as proto_spec 01 §5.1 (u16 big-endian length + message), so it is a
+:class:`kafilad.net.transport.MessageTransport` and the Noise channel of kafilad/node/link.py runs
+inside it unchanged. TLS certificates are self-signed, generated per process and not checked:
+Noise authenticates the peer (DESIGN §4 "QUIC").
+
+The driver (:meth:`QuicTransport.run`) is the aioquic asyncio protocol's loop in trio: feed
+datagrams as the endpoint delivers them, process events, flush ``datagrams_to_send(now)`` and
+re-arm ``get_timer()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import ssl
+import struct
+from typing import Optional
+
+import trio
+from aioquic.quic import events as qe
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+
+from kafilad.errors import LocalProtocolError
+from kafilad.net.transport import MAX_TRANSPORT_MESSAGE_BYTES
+from kafilad.net.udp_endpoint import UdpEndpoint
+
+log = logging.getLogger("kafilad.quic")
+
+Address = tuple[str, int]
+
+ALPN = "kafila/1"
+#: Datagram size: fits a 1500-byte MTU path with IPv6 + UDP headers and some tunnel overhead.
+MAX_DATAGRAM_BYTES = 1350
+#: QUIC idle timeout; keepalive PINGs go out well before it (aioquic closes silently after it).
+IDLE_TIMEOUT_S = 60.0
+PING_INTERVAL_S = 15.0
+#: Unacknowledged stream bytes a sender may queue before send_message waits (backpressure).
+SEND_WINDOW_BYTES = 4 * 1024 * 1024
+_PREFIX = struct.Struct(">H")
+
+_CERT: Optional[tuple] = None
+
+
+def self_signed_certificate() -> tuple:
+    """(certificate, private_key) for aioquic: EC P-256, self-signed, generated once per process."""
+    global _CERT
+    if _CERT is None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kafila")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(days=1))
+                .not_valid_after(now + datetime.timedelta(days=30))
+                .sign(key, hashes.SHA256()))
+        _CERT = (cert, key)
+    return _CERT
+
+
+def configuration(*, is_client: bool) -> QuicConfiguration:
+    cfg = QuicConfiguration(is_client=is_client, alpn_protocols=[ALPN], idle_timeout=IDLE_TIMEOUT_S,
+                            max_datagram_size=MAX_DATAGRAM_BYTES, verify_mode=ssl.CERT_NONE,
+                            server_name="kafila")
+    if not is_client:
+        cfg.certificate, cfg.private_key = self_signed_certificate()
+    return cfg
+
+
+class QuicTransport:
+    """A MessageTransport over stream 0 of one QUIC connection on a shared :class:`UdpEndpoint`.
+
+    Make it with :func:`quic_connect` (client) or :func:`quic_accept` (server); both return once
+    the QUIC handshake completed and the driver runs in ``nursery``.
+
+    Attributes:
+        remote: the peer's (ip, port).
+        bytes_sent, bytes_received: stream payload bytes (framing included).
+    """
+
+    def __init__(self, endpoint: UdpEndpoint, conn: QuicConnection, remote: Address):
+        self.endpoint = endpoint
+        self.conn = conn
+        self.remote = remote
+        self.is_client = conn.configuration.is_client
+        self.stream_id = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.connected = trio.Event()
+        self.closed_reason: Optional[str] = None
+        self._local_closed = False
+        self._eof = False
+        self._buf = bytearray()
+        self._wake = trio.Event()
+        self._readable = trio.Event()
+        self._writable = trio.Event()
+        self._send_lock = trio.Lock()
+        self._next_ping_s = 0.0
+        endpoint.route_cid(conn.host_cid, self._on_datagram)
+
+    # ---- endpoint side -------------------------------------------------------------------------
+    def _on_datagram(self, data: bytes, addr: Address) -> None:
+        self.conn.receive_datagram(data, addr, trio.current_time())
+        self._wake.set()
+
+    def _process_events(self) -> None:
+        while (ev := self.conn.next_event()) is not None:
+            if isinstance(ev, qe.HandshakeCompleted):
+                self.connected.set()
+            elif isinstance(ev, qe.ConnectionIdIssued):
+                self.endpoint.route_cid(ev.connection_id, self._on_datagram)
+            elif isinstance(ev, qe.StreamDataReceived) and ev.stream_id == self.stream_id:
+                self._buf += ev.data
+                self.bytes_received += len(ev.data)
+                if ev.end_stream:
+                    self._eof = True
+                self._readable.set()
+            elif isinstance(ev, qe.ConnectionTerminated):
+                if ev.error_code == 0 and ev.frame_type is None:
+                    self._eof = True  # a NO_ERROR close by the application: a clean end of stream
+                self.closed_reason = self.closed_reason or (
+                    f"the QUIC connection to {self.remote[0]}:{self.remote[1]} ended "
+                    f"(error {ev.error_code}{': ' + ev.reason_phrase if ev.reason_phrase else ''})")
+                self._readable.set()
+                self._writable.set()
+                self.connected.set()
+
+    async def _flush(self) -> None:
+        now = trio.current_time()
+        for data, addr in self.conn.datagrams_to_send(now):
+            await self.endpoint.sendto(data, addr)
+        if self._unacked_bytes() < SEND_WINDOW_BYTES:
+            self._writable.set()
+
+    def _unacked_bytes(self) -> int:
+        stream = self.conn._streams.get(self.stream_id)  # aioquic exposes no public gauge for this
+        if stream is None:
+            return 0
+        sender = stream.sender
+        return sender._buffer_stop - sender._buffer_start
+
+    async def run(self) -> None:
+        """Drive the connection until it terminates (run it in a nursery)."""
+        try:
+            while True:
+                self._process_events()
+                await self._flush()
+                if self.closed_reason is not None and self.conn._state.name in ("TERMINATED",):
+                    return
+                timer = self.conn.get_timer()
+                now = trio.current_time()
+                if self.connected.is_set() and self.closed_reason is None:
+                    if now >= self._next_ping_s:
+                        self.conn.send_ping(int(now * 1000) & 0xFFFF)
+                        self._next_ping_s = now + PING_INTERVAL_S
+                        continue
+                    timer = min(timer if timer is not None else float("inf"), self._next_ping_s)
+                with trio.move_on_at(timer if timer is not None else float("inf")):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                now = trio.current_time()
+                t = self.conn.get_timer()
+                if t is not None and now >= t:
+                    self.conn.handle_timer(now)
+        finally:
+            self.endpoint.unroute(self._on_datagram)
+            self.closed_reason = self.closed_reason or "the QUIC driver stopped"
+            self._readable.set()
+            self._writable.set()
+            self.connected.set()
+
+    # ---- MessageTransport ----------------------------------------------------------------------
+    async def send_message(self, data: bytes) -> None:
+        if len(data) > MAX_TRANSPORT_MESSAGE_BYTES:
+            raise LocalProtocolError(f"A transport message is at most {MAX_TRANSPORT_MESSAGE_BYTES} bytes, "
+                                     f"not {len(data)} (proto_spec 01 §5).")
+        async with self._send_lock:
+            while True:
+                if self._local_closed:
+                    raise trio.ClosedResourceError("this QUIC transport was closed")
+                if self.closed_reason is not None:
+                    raise trio.BrokenResourceError(self.closed_reason)
+                if self._unacked_bytes() < SEND_WINDOW_BYTES:
+                    break
+                self._writable = trio.Event()
+                await self._writable.wait()
+            self.conn.send_stream_data(self.stream_id, _PREFIX.pack(len(data)) + bytes(data))
+            self.bytes_sent += len(data) + _PREFIX.size
+            self._wake.set()
+            await trio.lowlevel.checkpoint()
+
+    async def receive_message(self) -> bytes:
+        while True:
+            if self._local_closed:
+                raise trio.ClosedResourceError("this QUIC transport was closed")
+            if len(self._buf) >= _PREFIX.size:
+                (n,) = _PREFIX.unpack_from(self._buf)
+                if len(self._buf) >= _PREFIX.size + n:
+                    msg = bytes(self._buf[_PREFIX.size:_PREFIX.size + n])
+                    del self._buf[:_PREFIX.size + n]
+                    await trio.lowlevel.checkpoint()
+                    return msg
+            if self._eof:
+                raise trio.EndOfChannel
+            if self.closed_reason is not None:
+                raise trio.BrokenResourceError(self.closed_reason)
+            self._readable = trio.Event()
+            await self._readable.wait()
+
+    async def aclose(self) -> None:
+        if not self._local_closed:
+            self._local_closed = True
+            if self.closed_reason is None:
+                try:
+                    self.conn.send_stream_data(self.stream_id, b"", end_stream=True)
+                except Exception:
+                    pass
+                self.conn.close(error_code=0, reason_phrase="closed")
+                self.closed_reason = "closed locally"
+                self._wake.set()
+        self._readable.set()
+        self._writable.set()
+        await trio.lowlevel.checkpoint()
+
+
+async def quic_connect(endpoint: UdpEndpoint, remote: Address, nursery, *, timeout_s: float = 10.0) -> QuicTransport:
+    """Open a QUIC connection to ``remote`` as client and its stream 0.
+
+    Raises:
+        trio.BrokenResourceError: the handshake failed or did not finish in ``timeout_s``.
+    """
+    conn = QuicConnection(configuration=configuration(is_client=True))
+    conn.connect(remote, now=trio.current_time())
+    t = QuicTransport(endpoint, conn, remote)
+    nursery.start_soon(t.run)
+    return await _established(t, timeout_s)
+
+
+async def quic_accept(endpoint: UdpEndpoint, remote: Address, nursery, *, timeout_s: float = 10.0) -> QuicTransport:
+    """Wait for a QUIC client at ``remote`` (an address the edge's checks verified) and accept it.
+
+    Raises:
+        trio.BrokenResourceError: no handshake completed within ``timeout_s``.
+    """
+    got: dict = {}
+    arrived = trio.Event()
+
+    def on_initial(data: bytes, addr: Address) -> None:
+        if "t" in got:
+            got["t"]._on_datagram(data, addr)
+            return
+        if len(data) < 6 or data[5] > 20:
+            return
+        dcid = bytes(data[6:6 + data[5]])
+        conn = QuicConnection(configuration=configuration(is_client=False), original_destination_connection_id=dcid)
+        t = QuicTransport(endpoint, conn, addr)
+        endpoint.route_cid(dcid, t._on_datagram)
+        got["t"] = t
+        t._on_datagram(data, addr)
+        arrived.set()
+
+    endpoint.expect_quic_client(remote, on_initial)
+    try:
+        with trio.move_on_after(timeout_s):
+            await arrived.wait()
+    finally:
+        endpoint.cancel_expectation(remote)
+    if "t" not in got:
+        raise trio.BrokenResourceError(f"no QUIC client arrived from {remote[0]}:{remote[1]} within {timeout_s:g} s")
+    t = got["t"]
+    nursery.start_soon(t.run)
+    return await _established(t, timeout_s)
+
+
+async def _established(t: QuicTransport, timeout_s: float) -> QuicTransport:
+    with trio.move_on_after(timeout_s):
+        await t.connected.wait()
+    if t.closed_reason is not None or not t.connected.is_set():
+        reason = t.closed_reason or f"the QUIC handshake with {t.remote[0]}:{t.remote[1]} did not finish in {timeout_s:g} s"
+        await t.aclose()
+        raise trio.BrokenResourceError(reason)
+    if t.is_client:
+        t.stream_id = t.conn.get_next_available_stream_id()
+        t.conn.send_stream_data(t.stream_id, b"")  # opens stream 0 so the server sees it at once
+        t._wake.set()
+    return t
+

@@ -1,0 +1,118 @@
+"""QUIC (aioquic sans-IO driven by trio) on the shared UDP endpoint, with Noise inside (kafilad.net.quic_transport)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import trio
+from trio.testing import trio_test
+
+from kafilad.errors import LocalProtocolError
+from kafilad.net.quic_transport import QuicTransport, quic_accept, quic_connect
+from kafilad.net.udp_endpoint import UdpEndpoint
+from kafilad.node.link import secure_link
+from kafilad.proto.noise import generate_keypair
+
+
+async def connected_pair(nursery, a: UdpEndpoint, b: UdpEndpoint) -> tuple[QuicTransport, QuicTransport]:
+    out = {}
+
+    async def server():
+        out["s"] = await quic_accept(b, a.local_address, nursery)
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(server)
+        out["c"] = await quic_connect(a, b.local_address, nursery)
+    return out["c"], out["s"]
+
+
+@trio_test
+async def test_messages_both_ways_and_a_16_mib_transfer_arrive_whole_and_in_order():
+    a, b = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.serve)
+            await nursery.start(b.serve)
+            client, server = await connected_pair(nursery, a, b)
+            assert client.is_client and not server.is_client
+            await client.send_message(b"hello")
+            assert await server.receive_message() == b"hello"
+            await server.send_message(b"")
+            assert await client.receive_message() == b""
+            blob = os.urandom(65535)
+            count = 16 * 1024 * 1024 // len(blob)
+
+            async def pump():
+                for i in range(count):
+                    await client.send_message(blob[:-1] + bytes([i % 256]))
+            nursery.start_soon(pump)
+            for i in range(count):
+                assert await server.receive_message() == blob[:-1] + bytes([i % 256])
+            with pytest.raises(LocalProtocolError, match="at most 65535 bytes"):
+                await client.send_message(bytes(65536))
+            await client.aclose()
+            with pytest.raises(trio.EndOfChannel):
+                await server.receive_message()
+            with pytest.raises(trio.ClosedResourceError):
+                await client.send_message(b"x")
+            nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_two_connections_between_the_same_sockets_are_kept_apart():
+    """A two-member ring has an edge each way between the same two sockets (routing by DCID)."""
+    a, b = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.serve)
+            await nursery.start(b.serve)
+            c1, s1 = await connected_pair(nursery, a, b)
+            c2, s2 = await connected_pair(nursery, b, a)
+            await c1.send_message(b"a->b")
+            await c2.send_message(b"b->a")
+            assert await s1.receive_message() == b"a->b"
+            assert await s2.receive_message() == b"b->a"
+            nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_noise_runs_inside_the_quic_stream_unchanged():
+    a, b = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
+    (ka, pa), (kb, pb) = generate_keypair(), generate_keypair()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.serve)
+            await nursery.start(b.serve)
+            client, server = await connected_pair(nursery, a, b)
+            out = {}
+
+            def expect(key):
+                def check(remote_static, hello):
+                    assert remote_static == key
+                    return hello["name"]
+                return check
+
+            async def responder():
+                out["s"], _, _ = await secure_link(server, initiator=False, static_private=kb, session_id="k3v9q2xa",
+                                                   hello={"peer_id": "b", "name": "bee"}, check_remote=expect(pa),
+                                                   label="ring")
+            async with trio.open_nursery() as inner:
+                inner.start_soon(responder)
+                out["c"], _, _ = await secure_link(client, initiator=True, static_private=ka, session_id="k3v9q2xa",
+                                                   hello={"peer_id": "a", "name": "ay"}, check_remote=expect(pb),
+                                                   label="ring")
+            await out["c"].send({"t": "act", "h": b"\x01" * 200_000})
+            assert await out["s"].receive() == {"t": "act", "h": b"\x01" * 200_000}
+            assert out["s"].peer_name == "ay" and out["c"].peer_name == "bee"
+            nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_accept_gives_up_when_no_client_comes():
+    a = await UdpEndpoint.bind("127.0.0.1")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(a.serve)
+        with pytest.raises(trio.BrokenResourceError, match="no QUIC client arrived from 127.0.0.1:9 within 0.2 s"):
+            await quic_accept(a, ("127.0.0.1", 9), nursery, timeout_s=0.2)
+        nursery.cancel_scope.cancel()
