@@ -1,0 +1,48 @@
+"""Import boundaries (STYLE.md, DESIGN §4): proto/ and planner/ stay pure (no trio, socket, mlx);
+only kafilad/executor imports mlx. Checked statically, from each module's own import statements."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "kafilad"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Absolute module names this file's own import statements name."""
+    tree = ast.parse(path.read_text())
+    mods = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            mods.add(node.module)
+    return mods
+
+
+def imported_roots(path: Path) -> set[str]:
+    return {m.split(".")[0] for m in imported_modules(path)}
+
+
+@pytest.mark.parametrize("sub", ["proto", "planner"])
+def test_pure_packages_import_no_io(sub):
+    for path in sorted((PKG / sub).glob("*.py")):
+        bad = imported_roots(path) & {"trio", "socket", "mlx", "mlx_lm", "asyncio", "trio_websocket"}
+        assert not bad, f"{path.relative_to(PKG.parent)} imports {sorted(bad)}"
+
+
+def test_aioice_only_pure_modules():
+    for path in sorted(PKG.rglob("*.py")):
+        mods = {m for m in imported_modules(path) if m.split(".")[0] == "aioice"}
+        assert mods <= {"aioice.stun", "aioice.candidate"}, f"{path} imports {sorted(mods)} (DESIGN §4)"
+
+
+def test_only_executor_imports_mlx():
+    for path in sorted(PKG.rglob("*.py")):
+        if "executor" in path.parts:
+            continue
+        bad = imported_roots(path) & {"mlx", "mlx_lm"}
+        assert not bad, f"{path.relative_to(PKG.parent)} imports {sorted(bad)}"
