@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import trio
@@ -26,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kafilad", description="Kafila daemon (runs in the foreground).")
     p.add_argument("--state-dir", help="state directory (default: the platform's user state dir)")
     p.add_argument("--name", help="this member's name (default: the host name)")
-    p.add_argument("--rendezvous", help="default rendezvous URL, e.g. ws://rdv.example:7400")
+    p.add_argument("--rendezvous", default=os.environ.get("KAFILA_RENDEZVOUS") or None,
+                   help="default rendezvous URL, e.g. ws://rdv.example:7400 (env KAFILA_RENDEZVOUS)")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command")
     r = sub.add_parser("rendezvous", help="run the rendezvous / relay / STUN service")
