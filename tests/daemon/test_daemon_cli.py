@@ -83,3 +83,12 @@ def test_ctl_errors_are_sentences(daemon, tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.strip()
     r = ctl(state, "admit", "nobody")
     assert r.returncode == 1 and "not hosting a session" in r.stderr
+
+
+@pytest.mark.slow
+def test_readme_demo_command(tmp_path):
+    """The README's first command (after install): `kafila-ctl demo` on the synthesised default."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    r = subprocess.run(CTL + ["demo", "--max-tokens", "12"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "formed in" in r.stdout and "plan: bottleneck" in r.stdout and "12 tokens" in r.stdout

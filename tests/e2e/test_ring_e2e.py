@@ -69,3 +69,25 @@ def test_synthesised_ring_matches_single_process(arch, synth_llama, synth_qwen3,
     from mlx_lm.utils import load_tokenizer
     prompt_ids = list(load_tokenizer(model).encode(prompt))
     assert_no_plaintext(relayed_bytes(cluster3), prompt, prompt_ids, result["token_ids"])
+
+
+def test_concurrent_requests_match_sequential(tmp_path, synth_llama):
+    """--concurrency 2: two requests in flight round the ring at once, each with its own KV cache."""
+    import trio
+
+    from kafila_ctl.demo import LoopbackCluster
+    prompts = ["Kafila serves", "The ring"]
+    with LoopbackCluster(3, root=str(tmp_path / "c")) as c:
+        c.form(str(synth_llama), concurrency=2)
+        alone = [c.generate(p, 30)["token_ids"] for p in prompts]
+        together = {}
+
+        async def both():
+            async with trio.open_nursery() as n:
+                for p in prompts:
+                    async def one(p=p):
+                        together[p] = (await c.client(0).call("generate", prompt=p, max_tokens=30))["token_ids"]
+                    n.start_soon(one)
+        trio.run(both)
+        assert [together[p] for p in prompts] == alone
+        assert alone[0] != alone[1]
