@@ -64,7 +64,7 @@ async def _rendezvous(args) -> None:
             from kafilad.rendezvous.stun_server import serve_stun
             await nursery.start(serve_stun, args.stun)
         actual = await nursery.start(lambda task_status: serve_rendezvous(
-            host, port, record_path=args.record_relay, task_status=task_status))
+            host, port, record_path=args.record_relay, stun_addresses=args.stun, task_status=task_status))
         logging.getLogger("kafilad.rendezvous").info("rendezvous listening on ws://%s:%s", host, actual)
         print(f"rendezvous listening on ws://{host}:{actual}", flush=True)
 

@@ -174,9 +174,11 @@ class HostSession:
                 await circuit.aclose()
 
     async def _events_loop(self, rdv) -> None:
-        from kafilad.node.rdv_client import Disconnected, MemberLeft
+        from kafilad.node.rdv_client import Disconnected, MemberLeft, Signal
         async for ev in rdv.events:
-            if isinstance(ev, MemberLeft):
+            if isinstance(ev, Signal):  # [paths] candidate offers (proto_spec 07 §2)
+                stagehost.on_signal(self.node, ev)
+            elif isinstance(ev, MemberLeft):
                 rec = self.members.get(ev.peer_id)
                 if rec is not None and rec.lost is None:
                     rec.lost = ev.reason or "it left the rendezvous"
@@ -284,14 +286,15 @@ class HostSession:
             f = await link.receive()
             t = f.get("t")
             if t == "capability":
-                rec.capability = {k: f.get(k) for k in ("memory_bytes", "bandwidth_Bps", "step_overhead_s")}
+                rec.capability = {k: f.get(k) for k in ("memory_bytes", "bandwidth_Bps", "step_overhead_s",
+                                                        "nat_class", "rendezvous_rtt_ms")}
                 self._members_changed.set()
                 self.node.changed()
             elif t == "fetch":
                 await self._serve_fetch(link, f)
             elif t == "ready":
                 rec.ready = True
-                rec.load = {k: f.get(k) for k in ("fetched_bytes", "cached_bytes", "load_s")}
+                rec.load = {k: f.get(k) for k in ("fetched_bytes", "cached_bytes", "load_s", "edges")}
                 self._members_changed.set()
                 self.node.changed()
             elif t == "failed":
@@ -324,6 +327,7 @@ class HostSession:
         t0 = time.perf_counter()
         me = self.members[self.node.peer_id]
         me.capability = await trio.to_thread.run_sync(stagehost.measure_capability, self.model_dir)
+        me.capability.update(await stagehost.nat_capability(self.node, self.rdv))  # [paths]
         self.node.changed()
         while True:
             live = [r for r in self.members.values() if r.lost is None]
@@ -336,7 +340,9 @@ class HostSession:
         order = list(self.members.values())  # the host (anchor) first, then members in join order
         self.fleet_devices = [Device(name=r.name, memory_bytes=int(r.capability["memory_bytes"]),
                                      bandwidth_Bps=r.capability.get("bandwidth_Bps"),
-                                     step_overhead_s=float(r.capability.get("step_overhead_s") or 0.0))
+                                     step_overhead_s=float(r.capability.get("step_overhead_s") or 0.0),
+                                     nat_class=r.capability.get("nat_class"),  # [paths]
+                                     rendezvous_rtt_ms=r.capability.get("rendezvous_rtt_ms"))
                               for r in order]
         try:
             self.plan = make_plan(self.fleet_devices, self.info.profile(float_dtype_bytes=HOLD_DTYPE_BYTES),
@@ -367,6 +373,7 @@ class HostSession:
             await self._members_changed.wait()
         self.formed_s = time.perf_counter() - t0
         self.state = "ready"
+        self.trace.write("edges", edges=stagehost.session_edges(self))  # [paths] predicted/actual/verify time
         self.trace.write("session_formed", form_s=self.formed_s,
                          load={r.name: r.load for r in self.members.values()})
         self.node.changed()
@@ -490,7 +497,7 @@ class HostSession:
                          stages={names.get(s[0], s[0]): {"steps": s[1], "compute_s": s[2], "decode_stage_s": s[3],
                                                          "ring_bytes_sent": s[4]} for s in result.get("stats", [])},
                          predicted_stage_s=self.plan.stage_s if self.plan else {},
-                         path={names.get(pid, pid): "relayed" for pid in self.ring_order})
+                         path=stagehost.edge_paths(self))  # [paths] sender name -> "direct" | "relayed"
         self.node.changed()
 
     # ---- reporting ----------------------------------------------------------------------------
@@ -508,14 +515,16 @@ class HostSession:
                             "head": bool(plan and plan.head == r.name),
                             "predicted_stage_s": plan.stage_s.get(r.name) if plan else None,
                             "measured_stage_s": self.measured_stage_s.get(r.name),
-                            "ready": r.ready, "lost": r.lost, "capability": r.capability})
+                            "ready": r.ready, "lost": r.lost, "capability": r.capability,
+                            "nat_class": (r.capability or {}).get("nat_class")})  # [paths]
         return {"role": "host", "session_id": self.session_id, "code": self.code, "state": self.state,
                 "error": self.error, "model_id": self.info.model_id, "expected_members": self.expected,
                 "context": self.context, "concurrency": self.concurrency, "members": members,
                 "pending": [{"peer_id": p.peer_id, "name": p.name} for p in self.pending.values()],
                 "form_s": self.formed_s, "last_generation": self.last_generation,
                 "fleet": self.fleet_json() if self.fleet_devices else None,
-                "plan": plan.to_json() if plan else None}
+                "plan": plan.to_json() if plan else None,
+                "edges": stagehost.session_edges(self)}  # [paths]
 
     async def close(self) -> None:
         for r in self.members.values():

@@ -134,9 +134,11 @@ class MemberSession:
                 await circuit.aclose()
 
     async def _events_loop(self, rdv) -> None:
-        from kafilad.node.rdv_client import Disconnected, MemberLeft, SessionClosed
+        from kafilad.node.rdv_client import Disconnected, MemberLeft, SessionClosed, Signal
         async for ev in rdv.events:
-            if isinstance(ev, MemberLeft):
+            if isinstance(ev, Signal):  # [paths] candidate offers (proto_spec 07 §2)
+                stagehost.on_signal(self.node, ev)
+            elif isinstance(ev, MemberLeft):
                 name = self.roster.get(ev.peer_id, {}).get("name", ev.peer_id)
                 if self.ring is not None:
                     self.ring.fail_all(f"it left the session ({ev.reason})", member=name)
@@ -148,6 +150,7 @@ class MemberSession:
     # ---- control loop ----------------------------------------------------------------------
     async def _control_loop(self) -> None:
         cap = await trio.to_thread.run_sync(stagehost.measure_capability, self.admitted["config"])
+        cap.update(await stagehost.nat_capability(self.node, self.rdv))  # [paths] nat_class, rendezvous_rtt_ms
         self.capability = cap
         await self.link.send({"t": "capability", **cap})
         self.state = "measured"
@@ -258,7 +261,8 @@ class MemberSession:
             self.nursery.start_soon(self._watch_ring, self.ring)
             if prv is not None:
                 self.nursery.start_soon(self.ring.feed_from, prv)
-            self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "load_s": time.perf_counter() - t0}
+            self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "load_s": time.perf_counter() - t0,
+                         "edges": stagehost.edges_of(self.node)}  # [paths] this member's ring edges
             await self.link.send({"t": "ready", **self.load})
             self.state = "ready"
             self.node.changed()

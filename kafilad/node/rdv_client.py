@@ -204,6 +204,7 @@ class RendezvousClient:
         self._lost: str | None = None
         self.session_id: str | None = None
         self.roster: list[dict] = []
+        self.stun_servers: list[str] = []  # [paths] the rendezvous's STUN addresses, "ip:port"
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -222,6 +223,7 @@ class RendezvousClient:
         reply = await self._request("register", model_id=model_id, members=members, capability=capability,
                                     peer_id=self.peer_id, name=self.name)
         self.session_id = reply["session_id"]
+        self.stun_servers = list(reply.get("stun") or [])  # [paths] proto_spec 07 §1
         return self.session_id
 
     async def join(self, session_id: str) -> str:
@@ -235,6 +237,7 @@ class RendezvousClient:
         """
         reply = await self._request("join", session_id=session_id, peer_id=self.peer_id, name=self.name)
         self.session_id, self.roster = reply["session_id"], list(reply.get("members", []))
+        self.stun_servers = list(reply.get("stun") or [])  # [paths] proto_spec 07 §1
         return reply["host_peer_id"]
 
     async def leave(self, reason: str = "it left") -> None:

@@ -12,6 +12,7 @@ from typing import Optional
 import trio
 
 from kafilad.errors import HandshakeError, SessionError
+from kafilad.node import paths
 from kafilad.node.link import Link, secure_link
 from kafilad.node.ring import RingMember
 
@@ -36,6 +37,10 @@ def measure_capability(model_dir: Optional[str]) -> dict:
 async def connect_ring(*, node, rdv, session_id: str, ring: list[str], roster: dict,
                        incoming: trio.MemoryReceiveChannel) -> tuple[Optional[Link], Optional[Link]]:
     """Open the ring edge to our next member and accept the one from our previous member.
+
+    Each edge is tried direct first (kafilad/node/paths.py: candidates over rendezvous signals,
+    ICE-style checks, QUIC; DESIGN §3 step 5) and falls back to a relayed circuit. The Noise
+    handshake and the roster check are the same on either path.
 
     Args:
         ring: peer ids in ring order, head first.
@@ -62,14 +67,42 @@ async def connect_ring(*, node, rdv, session_id: str, ring: list[str], roster: d
         return check
 
     out: dict = {}
+    pm = await paths.paths_of(node, rdv)
 
     async def open_next():
-        circuit = await rdv.open_circuit(nxt, "ring")
-        link, _, _ = await secure_link(circuit, initiator=True, static_private=node.static_private,
-                                       session_id=session_id, hello=hello, check_remote=expect(nxt), label="ring")
+        direct = await pm.direct(peer_id=nxt, peer_name=roster[nxt]["name"], me_name=node.name, sender=True)
+        link = None
+        if direct is not None:
+            link = await _secure_direct(direct, initiator=True, peer=nxt)
+        if link is None:
+            circuit = await rdv.open_circuit(nxt, "ring")
+            link, _, _ = await secure_link(circuit, initiator=True, static_private=node.static_private,
+                                           session_id=session_id, hello=hello, check_remote=expect(nxt), label="ring")
+        rec = pm.edge_from_me(nxt)
+        if rec is not None:
+            rec.link = link
         out["next"] = link
 
+    async def _secure_direct(transport, *, initiator: bool, peer: str) -> Optional[Link]:
+        try:
+            link, _, _ = await secure_link(transport, initiator=initiator, static_private=node.static_private,
+                                           session_id=session_id, hello=hello, check_remote=expect(peer),
+                                           label="ring", timeout_s=10.0)
+            return link
+        except HandshakeError as e:
+            if "did not finish" not in str(e) and "closed during" not in str(e):
+                raise  # a wrong key is an error on any path
+            log.warning("ring: Noise over the direct path to %s failed (%s); relaying", roster[peer]["name"], e)
+            pm.mark_relayed(peer, initiator, f"Noise over the direct path failed: {e}")
+            return None
+
     async def accept_prev():
+        direct = await pm.direct(peer_id=prv, peer_name=roster[prv]["name"], me_name=node.name, sender=False)
+        if direct is not None:
+            link = await _secure_direct(direct, initiator=False, peer=prv)
+            if link is not None:
+                out["prev"] = link
+                return
         while True:
             circuit = await incoming.receive()
             if circuit.peer_id != prv:
@@ -92,6 +125,60 @@ async def connect_ring(*, node, rdv, session_id: str, ring: list[str], roster: d
     except HandshakeError as e:
         raise SessionError(f"ring edge refused: {e}") from None
     return out["next"], out["prev"]
+
+
+async def nat_capability(node, rdv) -> dict:
+    """{"nat_class", "rendezvous_rtt_ms"} for the capability frame (DESIGN §3 step 3); None values if unknown."""
+    pm = await paths.paths_of(node, rdv)
+    if pm.report is None:
+        return await pm.classify()
+    return {"nat_class": pm.nat_class, "rendezvous_rtt_ms": pm.rendezvous_rtt_ms}
+
+
+def on_signal(node, ev) -> None:
+    """Route a rendezvous `Signal` event to the path machinery (proto_spec 07 §2)."""
+    paths.deliver_signal(node, ev.from_peer_id, ev.body)
+
+
+def edges_of(node) -> list[dict]:
+    """This daemon's ring edges as status records (proto_spec 07 §5)."""
+    pm = getattr(node, "_kafila_paths", None)
+    return pm.edge_list() if pm is not None else []
+
+
+def session_edges(session) -> list[dict]:
+    """The host's view of every ring edge, in ring order (proto_spec 07 §5; `status --json` "edges").
+
+    Each member reports its own edges in its `ready` frame; the sender's record of an edge wins
+    (it measured the RTT). Edges nobody reported yet come from the plan's prediction.
+    """
+    names = {r.peer_id: r.name for r in session.members.values()}
+    reports: dict[tuple, dict] = {}
+    sources = [(session.node.name, edges_of(session.node))]
+    sources += [(r.name, (r.load or {}).get("edges") or []) for r in session.members.values() if r.link is not None]
+    for reporter, edges in sources:
+        for e in edges:
+            if not isinstance(e, dict):
+                continue
+            key = (e.get("from"), e.get("to"))
+            if key not in reports or e.get("from") == reporter:
+                reports[key] = dict(e)
+    order = [names.get(p, p) for p in session.ring_order]
+    predicted = {(a, b): p for a, b, p in (session.plan.edges if session.plan else [])}
+    out = []
+    for i, a in enumerate(order if len(order) > 1 else []):
+        b = order[(i + 1) % len(order)]
+        e = reports.get((a, b)) or {"from": a, "to": b, "path": "pending", "rtt_ms": None}
+        e.setdefault("predicted_path", predicted.get((a, b)))
+        if e.get("predicted_path") is None:
+            e["predicted_path"] = predicted.get((a, b))
+        out.append(e)
+    return out
+
+
+def edge_paths(session) -> dict:
+    """{sender name: "direct" | "relayed" | "pending"} for the trace's generation records."""
+    return {e["from"]: e.get("path") for e in session_edges(session)}
 
 
 def make_ring_member(node, *, stage, head: bool, tokenizer) -> RingMember:

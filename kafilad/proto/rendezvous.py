@@ -18,7 +18,7 @@ from __future__ import annotations
 import base64
 import os
 import struct
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import attrs
 import msgpack
@@ -277,8 +277,11 @@ class RendezvousState:
     """
 
     def __init__(self, limits: RendezvousLimits | None = None,
-                 random_bytes: Callable[[int], bytes] = os.urandom):
+                 random_bytes: Callable[[int], bytes] = os.urandom,
+                 stun_addresses: Sequence[tuple[str, int]] = ()):
         self.limits = limits or RendezvousLimits()
+        # [paths] STUN addresses advertised in `registered` / `joined` (proto_spec 07 §1), "ip:port".
+        self.stun = [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in stun_addresses]
         self._random = random_bytes
         self._conns: dict[int, _Conn] = {}
         self._sessions: dict[str, _Session] = {}
@@ -421,7 +424,7 @@ class RendezvousState:
             sid, f["model_id"], f["members"], f["capability"], conn, {f["peer_id"]: conn},
             TokenBucket(lim.session_rate_Bps, lim.session_burst_bytes, self._now))
         state.session_id, state.peer_id, state.name = sid, f["peer_id"], f["name"]
-        self._send(conn, t="registered", session_id=sid, **_req(f))
+        self._send(conn, t="registered", session_id=sid, **({"stun": self.stun} if self.stun else {}), **_req(f))
 
     def _on_join(self, conn: int, f: dict) -> None:
         state = self._conns[conn]
@@ -446,7 +449,7 @@ class RendezvousState:
         host_peer = self._conns[session.host_conn].peer_id
         self._send(conn, t="joined", session_id=session.session_id, host_peer_id=host_peer,
                    members=roster + [{"peer_id": f["peer_id"], "name": f["name"]}],
-                   model_id=session.model_id, **_req(f))
+                   model_id=session.model_id, **({"stun": self.stun} if self.stun else {}), **_req(f))
 
     def _on_leave(self, conn: int, f: dict) -> None:
         self._session_of(conn)

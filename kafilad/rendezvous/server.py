@@ -54,8 +54,8 @@ class RendezvousServer:
         record: open binary file to append relay records to (proto_spec §7), or None.
     """
 
-    def __init__(self, limits: RendezvousLimits, record: BinaryIO | None = None):
-        self.state = RendezvousState(limits)
+    def __init__(self, limits: RendezvousLimits, record: BinaryIO | None = None, stun_addresses=()):
+        self.state = RendezvousState(limits, stun_addresses=stun_addresses)
         self._record = record
         self._ids = itertools.count(1)
         self._queues: dict[int, trio.MemorySendChannel] = {}
@@ -134,6 +134,7 @@ async def serve_rendezvous(
     *,
     record_path: str | None = None,
     limits: RendezvousLimits | None = None,
+    stun_addresses=(),
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the rendezvous service (DESIGN §2) on ws://host:port until cancelled.
@@ -144,6 +145,8 @@ async def serve_rendezvous(
         record_path: append every relayed payload to this file (proto_spec §7); when None,
             the env var KAFILA_RELAY_RECORD is used if set.
         limits: server limits (proto_spec §5); None means the defaults.
+        stun_addresses: (ip, port) of this rendezvous's STUN responder, advertised to members in
+            `registered` / `joined` (proto_spec 07 §1).
         task_status: `started(actual_port)` is called once listening.
     Raises:
         OSError: the address cannot be bound.
@@ -152,7 +155,7 @@ async def serve_rendezvous(
     record_path = record_path or os.environ.get(RECORD_ENV) or None
     record = open(record_path, "ab") if record_path else None  # noqa: SIM115 (closed below)
     try:
-        server = RendezvousServer(limits, record)
+        server = RendezvousServer(limits, record, stun_addresses)
         async with trio.open_nursery() as nursery:
             ws_server = await nursery.start(partial(
                 serve_websocket, server.handle, host, port, None, handler_nursery=nursery,
