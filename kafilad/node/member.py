@@ -19,7 +19,7 @@ from kafilad.errors import HandshakeError, KafilaError, SessionError
 from kafilad.node import stagehost
 from kafilad.node.host import result_of
 from kafilad.node.link import Link, LinkClosed, secure_link
-from kafilad.proto.identity import fingerprint, parse_session_code, peer_id as peer_id_of
+from kafilad.proto.identity import fingerprint, fingerprint_matches, parse_session_code, peer_id as peer_id_of
 
 log = logging.getLogger("kafilad.member")
 
@@ -67,8 +67,7 @@ class MemberSession:
                 circuit = await rdv.open_circuit(host_pid, "ctl")
 
                 def check_host(remote_static: bytes, hello: dict) -> str:
-                    if fingerprint(remote_static) != self.host_fingerprint.lower() and \
-                            fingerprint(remote_static).lower() != self.host_fingerprint.lower():
+                    if not fingerprint_matches(self.host_fingerprint, remote_static):
                         raise HandshakeError(
                             "the host's key does not match the session code's fingerprint "
                             f"(expected {self.host_fingerprint}, got {fingerprint(remote_static)}); refusing to join")
