@@ -35,6 +35,7 @@ def shared_model(name: str) -> Path:
 
 def reference_tokens(model_dir: Path, prompt: str, max_tokens: int) -> list[int]:
     """Greedy tokens of single-process mlx-lm (generate_step), cut at the first EOS as the ring stops there."""
+    import kafilad.executor  # noqa: F401 - the same BLAS as the daemons, loaded before mlx
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step
