@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from trio.testing import trio_test
 
 from kafilad.net.stun_client import classify_nat
@@ -112,3 +114,22 @@ async def test_two_ice_agents_verify_over_two_endpoints():
             nursery.cancel_scope.cancel()
     assert events["a"] == PathVerified(addr_b, events["a"].rtt_ms)
     assert isinstance(events["b"], PathVerified) and events["b"].remote == addr_a
+
+
+@settings(max_examples=300, deadline=None)
+@given(datagrams=st.lists(st.binary(max_size=120), max_size=20), prefix=st.sampled_from([b"", b"\x00\x01", b"\x01\x01",
+                                                                                          b"\x40", b"\xc0"]))
+def test_fuzz_any_datagram_is_routed_or_dropped_never_raises(datagrams, prefix):
+    import socket as pysocket
+
+    raw = pysocket.socket(pysocket.AF_INET, pysocket.SOCK_DGRAM)
+    ep = UdpEndpoint(trio.socket.from_stdlib_socket(raw))
+    ca, cb = new_credentials(), new_credentials()
+    agent = IceAgent(controlling=False, local=ca, remote=cb, now=0.0, remote_candidates=[])
+    ep.add_stun_handler(lambda d, a: agent.receive_datagram(d, a, 1.0))
+    ep.route_cid(bytes(8), lambda d, a: None)
+    for data in datagrams:
+        ep.dispatch(prefix + data, ("198.51.100.7", 4000))
+    assert ep.received == len(datagrams)
+    assert agent.state.value == "checking"
+    raw.close()
