@@ -41,6 +41,8 @@ IDLE_TIMEOUT_S = 60.0
 PING_INTERVAL_S = 15.0
 #: Unacknowledged stream bytes a sender may queue before send_message waits (backpressure).
 SEND_WINDOW_BYTES = 4 * 1024 * 1024
+#: QUIC flow-control windows (aioquic's 1 MiB default stalls a fast sender between MAX_DATA updates).
+FLOW_WINDOW_BYTES = 16 * 1024 * 1024
 _PREFIX = struct.Struct(">H")
 
 _CERT: Optional[tuple] = None
@@ -70,7 +72,7 @@ def self_signed_certificate() -> tuple:
 def configuration(*, is_client: bool) -> QuicConfiguration:
     cfg = QuicConfiguration(is_client=is_client, alpn_protocols=[ALPN], idle_timeout=IDLE_TIMEOUT_S,
                             max_datagram_size=MAX_DATAGRAM_BYTES, verify_mode=ssl.CERT_NONE,
-                            server_name="kafila")
+                            server_name="kafila", max_data=FLOW_WINDOW_BYTES, max_stream_data=FLOW_WINDOW_BYTES)
     if not is_client:
         cfg.certificate, cfg.private_key = self_signed_certificate()
     return cfg

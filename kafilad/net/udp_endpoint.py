@@ -38,6 +38,8 @@ STUN_VIEW_BUFFER = 64
 #: Unclaimed QUIC long-header datagrams kept per remote address until a server is expected.
 STASH_PER_ADDRESS = 8
 STASH_ADDRESSES = 32
+#: Requested kernel socket buffer size (the kernel may cap it at net.core.rmem_max).
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 #: Length of the connection ids we issue (aioquic's QuicConfiguration.connection_id_length default).
 CID_BYTES = 8
 
@@ -138,6 +140,11 @@ class UdpEndpoint:
         """
         family = trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET
         sock = trio.socket.socket(family, trio.socket.SOCK_DGRAM)
+        for opt in (trio.socket.SO_RCVBUF, trio.socket.SO_SNDBUF):
+            try:  # bursts of QUIC datagrams overflow the default ~200 KiB buffer and read as loss
+                sock.setsockopt(trio.socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+            except OSError:
+                pass
         try:
             await sock.bind((host, port))
         except OSError:
