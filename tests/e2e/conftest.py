@@ -26,5 +26,13 @@ def synth_qwen3(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def cluster3(tmp_path):
+    """Three daemons; ring edges go direct where checks succeed (on loopback: all of them)."""
     with LoopbackCluster(3, root=str(tmp_path / "c"), record_relay=True) as c:
+        yield c
+
+
+@pytest.fixture
+def cluster3_relayed(tmp_path):
+    """Three daemons whose ring edges all run over relayed circuits (KAFILA_DIRECT=0)."""
+    with LoopbackCluster(3, root=str(tmp_path / "c"), record_relay=True, env={"KAFILA_DIRECT": "0"}) as c:
         yield c

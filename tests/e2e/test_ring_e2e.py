@@ -42,7 +42,9 @@ def check_split(status: dict, n_blocks: int) -> None:
     assert {m["name"] for m in status["members"]} == {"m0", "m1", "m2"}
 
 
-def test_stories260k_ring_matches_reference(stories260k, cluster3):
+def test_stories260k_ring_matches_reference(stories260k, cluster3_relayed):
+    """Issue 2: every ring edge relayed through the rendezvous, which sees only ciphertext."""
+    cluster3 = cluster3_relayed
     formed = cluster3.form(str(stories260k))
     check_split(formed["status"], 5)
     result = cluster3.generate(STORIES_PROMPT, 40)
@@ -54,6 +56,7 @@ def test_stories260k_ring_matches_reference(stories260k, cluster3):
     assert_no_plaintext(relayed_bytes(cluster3), STORIES_PROMPT, STORIES_PROMPT_IDS, result["token_ids"])
     status = cluster3.call(0, "status")
     assert all(m["measured_stage_s"] and m["measured_stage_s"] > 0 for m in status["members"])
+    assert len(status["edges"]) == 3 and all(e["path"] == "relayed" for e in status["edges"])
     assert {d["name"] for d in status["fleet"]["devices"]} == {"m0", "m1", "m2"}
 
 
@@ -69,6 +72,8 @@ def test_synthesised_ring_matches_single_process(arch, synth_llama, synth_qwen3,
     from mlx_lm.utils import load_tokenizer
     prompt_ids = list(load_tokenizer(model).encode(prompt))
     assert_no_plaintext(relayed_bytes(cluster3), prompt, prompt_ids, result["token_ids"])
+    edges = cluster3.call(0, "status")["edges"]
+    assert len(edges) == 3 and all(e["path"] == "direct" for e in edges), edges
 
 
 def test_concurrent_requests_match_sequential(tmp_path, synth_llama):
