@@ -55,25 +55,29 @@ def main() -> int:
         from kafilad.executor.synth import default_synth_model_dir
         model = str(default_synth_model_dir())
     print(f"model {model}, {args.members} daemons on loopback, {args.tokens} tokens per generation")
-    with LoopbackCluster(args.members, record_relay=True) as c:
-        formed = c.form(model)
-        print(f"time to form the session: {formed['form_s']:.2f} s "
-              f"(blocks {formed['status']['plan']['blocks']}, head {formed['status']['plan']['head']})")
-        rates, tokens_total = [], 0
-        before = len(c.record_path.read_bytes()) if c.record_path.exists() else 0
-        relayed_before = sum(len(p) for _, p in parse_relay_record(c.record_path.read_bytes())) if before else 0
-        for run in range(5):
-            r = c.generate(args.prompt, args.tokens)
-            tokens_total += len(r["token_ids"])
-            if run and r.get("decode_tokens_per_s"):
-                rates.append(r["decode_tokens_per_s"])
-        relayed = sum(len(p) for _, p in parse_relay_record(c.record_path.read_bytes())) - relayed_before
-        ring_tps = statistics.median(rates)
+    results = {}
+    for mode in ("relayed", "direct"):
+        env = {"KAFILA_DIRECT": "0" if mode == "relayed" else "1"}
+        with LoopbackCluster(args.members, record_relay=True, env=env) as c:
+            formed = c.form(model)
+            edges = [e["path"] for e in formed["status"].get("edges", [])]
+            print(f"[{mode}] time to form the session: {formed['form_s']:.2f} s "
+                  f"(blocks {formed['status']['plan']['blocks']}, head {formed['status']['plan']['head']}, edges {edges})")
+            rates, tokens_total = [], 0
+            relayed_before = sum(len(p) for _, p in parse_relay_record(c.record_path.read_bytes()))
+            for run in range(5):
+                r = c.generate(args.prompt, args.tokens)
+                tokens_total += len(r["token_ids"])
+                if run and r.get("decode_tokens_per_s"):
+                    rates.append(r["decode_tokens_per_s"])
+            relayed = sum(len(p) for _, p in parse_relay_record(c.record_path.read_bytes())) - relayed_before
+            results[mode] = statistics.median(rates)
+            print(f"[{mode}] relayed through the rendezvous during generation: {relayed} bytes for {tokens_total} "
+                  f"tokens = {relayed / tokens_total:.0f} bytes per generated token (prefill included)")
     single_tps = single_process_tps(model, args.prompt, args.tokens)
-    print(f"ring decode: {ring_tps:.1f} tokens/s; single-process mlx-lm: {single_tps:.1f} tokens/s; "
-          f"ratio ring/single = {ring_tps / single_tps:.3f}")
-    print(f"relayed through the rendezvous: {relayed} bytes for {tokens_total} tokens = "
-          f"{relayed / tokens_total:.0f} bytes per generated token (prefill included)")
+    print(f"single-process mlx-lm: {single_tps:.1f} tokens/s")
+    for mode, tps in results.items():
+        print(f"ring ({mode} edges): {tps:.1f} tokens/s; ratio ring/single = {tps / single_tps:.3f}")
     return 0
 
 
