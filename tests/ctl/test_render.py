@@ -1,0 +1,51 @@
+"""kafila-ctl rendering is a pure function of a daemon snapshot (STYLE.md "Daemon and CLI")."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from kafila_ctl.render import status_renderable
+
+SNAPSHOT = {
+    "name": "m0", "peer_id": "aupd55mb", "fingerprint": "xyen5mkkxkruilz7", "session": "rklt7mxf", "role": "host",
+    "state": "ready", "error": None, "code": "rklt7mxf-xyen5mkkxkruilz7",
+    "members": [
+        {"name": "m0", "peer_id": "aupd55mb", "blocks": [0, 3], "head": True, "predicted_stage_s": 0.000766,
+         "measured_stage_s": 0.00081, "ready": True, "lost": None, "nat_class": "C"},
+        {"name": "m1", "peer_id": "prqlnsqi", "blocks": [3, 4], "head": False, "predicted_stage_s": 0.000905,
+         "measured_stage_s": None, "ready": True, "lost": None, "nat_class": "S"},
+    ],
+    "pending": [{"peer_id": "zzzzzzzz", "name": "laptop"}],
+    "edges": [{"from": "m0", "to": "m1", "path": "direct", "rtt_ms": 0.42},
+              {"from": "m1", "to": "m0", "path": "relayed", "rtt_ms": None}],
+    "plan": {"bottleneck_s": 0.000905, "circuit_s": 0.00167, "utilization": 0.85, "tier": "cost-model"},
+    "last_generation": {"decode_tokens_per_s": 135.3, "ttft_s": 0.0186},
+}
+
+
+def render(snap: dict) -> str:
+    buf = io.StringIO()
+    Console(file=buf, width=110, color_system=None).print(status_renderable(snap))
+    return buf.getvalue()
+
+
+def test_status_view_shows_ring_plan_edges_and_pending():
+    out = render(SNAPSHOT)
+    assert "session rklt7mxf (host) state ready" in out
+    assert "[0, 3)" in out and "[3, 4)" in out
+    assert "0.77" in out and "0.81" in out and "0.91" in out  # predicted / measured ms
+    assert "bottleneck 0.91 ms" in out and "utilisation 85%" in out and "tier cost-model" in out
+    assert "135.3 tokens/s" in out and "ttft 18.60 ms" in out
+    assert "laptop" in out and "zzzzzzzz" in out
+    lines = [ln for ln in out.splitlines() if "relayed" in ln or "direct" in ln]
+    assert any("m0" in ln and "m1" in ln and "direct" in ln and "0.42" in ln for ln in lines)
+    assert any("relayed" in ln for ln in lines)
+
+
+def test_idle_and_failed_views():
+    idle = render({"name": "m9", "peer_id": "p", "fingerprint": "f", "session": None})
+    assert "not in a session" in idle
+    failed = render({**SNAPSHOT, "state": "failed", "error": "member m1 (prqlnsqi) left the session: killed"})
+    assert "state failed" in failed and "member m1 (prqlnsqi) left the session: killed" in failed
