@@ -88,7 +88,8 @@ class LoopbackCluster:
         d.mkdir(parents=True, exist_ok=True)
         log = open(self.root / f"{self.names[i]}.log", "ab")
         return subprocess.Popen([sys.executable, "-m", "kafilad.main", "--state-dir", str(d), "--name", self.names[i],
-                                 "--rendezvous", self.rdv_url], stdout=log, stderr=log, env=self.env)
+                                 "--rendezvous", self.rdv_url, "--http", "127.0.0.1:0"],
+                                stdout=log, stderr=log, env=self.env)
 
     def wait_daemon(self, i: int) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

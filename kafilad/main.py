@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="this member's name (default: the host name)")
     p.add_argument("--rendezvous", default=os.environ.get("KAFILA_RENDEZVOUS") or None,
                    help="default rendezvous URL, e.g. ws://rdv.example:7400 (env KAFILA_RENDEZVOUS)")
+    p.add_argument("--http", default="127.0.0.1:8400",
+                   help="serve the OpenAI-compatible API of a hosted session on HOST:PORT ('off' disables)")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command")
     r = sub.add_parser("rendezvous", help="run the rendezvous / relay / STUN service")
@@ -72,7 +74,8 @@ async def _rendezvous(args) -> None:
 async def _daemon(args) -> None:
     from kafilad.node.daemon import Node
     from kafilad.node.statedir import StateDir, default_name
-    node = Node(StateDir(args.state_dir), name=args.name or default_name(), rendezvous=args.rendezvous)
+    http = None if args.http in ("off", "none", "") else _hostport(args.http)
+    node = Node(StateDir(args.state_dir), name=args.name or default_name(), rendezvous=args.rendezvous, http=http)
     await node.run()
 
 

@@ -33,10 +33,13 @@ class Node:
         rendezvous: default rendezvous URL for host/join (overridable per command).
     """
 
-    def __init__(self, state: StateDir, *, name: str, rendezvous: Optional[str]):
+    def __init__(self, state: StateDir, *, name: str, rendezvous: Optional[str],
+                 http: Optional[tuple[str, int]] = None):
         self.state = state.ensure()
         self.name = name
         self.rendezvous = rendezvous
+        self.http = http
+        self.http_port: Optional[int] = None
         self.static_private, self.public_key = self.state.load_or_create_static_key()
         self.peer_id = peer_id_of(self.public_key)
         self.session = None
@@ -55,6 +58,12 @@ class Node:
             self.nursery = nursery
             await nursery.start(serve_control, self.state.socket_path, self.handlers)
             nursery.start_soon(self._signals, nursery.cancel_scope)
+            if self.http is not None:
+                from kafilad.control.openai_api import serve_openai_api
+                try:
+                    self.http_port = await nursery.start(serve_openai_api, self, *self.http)
+                except OSError as e:
+                    log.warning("OpenAI-compatible API not served on %s:%s: %s", *self.http, e)
             log.info("kafilad %s (peer %s) listening on %s", self.name, self.peer_id, self.state.socket_path)
             task_status.started()
 
@@ -160,7 +169,8 @@ class Node:
 
     def snapshot(self) -> dict:
         base = {"name": self.name, "peer_id": self.peer_id, "fingerprint": fingerprint(self.public_key),
-                "rendezvous": self.rendezvous}
+                "rendezvous": self.rendezvous,
+                "http": f"http://{self.http[0]}:{self.http_port}/v1" if self.http_port else None}
         if self.session is None:
             return {**base, "session": None, "state": "idle", "members": []}
         snap = self.session.snapshot()
