@@ -500,6 +500,12 @@ class HostSession:
                          path=stagehost.edge_paths(self))  # [paths] sender name -> "direct" | "relayed"
         self.node.changed()
 
+    def chat_tokenizer(self):
+        """The model's tokenizer on the host (for chat templates of the HTTP API), loaded once."""
+        if getattr(self, "_chat_tokenizer", None) is None:
+            self._chat_tokenizer = stagehost.executor().synth.load_tokenizer(self.model_dir)
+        return self._chat_tokenizer
+
     # ---- reporting ----------------------------------------------------------------------------
     def fleet_json(self) -> dict:
         from kafilad.planner import fleet_to_json
