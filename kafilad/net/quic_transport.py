@@ -21,6 +21,7 @@ import struct
 from typing import Optional
 
 import trio
+from aioquic import tls
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
@@ -107,6 +108,7 @@ class QuicTransport:
         self._writable = trio.Event()
         self._send_lock = trio.Lock()
         self._next_ping_s = 0.0
+        self._data_queued = False
         endpoint.route_cid(conn.host_cid, self._on_datagram)
 
     # ---- endpoint side -------------------------------------------------------------------------
@@ -138,8 +140,17 @@ class QuicTransport:
 
     async def _flush(self) -> None:
         now = trio.current_time()
+        if self._data_queued:
+            self._data_queued = False
+            # A pending ACK rides on the stream packets about to go out (RFC 9000 §13.2.1) rather
+            # than leaving in its own datagram when aioquic's ACK delay expires; aioquic only
+            # bundles ACKs that are already due.
+            space = self.conn._spaces.get(tls.Epoch.ONE_RTT)
+            if space is not None and space.ack_at is not None and space.ack_at > now:
+                space.ack_at = now
         for data, addr in self.conn.datagrams_to_send(now):
-            await self.endpoint.sendto(data, addr)
+            if not self.endpoint.send_nowait(data, addr):  # one burst, no scheduler round trip per datagram
+                await self.endpoint.sendto(data, addr)
         if self._unacked_bytes() < SEND_WINDOW_BYTES:
             self._writable.set()
 
@@ -197,6 +208,7 @@ class QuicTransport:
                 await self._writable.wait()
             self.conn.send_stream_data(self.stream_id, _PREFIX.pack(len(data)) + bytes(data))
             self.bytes_sent += len(data) + _PREFIX.size
+            self._data_queued = True
             self._wake.set()
             await trio.lowlevel.checkpoint()
 
