@@ -24,8 +24,17 @@ Printed: a table (model, stage, quota, predicted ms, measured ms, ratio, CPU sha
 the median absolute relative error, overall and per model. `--json FILE` also writes every row.
 Needs root and cgroup v1 (/sys/fs/cgroup/cpu). Runtime about 3-4 minutes with the defaults.
 
+Three predictions are compared with each measurement: (1) the daemon's probe as it is, run once
+unthrottled and scaled by the quota (the method of issue 4 item 6); (2) the same block-timing
+probe with window means instead of medians of 7 steps (`window_stage_Bps`, proposed for
+kafilad/executor/probe.py), once unthrottled and scaled; (3) that window-mean probe run by the
+emulated device itself inside its quota, as a real member measures itself (no scaling).
+
+Children run at nice -15 by default (`--nice`), so other jobs on a shared machine do not steal
+the unthrottled runs' CPU; the "CPU share" column shows what each window actually obtained.
+
 Usage: sudo python scripts/validate_cost_model.py [--quotas 100,50,25,10] [--window-s 5]
-           [--stories DIR] [--no-stories] [--json FILE]
+           [--stories DIR] [--no-stories] [--nice N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -58,14 +67,78 @@ def stages_for(n_blocks: int) -> list[tuple[int, int, bool]]:
 
 
 # ---------------------------------------------------------------- children (run under quotas) --
-def child_probe(model_dir: str) -> dict:
+def window_stage_Bps(config: dict, *, window_s: float = 0.25, min_steps: int = 3, context_tokens: int = 16,
+                     dtype: str = "float32", before_timing=None) -> tuple[float, float]:
+    """The daemon's block-timing probe (probe.measure_stage_Bps) with window means (DESIGN §9).
+
+    Same method — two random blocks of the model's own mlx-lm class at batch 1, one decode step
+    through one block and through both, fitted as t(k) = overhead + k * block_bytes / Bps — but
+    each t(k) is the mean over a window of >= `window_s` (and >= `min_steps` steps) instead of
+    the median of 7 single steps: medians of a few steps pick the fast mode of a time-sliced CPU
+    (a cgroup quota, or a busy machine) and the two-point fit amplifies their noise.
+    `before_timing` (optional) is called after the blocks are built, before anything is timed.
+    Returns (bytes/s, overhead s).
+    """
+    import mlx.core as mx
+    from kafilad.executor.stage import build_random_stage
+
+    n = min(2, int(config["num_hidden_layers"]))
+    stage = build_random_stage(config, n, dtype=dtype)
+    per_block_bytes = stage.nbytes() / n
+    D = int(config["hidden_size"])
+    cache = stage.make_cache()
+    mx.eval(stage.run_blocks(mx.zeros((1, context_tokens, D), dtype=getattr(mx, dtype)), cache))
+    h = mx.full((1, 1, D), 0.1, dtype=getattr(mx, dtype))
+    layers = stage.layers
+    if before_timing is not None:
+        before_timing()
+
+    def timed(k: int) -> float:
+        stage.layers = layers[:k]
+
+        def one():
+            mx.eval(stage.run_blocks(h, cache[:k]))
+            for c in cache[:k]:
+                c.offset -= 1
+
+        one()
+        steps, t0 = 0, time.perf_counter()
+        while True:
+            one()
+            steps += 1
+            el = time.perf_counter() - t0
+            if el >= window_s and steps >= min_steps:
+                return el / steps
+
+    t1 = timed(1)
+    t2 = timed(2) if n == 2 else None
+    stage.layers = layers
+    if t2 is None or t2 <= t1:
+        return per_block_bytes / t1, 0.0
+    return per_block_bytes / (t2 - t1), max(0.0, 2 * t1 - t2)
+
+
+def child_probe(model_dir: str, quotas: list[int]) -> dict:
+    """Unthrottled: the daemon's own probe (measure_capability) and the window-mean probe; then
+    the window-mean probe again inside each quota's CPU group (a device measuring itself)."""
     import kafilad.executor as ex
     from kafilad.executor.probe import measure_capability
+    from kafilad.modelinfo import read_model_info
 
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     cap = measure_capability(model_dir)
     cap["probe_s"] = time.perf_counter() - t
+    cap["probe_cpu_share"] = (time.process_time() - c) / cap["probe_s"]
     cap["blas"] = ex.blas_status()
+    config = read_model_info(model_dir).config
+    t = time.perf_counter()
+    cap["window"] = window_stage_Bps(config)
+    cap["window_probe_s"] = time.perf_counter() - t
+    cap["self"] = {}
+    for q in quotas:
+        join = lambda q=q: (CPU_CGROUP / f"fleet_vq{q}" / "cgroup.procs").write_text(str(os.getpid()))  # noqa: E731
+        cap["self"][str(q)] = window_stage_Bps(config, before_timing=join)
+        (CPU_CGROUP / "cgroup.procs").write_text(str(os.getpid()))
     return cap
 
 
@@ -125,9 +198,11 @@ def _cpu_stat(group: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------ the parent --
-def run_child(args: list[str]) -> dict:
+def run_child(args: list[str], nice: int = 0) -> dict:
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True)
+    # the priority is set before the child starts any thread, so MLX's worker thread inherits it
+    p = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True,
+                       preexec_fn=(lambda: os.setpriority(os.PRIO_PROCESS, 0, nice)) if nice else None)
     if p.returncode != 0:
         raise SystemExit(f"child {args[:2]} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -162,12 +237,15 @@ def main() -> int:
     ap.add_argument("--no-stories", action="store_true")
     ap.add_argument("--synth-dir", default=None, help="cache dir for the synthetic model")
     ap.add_argument("--json", default=None, help="write all rows to this JSON file")
+    ap.add_argument("--nice", type=int, default=-15,
+                    help="scheduling priority of the measuring children (default -15: shields them from other "
+                         "jobs on a shared machine; a quota still caps them; 0 to measure as an ordinary process)")
     ap.add_argument("--child-probe", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-measure", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     quotas = [int(x) for x in a.quotas.split(",")]
     if a.child_probe:
-        print(json.dumps(child_probe(a.child_probe)))
+        print(json.dumps(child_probe(a.child_probe, quotas)))
         return 0
     if a.child_measure:
         spec = json.loads(a.child_measure)
@@ -188,28 +266,38 @@ def main() -> int:
         subprocess.run(["bash", str(CG), "mk", f"vq{q}", str(q), "0", str(PERIOD_US)], check=True,
                        capture_output=True)
     print(f"cost-model validation · quotas {quotas}% of one core · {a.window_s:g} s windows · "
-          f"context {CONTEXT_TOKENS} · load average {loadavg()}")
+          f"context {CONTEXT_TOKENS} · nice {a.nice} · load average {loadavg()}")
     rows = []
     try:
         for label, d in models:
-            probe = run_child(["--child-probe", d])
+            probe = run_child(["--child-probe", d, "--quotas", a.quotas], a.nice)
             bw, ov = probe["bandwidth_Bps"], probe["step_overhead_s"]
-            print(f"{label}: probe ({probe['bandwidth_source']}, {probe['probe_s']:.2f} s, {probe['blas']}): "
-                  f"{bw / 1e9:.2f} GB/s + {ov * 1e6:.0f} us/step")
+            wbw, wov = probe["window"]
+            print(f"{label}: daemon probe ({probe['bandwidth_source']}, {probe['probe_s']:.2f} s, CPU share "
+                  f"{probe['probe_cpu_share']:.2f}, {probe['blas']}): "
+                  f"{bw / 1e9:.3f} GB/s + {ov * 1e6:.0f} us/step; window-mean probe ({probe['window_probe_s']:.2f} s): "
+                  f"{wbw / 1e9:.3f} GB/s + {wov * 1e6:.0f} us/step")
+            print("  window-mean probe run under each quota: " + ", ".join(
+                f"{q}%: {v[0] / 1e9:.3f} GB/s + {v[1] * 1e6:.0f} us" for q, v in probe["self"].items()))
             n = read_model_info(d).num_hidden_layers
             for start, end, head in stages_for(n):
                 spec = json.dumps({"model": d, "start": start, "end": end, "head": head})
-                res = run_child(["--child-measure", spec, "--quotas", a.quotas, "--window-s", str(a.window_s)])
+                res = run_child(["--child-measure", spec, "--quotas", a.quotas, "--window-s", str(a.window_s)], a.nice)
                 for r in res["rows"]:
                     q = r["quota_pct"] / 100
                     pred, nbytes = predict_s(d, start, end, head, bw, ov, q)
+                    pred_w, _ = predict_s(d, start, end, head, wbw, wov, q)
+                    sbw, sov = probe["self"][str(r["quota_pct"])]
+                    pred_self, _ = predict_s(d, start, end, head, sbw, sov, 1.0)
                     rows.append({"model": label, "start": start, "end": end, "head": head, "bytes": nbytes,
                                  "held_bytes": res["nbytes"], "bandwidth_Bps": bw, "step_overhead_s": ov,
-                                 "predicted_s": pred, **r})
-                    print(f"  [{start},{end}){'H' if head else ' '} q={r['quota_pct']:3d}%  predicted "
-                          f"{pred * 1e3:8.3f} ms  measured {r['measured_s'] * 1e3:8.3f} ms  "
-                          f"ratio {pred / r['measured_s']:5.2f}  cpu {r['cpu_share']:.2f}  steps {r['steps']}",
-                          flush=True)
+                                 "predicted_s": pred, "predicted_window_s": pred_w, "predicted_self_s": pred_self,
+                                 **r})
+                    m = r["measured_s"]
+                    print(f"  [{start},{end}){'H' if head else ' '} q={r['quota_pct']:3d}%  measured {m * 1e3:8.3f} ms"
+                          f"  predicted: daemon probe {pred * 1e3:8.3f} ({pred / m - 1:+.0%})  window probe "
+                          f"{pred_w * 1e3:8.3f} ({pred_w / m - 1:+.0%})  self-probe {pred_self * 1e3:8.3f} "
+                          f"({pred_self / m - 1:+.0%})  cpu {r['cpu_share']:.2f}  steps {r['steps']}", flush=True)
     finally:
         for q in quotas:
             subprocess.run(["bash", str(CG), "rm", f"vq{q}"], capture_output=True)
@@ -221,29 +309,49 @@ def main() -> int:
     return 0
 
 
+PREDICTORS = (("predicted_s", "daemon probe (median of 7), once unthrottled, scaled by quota"),
+              ("predicted_window_s", "window-mean probe, once unthrottled, scaled by quota"),
+              ("predicted_self_s", "window-mean probe run by the device under its own quota"))
+
+
+def rel_err(r: dict, key: str) -> float:
+    return (r[key] - r["measured_s"]) / r["measured_s"]
+
+
+def median_abs_err(rows: list[dict], key: str) -> float:
+    return statistics.median(abs(rel_err(r, key)) for r in rows)
+
+
 def report(rows: list[dict], models: list[tuple[str, str]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="predicted vs measured per-stage time (window means)")
-    for c in ("model", "stage", "MB read", "quota", "predicted ms", "measured ms", "error", "CPU share"):
+    t = Table(title="predicted vs measured per-stage time per token (window means); error = predicted/measured - 1")
+    for c in ("model", "stage", "MB read", "quota", "measured ms", "daemon probe ms", "err", "window probe ms",
+              "err", "self-probe ms", "err", "CPU share"):
         t.add_column(c, justify="left" if c in ("model", "stage") else "right")
     for r in rows:
-        err = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
         t.add_row(r["model"], f"[{r['start']},{r['end']}){' head' if r['head'] else ''}", f"{r['bytes'] / 1e6:.2f}",
-                  f"{r['quota_pct']}%", f"{r['predicted_s'] * 1e3:.3f}", f"{r['measured_s'] * 1e3:.3f}",
-                  f"{err:+.1%}", f"{r['cpu_share']:.2f}")
-    Console(width=120).print(t)
-
-    def mare(rs):
-        return statistics.median(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rs)
-
-    print(f"median absolute relative error: {mare(rows):.1%} over {len(rows)} stage x quota points "
-          f"(published figure: 18%)")
-    for label, _ in models:
-        rs = [r for r in rows if r["model"] == label]
-        if rs:
-            print(f"  {label}: {mare(rs):.1%} (max {max(abs(r['predicted_s'] - r['measured_s']) / r['measured_s'] for r in rs):.1%})")
+                  f"{r['quota_pct']}%", f"{r['measured_s'] * 1e3:.3f}",
+                  *[x for key, _ in PREDICTORS for x in (f"{r[key] * 1e3:.3f}", f"{rel_err(r, key):+.0%}")],
+                  f"{r['cpu_share']:.2f}")
+    Console(width=160).print(t)
+    print("median absolute relative error (published figure: 18%):")
+    full = [r for r in rows if r["cpu_share"] >= 0.95 * r["quota_pct"] / 100]
+    for key, label in PREDICTORS:
+        per_model = "; ".join(f"{lab} {median_abs_err([r for r in rows if r['model'] == lab], key):.1%}"
+                              for lab, _ in models if any(r["model"] == lab for r in rows))
+        print(f"  {label}: {median_abs_err(rows, key):.1%} over {len(rows)} points ({per_model})"
+              + (f"; {median_abs_err(full, key):.1%} over the {len(full)} windows that got >= 95% of their quota"
+                 if full and len(full) < len(rows) else ""))
+    # the emulation's own assumption (DESIGN §9): CPU time per step does not depend on the quota
+    print("CPU time per step relative to the same stage at the first quota (1.00 = step time exactly base/quota):")
+    for lab, _ in models:
+        for stage in sorted({(r["start"], r["end"], r["head"]) for r in rows if r["model"] == lab}):
+            rs = [r for r in rows if r["model"] == lab and (r["start"], r["end"], r["head"]) == stage]
+            base = rs[0]["measured_s"] * rs[0]["cpu_share"]
+            print(f"  {lab} [{stage[0]},{stage[1]}){' head' if stage[2] else ''}: " + ", ".join(
+                f"{r['quota_pct']}% {r['measured_s'] * r['cpu_share'] / base:.2f}" for r in rs))
 
 
 if __name__ == "__main__":
