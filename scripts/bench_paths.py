@@ -3,7 +3,9 @@
 
     python scripts/bench_paths.py [--pings 200] [--mib 16]
 
-- direct:  Noise (kafilad/node/link.py) inside a QUIC stream on two UDP endpoints (kafilad.net.quic_transport)
+- direct:  Noise (kafilad/node/link.py) inside a QUIC stream on two UDP endpoints (kafilad.net.quic_transport),
+           with the datagram size QUIC picks for a same-host path (SAME_HOST_DATAGRAM_BYTES)
+- direct-1350: the same with Internet-sized datagrams (MAX_DATAGRAM_BYTES), as on a punched path
 - relayed: Noise over a relayed circuit through a rendezvous on 127.0.0.1 (kafilad.rendezvous)
 - tcp:     plain TCP, no encryption, the same bytes
 
@@ -21,7 +23,7 @@ import time
 
 import trio
 
-from kafilad.net.quic_transport import quic_accept, quic_connect
+from kafilad.net.quic_transport import MAX_DATAGRAM_BYTES, quic_accept, quic_connect
 from kafilad.net.udp_endpoint import UdpEndpoint
 from kafilad.node.link import secure_link
 from kafilad.node.rdv_client import open_rendezvous
@@ -79,7 +81,7 @@ async def bench_links(a, b, pings: int, mib: int) -> tuple[float, float]:
     return statistics.median(rtts[5:]), transfer
 
 
-async def direct(pings, mib):
+async def direct(pings, mib, datagram_bytes=None):
     async with trio.open_nursery() as n:
         ea, eb = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
         await n.start(ea.serve)
@@ -87,10 +89,10 @@ async def direct(pings, mib):
         got = {}
 
         async def acc():
-            got["s"] = await quic_accept(eb, ea.local_address, n)
+            got["s"] = await quic_accept(eb, ea.local_address, n, datagram_bytes=datagram_bytes)
         async with trio.open_nursery() as inner:
             inner.start_soon(acc)
-            got["c"] = await quic_connect(ea, eb.local_address, n)
+            got["c"] = await quic_connect(ea, eb.local_address, n, datagram_bytes=datagram_bytes)
         a, b = await noise_pair(got["c"], got["s"])
         out = await bench_links(a, b, pings, mib)
         n.cancel_scope.cancel()
@@ -162,15 +164,19 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=16)
     args = ap.parse_args()
     results = {}
-    for name, fn in (("tcp", tcp), ("direct", direct), ("relayed", relayed)):
+    paths = (("tcp", tcp), ("direct", direct),
+             ("direct-1350", functools.partial(direct, datagram_bytes=MAX_DATAGRAM_BYTES)), ("relayed", relayed))
+    for name, fn in paths:
         results[name] = trio.run(fn, args.pings, args.mib)
     base_rtt, base_xfer = results["tcp"]
-    print(f"{'path':<9}{'8 KiB ping-pong':>18}{'ratio':>8}{f'{args.mib} MiB transfer':>20}{'ratio':>8}{'MB/s':>9}")
+    print(f"{'path':<12}{'8 KiB ping-pong':>18}{'ratio':>8}{f'{args.mib} MiB transfer':>20}{'ratio':>8}{'MB/s':>9}")
     for name, (rtt, xfer) in results.items():
-        print(f"{name:<9}{rtt * 1e3:>15.3f} ms{rtt / base_rtt:>8.2f}{xfer:>18.3f} s{xfer / base_xfer:>8.2f}"
+        print(f"{name:<12}{rtt * 1e3:>15.3f} ms{rtt / base_rtt:>8.2f}{xfer:>18.3f} s{xfer / base_xfer:>8.2f}"
               f"{args.mib * CHUNK_BYTES / xfer / 1e6:>9.1f}")
-    d, r = results["direct"], results["relayed"]
-    print(f"direct / relayed: ping-pong {d[0] / r[0]:.2f}, transfer {d[1] / r[1]:.2f}")
+    r = results["relayed"]
+    for name in ("direct", "direct-1350"):
+        d = results[name]
+        print(f"{name} / relayed: ping-pong {d[0] / r[0]:.2f}, transfer {d[1] / r[1]:.2f}")
 
 
 if __name__ == "__main__":

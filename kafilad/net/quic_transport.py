@@ -15,7 +15,9 @@ re-arm ``get_timer()``.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
+import socket
 import ssl
 import struct
 from typing import Optional
@@ -37,6 +39,10 @@ Address = tuple[str, int]
 ALPN = "kafila/1"
 #: Datagram size: fits a 1500-byte MTU path with IPv6 + UDP headers and some tunnel overhead.
 MAX_DATAGRAM_BYTES = 1350
+#: Datagram size toward a peer on this host (loopback, or one of our own addresses), where the
+#: path is the loopback interface (MTU 65,536) and nothing on it fragments or drops large
+#: datagrams. Capped below 16,383: aioquic writes packet and STREAM frame lengths as 2-byte varints.
+SAME_HOST_DATAGRAM_BYTES = 16000
 #: QUIC idle timeout; keepalive PINGs go out well before it (aioquic closes silently after it).
 IDLE_TIMEOUT_S = 60.0
 PING_INTERVAL_S = 15.0
@@ -70,9 +76,38 @@ def self_signed_certificate() -> tuple:
     return _CERT
 
 
-def configuration(*, is_client: bool) -> QuicConfiguration:
+def path_datagram_bytes(remote: Address) -> int:
+    """QUIC datagram size for the path to ``remote`` (ip, port) (proto_spec 07 §4).
+
+    SAME_HOST_DATAGRAM_BYTES when ``remote`` is a loopback address or an address of this host (the
+    kernel picks it as its own source toward it, so the path never leaves the loopback
+    interface); MAX_DATAGRAM_BYTES otherwise, since an interface's MTU says nothing about the
+    rest of an Internet path. Asks the kernel's routing table; sends nothing.
+    """
+    try:
+        ip = ipaddress.ip_address(remote[0])
+    except ValueError:
+        return MAX_DATAGRAM_BYTES
+    if getattr(ip, "ipv4_mapped", None) is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return SAME_HOST_DATAGRAM_BYTES
+    if ip.is_unspecified or ip.is_multicast:
+        return MAX_DATAGRAM_BYTES
+    try:
+        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((str(ip), int(remote[1]) or 9))
+            local = ipaddress.ip_address(s.getsockname()[0].split("%")[0])
+    except (OSError, ValueError):
+        return MAX_DATAGRAM_BYTES
+    return SAME_HOST_DATAGRAM_BYTES if local == ip else MAX_DATAGRAM_BYTES
+
+
+def configuration(*, is_client: bool, datagram_bytes: int = MAX_DATAGRAM_BYTES) -> QuicConfiguration:
+    """aioquic configuration of one edge (proto_spec 07 §4); ``datagram_bytes`` is the largest
+    UDP payload this side sends (1200 .. 16,383)."""
     cfg = QuicConfiguration(is_client=is_client, alpn_protocols=[ALPN], idle_timeout=IDLE_TIMEOUT_S,
-                            max_datagram_size=MAX_DATAGRAM_BYTES, verify_mode=ssl.CERT_NONE,
+                            max_datagram_size=datagram_bytes, verify_mode=ssl.CERT_NONE,
                             server_name="kafila", max_data=FLOW_WINDOW_BYTES, max_stream_data=FLOW_WINDOW_BYTES)
     if not is_client:
         cfg.certificate, cfg.private_key = self_signed_certificate()
@@ -246,27 +281,36 @@ class QuicTransport:
         await trio.lowlevel.checkpoint()
 
 
-async def quic_connect(endpoint: UdpEndpoint, remote: Address, nursery, *, timeout_s: float = 10.0) -> QuicTransport:
+async def quic_connect(endpoint: UdpEndpoint, remote: Address, nursery, *, timeout_s: float = 10.0,
+                       datagram_bytes: Optional[int] = None) -> QuicTransport:
     """Open a QUIC connection to ``remote`` as client and its stream 0.
+
+    ``datagram_bytes`` overrides :func:`path_datagram_bytes` (benchmarks measure Internet-sized
+    datagrams on loopback with it).
 
     Raises:
         trio.BrokenResourceError: the handshake failed or did not finish in ``timeout_s``.
     """
-    conn = QuicConnection(configuration=configuration(is_client=True))
+    size = datagram_bytes or path_datagram_bytes(remote)
+    conn = QuicConnection(configuration=configuration(is_client=True, datagram_bytes=size))
     conn.connect(remote, now=trio.current_time())
     t = QuicTransport(endpoint, conn, remote)
     nursery.start_soon(t.run)
     return await _established(t, timeout_s)
 
 
-async def quic_accept(endpoint: UdpEndpoint, remote: Address, nursery, *, timeout_s: float = 10.0) -> QuicTransport:
+async def quic_accept(endpoint: UdpEndpoint, remote: Address, nursery, *, timeout_s: float = 10.0,
+                      datagram_bytes: Optional[int] = None) -> QuicTransport:
     """Wait for a QUIC client at ``remote`` (an address the edge's checks verified) and accept it.
+
+    ``datagram_bytes`` as for :func:`quic_connect`.
 
     Raises:
         trio.BrokenResourceError: no handshake completed within ``timeout_s``.
     """
     got: dict = {}
     arrived = trio.Event()
+    size = datagram_bytes or path_datagram_bytes(remote)
 
     def on_initial(data: bytes, addr: Address) -> None:
         if "t" in got:
@@ -275,7 +319,8 @@ async def quic_accept(endpoint: UdpEndpoint, remote: Address, nursery, *, timeou
         if len(data) < 6 or data[5] > 20:
             return
         dcid = bytes(data[6:6 + data[5]])
-        conn = QuicConnection(configuration=configuration(is_client=False), original_destination_connection_id=dcid)
+        conn = QuicConnection(configuration=configuration(is_client=False, datagram_bytes=size),
+                              original_destination_connection_id=dcid)
         t = QuicTransport(endpoint, conn, addr)
         endpoint.route_cid(dcid, t._on_datagram)
         got["t"] = t

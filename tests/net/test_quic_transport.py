@@ -9,22 +9,69 @@ import trio
 from trio.testing import trio_test
 
 from kafilad.errors import LocalProtocolError
-from kafilad.net.quic_transport import QuicTransport, quic_accept, quic_connect
+from kafilad.net.quic_transport import (MAX_DATAGRAM_BYTES, SAME_HOST_DATAGRAM_BYTES, QuicTransport,
+                                        path_datagram_bytes, quic_accept, quic_connect)
 from kafilad.net.udp_endpoint import UdpEndpoint
 from kafilad.node.link import secure_link
 from kafilad.proto.noise import generate_keypair
 
 
-async def connected_pair(nursery, a: UdpEndpoint, b: UdpEndpoint) -> tuple[QuicTransport, QuicTransport]:
+async def connected_pair(nursery, a: UdpEndpoint, b: UdpEndpoint, **kw) -> tuple[QuicTransport, QuicTransport]:
     out = {}
 
     async def server():
-        out["s"] = await quic_accept(b, a.local_address, nursery)
+        out["s"] = await quic_accept(b, a.local_address, nursery, **kw)
 
     async with trio.open_nursery() as inner:
         inner.start_soon(server)
-        out["c"] = await quic_connect(a, b.local_address, nursery)
+        out["c"] = await quic_connect(a, b.local_address, nursery, **kw)
     return out["c"], out["s"]
+
+
+def own_address() -> str | None:
+    """This host's address toward a documentation network (connecting a UDP socket sends nothing)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("203.0.113.9", 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def test_datagram_size_is_large_only_toward_this_host():
+    assert SAME_HOST_DATAGRAM_BYTES < 16383 < SAME_HOST_DATAGRAM_BYTES * 2  # aioquic's 2-byte length fields
+    assert path_datagram_bytes(("127.0.0.1", 4000)) == SAME_HOST_DATAGRAM_BYTES
+    assert path_datagram_bytes(("127.8.9.10", 4000)) == SAME_HOST_DATAGRAM_BYTES
+    assert path_datagram_bytes(("::1", 4000)) == SAME_HOST_DATAGRAM_BYTES
+    assert path_datagram_bytes(("::ffff:127.0.0.1", 4000)) == SAME_HOST_DATAGRAM_BYTES
+    assert path_datagram_bytes(("203.0.113.9", 4000)) == MAX_DATAGRAM_BYTES == 1350
+    assert path_datagram_bytes(("0.0.0.0", 4000)) == MAX_DATAGRAM_BYTES
+    assert path_datagram_bytes(("kafila.example", 4000)) == MAX_DATAGRAM_BYTES
+    me = own_address()
+    if me is not None and me != "203.0.113.9":
+        assert path_datagram_bytes((me, 4000)) == SAME_HOST_DATAGRAM_BYTES
+
+
+@pytest.mark.parametrize("datagram_bytes, fewest, most", [(None, 5, 12), (MAX_DATAGRAM_BYTES, 49, 200)])
+@trio_test
+async def test_a_same_host_path_carries_large_datagrams_unless_told_otherwise(datagram_bytes, fewest, most):
+    """A 65,535-byte message needs at least 65,537 / datagram size datagrams."""
+    a, b = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.serve)
+            await nursery.start(b.serve)
+            client, server = await connected_pair(nursery, a, b, datagram_bytes=datagram_bytes)
+            await client.send_message(b"warm")
+            assert await server.receive_message() == b"warm"
+            before = b.received
+            blob = os.urandom(65535)
+            await client.send_message(blob)
+            assert await server.receive_message() == blob
+            assert fewest <= b.received - before <= most
+            nursery.cancel_scope.cancel()
 
 
 @trio_test
