@@ -297,6 +297,8 @@ class HostSession:
                 rec.load = {k: f.get(k) for k in ("fetched_bytes", "cached_bytes", "load_s", "edges")}
                 self._members_changed.set()
                 self.node.changed()
+            elif t == "edges":  # [paths] a member's edges after an upgrade (proto_spec 07 §7)
+                stagehost.note_edges(self, rec, f.get("edges"))
             elif t == "failed":
                 raise LinkClosed(f"{rec.name} failed to load its stage: {f.get('reason')}")
             elif t == "ring_broken":
@@ -394,7 +396,8 @@ class HostSession:
             stage, tok = await trio.to_thread.run_sync(build)
         self.ring = stagehost.make_ring_member(self.node, stage=stage, head=head, tokenizer=tok)
         nxt, prv = await stagehost.connect_ring(node=self.node, rdv=self.rdv, session_id=self.session_id,
-                                                ring=self.ring_order, roster=roster, incoming=self._ring_incoming)
+                                                ring=self.ring_order, roster=roster, incoming=self._ring_incoming,
+                                                member=self.ring, on_edges=lambda: stagehost.note_edges(self, me, None))  # [paths]
         self._attach_ring(nxt, prv)
         me.ready = True
         me.load = {"fetched_bytes": 0, "cached_bytes": 0, "load_s": time.perf_counter() - t0}
@@ -497,7 +500,8 @@ class HostSession:
                          stages={names.get(s[0], s[0]): {"steps": s[1], "compute_s": s[2], "decode_stage_s": s[3],
                                                          "ring_bytes_sent": s[4]} for s in result.get("stats", [])},
                          predicted_stage_s=self.plan.stage_s if self.plan else {},
-                         path=stagehost.edge_paths(self))  # [paths] sender name -> "direct" | "relayed"
+                         path=stagehost.edge_paths(self),  # [paths] sender name -> "direct" | "relayed"
+                         edges=stagehost.generation_edges(self, result))  # [paths] live bytes_sent per edge
         self.node.changed()
 
     def chat_tokenizer(self):
@@ -533,6 +537,8 @@ class HostSession:
                 "edges": stagehost.session_edges(self)}  # [paths]
 
     async def close(self) -> None:
+        if self.trace is not None:  # [paths] the edges (paths, bytes sent) at session end
+            self.trace.write("session_closed", edges=stagehost.session_edges(self))  # [paths]
         for r in self.members.values():
             if r.link is not None:
                 await r.link.close("host closed the session")

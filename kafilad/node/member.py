@@ -250,7 +250,9 @@ class MemberSession:
             self.ring = stagehost.make_ring_member(self.node, stage=stage, head=f["head"], tokenizer=tok)
             nxt, prv = await stagehost.connect_ring(node=self.node, rdv=self.rdv, session_id=self.session_id,
                                                     ring=self.ring_order, roster=self.roster,
-                                                    incoming=self._ring_incoming)
+                                                    incoming=self._ring_incoming, member=self.ring,  # [paths]
+                                                    on_edges=lambda: self.link.send(  # [paths] upgrades
+                                                        {"t": "edges", "edges": stagehost.edges_of(self.node)}))
             self.ring.next_link = nxt
             i = self.ring_order.index(self.node.peer_id)
             nxt_pid = self.ring_order[(i + 1) % len(self.ring_order)]

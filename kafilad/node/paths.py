@@ -13,8 +13,22 @@ One :class:`PathManager` per session and daemon, on the daemon's one :class:`Udp
    caller (kafilad/node/stagehost.py ``connect_ring``) uses the relayed circuit instead.
 3. Every outcome is kept as an :class:`EdgeRecord` (predicted and actual path, RTT, time to verify)
    for ``status --json`` and the session trace.
+4. A relayed edge is re-probed (:meth:`PathManager.reprobe`, proto_spec 07 §7): the sender retries
+   with offers ``try`` = 1, 2, ... after a backoff doubling from ``KAFILA_REPROBE_S`` (10 s) to 5 min;
+   the receiver answers every re-probe offer it gets. A re-probe that verifies a pair and finishes
+   Noise returns the new link; ``stagehost.connect_ring`` switches the ring onto it (make before
+   break) and :meth:`PathManager.mark_upgraded` records the switch.
 
-Set ``KAFILA_DIRECT=0`` in a daemon's environment to relay every edge (benchmarks, debugging).
+Environment (read when used, so each daemon can differ):
+
+- ``KAFILA_DIRECT=0``: relay every edge (benchmarks, debugging).
+- ``KAFILA_UDP_BIND=IP`` or ``IP:PORT``: where the daemon's one UDP socket binds (default
+  ``0.0.0.0``, any port).
+- ``KAFILA_REPROBE_S``: first re-probe delay of a relayed edge in seconds (default 10).
+- ``KAFILA_TEST_DROP_CHECKS=N`` (test hook, default 0): this daemon ignores every datagram
+  addressed to the connectivity checks of attempts ``try < N`` of every edge, as a firewall
+  dropping the peer's UDP would, so those attempts fail honestly (no answer within the check
+  timeout) and the edges relay; later re-probes run normally. Used by tests/e2e/test_upgrade.py.
 """
 
 from __future__ import annotations
@@ -23,7 +37,7 @@ import ipaddress
 import logging
 import os
 import time
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 from urllib.parse import urlparse
 
 import attrs
@@ -43,10 +57,29 @@ OFFER_TIMEOUT_S = 5.0
 QUIC_TIMEOUT_S = 8.0
 #: Bound on NAT classification at session start.
 CLASSIFY_TIMEOUT_S = 6.0
+#: Default first re-probe delay of a relayed edge, and the cap of its doubling (DESIGN §3 step 6).
+REPROBE_INITIAL_S = 10.0
+REPROBE_MAX_S = 300.0
 
 
 def direct_enabled() -> bool:
     return os.environ.get("KAFILA_DIRECT", "1") not in ("0", "false", "no")
+
+
+def reprobe_initial_s() -> float:
+    """First re-probe delay in seconds (``KAFILA_REPROBE_S``, default :data:`REPROBE_INITIAL_S`)."""
+    try:
+        return max(0.0, float(os.environ.get("KAFILA_REPROBE_S", REPROBE_INITIAL_S)))
+    except ValueError:
+        return REPROBE_INITIAL_S
+
+
+def dropped_check_attempts() -> int:
+    """Test hook ``KAFILA_TEST_DROP_CHECKS``: attempts ``try`` below this ignore their checks (default 0)."""
+    try:
+        return max(0, int(os.environ.get("KAFILA_TEST_DROP_CHECKS", "0")))
+    except ValueError:
+        return 0
 
 
 @attrs.define
@@ -61,17 +94,33 @@ class EdgeRecord:
     verify_s: Optional[float] = None
     remote: Optional[str] = None
     reason: str = ""
-    link: object = None  # the Link on this edge (for bytes_sent), set by connect_ring
+    links: list = attrs.field(factory=list)  # every Link this edge has used, oldest first (sender side)
+    tries: int = 0                  # the last attempt made: 0 at formation, then re-probes 1, 2, ...
+    upgraded_at: Optional[float] = None   # Unix time the edge switched from relayed to direct
+    pending: Optional[dict] = None  # a verified re-probe's measurements, applied at the switch
+
+    @property
+    def link(self):
+        """The Link this edge uses now (None before it formed)."""
+        return self.links[-1] if self.links else None
+
+    @link.setter
+    def link(self, value) -> None:
+        if value is not None and (not self.links or self.links[-1] is not value):
+            self.links.append(value)
 
     def to_json(self) -> dict:
         out = {"from": self.src, "to": self.dst, "path": self.path, "predicted_path": self.predicted,
-               "rtt_ms": self.rtt_ms, "verify_s": self.verify_s}
+               "rtt_ms": self.rtt_ms, "verify_s": self.verify_s, "tries": self.tries}
         if self.remote:
             out["remote"] = self.remote
         if self.reason:
             out["reason"] = self.reason
-        if self.link is not None:
-            out["bytes_sent"] = getattr(self.link, "bytes_sent", None)
+        if self.upgraded_at is not None:
+            out["upgraded_at"] = self.upgraded_at
+            out["upgraded_from"] = "relayed"
+        if self.links:  # frame bytes this end sent on the edge, over every path it used, now
+            out["link_bytes_sent"] = sum(int(getattr(lk, "bytes_sent", 0) or 0) for lk in self.links)
         return out
 
 
@@ -174,6 +223,10 @@ class PathManager:
                      attempt: int = 0) -> Optional[QuicTransport]:
         """Try the direct path of one ring edge; the QUIC transport, or None to relay.
 
+        At ``attempt`` 0 the edge's record takes the outcome (path, RTT, time to verify). A
+        re-probe (``attempt`` >= 1, proto_spec 07 §7) leaves the record "relayed" and keeps the
+        measurements in ``pending`` until :meth:`mark_upgraded` says the ring switched.
+
         Args:
             peer_id, peer_name: the other end of the edge.
             sender: True on the edge's sender (ICE controlling, QUIC client).
@@ -183,9 +236,27 @@ class PathManager:
         rec = self.edges.get(edge) or EdgeRecord(me_name if sender else peer_name, peer_name if sender else me_name,
                                                  predicted="direct")
         self.edges[edge] = rec
-        if not direct_enabled():
-            rec.path, rec.reason = "relayed", "direct paths are disabled (KAFILA_DIRECT=0)"
+        rec.tries = max(rec.tries, attempt)
+        t, found = await self._attempt(rec, edge=edge, peer_id=peer_id, peer_name=peer_name, sender=sender,
+                                       attempt=attempt)
+        if t is None:
+            if rec.path != "direct":
+                rec.path = "relayed"
+            rec.reason = found["reason"]  # a re-probe's own number is in ``tries``
             return None
+        if attempt == 0:
+            rec.path, rec.verify_s, rec.rtt_ms, rec.remote = "direct", found["verify_s"], found["rtt_ms"], found["remote"]
+            log.info("ring edge %s -> %s is direct via %s (verified in %.3f s)", rec.src, rec.dst, rec.remote,
+                     rec.verify_s)
+        else:
+            rec.pending = found
+        return t
+
+    async def _attempt(self, rec: EdgeRecord, *, edge: str, peer_id: str, peer_name: str, sender: bool,
+                       attempt: int) -> tuple[Optional[QuicTransport], dict]:
+        """One offer exchange, check run and QUIC handshake: (transport, measurements) or (None, {"reason"})."""
+        if not direct_enabled():
+            return None, {"reason": "direct paths are disabled (KAFILA_DIRECT=0)"}
         creds = ice.new_credentials()
         offer = {"t": "ice_offer", "edge": edge, "try": attempt, "ufrag": creds.ufrag, "pwd": creds.pwd,
                  "cands": await self.candidates(), "nat_class": self.nat_class}
@@ -193,41 +264,38 @@ class PathManager:
         try:
             await self.rdv.send_signal(peer_id, offer)
         except trio.BrokenResourceError:
-            rec.path, rec.reason = "relayed", "the rendezvous connection was lost"
-            return None
+            return None, {"reason": "the rendezvous connection was lost"}
         theirs = await self._wait_offer(edge, attempt, peer_id, OFFER_TIMEOUT_S)
         if theirs is None:
-            rec.path, rec.reason = "relayed", f"no candidate offer from {peer_name} within {OFFER_TIMEOUT_S:g} s"
-            return None
+            return None, {"reason": f"no candidate offer from {peer_name} within {OFFER_TIMEOUT_S:g} s"}
         their_class = theirs.get("nat_class") if theirs.get("nat_class") in ("O", "C", "S") else None
         rec.predicted = predict_path(self.nat_class, their_class)
         if rec.predicted == "relayed" and attempt == 0:
-            rec.path, rec.reason = "relayed", f"predicted relay ({self.nat_class}-{their_class})"
-            return None
+            return None, {"reason": f"predicted relay ({self.nat_class}-{their_class})"}
         agent = ice.IceAgent(controlling=sender, local=creds, remote=ice.Credentials(theirs["ufrag"], theirs["pwd"]),
                              remote_candidates=ice.candidates_from_sdp(theirs.get("cands")),
                              now=trio.current_time(), tie_breaker=int.from_bytes(os.urandom(8), "big"))
-        result = await self._run_checks(agent, rec)
+        result = await self._run_checks(agent, rec, deaf=attempt < dropped_check_attempts())
         if not isinstance(result, ice.PathVerified):
-            rec.path, rec.reason = "relayed", result.reason if result else "the checks stopped"
-            return None
-        rec.verify_s = time.perf_counter() - t0
-        rec.rtt_ms = result.rtt_ms
-        rec.remote = f"{result.remote[0]}:{result.remote[1]}"
+            return None, {"reason": result.reason if result else "the checks stopped"}
+        found = {"verify_s": time.perf_counter() - t0, "rtt_ms": result.rtt_ms,
+                 "remote": f"{result.remote[0]}:{result.remote[1]}"}
         try:
             if sender:
                 t = await quic_connect(self.endpoint, result.remote, self.nursery, timeout_s=QUIC_TIMEOUT_S)
             else:
                 t = await quic_accept(self.endpoint, result.remote, self.nursery, timeout_s=QUIC_TIMEOUT_S)
         except trio.BrokenResourceError as e:
-            rec.path, rec.reason = "relayed", f"QUIC did not connect over the verified path: {e}"
-            return None
-        rec.path = "direct"
-        log.info("ring edge %s -> %s is direct via %s (verified in %.3f s)", rec.src, rec.dst, rec.remote, rec.verify_s)
-        return t
+            return None, {"reason": f"QUIC did not connect over the verified path: {e}"}
+        return t, found
 
-    async def _run_checks(self, agent: ice.IceAgent, rec: EdgeRecord):
-        """Drive ``agent`` until it selects a pair or fails; keep it alive afterwards in the nursery."""
+    async def _run_checks(self, agent: ice.IceAgent, rec: EdgeRecord, *, deaf: bool = False):
+        """Drive ``agent`` until it selects a pair or fails; keep it alive afterwards in the nursery.
+
+        ``deaf`` (the ``KAFILA_TEST_DROP_CHECKS`` hook) leaves the agent unregistered with the
+        endpoint: its checks go out but nothing addressed to it is delivered, so it fails after
+        its check timeout exactly as behind a firewall dropping the peer's datagrams.
+        """
         wake = trio.Event()
 
         def on_stun(data: bytes, addr) -> bool:
@@ -236,7 +304,11 @@ class PathManager:
                 wake.set()
             return claimed
 
-        self.endpoint.add_stun_handler(on_stun)
+        if deaf:
+            log.warning("ring edge %s -> %s: ignoring this attempt's checks (KAFILA_TEST_DROP_CHECKS test hook)",
+                        rec.src, rec.dst)
+        else:
+            self.endpoint.add_stun_handler(on_stun)
         outcome: dict = {}
         settled = trio.Event()
 
@@ -263,12 +335,76 @@ class PathManager:
                     if now >= timer:
                         agent.handle_timer(now)
             finally:
-                self.endpoint.remove_stun_handler(on_stun)
+                if not deaf:
+                    self.endpoint.remove_stun_handler(on_stun)
                 settled.set()
 
         self.nursery.start_soon(drive)  # keeps answering checks and sending keepalives after selection
         await settled.wait()
         return outcome.get("ev")
+
+    # ---- upgrade of a relayed edge (proto_spec 07 §7) -------------------------------------------
+    async def reprobe(self, *, peer_id: str, peer_name: str, me_name: str, sender: bool,
+                      secure: Callable[[QuicTransport], Awaitable[Optional[object]]]):
+        """Re-probe a relayed edge until a direct path verifies and ``secure`` makes a link over it.
+
+        The sender makes attempts ``try`` = 1, 2, ... after a backoff doubling from
+        :func:`reprobe_initial_s` to :data:`REPROBE_MAX_S` (DESIGN §3 step 6); the receiver answers
+        the newest re-probe offer it has from the sender, whenever one arrives.
+
+        Args:
+            secure: runs Noise over the new QUIC transport; returns the Link, or None (then the
+                attempt counts as failed and the edge stays relayed).
+        Returns:
+            The new Link (the record stays "relayed" until :meth:`mark_upgraded`).
+        """
+        edge = self._edge_id(peer_id, sender)
+        delay_s = reprobe_initial_s()
+        attempt = 0
+        while True:
+            if sender:
+                await trio.sleep(delay_s)
+                attempt += 1
+                delay_s = min(max(delay_s, 0.5) * 2, REPROBE_MAX_S)
+            else:
+                attempt = await self._wait_reprobe(edge, peer_id)
+            t = await self.direct(peer_id=peer_id, peer_name=peer_name, me_name=me_name, sender=sender,
+                                  attempt=attempt)
+            if t is None:
+                continue
+            link = await secure(t)
+            if link is not None:
+                return link
+            rec = self.edges.get(edge)
+            if rec is not None:
+                rec.pending = None
+
+    async def _wait_reprobe(self, edge: str, peer: str) -> int:
+        """The newest re-probe attempt (``try`` >= 1) offered by ``peer`` on ``edge``; older ones are dropped."""
+        while True:
+            event = self._inbox["event"]
+            tries = [k for (e, k), o in self._inbox["offers"].items() if e == edge and k >= 1 and o["from"] == peer]
+            if tries:
+                newest = max(tries)
+                for k in tries:
+                    if k != newest:
+                        self._inbox["offers"].pop((edge, k), None)
+                return newest
+            await event.wait()
+
+    def mark_upgraded(self, peer_id: str, sender: bool, link=None) -> Optional[EdgeRecord]:
+        """Record that the ring now uses the direct path of this edge (``link`` on the sender)."""
+        rec = self.edges.get(self._edge_id(peer_id, sender))
+        if rec is None:
+            return None
+        found, rec.pending = rec.pending or {}, None
+        rec.verify_s, rec.rtt_ms, rec.remote = found.get("verify_s"), found.get("rtt_ms"), found.get("remote")
+        rec.path, rec.reason, rec.upgraded_at = "direct", "", time.time()
+        if link is not None:
+            rec.link = link
+        log.info("ring edge %s -> %s upgraded from relayed to direct via %s (re-probe %d)", rec.src, rec.dst,
+                 rec.remote, rec.tries)
+        return rec
 
     def _edge_id(self, peer_id: str, sender: bool) -> str:
         me, sid = self.rdv.peer_id, getattr(self.rdv, "session_id", "") or ""
@@ -292,10 +428,22 @@ async def endpoint_of(node) -> UdpEndpoint:
     """The daemon's one UDP endpoint, bound on first use and served in the node's root nursery."""
     ep = getattr(node, "_kafila_udp", None)
     if ep is None:
-        ep = await UdpEndpoint.bind(os.environ.get("KAFILA_UDP_BIND", "0.0.0.0"), 0)
+        host, port = bind_address(os.environ.get("KAFILA_UDP_BIND", ""))
+        ep = await UdpEndpoint.bind(host, port)
         node._kafila_udp = ep
         await node.nursery.start(ep.serve)
     return ep
+
+
+def bind_address(spec: str) -> tuple[str, int]:
+    """``KAFILA_UDP_BIND`` as (host, port): "", "IP", "IP:PORT" or "[IPv6]:PORT"; port 0 = any."""
+    spec = spec.strip()
+    if not spec:
+        return "0.0.0.0", 0
+    if spec.startswith("[") or spec.count(":") == 1:
+        host, port = parse_host_port(spec)
+        return host, int(port)
+    return spec, 0
 
 
 def _inbox(node) -> dict:

@@ -99,6 +99,9 @@ class RingMember:
         try:
             while True:
                 frame = await link.receive()
+                if frame.get("t") == "path_switched":  # [paths] the sender moved this edge to a new link (proto_spec 07 §7)
+                    await link.close()  # [paths] every frame it sent here came before the marker: the old path is drained
+                    return  # [paths]
                 await self._inbox_send.send(frame)
         except LinkClosed as e:
             self.fail_all(f"the ring link from {link.peer_name} closed: {e.reason}", member=link.peer_name)

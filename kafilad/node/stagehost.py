@@ -6,19 +6,22 @@ fetch theirs from the host, kafilad/node/fetch.py). DESIGN §2, §6; proto_spec 
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 import trio
 
-from kafilad.errors import HandshakeError, SessionError
+from kafilad.errors import HandshakeError, KafilaError, SessionError
 from kafilad.node import paths
-from kafilad.node.link import Link, secure_link
+from kafilad.node.link import Link, LinkClosed, secure_link
 from kafilad.node.ring import RingMember
 
 log = logging.getLogger("kafilad.stage")
 
 RING_FORM_TIMEOUT_S = 60.0
+#: How long the sender of an upgraded edge waits for the receiver to close the old path.
+DRAIN_TIMEOUT_S = 10.0
 
 
 def executor():
@@ -35,17 +38,25 @@ def measure_capability(model_dir: Optional[str]) -> dict:
 
 
 async def connect_ring(*, node, rdv, session_id: str, ring: list[str], roster: dict,
-                       incoming: trio.MemoryReceiveChannel) -> tuple[Optional[Link], Optional[Link]]:
+                       incoming: trio.MemoryReceiveChannel, member: Optional[RingMember] = None,
+                       on_edges: Optional[Callable[[], Awaitable[None]]] = None,
+                       ) -> tuple[Optional[Link], Optional[Link]]:
     """Open the ring edge to our next member and accept the one from our previous member.
 
     Each edge is tried direct first (kafilad/node/paths.py: candidates over rendezvous signals,
     ICE-style checks, QUIC; DESIGN §3 step 5) and falls back to a relayed circuit. The Noise
     handshake and the roster check are the same on either path.
 
+    With ``member`` given, its ``next_link`` is set here, and each relayed edge is re-probed in
+    the background and upgraded to direct without interrupting generation (DESIGN §3 step 6,
+    proto_spec 07 §7): see :func:`_upgrade_next` and :func:`_upgrade_prev`.
+
     Args:
         ring: peer ids in ring order, head first.
         roster: {peer_id: {"name": str, "public_key": bytes}} of the session.
         incoming: channel of incoming circuits labelled "ring" (from the session's accept loop).
+        member: this daemon's RingMember, for upgrades.
+        on_edges: awaited after an upgrade changed one of our edges (report it to the host).
     Returns:
         (next_link, prev_link); both None when the ring is this member alone.
     Raises:
@@ -103,6 +114,7 @@ async def connect_ring(*, node, rdv, session_id: str, ring: list[str], roster: d
             if link is not None:
                 out["prev"] = link
                 return
+        out["prev_relayed"] = True
         while True:
             circuit = await incoming.receive()
             if circuit.peer_id != prv:
@@ -124,7 +136,95 @@ async def connect_ring(*, node, rdv, session_id: str, ring: list[str], roster: d
                            f"within {RING_FORM_TIMEOUT_S:g} s") from None
     except HandshakeError as e:
         raise SessionError(f"ring edge refused: {e}") from None
+    if member is not None:
+        member.next_link = out["next"]
+        if paths.direct_enabled():
+            nxt_rec = pm.edge_from_me(nxt)
+            if nxt_rec is not None and nxt_rec.path == "relayed":
+                pm.nursery.start_soon(_upgrade_next, pm, member, nxt, roster[nxt]["name"], node.name,
+                                      lambda t: _secure_direct(t, initiator=True, peer=nxt), on_edges)
+            if out.get("prev_relayed"):
+                pm.nursery.start_soon(_upgrade_prev, pm, member, prv, roster[prv]["name"], node.name,
+                                      lambda t: _secure_direct(t, initiator=False, peer=prv), on_edges)
     return out["next"], out["prev"]
+
+
+async def _upgrade_next(pm, member: RingMember, peer: str, peer_name: str, me_name: str, secure, on_edges) -> None:
+    """Sender side of an upgrade (proto_spec 07 §7): re-probe, switch at a frame boundary, drain the old path.
+
+    Switching is safe between any two frames: frames of one request travel round the ring in
+    causal order, so a request never has frames on both paths at once; ``Link.send`` holds a lock
+    per frame, so the `path_switched` marker follows every frame already on the old path.
+    """
+    try:
+        link = await pm.reprobe(peer_id=peer, peer_name=peer_name, me_name=me_name, sender=True, secure=secure)
+    except (KafilaError, LinkClosed, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+        log.warning("ring: stopped re-probing the edge to %s: %s", peer_name, e)
+        return
+    old = member.next_link
+    if member.broken or old is None:
+        await link.close()
+        return
+    member.next_link = link  # the next frame goes on the direct path
+    pm.mark_upgraded(peer, True, link)
+    await _report(on_edges)
+    try:
+        await old.send({"t": "path_switched"})
+        with trio.move_on_after(DRAIN_TIMEOUT_S):  # the receiver closes the old path once it read the marker
+            while True:
+                await old.receive()
+    except LinkClosed:
+        pass
+    await old.close()
+    log.info("ring: the relayed path to %s drained and closed (%d bytes sent on it)", peer_name, old.bytes_sent)
+
+
+async def _upgrade_prev(pm, member: RingMember, peer: str, peer_name: str, me_name: str, secure, on_edges) -> None:
+    """Receiver side of an upgrade: answer re-probes, then read the new link beside the old one."""
+    try:
+        link = await pm.reprobe(peer_id=peer, peer_name=peer_name, me_name=me_name, sender=False, secure=secure)
+    except (KafilaError, LinkClosed, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+        log.warning("ring: stopped answering re-probes from %s: %s", peer_name, e)
+        return
+    pm.mark_upgraded(peer, False)
+    await _report(on_edges)
+    await member.feed_from(_UpgradeLink(link))
+
+
+class _UpgradeLink:
+    """A new incoming link as RingMember.feed_from reads it: if it closes before carrying any frame
+    (the sender's side of the upgrade did not finish), that is not a ring failure; it is ignored."""
+
+    def __init__(self, link: Link):
+        self.link = link
+        self.peer_name = link.peer_name
+        self._used = False
+
+    async def receive(self) -> dict:
+        try:
+            frame = await self.link.receive()
+        except LinkClosed as e:
+            if self._used:
+                raise
+            log.info("ring: an upgraded link from %s closed before use (%s); the relayed path stays", self.peer_name,
+                     e.reason)
+            await trio.sleep_forever()
+        self._used = True
+        return frame
+
+    async def close(self, reason: str = "closed") -> None:
+        await self.link.close(reason)
+
+
+async def _report(on_edges) -> None:
+    if on_edges is None:
+        return
+    try:
+        out = on_edges()
+        if inspect.isawaitable(out):
+            await out
+    except (KafilaError, LinkClosed, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+        log.warning("ring: could not report the upgraded edge: %s", e)
 
 
 async def nat_capability(node, rdv) -> dict:
@@ -147,10 +247,13 @@ def edges_of(node) -> list[dict]:
 
 
 def session_edges(session) -> list[dict]:
-    """The host's view of every ring edge, in ring order (proto_spec 07 §5; `status --json` "edges").
+    """The host's view of every ring edge, in ring order (proto_spec 07 §6; `status --json` "edges").
 
-    Each member reports its own edges in its `ready` frame; the sender's record of an edge wins
-    (it measured the RTT). Edges nobody reported yet come from the plan's prediction.
+    Each member reports its own edges in its `ready` frame and again after an upgrade (`edges`
+    frame); the sender's record of an edge wins (it measured the RTT). Edges nobody reported yet
+    come from the plan's prediction. ``bytes_sent`` is live: the frame bytes the edge's sender
+    sent for the session's finished requests (the sum of its `ring_bytes_sent` over every
+    generation so far), kept by :func:`generation_edges`.
     """
     names = {r.peer_id: r.name for r in session.members.values()}
     reports: dict[tuple, dict] = {}
@@ -165,6 +268,7 @@ def session_edges(session) -> list[dict]:
                 reports[key] = dict(e)
     order = [names.get(p, p) for p in session.ring_order]
     predicted = {(a, b): p for a, b, p in (session.plan.edges if session.plan else [])}
+    sent = getattr(session, "_paths_bytes_sent", {})
     out = []
     for i, a in enumerate(order if len(order) > 1 else []):
         b = order[(i + 1) % len(order)]
@@ -172,8 +276,32 @@ def session_edges(session) -> list[dict]:
         e.setdefault("predicted_path", predicted.get((a, b)))
         if e.get("predicted_path") is None:
             e["predicted_path"] = predicted.get((a, b))
+        e["bytes_sent"] = sent.get(a, 0)
         out.append(e)
     return out
+
+
+def generation_edges(session, result: dict) -> list[dict]:
+    """Add a finished request's per-sender ring bytes to the edges' totals; the edges now (trace)."""
+    names = {r.peer_id: r.name for r in session.members.values()}
+    sent = session.__dict__.setdefault("_paths_bytes_sent", {})
+    for row in result.get("stats", []):
+        name = names.get(row[0], row[0])
+        sent[name] = sent.get(name, 0) + int(row[4] or 0)
+    return session_edges(session)
+
+
+def note_edges(session, rec, edges) -> None:
+    """A member (or the host itself: ``rec.link`` None) reports its edges after an upgrade.
+
+    The report replaces its ready-time one; the host writes an `edges` trace event with
+    ``"cause": "upgrade"`` (proto_spec 07 §7) and tells status watchers.
+    """
+    if rec.link is not None and isinstance(edges, list):
+        rec.load = {**(rec.load or {}), "edges": edges}
+    if session.trace is not None:
+        session.trace.write("edges", edges=session_edges(session), cause="upgrade", reporter=rec.name)
+    session.node.changed()
 
 
 def edge_paths(session) -> dict:
