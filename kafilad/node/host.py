@@ -423,7 +423,7 @@ class HostSession:
     async def _fail_and_notify(self, msg: str) -> None:
         """Fail the session and tell every member (whose head then fails its requests)."""
         self._fail(msg)
-        for other in self.members.values():
+        for other in list(self.members.values()):  # [paths] members may leave while we await
             if other.link is not None and other.lost is None:
                 with trio.move_on_after(2):
                     try:
@@ -539,7 +539,7 @@ class HostSession:
     async def close(self) -> None:
         if self.trace is not None:  # [paths] the edges (paths, bytes sent) at session end
             self.trace.write("session_closed", edges=stagehost.session_edges(self))  # [paths]
-        for r in self.members.values():
+        for r in list(self.members.values()):  # [paths] members may leave while we await
             if r.link is not None:
                 await r.link.close("host closed the session")
         self.state = "closed"

@@ -9,6 +9,7 @@ re-probes (``KAFILA_REPROBE_S``) then find the direct paths and the ring switche
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -87,3 +88,38 @@ def test_stories260k_generations_continue_across_the_upgrade(tmp_path, stories26
                 break
             assert time.monotonic() < deadline, cluster.call(0, "status")["edges"]
         _assert_upgraded(cluster, windows)
+
+
+def test_trace_records_each_edge_with_live_bytes(tmp_path, synth_llama):
+    """Issue 3 "Done when": per edge, predicted and actual path, time to verify and bytes sent, where the
+    bytes are cumulative at each generation and at session end (proto_spec 07 §6)."""
+    with LoopbackCluster(3, root=str(tmp_path / "c")) as cluster:
+        formed = cluster.form(str(synth_llama))
+        sid = formed["status"]["session_id"]
+        sums: dict[str, int] = {}
+        seen = []
+        for prompt, n in (("Kafila", 12), ("Kafila serves", 30)):
+            cluster.generate(prompt, n)
+            gen = [ev for ev in cluster.call(0, "trace") if ev["event"] == "generation"][-1]
+            for name, st in gen["stages"].items():
+                assert st["ring_bytes_sent"] > 0
+                sums[name] = sums.get(name, 0) + st["ring_bytes_sent"]
+            assert {e["from"]: e["bytes_sent"] for e in gen["edges"]} == sums
+            for e in gen["edges"]:
+                assert e["path"] == "direct" and e["predicted_path"] == "direct"
+                assert e["verify_s"] is not None and 0 < e["verify_s"] < 5.0 and e["rtt_ms"] is not None
+            host_edge = next(e for e in gen["edges"] if e["from"] == "m0")  # the host's own link counter is live
+            assert host_edge["link_bytes_sent"] >= host_edge["bytes_sent"]
+            seen.append(dict(sums))
+        assert all(seen[1][k] > seen[0][k] for k in seen[0])
+        status_edges = cluster.call(0, "status")["edges"]
+        assert {e["from"]: e["bytes_sent"] for e in status_edges} == sums
+        formed_ev = [ev for ev in cluster.call(0, "trace") if ev["event"] == "edges"][0]["edges"]
+        assert [e["bytes_sent"] for e in formed_ev] == [0, 0, 0]
+        cluster.call(0, "leave")
+        trace = [json.loads(line) for line in
+                 (cluster.state_dir(0) / "traces" / f"{sid}.jsonl").read_text().splitlines()]
+        closed = [ev for ev in trace if ev["event"] == "session_closed"]
+        assert len(closed) == 1
+        assert {e["from"]: e["bytes_sent"] for e in closed[0]["edges"]} == sums
+        assert [e["path"] for e in closed[0]["edges"]] == ["direct"] * 3
