@@ -14,6 +14,7 @@ re-arm ``get_timer()``.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import ipaddress
 import logging
@@ -144,11 +145,14 @@ class QuicTransport:
         self._send_lock = trio.Lock()
         self._next_ping_s = 0.0
         self._data_queued = False
+        self._backlog: collections.deque[tuple[bytes, Address]] = collections.deque()
+        self._sleep_scope: Optional[trio.CancelScope] = None
         endpoint.route_cid(conn.host_cid, self._on_datagram)
 
     # ---- endpoint side -------------------------------------------------------------------------
     def _on_datagram(self, data: bytes, addr: Address) -> None:
         self.conn.receive_datagram(data, addr, trio.current_time())
+        self._process_events()  # readers wake now, not one scheduler pass later via the driver
         self._wake.set()
 
     def _process_events(self) -> None:
@@ -173,7 +177,9 @@ class QuicTransport:
                 self._writable.set()
                 self.connected.set()
 
-    async def _flush(self) -> None:
+    def _transmit(self) -> None:
+        """Send every datagram aioquic has ready now, in one burst and without yielding; what the
+        kernel buffer cannot take waits in the backlog for :meth:`_flush`."""
         now = trio.current_time()
         if self._data_queued:
             self._data_queued = False
@@ -183,9 +189,36 @@ class QuicTransport:
             space = self.conn._spaces.get(tls.Epoch.ONE_RTT)
             if space is not None and space.ack_at is not None and space.ack_at > now:
                 space.ack_at = now
-        for data, addr in self.conn.datagrams_to_send(now):
-            if not self.endpoint.send_nowait(data, addr):  # one burst, no scheduler round trip per datagram
-                await self.endpoint.sendto(data, addr)
+        out = self.conn.datagrams_to_send(now)
+        if self._backlog:
+            self._backlog.extend(out)  # keep the order
+        else:
+            send = self.endpoint.send_nowait
+            for i, (data, addr) in enumerate(out):
+                if not send(data, addr):
+                    self._backlog.extend(out[i:])
+                    break
+        if not self._backlog and self._unacked_bytes() < SEND_WINDOW_BYTES:
+            self._writable.set()
+
+    def _rearm(self) -> None:
+        """After a transmit outside the driver: bring the sleeping driver's deadline forward to
+        aioquic's timer (loss detection, pacing), or wake the driver if it is not asleep or a
+        backlog waits for the kernel buffer. Saves a driver pass per message sent."""
+        scope = self._sleep_scope
+        if scope is None or self._backlog:
+            self._wake.set()
+            return
+        t = self.conn.get_timer()
+        if t is not None and t < scope.deadline:
+            scope.deadline = t
+
+    async def _flush(self) -> None:
+        self._transmit()
+        while self._backlog:
+            data, addr = self._backlog[0]
+            await self.endpoint.sendto(data, addr)  # waits for room in the kernel buffer
+            self._backlog.popleft()
         if self._unacked_bytes() < SEND_WINDOW_BYTES:
             self._writable.set()
 
@@ -212,8 +245,10 @@ class QuicTransport:
                         self._next_ping_s = now + PING_INTERVAL_S
                         continue
                     timer = min(timer if timer is not None else float("inf"), self._next_ping_s)
-                with trio.move_on_at(timer if timer is not None else float("inf")):
+                with trio.move_on_at(timer if timer is not None else float("inf")) as scope:
+                    self._sleep_scope = scope
                     await self._wake.wait()
+                self._sleep_scope = None
                 self._wake = trio.Event()
                 now = trio.current_time()
                 t = self.conn.get_timer()
@@ -244,7 +279,8 @@ class QuicTransport:
             self.conn.send_stream_data(self.stream_id, _PREFIX.pack(len(data)) + bytes(data))
             self.bytes_sent += len(data) + _PREFIX.size
             self._data_queued = True
-            self._wake.set()
+            self._transmit()  # as aioquic's asyncio protocol does: the data leaves before we yield
+            self._rearm()
             await trio.lowlevel.checkpoint()
 
     async def receive_message(self) -> bytes:
