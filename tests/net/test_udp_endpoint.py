@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from trio.testing import trio_test
 
 from kafilad.net.stun_client import classify_nat
-from kafilad.net.udp_endpoint import UdpEndpoint, protocol_of, quic_dcid
+from kafilad.net.udp_endpoint import RECV_BATCH, UdpEndpoint, protocol_of, quic_dcid
 from kafilad.proto.ice import IceAgent, PathVerified, make_candidate, new_credentials
 from kafilad.rendezvous.stun_server import serve_stun
 
@@ -63,6 +63,24 @@ async def test_quic_datagrams_route_by_connection_id_and_junk_is_dropped():
         assert got["server"] == [(initial, a.local_address)]
         assert got["one"] == [bytes([0x40]) + cid1 + b"short"] and got["two"] == [bytes([0x40]) + cid2 + b"short"]
         assert b.dropped == 1
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_burst_longer_than_one_read_batch_arrives_whole_and_in_order():
+    a, b = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
+    cid = os.urandom(8)
+    got: list[bytes] = []
+    b.route_cid(cid, lambda d, addr: got.append(d))
+    burst = [bytes([0x40]) + cid + i.to_bytes(4, "big") + bytes(1200) for i in range(3 * RECV_BATCH + 5)]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        for data in burst:  # back to back, no yield between them: the reader finds them queued
+            assert a.send_nowait(data, b.local_address) is True
+        with trio.fail_after(5):
+            while len(got) < len(burst):
+                await trio.sleep(0.01)
+        assert got == burst and b.received == len(burst) and b.dropped == 0
         nursery.cancel_scope.cancel()
 
 
