@@ -266,7 +266,14 @@ class QuicTransport:
         if len(data) > MAX_TRANSPORT_MESSAGE_BYTES:
             raise LocalProtocolError(f"A transport message is at most {MAX_TRANSPORT_MESSAGE_BYTES} bytes, "
                                      f"not {len(data)} (proto_spec 01 §5).")
-        async with self._send_lock:
+        # trio's pattern for an operation that completes: raise a pending cancellation first, then
+        # yield once after the data left (no scheduler pass in between on an uncontended lock).
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self._send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._send_lock.acquire()
+        try:
             while True:
                 if self._local_closed:
                     raise trio.ClosedResourceError("this QUIC transport was closed")
@@ -281,7 +288,9 @@ class QuicTransport:
             self._data_queued = True
             self._transmit()  # as aioquic's asyncio protocol does: the data leaves before we yield
             self._rearm()
-            await trio.lowlevel.checkpoint()
+        finally:
+            self._send_lock.release()
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def receive_message(self) -> bytes:
         while True:
