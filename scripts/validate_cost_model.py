@@ -20,15 +20,18 @@ back to back for a window of >= 5 s (DESIGN §9: window means, not per-step medi
 process; OPENBLAS_NUM_THREADS=1; 10 ms CFS period). A step is one token through the stage at a
 fixed context: embedding + blocks + final norm + lm_head + argmax on the head, blocks elsewhere.
 
-Printed: a table (model, stage, quota, predicted ms, measured ms, ratio, CPU share obtained) and
-the median absolute relative error, overall and per model. `--json FILE` also writes every row.
-Needs root and cgroup v1 (/sys/fs/cgroup/cpu). Runtime about 3-4 minutes with the defaults.
+Printed: a table (model, stage, quota, measured ms, each prediction and its error, CPU share
+obtained), the median absolute relative error per prediction (overall, per model, and over the
+windows that got >= 95% of their quota), and CPU time per step at each quota relative to the
+first (the emulation's own assumption). `--json FILE` also writes every row. Needs root and
+cgroup v1 (/sys/fs/cgroup/cpu). Runtime about 3.5 minutes with the defaults. Results and their
+caveats: docs/cost-model.md.
 
 Three predictions are compared with each measurement: (1) the daemon's probe as it is, run once
-unthrottled and scaled by the quota (the method of issue 4 item 6); (2) the same block-timing
-probe with window means instead of medians of 7 steps (`window_stage_Bps`, proposed for
-kafilad/executor/probe.py), once unthrottled and scaled; (3) that window-mean probe run by the
-emulated device itself inside its quota, as a real member measures itself (no scaling).
+unthrottled and scaled by the quota (the method of issue 4 item 6); (2) the previous daemon
+probe, medians of 7 single steps instead of window means (`median7_stage_Bps`), once
+unthrottled and scaled; (3) the daemon's block-timing probe run by the emulated device itself
+inside its quota, as a real member measures itself (no scaling).
 
 Children run at nice -15 by default (`--nice`), so other jobs on a shared machine do not steal
 the unthrottled runs' CPU; the "CPU share" column shows what each window actually obtained.
@@ -67,18 +70,10 @@ def stages_for(n_blocks: int) -> list[tuple[int, int, bool]]:
 
 
 # ---------------------------------------------------------------- children (run under quotas) --
-def window_stage_Bps(config: dict, *, window_s: float = 0.25, min_steps: int = 3, context_tokens: int = 16,
-                     dtype: str = "float32", before_timing=None) -> tuple[float, float]:
-    """The daemon's block-timing probe (probe.measure_stage_Bps) with window means (DESIGN §9).
-
-    Same method — two random blocks of the model's own mlx-lm class at batch 1, one decode step
-    through one block and through both, fitted as t(k) = overhead + k * block_bytes / Bps — but
-    each t(k) is the mean over a window of >= `window_s` (and >= `min_steps` steps) instead of
-    the median of 7 single steps: medians of a few steps pick the fast mode of a time-sliced CPU
-    (a cgroup quota, or a busy machine) and the two-point fit amplifies their noise.
-    `before_timing` (optional) is called after the blocks are built, before anything is timed.
-    Returns (bytes/s, overhead s).
-    """
+def median7_stage_Bps(config: dict, *, context_tokens: int = 16, dtype: str = "float32") -> tuple[float, float]:
+    """The daemon's block-timing probe as it was before window means (probe.py at 9c66259), kept
+    for comparison: median of 7 single steps through one block and through two, fitted as
+    t(k) = overhead + k * block_bytes / Bps. Returns (bytes/s, overhead s)."""
     import mlx.core as mx
     from kafilad.executor.stage import build_random_stage
 
@@ -90,8 +85,6 @@ def window_stage_Bps(config: dict, *, window_s: float = 0.25, min_steps: int = 3
     mx.eval(stage.run_blocks(mx.zeros((1, context_tokens, D), dtype=getattr(mx, dtype)), cache))
     h = mx.full((1, 1, D), 0.1, dtype=getattr(mx, dtype))
     layers = stage.layers
-    if before_timing is not None:
-        before_timing()
 
     def timed(k: int) -> float:
         stage.layers = layers[:k]
@@ -102,13 +95,12 @@ def window_stage_Bps(config: dict, *, window_s: float = 0.25, min_steps: int = 3
                 c.offset -= 1
 
         one()
-        steps, t0 = 0, time.perf_counter()
-        while True:
+        ts = []
+        for _ in range(7):
+            t = time.perf_counter()
             one()
-            steps += 1
-            el = time.perf_counter() - t0
-            if el >= window_s and steps >= min_steps:
-                return el / steps
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
 
     t1 = timed(1)
     t2 = timed(2) if n == 2 else None
@@ -119,10 +111,11 @@ def window_stage_Bps(config: dict, *, window_s: float = 0.25, min_steps: int = 3
 
 
 def child_probe(model_dir: str, quotas: list[int]) -> dict:
-    """Unthrottled: the daemon's own probe (measure_capability) and the window-mean probe; then
-    the window-mean probe again inside each quota's CPU group (a device measuring itself)."""
+    """Unthrottled: the daemon's own probe (measure_capability) and the previous median-of-7
+    probe; then the daemon's block-timing probe again inside each quota's CPU group (a device
+    measuring itself, building its random blocks at its own speed too)."""
     import kafilad.executor as ex
-    from kafilad.executor.probe import measure_capability
+    from kafilad.executor.probe import measure_capability, measure_stage_Bps
     from kafilad.modelinfo import read_model_info
 
     t, c = time.perf_counter(), time.process_time()
@@ -132,12 +125,12 @@ def child_probe(model_dir: str, quotas: list[int]) -> dict:
     cap["blas"] = ex.blas_status()
     config = read_model_info(model_dir).config
     t = time.perf_counter()
-    cap["window"] = window_stage_Bps(config)
-    cap["window_probe_s"] = time.perf_counter() - t
+    cap["legacy"] = median7_stage_Bps(config)
+    cap["legacy_probe_s"] = time.perf_counter() - t
     cap["self"] = {}
     for q in quotas:
-        join = lambda q=q: (CPU_CGROUP / f"fleet_vq{q}" / "cgroup.procs").write_text(str(os.getpid()))  # noqa: E731
-        cap["self"][str(q)] = window_stage_Bps(config, before_timing=join)
+        (CPU_CGROUP / f"fleet_vq{q}" / "cgroup.procs").write_text(str(os.getpid()))
+        cap["self"][str(q)] = measure_stage_Bps(config)
         (CPU_CGROUP / "cgroup.procs").write_text(str(os.getpid()))
     return cap
 
@@ -272,12 +265,12 @@ def main() -> int:
         for label, d in models:
             probe = run_child(["--child-probe", d, "--quotas", a.quotas], a.nice)
             bw, ov = probe["bandwidth_Bps"], probe["step_overhead_s"]
-            wbw, wov = probe["window"]
+            wbw, wov = probe["legacy"]
             print(f"{label}: daemon probe ({probe['bandwidth_source']}, {probe['probe_s']:.2f} s, CPU share "
                   f"{probe['probe_cpu_share']:.2f}, {probe['blas']}): "
-                  f"{bw / 1e9:.3f} GB/s + {ov * 1e6:.0f} us/step; window-mean probe ({probe['window_probe_s']:.2f} s): "
+                  f"{bw / 1e9:.3f} GB/s + {ov * 1e6:.0f} us/step; previous median-of-7 probe ({probe['legacy_probe_s']:.2f} s): "
                   f"{wbw / 1e9:.3f} GB/s + {wov * 1e6:.0f} us/step")
-            print("  window-mean probe run under each quota: " + ", ".join(
+            print("  daemon probe run under each quota: " + ", ".join(
                 f"{q}%: {v[0] / 1e9:.3f} GB/s + {v[1] * 1e6:.0f} us" for q, v in probe["self"].items()))
             n = read_model_info(d).num_hidden_layers
             for start, end, head in stages_for(n):
@@ -291,11 +284,11 @@ def main() -> int:
                     pred_self, _ = predict_s(d, start, end, head, sbw, sov, 1.0)
                     rows.append({"model": label, "start": start, "end": end, "head": head, "bytes": nbytes,
                                  "held_bytes": res["nbytes"], "bandwidth_Bps": bw, "step_overhead_s": ov,
-                                 "predicted_s": pred, "predicted_window_s": pred_w, "predicted_self_s": pred_self,
+                                 "predicted_s": pred, "predicted_legacy_s": pred_w, "predicted_self_s": pred_self,
                                  **r})
                     m = r["measured_s"]
                     print(f"  [{start},{end}){'H' if head else ' '} q={r['quota_pct']:3d}%  measured {m * 1e3:8.3f} ms"
-                          f"  predicted: daemon probe {pred * 1e3:8.3f} ({pred / m - 1:+.0%})  window probe "
+                          f"  predicted: daemon probe {pred * 1e3:8.3f} ({pred / m - 1:+.0%})  median-of-7 probe "
                           f"{pred_w * 1e3:8.3f} ({pred_w / m - 1:+.0%})  self-probe {pred_self * 1e3:8.3f} "
                           f"({pred_self / m - 1:+.0%})  cpu {r['cpu_share']:.2f}  steps {r['steps']}", flush=True)
     finally:
@@ -309,9 +302,9 @@ def main() -> int:
     return 0
 
 
-PREDICTORS = (("predicted_s", "daemon probe (median of 7), once unthrottled, scaled by quota"),
-              ("predicted_window_s", "window-mean probe, once unthrottled, scaled by quota"),
-              ("predicted_self_s", "window-mean probe run by the device under its own quota"))
+PREDICTORS = (("predicted_s", "daemon probe (window means), once unthrottled, scaled by quota"),
+              ("predicted_legacy_s", "previous daemon probe (median of 7), once unthrottled, scaled by quota"),
+              ("predicted_self_s", "daemon probe run by the device under its own quota"))
 
 
 def rel_err(r: dict, key: str) -> float:
@@ -327,7 +320,7 @@ def report(rows: list[dict], models: list[tuple[str, str]]) -> None:
     from rich.table import Table
 
     t = Table(title="predicted vs measured per-stage time per token (window means); error = predicted/measured - 1")
-    for c in ("model", "stage", "MB read", "quota", "measured ms", "daemon probe ms", "err", "window probe ms",
+    for c in ("model", "stage", "MB read", "quota", "measured ms", "daemon probe ms", "err", "median-of-7 ms",
               "err", "self-probe ms", "err", "CPU share"):
         t.add_column(c, justify="left" if c in ("model", "stage") else "right")
     for r in rows:

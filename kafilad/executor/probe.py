@@ -8,8 +8,8 @@
   reads about half of what real decode achieves on CPU; the matrix-vector probe predicted stage
   time within ~20% here (DESIGN §5.1).
 - `measure_stage_Bps`: times blocks of the session's architecture and shape at batch 1 (one
-  block, then two; random weights, so only config.json is needed) and splits the time into a
-  fixed per-step overhead and an effective bytes/s (DESIGN §5.1 "Best").
+  block, then two; random weights, so only config.json is needed; window means, DESIGN §9) and
+  splits the time into a fixed per-step overhead and an effective bytes/s (DESIGN §5.1 "Best").
 - `measure_capability`: the report a member sends the host (issue 2 item 5).
 """
 
@@ -26,6 +26,8 @@ import mlx.core as mx
 DEFAULT_RESERVE_BYTES = 256 * 1024 * 1024
 #: size of the probe matrix: larger than the last-level caches of consumer CPUs (32 MiB here).
 DEFAULT_PROBE_BYTES = 64 * 1024 * 1024
+#: shortest timed window per block count in `measure_stage_Bps` (25 periods of a 10 ms CFS quota).
+DEFAULT_STAGE_WINDOW_S = 0.25
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -143,18 +145,43 @@ def measure_bandwidth_Bps(dtype: str = "float32", nbytes: int = DEFAULT_PROBE_BY
     return n * n * dt.size / t
 
 
+def _window_mean_s(fn, min_steps: int, window_s: float) -> float:
+    """Mean seconds per call of `fn` run back to back for >= `window_s` and >= `min_steps` calls.
+
+    A window mean, not a median of single calls (DESIGN §9 item 4): on a time-sliced CPU (a
+    cgroup quota, a busy machine, memory-bandwidth contention from a neighbour) single steps are
+    bimodal and a median of a few picks one mode.
+    """
+    fn()  # warm-up
+    steps, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        steps += 1
+        elapsed = time.perf_counter() - t0
+        if steps >= min_steps and elapsed >= window_s:
+            return elapsed / steps
+
+
 def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", context_tokens: int = 16,
-                      repeats: int = 7) -> tuple[float, float]:
+                      repeats: int = 3, window_s: float = DEFAULT_STAGE_WINDOW_S) -> tuple[float, float]:
     """Time blocks of the session's architecture at batch 1 (DESIGN §5.1 "Best").
 
     Only the config is needed (a member has not fetched any weights when it reports): two blocks
     of the model's own mlx-lm class are built with the class's random initialisation, held in
-    `dtype` and quantised as the config says, then one decode step after a `context_tokens`
-    prefill is timed through one block and through both, and fitted as
+    `dtype` and quantised as the config says, then decode steps after a `context_tokens`
+    prefill are run back to back through one block and through both, each for a window of
+    >= `window_s` seconds and >= `repeats` steps, and the window means are fitted as
     t(k blocks) = overhead + k * block_bytes / Bps.
+
+    Window means replaced medians of 7 single steps: in scripts/validate_cost_model.py (four
+    runs on a shared 2-vCPU machine, docs/cost-model.md) the median-of-7 fit read a bandwidth-
+    bound model 3.4-5.2 GB/s from run to run, even with the CPU to itself, and mispredicted its
+    stages by a median 7-35% per run; window means read 4.4-5.0 GB/s, 3-13%.
 
     Args:
         model: a model directory (only config.json is read) or its config dict.
+        repeats: the fewest timed steps per block count.
+        window_s: the shortest timed window per block count, seconds.
     Returns:
         (effective bandwidth in bytes/s, fixed step overhead in seconds, >= 0).
     Raises:
@@ -182,7 +209,7 @@ def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", conte
             for c in cache[:k]:  # keep the context length fixed across repeats
                 c.offset -= 1
 
-        return _median_time_s(one, repeats)
+        return _window_mean_s(one, repeats, window_s)
 
     try:
         t1 = timed(1)
