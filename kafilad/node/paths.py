@@ -203,7 +203,7 @@ class PathManager:
         if not (isinstance(body.get("ufrag"), str) and isinstance(body.get("pwd"), str)):
             return
         offers = inbox["offers"]
-        offers[(edge, attempt)] = {**body, "from": from_peer}
+        offers[(edge, attempt)] = {**body, "from": from_peer, "received_at": time.monotonic()}
         while len(offers) > 64:
             offers.pop(next(iter(offers)))
         inbox["event"].set()
@@ -380,17 +380,26 @@ class PathManager:
                 rec.pending = None
 
     async def _wait_reprobe(self, edge: str, peer: str) -> int:
-        """The newest re-probe attempt (``try`` >= 1) offered by ``peer`` on ``edge``; older ones are dropped."""
+        """The newest re-probe attempt (``try`` >= 1) offered by ``peer`` on ``edge``; older ones are dropped.
+
+        An offer older than :data:`OFFER_TIMEOUT_S` is stale (its sender stopped waiting for our
+        answer), so it is dropped too: answering it would only desynchronise the two ends.
+        """
         while True:
             event = self._inbox["event"]
-            tries = [k for (e, k), o in self._inbox["offers"].items() if e == edge and k >= 1 and o["from"] == peer]
+            offers = self._inbox["offers"]
+            stale = time.monotonic() - OFFER_TIMEOUT_S
+            for key in [(e, k) for (e, k), o in offers.items() if e == edge and k >= 1 and o["received_at"] < stale]:
+                offers.pop(key, None)
+            tries = [k for (e, k), o in offers.items() if e == edge and k >= 1 and o["from"] == peer]
             if tries:
                 newest = max(tries)
                 for k in tries:
                     if k != newest:
                         self._inbox["offers"].pop((edge, k), None)
                 return newest
-            await event.wait()
+            with trio.move_on_after(OFFER_TIMEOUT_S):
+                await event.wait()
 
     def mark_upgraded(self, peer_id: str, sender: bool, link=None) -> Optional[EdgeRecord]:
         """Record that the ring now uses the direct path of this edge (``link`` on the sender)."""

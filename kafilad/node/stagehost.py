@@ -22,6 +22,8 @@ log = logging.getLogger("kafilad.stage")
 RING_FORM_TIMEOUT_S = 60.0
 #: How long the sender of an upgraded edge waits for the receiver to close the old path.
 DRAIN_TIMEOUT_S = 10.0
+#: How long the sender of an upgrade waits for the receiver's `path_ready` on the new link.
+CONFIRM_TIMEOUT_S = 10.0
 
 
 def executor():
@@ -142,11 +144,38 @@ async def connect_ring(*, node, rdv, session_id: str, ring: list[str], roster: d
             nxt_rec = pm.edge_from_me(nxt)
             if nxt_rec is not None and nxt_rec.path == "relayed":
                 pm.nursery.start_soon(_upgrade_next, pm, member, nxt, roster[nxt]["name"], node.name,
-                                      lambda t: _secure_direct(t, initiator=True, peer=nxt), on_edges)
+                                      lambda t: _confirmed(_secure_direct(t, initiator=True, peer=nxt)), on_edges)
             if out.get("prev_relayed"):
                 pm.nursery.start_soon(_upgrade_prev, pm, member, prv, roster[prv]["name"], node.name,
-                                      lambda t: _secure_direct(t, initiator=False, peer=prv), on_edges)
+                                      lambda t: _confirming(_secure_direct(t, initiator=False, peer=prv)), on_edges)
     return out["next"], out["prev"]
+
+
+async def _confirmed(securing) -> Optional[Link]:
+    """Sender: the new link once the receiver said `path_ready` on it (it reads it), else None."""
+    link = await securing
+    if link is None:
+        return None
+    with trio.move_on_after(CONFIRM_TIMEOUT_S):
+        try:
+            if (await link.receive()).get("t") == "path_ready":
+                return link
+        except LinkClosed:
+            pass
+    await link.close()
+    return None
+
+
+async def _confirming(securing) -> Optional[Link]:
+    """Receiver: after Noise, tell the sender we read the new link (`path_ready`)."""
+    link = await securing
+    if link is None:
+        return None
+    try:
+        await link.send({"t": "path_ready"})
+    except LinkClosed:
+        return None
+    return link
 
 
 async def _upgrade_next(pm, member: RingMember, peer: str, peer_name: str, me_name: str, secure, on_edges) -> None:
