@@ -240,6 +240,9 @@ class HostSession:
         if self.state != "forming" or len(self.members) >= self.expected:
             await link.send({"t": "denied", "reason": "the session is already complete"})
             return False
+        if pid in self.members or pid in self.pending:
+            await link.send({"t": "denied", "reason": "this device is already in the session"})
+            return False
         roster = self.node.state.load_roster()
         known = roster.get(pid, {}).get("public_key") == remote_static.hex()
         if self.open or known:
@@ -254,6 +257,9 @@ class HostSession:
         self.pending.pop(pid, None)
         self.node.changed()
         if pend.decision == "admit":
+            if self.state != "forming" or len(self.members) >= self.expected:
+                await link.send({"t": "denied", "reason": "the session became complete while this device waited"})
+                return False
             self._remember(pid, link.peer_name, remote_static)
             return True
         reason = (pend.reason or "the host denied this device") if pend.decision == "deny" else \
