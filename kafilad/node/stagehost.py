@@ -185,12 +185,11 @@ async def _upgrade_next(pm, member: RingMember, peer: str, peer_name: str, me_na
     causal order, so a request never has frames on both paths at once; ``Link.send`` holds a lock
     per frame, so the `path_switched` marker follows every frame already on the old path.
     """
-    try:
-        link = await pm.reprobe(peer_id=peer, peer_name=peer_name, me_name=me_name, sender=True, secure=secure)
-    except (KafilaError, LinkClosed, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-        log.warning("ring: stopped re-probing the edge to %s: %s", peer_name, e)
-        return
+    link = await _reprobe_while_serving(pm, member, peer=peer, peer_name=peer_name, me_name=me_name, sender=True,
+                                        secure=secure)
     old = member.next_link
+    if link is None:
+        return
     if member.broken or old is None:
         await link.close()
         return
@@ -210,14 +209,32 @@ async def _upgrade_next(pm, member: RingMember, peer: str, peer_name: str, me_na
 
 async def _upgrade_prev(pm, member: RingMember, peer: str, peer_name: str, me_name: str, secure, on_edges) -> None:
     """Receiver side of an upgrade: answer re-probes, then read the new link beside the old one."""
-    try:
-        link = await pm.reprobe(peer_id=peer, peer_name=peer_name, me_name=me_name, sender=False, secure=secure)
-    except (KafilaError, LinkClosed, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-        log.warning("ring: stopped answering re-probes from %s: %s", peer_name, e)
+    link = await _reprobe_while_serving(pm, member, peer=peer, peer_name=peer_name, me_name=me_name, sender=False,
+                                        secure=secure)
+    if link is None:
         return
     pm.mark_upgraded(peer, False)
     await _report(on_edges)
     await member.feed_from(_UpgradeLink(link))
+
+
+async def _reprobe_while_serving(pm, member: RingMember, *, peer: str, peer_name: str, me_name: str, sender: bool,
+                                 secure) -> Optional[Link]:
+    """``pm.reprobe`` until it gives a link, the ring breaks (None) or a re-probe errs (None, logged)."""
+    out: dict = {}
+    async with trio.open_nursery() as n:
+        async def watch() -> None:
+            await member.broken_event.wait()
+            n.cancel_scope.cancel()
+
+        n.start_soon(watch)
+        try:
+            out["link"] = await pm.reprobe(peer_id=peer, peer_name=peer_name, me_name=me_name, sender=sender,
+                                           secure=secure)
+        except (KafilaError, LinkClosed, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            log.warning("ring: stopped re-probing the edge %s %s: %s", "to" if sender else "from", peer_name, e)
+        n.cancel_scope.cancel()
+    return out.get("link")
 
 
 class _UpgradeLink:
