@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import trio
@@ -111,23 +112,57 @@ def cmd_wait(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
+def _stream_generation(args, **request) -> dict:
+    """Stream one generation to stdout; return its result. A failure ends the partial line first."""
+    printed = False
+
     async def run():
+        nonlocal printed
         result = None
-        async for kind, body in _client(args).stream("generate", prompt=args.prompt, max_tokens=args.max_tokens,
-                                                     temperature=args.temperature):
-            if kind == "event" and not args.json and body.get("text"):
+        async for kind, body in _client(args).stream("generate", max_tokens=args.max_tokens,
+                                                     temperature=args.temperature, **request):
+            if kind == "event" and not getattr(args, "json", False) and body.get("text"):
                 print(body["text"], end="", flush=True)
+                printed = True
             elif kind == "result":
                 result = body
         return result
-    result = trio.run(run)
+
+    try:
+        return trio.run(run)
+    except KafilaError:
+        if printed:
+            print(flush=True)
+        raise
+
+
+def cmd_generate(args) -> int:
+    result = _stream_generation(args, prompt=args.prompt)
     if args.json:
         _print_json({"text": result["text"], "token_ids": result["token_ids"],
                      **{k: v for k, v in result.items() if k not in ("text", "token_ids")}})
     else:
         print()
     return 0
+
+
+def cmd_chat(args) -> int:
+    """Interactive chat through the host (the model's chat template is applied on the host)."""
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        result = _stream_generation(args, messages=messages)
+        print()
+        messages.append({"role": "assistant", "content": result["text"]})
 
 
 def cmd_trace(args) -> int:
@@ -165,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("host", help="open a session and print its code")
     s.add_argument("--model", required=True, help="model directory (config.json + *.safetensors + tokenizer)")
     s.add_argument("--members", type=int, required=True, help="machines in the session, the host included")
-    s.add_argument("--context", type=int, default=4096, help="tokens of context to admit (default 4096)")
+    s.add_argument("--context", type=int, default=None,
+                   help="tokens of context to admit (default 4096, capped at the model's max_position_embeddings)")
     s.add_argument("--concurrency", type=int, default=1, help="concurrent requests to admit (default 1)")
     s.add_argument("--rendezvous", help="rendezvous URL (default: the daemon's)")
     s.add_argument("--open", action="store_true", help="admit any holder of the code without approval")
@@ -203,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_generate)
 
+    s = sub.add_parser("chat", help="chat with the served model (host only); /exit or EOF ends")
+    s.add_argument("--system", help="a system message")
+    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.set_defaults(func=cmd_chat)
+
     s = sub.add_parser("trace", help="print the session trace (JSONL)")
     s.set_defaults(func=cmd_trace)
     s = sub.add_parser("leave", help="leave or close the current session")
@@ -234,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `kafila-ctl status --json | head`
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
 
 
 if __name__ == "__main__":

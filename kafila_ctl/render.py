@@ -21,7 +21,7 @@ def members_table(snap: dict) -> Table:
         t.add_column(col)
     for m in snap.get("members") or []:
         b = m.get("blocks")
-        state = "lost" if m.get("lost") else ("ready" if m.get("ready") else "")
+        state = "lost" if m.get("lost") else ("ready" if m.get("ready") else (m.get("progress") or ""))
         t.add_row(m["name"], m["peer_id"], f"[{b[0]}, {b[1]})" if b else "—", "●" if m.get("head") else "",
                   _ms(m.get("predicted_stage_s")), _ms(m.get("measured_stage_s")), m.get("nat_class") or "—", state)
     return t
@@ -53,6 +53,10 @@ def status_renderable(snap: dict):
     head.append(f"{snap.get('state')}", style=f"bold {style}")
     if snap.get("error"):
         head.append(f"\n{snap['error']}", style="red")
+    load = snap.get("load") or {}
+    if load.get("progress") and snap.get("state") == "loading":
+        head.append(f"\n{load['progress']}: {load.get('done_bytes', 0) / 1e6:.1f} of "
+                    f"{load.get('total_bytes', 0) / 1e6:.1f} MB")
     if snap.get("code"):
         head.append(f"\ncode {snap['code']}")
     plan = snap.get("plan") or {}

@@ -50,3 +50,17 @@ class SessionError(KafilaError):
 
 class GenerationError(SessionError):
     """A request failed mid-generation; the message names the member at fault."""
+
+
+def find_kafila_error(exc: BaseException) -> "KafilaError | None":
+    """The first KafilaError inside `exc` or inside (nested) exception groups, else None.
+
+    Trio nurseries wrap errors of their tasks in groups; users must see only the sentence.
+    """
+    if isinstance(exc, KafilaError):
+        return exc
+    for inner in getattr(exc, "exceptions", ()) or ():
+        found = find_kafila_error(inner)
+        if found is not None:
+            return found
+    return None

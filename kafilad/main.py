@@ -13,7 +13,7 @@ import sys
 
 import trio
 
-from kafilad.errors import KafilaError
+from kafilad.errors import find_kafila_error
 
 
 def _hostport(s: str) -> tuple[str, int]:
@@ -50,12 +50,30 @@ def main(argv: list[str] | None = None) -> int:
             trio.run(_rendezvous, args)
         else:
             trio.run(_daemon, args)
-    except KafilaError as e:
-        print(f"kafilad: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         pass
+    except Exception as e:  # startup errors are sentences, not tracebacks
+        known = find_kafila_error(e)
+        os_error = _find(e, OSError)
+        if known is not None:
+            print(f"kafilad: {known}", file=sys.stderr)
+        elif os_error is not None:
+            print(f"kafilad: {os_error.strerror or os_error} "
+                  f"({getattr(os_error, 'filename', None) or 'check the address and port'}).", file=sys.stderr)
+        else:
+            raise
+        return 1
     return 0
+
+
+def _find(exc: BaseException, kind: type):
+    if isinstance(exc, kind):
+        return exc
+    for inner in getattr(exc, "exceptions", ()) or ():
+        found = _find(inner, kind)
+        if found is not None:
+            return found
+    return None
 
 
 async def _rendezvous(args) -> None:
@@ -67,7 +85,6 @@ async def _rendezvous(args) -> None:
             await nursery.start(serve_stun, args.stun)
         actual = await nursery.start(lambda task_status: serve_rendezvous(
             host, port, record_path=args.record_relay, stun_addresses=args.stun, task_status=task_status))
-        logging.getLogger("kafilad.rendezvous").info("rendezvous listening on ws://%s:%s", host, actual)
         print(f"rendezvous listening on ws://{host}:{actual}", flush=True)
 
 

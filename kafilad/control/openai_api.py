@@ -24,7 +24,7 @@ from typing import Optional
 import h11
 import trio
 
-from kafilad.errors import KafilaError
+from kafilad.errors import GenerationError, KafilaError
 
 log = logging.getLogger("kafilad.http")
 
@@ -130,14 +130,10 @@ async def _route(node, conn, stream, request: h11.Request, body: bytes) -> None:
 
 
 def _chat_prompt(session, messages) -> str:
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
-        raise HttpError(400, "'messages' must be a non-empty list of {role, content} objects.")
-    tok = session.chat_tokenizer()
-    if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # no chat template (base models): a plain transcript
-    return "".join(f"{m.get('role', 'user')}: {m['content']}\n" for m in messages) + "assistant:"
+    try:
+        return session.chat_prompt(messages)
+    except KafilaError as e:
+        raise HttpError(400, str(e)) from None
 
 
 async def _complete(node, conn, stream, req: dict, *, chat: bool) -> None:
@@ -173,8 +169,9 @@ async def _complete(node, conn, stream, req: dict, *, chat: bool) -> None:
         try:
             result = await s.generate(prompt, max_tokens=max_tokens, temperature=float(temperature),
                                       emit=_ignore)
-        except KafilaError as e:
-            raise HttpError(500, str(e), "server_error") from None
+        except GenerationError as e:
+            status = 400 if "admitted context" in str(e) else 500
+            raise HttpError(status, str(e), "server_error" if status == 500 else "invalid_request_error") from None
         finish = "length" if len(result["token_ids"]) >= max_tokens else "stop"
         await _send_json(conn, stream, 200, {
             "id": rid, "object": obj, "created": created, "model": model,

@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 import trio
 
 from kafilad.control.api import API_VERSION, FramedStream
-from kafilad.errors import KafilaError, RemoteProtocolError
+from kafilad.errors import KafilaError, RemoteProtocolError, find_kafila_error
 
 log = logging.getLogger("kafilad.control")
 
@@ -100,6 +100,10 @@ async def _handle_connection(stream: trio.abc.Stream, handlers: dict[str, Handle
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return  # the client went away mid-stream
         except Exception as e:  # a bug in a handler must not take the daemon down
+            known = find_kafila_error(e)  # a refusal wrapped by a nursery is not a bug
+            if known is not None:
+                await _safe_send(conn, {"t": "reply", "ok": False, "error": str(known)})
+                return
             log.exception("control: handler %s failed", op)
             await _safe_send(conn, {"t": "reply", "ok": False, "error": f"Internal error in '{op}': {e!r}."})
             return

@@ -113,12 +113,12 @@ class Node:
     async def op_host(self, args: dict, emit) -> dict:
         from kafilad.node.host import HostSession
         self._ensure_no_session()
+        ctx = args.get("context")
         session = HostSession(self, model_dir=args["model_dir"], members=int(args.get("members", 1)),
-                              context=int(args.get("context") or 4096), concurrency=int(args.get("concurrency") or 1),
+                              context=None if ctx is None else int(ctx),
+                              concurrency=int(args.get("concurrency") if args.get("concurrency") is not None else 1),
                               rendezvous=self._rdv(args), open_=bool(args.get("open")),
                               admit_timeout_s=float(args.get("admit_timeout_s") or DEFAULT_ADMIT_TIMEOUT_S))
-        if session.expected < 1:
-            raise KafilaError("--members counts every machine, the host included: it must be at least 1.")
         code = await self.nursery.start(self._run_session, session)
         self.session = session
         self.changed()
@@ -149,11 +149,15 @@ class Node:
     def _host_session(self):
         from kafilad.node.host import HostSession
         if not isinstance(self.session, HostSession):
+            s = self.session
+            if s is not None and s.state not in ("failed", "closed"):
+                raise KafilaError(f"This daemon is a member of session {s.session_id}, hosted by {s.host_name}; "
+                                  f"run this command on the host.")
             raise KafilaError("This daemon is not hosting a session.")
         return self.session
 
     async def op_pending(self, args: dict, emit) -> list:
-        s = self.session
+        s = self._host_session()
         return [{"peer_id": p.peer_id, "name": p.name, "fingerprint": fingerprint(p.public_key)}
                 for p in getattr(s, "pending", {}).values()]
 
@@ -188,7 +192,7 @@ class Node:
                 if snap["state"] in states:
                     return snap
                 if snap["state"] == "failed" and "failed" not in states:
-                    raise KafilaError(f"The session failed: {snap.get('error')}.")
+                    raise KafilaError(f"The session failed: {str(snap.get('error')).rstrip('.')}.")
                 ev = self._changed
                 await ev.wait()
         raise KafilaError(f"Timed out waiting for the session to become {'/'.join(sorted(states))} "
@@ -202,8 +206,17 @@ class Node:
 
     async def op_generate(self, args: dict, emit) -> dict:
         s = self._host_session()
-        return await s.generate(str(args["prompt"]), max_tokens=int(args.get("max_tokens", 64)),
-                                temperature=float(args.get("temperature", 0.0)), emit=emit)
+        max_tokens, temperature = int(args.get("max_tokens", 64)), float(args.get("temperature", 0.0))
+        if max_tokens < 1:
+            raise KafilaError(f"--max-tokens must be at least 1 (got {max_tokens}).")
+        if not temperature >= 0.0:
+            raise KafilaError(f"--temperature must be 0 (greedy) or positive (got {temperature:g}).")
+        prompt = args.get("prompt")
+        if args.get("messages") is not None:
+            prompt = s.chat_prompt(args["messages"])
+        if not isinstance(prompt, str) or not prompt:
+            raise KafilaError("The prompt is empty.")
+        return await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=emit)
 
     async def op_trace(self, args: dict, emit) -> list:
         from kafilad.node.trace import Trace

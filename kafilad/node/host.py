@@ -46,6 +46,7 @@ log = logging.getLogger("kafilad.host")
 HEAD_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
 FETCH_MAX_BYTES = 4 * 1024 * 1024
+DEFAULT_CONTEXT = 4096  # tokens, when --context is not given (capped at max_position_embeddings)
 HOLD_DTYPE_BYTES = 4  # CPU members hold f32 weights (DESIGN §6)
 
 
@@ -88,6 +89,7 @@ class HostSession:
         self.open = open_
         self.admit_timeout_s = admit_timeout_s
         self.info = read_model_info(self.model_dir)
+        self._validate()
         self.session_id = ""
         self.code = ""
         self.state = "starting"
@@ -108,6 +110,26 @@ class HostSession:
         self.trace = None
         self.rdv = None
         self._culprit: Optional[str] = None
+
+    def _validate(self) -> None:
+        """Refuse arguments no plan could honour, before anyone joins (DESIGN §5.4).
+
+        Raises:
+            KafilaError: members outside [1, blocks], context or concurrency below 1, or a
+                context beyond the model's max_position_embeddings.
+        """
+        n_blocks = self.info.num_hidden_layers
+        if not 1 <= self.expected <= n_blocks:
+            raise KafilaError(f"--members counts every machine, the host included, and each holds at least one "
+                              f"block: it must be between 1 and {n_blocks} for {self.info.model_id} (got {self.expected}).")
+        limit = self.info.config.get("max_position_embeddings")
+        if self.context is None:
+            self.context = min(DEFAULT_CONTEXT, int(limit)) if limit else DEFAULT_CONTEXT
+        if self.context < 1 or self.concurrency < 1:
+            raise KafilaError(f"--context and --concurrency must be at least 1 (got {self.context} and {self.concurrency}).")
+        if limit and self.context > int(limit):
+            raise KafilaError(f"--context {self.context} exceeds {self.info.model_id}'s max_position_embeddings "
+                              f"({int(limit)}); pass --context {int(limit)} or less.")
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -307,6 +329,8 @@ class HostSession:
                 stagehost.note_edges(self, rec, f.get("edges"))
             elif t == "failed":
                 raise LinkClosed(f"{rec.name} failed to load its stage: {f.get('reason')}")
+            elif t == "leaving":
+                raise LinkClosed(f"{rec.name} left: {f.get('reason')}")
             elif t == "ring_broken":
                 if self.state not in ("failed", "closed"):
                     self._culprit = f.get("member")
@@ -356,7 +380,7 @@ class HostSession:
             self.plan = make_plan(self.fleet_devices, self.info.profile(float_dtype_bytes=HOLD_DTYPE_BYTES),
                                   context=self.context, concurrency=self.concurrency)
         except KafilaError as e:
-            self._fail(f"no plan fits this fleet: {e}")
+            await self._fail_and_notify(f"no plan fits this fleet: {str(e).rstrip('.')}")
             return
         by_name = {r.name: r for r in order}
         self.ring_order = [by_name[n].peer_id for n in self.plan.order]
@@ -463,7 +487,11 @@ class HostSession:
         """
         if self.state != "ready":
             raise GenerationError(f"The session is not ready to generate (state: {self.state}"
-                                  + (f"; {self.error}" if self.error else "") + ").")
+                                  + (f"; {self.error.rstrip('.')}" if self.error else "") + ").")
+        n_prompt = len(self.chat_tokenizer().encode(prompt))
+        if n_prompt + max_tokens > self.context:
+            raise GenerationError(f"The prompt ({n_prompt} tokens) plus --max-tokens {max_tokens} exceeds the "
+                                  f"session's admitted context of {self.context} tokens.")
         req = uuid.uuid4().hex[:12]
         head = self.members[self.ring_order[0]]
         t0 = time.perf_counter()
@@ -510,6 +538,21 @@ class HostSession:
                          edges=stagehost.generation_edges(self, result))  # [paths] live bytes_sent per edge
         self.node.changed()
 
+    def chat_prompt(self, messages) -> str:
+        """The prompt text for chat `messages` ([{role, content}]) by the model's chat template.
+
+        Raises:
+            KafilaError: malformed messages.
+        """
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            raise KafilaError("Chat messages must be a non-empty list of {role, content} objects.")
+        tok = self.chat_tokenizer()
+        if getattr(tok, "chat_template", None):
+            return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # no chat template (base models): a plain transcript
+        return "".join(f"{m.get('role', 'user')}: {m['content']}\n" for m in messages) + "assistant:"
+
     def chat_tokenizer(self):
         """The model's tokenizer on the host (for chat templates of the HTTP API), loaded once."""
         if getattr(self, "_chat_tokenizer", None) is None:
@@ -531,7 +574,9 @@ class HostSession:
                             "head": bool(plan and plan.head == r.name),
                             "predicted_stage_s": plan.stage_s.get(r.name) if plan else None,
                             "measured_stage_s": self.measured_stage_s.get(r.name),
-                            "ready": r.ready, "lost": r.lost, "capability": r.capability,
+                            "ready": r.ready, "lost": r.lost,
+                            "progress": "loading" if self.state == "loading" and not r.ready else None,
+                            "capability": r.capability,
                             "nat_class": (r.capability or {}).get("nat_class")})  # [paths]
         return {"role": "host", "session_id": self.session_id, "code": self.code, "state": self.state,
                 "error": self.error, "model_id": self.info.model_id, "expected_members": self.expected,

@@ -102,12 +102,16 @@ class MemberSession:
                 self.node.changed()
                 task_status.started()
                 started = True
-                async with trio.open_nursery() as nursery:
-                    self.nursery = nursery
-                    nursery.start_soon(self._accept_loop, rdv)
-                    nursery.start_soon(self._events_loop, rdv)
-                    await self._control_loop()
-                    nursery.cancel_scope.cancel()
+                try:
+                    async with trio.open_nursery() as nursery:
+                        self.nursery = nursery
+                        nursery.start_soon(self._accept_loop, rdv)
+                        nursery.start_soon(self._events_loop, rdv)
+                        await self._control_loop()
+                        nursery.cancel_scope.cancel()
+                except trio.Cancelled:
+                    await self._say_leaving("the daemon is shutting down or left the session")
+                    raise
         except (KafilaError, LinkClosed, trio.BrokenResourceError, OSError) as e:
             reason = e.reason if isinstance(e, LinkClosed) else str(e)
             if not started:
@@ -115,6 +119,16 @@ class MemberSession:
                     raise
                 raise SessionError(f"Cannot join: {reason}.") from None
             self._fail(reason)
+
+    async def _say_leaving(self, reason: str) -> None:
+        """Tell the host why we go (best effort, shielded: we are being cancelled)."""
+        if self.link is None or self.link.closed_reason is not None:
+            return
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            try:
+                await self.link.send({"t": "leaving", "reason": reason})
+            except (LinkClosed, Exception):
+                pass
 
     def _fail(self, reason: str) -> None:
         if self.state in ("failed", "closed"):
@@ -204,6 +218,7 @@ class MemberSession:
         data = await self._fetch(file, offset, nbytes)
         if hashlib.sha256(data).hexdigest() != sha256:
             raise SessionError(f"{file} [{offset}, +{nbytes}) from the host failed verification (sha256 mismatch).")
+        cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".part")
         tmp.write_bytes(data)
         os.replace(tmp, cache)
@@ -219,12 +234,16 @@ class MemberSession:
         try:
             fetched = cached = 0
             weights = []
+            total = sum(t["nbytes"] for t in f["tensors"])
+            self.load = {"progress": "fetching", "done_bytes": 0, "total_bytes": total}
             for t in f["tensors"]:
                 data, hit = await self._fetch_verified(file=t["file"], offset=t["offset"], nbytes=t["nbytes"],
                                                        sha256=t["sha256"])
                 cached += len(data) if hit else 0
                 fetched += 0 if hit else len(data)
                 weights.append((t, data))
+                self.load["done_bytes"] += len(data)
+                self.node.changed()
             tok_dir = None
             if f["head"]:
                 tok_dir = self.node.state.path / "models" / f"{self.admitted['model_id']}-{self.session_id}"
@@ -245,8 +264,12 @@ class MemberSession:
                 tok = ex.synth.load_tokenizer(tok_dir) if tok_dir else None
                 return stage, tok
 
+            self.load["progress"] = "building the stage"
+            self.node.changed()
             async with self.node.mlx_lock:
                 stage, tok = await trio.to_thread.run_sync(build)
+            self.load["progress"] = "joining the ring"
+            self.node.changed()
             self.ring = stagehost.make_ring_member(self.node, stage=stage, head=f["head"], tokenizer=tok)
             nxt, prv = await stagehost.connect_ring(node=self.node, rdv=self.rdv, session_id=self.session_id,
                                                     ring=self.ring_order, roster=self.roster,
@@ -267,8 +290,11 @@ class MemberSession:
             await self.link.send({"t": "ready", **self.load})
             self.state = "ready"
             self.node.changed()
-        except (KafilaError, LinkClosed) as e:
-            reason = e.reason if isinstance(e, LinkClosed) else str(e)
+        except Exception as e:  # any failure to load is reported to the host with its reason
+            reason = e.reason if isinstance(e, LinkClosed) else str(e) if isinstance(e, KafilaError) else \
+                f"{self.node.name} could not load its stage: {e!r}"
+            if not isinstance(e, (KafilaError, LinkClosed)):
+                log.exception("loading the stage failed")
             self._fail(reason)
             try:
                 await self.link.send({"t": "failed", "reason": reason})
@@ -315,6 +341,7 @@ class MemberSession:
                 "capability": self.capability, "load": self.load, "plan": plan or None}
 
     async def close(self) -> None:
+        await self._say_leaving("it left the session")
         if self.link is not None:
             await self.link.close("member left the session")
         self.state = "closed"

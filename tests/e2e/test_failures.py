@@ -102,7 +102,9 @@ def test_wrong_host_fingerprint_refuses_to_join(tmp_path, synth_llama):
 
 
 def test_corrupted_frame_closes_only_that_link(tmp_path, synth_llama):
-    with LoopbackCluster(3, root=str(tmp_path / "c")) as c, TamperProxy(c.rdv_url) as proxy:
+    """A bit flipped on the relay path (the ring relayed: KAFILA_DIRECT=0) closes only that link."""
+    with LoopbackCluster(3, root=str(tmp_path / "c"), env={"KAFILA_DIRECT": "0"}) as c, \
+            TamperProxy(c.rdv_url) as proxy:
         c.form(str(synth_llama), rendezvous=proxy.url)
         assert c.generate("Kafila", 8)["token_ids"]
         proxy.arm("m2")
