@@ -182,13 +182,17 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     try:
+        if not 0.0 <= args.mu < 1.0:
+            raise KafilaError(f"--mu is a relative threshold in [0, 1) (DESIGN §5.3); got {args.mu:g}.")
+        if args.plot is not None and not Path(args.plot).parent.is_dir():
+            raise KafilaError(f"Cannot write the plot: directory {Path(args.plot).parent} does not exist.")
         fleet = load_fleet(args.fleet)
         profile = read_model_info(args.model).profile(float_dtype_bytes=HOLD_DTYPE_BYTES[args.hold_dtype])
     except KafilaError as e:
         if args.json:
             print(json.dumps(error_json(e)))
         else:
-            console.print(f"[red]error:[/red] {e}")
+            print(f"kafila-ctl: {e}", file=sys.stderr)
         return 1
     context = args.context if args.context is not None else (fleet.context or DEFAULT_CONTEXT)
     concurrency = args.concurrency if args.concurrency is not None else (fleet.concurrency or DEFAULT_CONCURRENCY)
@@ -210,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             plot(outcomes, args.plot, f"{profile.model_id} on {fleet.name or Path(args.fleet).stem}")
         except KafilaError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"kafila-ctl: {e}", file=sys.stderr)
             return 2 if isinstance(chosen, PlanError) else 1
     return 2 if isinstance(chosen, PlanError) else 0
 

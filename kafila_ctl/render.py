@@ -5,6 +5,8 @@ Testable with `Console(file=io.StringIO(), width=100)` (STYLE.md "Daemon and CLI
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
@@ -32,11 +34,14 @@ def edges_table(snap: dict) -> Table | None:
     if not edges:
         return None
     t = Table(title="ring edges")
-    for col in ("from", "to", "path", "rtt ms"):
+    for col in ("from", "to", "path", "predicted", "rtt ms", "sent MB", "upgraded"):
         t.add_column(col)
     for e in edges:
-        rtt = e.get("rtt_ms")
-        t.add_row(e.get("from", "?"), e.get("to", "?"), e.get("path", "?"), "—" if rtt is None else f"{rtt:.2f}")
+        rtt, sent = e.get("rtt_ms"), e.get("bytes_sent")
+        up = e.get("upgraded_at")
+        t.add_row(e.get("from", "?"), e.get("to", "?"), e.get("path", "?"), e.get("predicted_path") or "—",
+                  "—" if rtt is None else f"{rtt:.2f}", "—" if sent is None else f"{sent / 1e6:.2f}",
+                  "—" if not up else time.strftime("%H:%M:%S", time.localtime(up)))
     return t
 
 

@@ -216,6 +216,9 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
         ModelFormatError: missing config or weights, malformed headers, tensors past end of data.
     """
     model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelFormatError(f"{model_dir} is not a directory; give the model directory "
+                               f"(the one holding config.json and *.safetensors).")
     cfg_path = model_dir / "config.json"
     try:
         config = json.loads(cfg_path.read_text())

@@ -7,6 +7,8 @@ the head for sampling. Frames on a ring edge (all inside Noise, proto_spec 05 §
 {"t": "act", "req": str, "sample": bool, "h": array, "hops": [[peer_id, compute_s], ...]}
 {"t": "end", "req": str, "stats": [[peer_id, steps, compute_s_total, decode_compute_s_median, bytes_sent], ...]}
 ```
+plus, on an edge being upgraded from relayed to direct (proto_spec 07 §7), `path_ready` (receiver
+→ sender on the new link) and `path_switched` (sender → receiver on the old link, which then closes).
 `h` is the hidden state (1, L, D) in the frame layer's array encoding. The head runs its blocks,
 sends `act` to its next member; every other member runs its blocks and forwards; when the act
 returns to the head, the head samples if `sample` is set (the last prefill chunk and every decode

@@ -113,7 +113,7 @@ def load_fleet(obj_or_path: Any) -> Fleet:
             raise FleetFormatError(f"Fleet file {path} does not exist.") from e
         except OSError as e:
             raise FleetFormatError(f"Cannot read fleet file {path}: {e.strerror}.") from e
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise FleetFormatError(f"Fleet file {path} is not valid JSON ({e}).") from e
     else:
         obj = obj_or_path
