@@ -145,21 +145,33 @@ def measure_bandwidth_Bps(dtype: str = "float32", nbytes: int = DEFAULT_PROBE_BY
     return n * n * dt.size / t
 
 
-def _window_mean_s(fn, min_steps: int, window_s: float) -> float:
-    """Mean seconds per call of `fn` run back to back for >= `window_s` and >= `min_steps` calls.
+def _interleaved_window_means_s(fns, min_steps: int, window_s: float, rounds: int = 5) -> list[float]:
+    """Mean seconds per call of each of `fns`, timed in alternating chunks (DESIGN §9 item 4).
 
-    A window mean, not a median of single calls (DESIGN §9 item 4): on a time-sliced CPU (a
-    cgroup quota, a busy machine, memory-bandwidth contention from a neighbour) single steps are
-    bimodal and a median of a few picks one mode.
+    Each function runs back to back in `rounds` chunks of window_s / rounds, the functions taking
+    turns, until each has run >= `window_s` in total and >= `min_steps` calls. Window means, not
+    medians of single calls: on a time-sliced CPU (a cgroup quota, a busy machine) single steps
+    are bimodal and a median of a few picks one mode. Interleaving makes a burst of interference
+    from a neighbour land on every function alike, so their difference stays clean.
     """
-    fn()  # warm-up
-    steps, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        steps += 1
-        elapsed = time.perf_counter() - t0
-        if steps >= min_steps and elapsed >= window_s:
-            return elapsed / steps
+    for fn in fns:
+        fn()  # warm-up
+    steps = [0] * len(fns)
+    spent = [0.0] * len(fns)
+    chunk_s = window_s / rounds
+    while any(s < window_s or n < min_steps for s, n in zip(spent, steps)):
+        for i, fn in enumerate(fns):
+            if spent[i] >= window_s and steps[i] >= min_steps:
+                continue
+            t0 = time.perf_counter()
+            while True:
+                fn()
+                steps[i] += 1
+                el = time.perf_counter() - t0
+                if el >= chunk_s:
+                    break
+            spent[i] += el
+    return [s / n for s, n in zip(spent, steps)]
 
 
 def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", context_tokens: int = 16,
@@ -169,14 +181,14 @@ def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", conte
     Only the config is needed (a member has not fetched any weights when it reports): two blocks
     of the model's own mlx-lm class are built with the class's random initialisation, held in
     `dtype` and quantised as the config says, then decode steps after a `context_tokens`
-    prefill are run back to back through one block and through both, each for a window of
-    >= `window_s` seconds and >= `repeats` steps, and the window means are fitted as
+    prefill are run back to back through one block and through both, in alternating chunks, for
+    >= `window_s` seconds and >= `repeats` steps each, and the window means are fitted as
     t(k blocks) = overhead + k * block_bytes / Bps.
 
-    Window means replaced medians of 7 single steps: in scripts/validate_cost_model.py (four
-    runs on a shared 2-vCPU machine, docs/cost-model.md) the median-of-7 fit read a bandwidth-
-    bound model 3.4-5.2 GB/s from run to run, even with the CPU to itself, and mispredicted its
-    stages by a median 7-35% per run; window means read 4.4-5.0 GB/s, 3-13%.
+    Window means replaced medians of 7 single steps (scripts/validate_cost_model.py, seven runs on
+    a shared 2-vCPU machine, docs/cost-model.md): the median-of-7 fit read a bandwidth-bound
+    model at 2.8-5.2 GB/s from run to run, even with the CPU to itself; window means read
+    4.4-5.4 GB/s.
 
     Args:
         model: a model directory (only config.json is read) or its config dict.
@@ -201,19 +213,19 @@ def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", conte
     h = mx.full((1, 1, D), 0.1, dtype=dt)
     layers = stage.layers
 
-    def timed(k: int) -> float:
-        stage.layers = layers[:k]
-
+    def step(k: int):
         def one():
+            stage.layers = layers[:k]
             mx.eval(stage.run_blocks(h, cache[:k]))
             for c in cache[:k]:  # keep the context length fixed across repeats
                 c.offset -= 1
-
-        return _window_mean_s(one, repeats, window_s)
+        return one
 
     try:
-        t1 = timed(1)
-        t2 = timed(2) if n == 2 else None
+        if n == 2:
+            t1, t2 = _interleaved_window_means_s([step(1), step(2)], repeats, window_s)
+        else:
+            (t1,), t2 = _interleaved_window_means_s([step(1)], repeats, window_s), None
     finally:
         stage.layers = layers
     if t2 is None or t2 <= t1:  # one block, or noise swamped a tiny block: no overhead split
