@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 
@@ -103,7 +104,8 @@ async def relayed(pings, mib):
     async with trio.open_nursery() as n:
         port = await n.start(lambda task_status: serve_rendezvous("127.0.0.1", 0, task_status=task_status))
         url = f"ws://127.0.0.1:{port}"
-        async with open_rendezvous(url, peer_id="pa", name="a") as ra, open_rendezvous(url, peer_id="pb", name="b") as rb:
+        async with open_rendezvous(url, static_private=os.urandom(32), name="a") as ra, \
+                open_rendezvous(url, static_private=os.urandom(32), name="b") as rb:  # [rdv-proof]
             sid = await ra.register("bench", 2, {})
             await rb.join(sid)
             got = {}
@@ -112,7 +114,7 @@ async def relayed(pings, mib):
                 got["b"] = await rb.accept_circuit()
             async with trio.open_nursery() as inner:
                 inner.start_soon(acc)
-                got["a"] = await ra.open_circuit("pb", "ring")
+                got["a"] = await ra.open_circuit(rb.peer_id, "ring")  # [rdv-proof]
             a, b = await noise_pair(got["a"], got["b"])
             out = await bench_links(a, b, pings, mib)
         n.cancel_scope.cancel()

@@ -139,7 +139,8 @@ class HostSession:
         me = MemberRecord(peer_id=self.node.peer_id, name=self.node.name, public_key=self.node.public_key)
         self.members[me.peer_id] = me
         try:
-            async with open_rendezvous(self.rdv_url, peer_id=self.node.peer_id, name=self.node.name) as rdv:
+            async with open_rendezvous(self.rdv_url, static_private=self.node.static_private,  # [rdv-proof]
+                                       name=self.node.name) as rdv:  # [rdv-proof]
                 self.rdv = rdv
                 self.session_id = await rdv.register(self.info.model_id, self.expected,
                                                      {"name": self.node.name})

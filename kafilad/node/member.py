@@ -60,7 +60,8 @@ class MemberSession:
         from kafilad.node.rdv_client import open_rendezvous
         started = False
         try:
-            async with open_rendezvous(self.rdv_url, peer_id=self.node.peer_id, name=self.node.name) as rdv:
+            async with open_rendezvous(self.rdv_url, static_private=self.node.static_private,  # [rdv-proof]
+                                       name=self.node.name) as rdv:  # [rdv-proof]
                 self.rdv = rdv
                 host_pid = await rdv.join(self.session_id)
                 await progress({"msg": f"joined session {self.session_id} at the rendezvous; verifying the host"})

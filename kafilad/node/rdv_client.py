@@ -4,6 +4,11 @@ DESIGN §3 steps 1-2 and §4 "Relay"; wire format in proto_spec/03-rendezvous.md
 daemon; a reader task routes replies to the waiting request, membership and signal messages to
 `events`, relay data to the circuit it belongs to.
 
+Identity (proto_spec §2.4): the rendezvous sends a `challenge` on connect; `open_rendezvous`
+waits for it, and `register` / `join` carry the static public key and a proof made with the
+static private key (`kafilad.proto.rendezvous_proof`), so nobody can claim another daemon's
+peer id. The peer id is derived from the key, never given.
+
 Backpressure: each circuit buffers at most `circuit_buffer` messages; when one is full the reader
 waits, which stalls the whole WebSocket (and, through TCP, the sender at the rendezvous). Read
 every circuit you open or accept, and read `events`.
@@ -23,6 +28,7 @@ import trio_websocket
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from kafilad.errors import LocalProtocolError, RemoteProtocolError, SessionError
+from kafilad.proto.identity import peer_id as peer_id_of
 from kafilad.proto.rendezvous import (
     ControlMessage,
     RelayData,
@@ -31,6 +37,7 @@ from kafilad.proto.rendezvous import (
     encode_control,
     encode_relay,
 )
+from kafilad.proto.rendezvous_proof import KEY_BYTES, NONCE_BYTES, Challenge, make_proof, public_key
 
 log = logging.getLogger(__name__)
 
@@ -185,16 +192,23 @@ class RendezvousClient:
     """One daemon's connection to the rendezvous; make it with `open_rendezvous`.
 
     Attributes:
-        url, peer_id, name: as given to `open_rendezvous`.
+        url, name: as given to `open_rendezvous`.
+        static_public: the 32-byte X25519 public key of the static key given to `open_rendezvous`.
+        peer_id: its peer id (proto_spec 01 §1.1), proven to the rendezvous (proto_spec 03 §2.4).
         session_id: set by `register` or `join`.
         roster: after `join`, the members as [{"peer_id", "name"}] (host first).
         events: receive channel of `RendezvousEvent`s; ends after `Disconnected`.
         incoming_circuits: receive channel of `Circuit`s opened to us.
     """
 
-    def __init__(self, ws: WebSocketConnection, url: str, peer_id: str, name: str,
+    def __init__(self, ws: WebSocketConnection, url: str, static_private: bytes, name: str,
                  limits: RendezvousLimits, circuit_buffer: int, event_buffer: int):
-        self._ws, self.url, self.peer_id, self.name, self.limits = ws, url, peer_id, name, limits
+        self._ws, self.url, self.name, self.limits = ws, url, name, limits
+        self._static_private = bytes(static_private)
+        self.static_public = public_key(static_private)
+        self.peer_id = peer_id_of(self.static_public)
+        self._challenge: Challenge | None = None
+        self._challenged = trio.Event()  # set on `challenge` or when the connection is lost
         self._circuit_buffer = circuit_buffer
         self._reqs = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
@@ -221,7 +235,7 @@ class RendezvousClient:
             SessionError: the rendezvous refused, with its reason, or the connection was lost.
         """
         reply = await self._request("register", model_id=model_id, members=members, capability=capability,
-                                    peer_id=self.peer_id, name=self.name)
+                                    **self._identity("register", ""))
         self.session_id = reply["session_id"]
         self.stun_servers = list(reply.get("stun") or [])  # [paths] proto_spec 07 §1
         return self.session_id
@@ -229,13 +243,17 @@ class RendezvousClient:
     async def join(self, session_id: str) -> str:
         """Join a session as a member (DESIGN §3 step 2; proto_spec §2.1 `join`).
 
+        A member that joins again while its older connection is still in the session replaces
+        that connection (proto_spec 03 §2.4 "superseded").
+
         Returns:
             the host's peer id (check it against the code's fingerprint in the Noise handshake).
+
         Raises:
-            SessionError: unknown session, session full, duplicate peer id (the server's reason),
-                or the connection was lost.
+            SessionError: unknown session, session full, another key's member holds this peer id
+                (the server's reason), or the connection was lost.
         """
-        reply = await self._request("join", session_id=session_id, peer_id=self.peer_id, name=self.name)
+        reply = await self._request("join", session_id=session_id, **self._identity("join", session_id))
         self.session_id, self.roster = reply["session_id"], list(reply.get("members", []))
         self.stun_servers = list(reply.get("stun") or [])  # [paths] proto_spec 07 §1
         return reply["host_peer_id"]
@@ -276,6 +294,14 @@ class RendezvousClient:
                 f"The connection to the rendezvous at {self.url} is lost: {self._lost}") from None
 
     # --- plumbing -------------------------------------------------------------------------------
+
+    def _identity(self, request_type: str, session_id: str) -> dict:
+        """The identity fields of a `register` / `join` (proto_spec 03 §2.4)."""
+        if self._challenge is None:
+            raise SessionError(f"The connection to the rendezvous at {self.url} is lost: {self._lost}")
+        static_public, proof = make_proof(self._static_private, self._challenge, request_type, session_id,
+                                          self.name)
+        return {"peer_id": self.peer_id, "name": self.name, "static_public": static_public, "proof": proof}
 
     async def _send_raw(self, data: bytes) -> None:
         if self._lost is not None:
@@ -336,6 +362,7 @@ class RendezvousClient:
         self._events_send.close()
 
     def _fail_everything(self) -> None:
+        self._challenged.set()
         for pending in self._pending.values():
             pending.done.set()
         for circuit in list(self._circuits.values()):
@@ -366,6 +393,14 @@ class RendezvousClient:
         if t == "circuit_opened":  # its open_circuit was cancelled: give the circuit back
             with contextlib.suppress(trio.BrokenResourceError):
                 await self._send_control(t="circuit_close", circuit=f["circuit"], reason="the opener gave up")
+        elif t == "challenge":
+            server_public, nonce = f["server_public"], f["nonce"]
+            if not (isinstance(server_public, bytes) and len(server_public) == KEY_BYTES
+                    and isinstance(nonce, bytes) and len(nonce) == NONCE_BYTES):
+                raise RemoteProtocolError(
+                    f"A challenge needs a {KEY_BYTES}-byte 'server_public' and a {NONCE_BYTES}-byte 'nonce'.")
+            self._challenge = Challenge(server_public, nonce)
+            self._challenged.set()
         elif t == "circuit_incoming":
             circuit = Circuit(self, f["circuit"], f["from"], f["label"], self._circuit_buffer)
             self._circuits[circuit.circuit_id] = circuit
@@ -395,7 +430,7 @@ class RendezvousClient:
 async def open_rendezvous(
     url: str,
     *,
-    peer_id: str,
+    static_private: bytes,
     name: str,
     limits: RendezvousLimits | None = None,
     circuit_buffer: int = 64,
@@ -406,15 +441,19 @@ async def open_rendezvous(
 
     Args:
         url: the rendezvous URL (configuration, not part of the session code; DESIGN §3 step 1).
-        peer_id, name: this daemon's peer id and display name.
+        static_private: this daemon's 32-byte X25519 static private key; the peer id is derived
+            from it and proven to the rendezvous (proto_spec 03 §2.4).
+        name: this daemon's display name.
         limits: must agree with the server's relay payload limit; None means the defaults.
         circuit_buffer: messages buffered per circuit before the reader waits (backpressure).
         event_buffer: events and incoming circuits buffered before the reader waits.
-        connect_timeout_s: give up connecting after this many seconds.
+        connect_timeout_s: give up connecting, or waiting for the `challenge`, after this many seconds.
     Raises:
-        SessionError: the rendezvous cannot be reached or refused the WebSocket.
+        SessionError: the rendezvous cannot be reached, refused the WebSocket, or sent no challenge.
+        LocalProtocolError: ``static_private`` is not 32 bytes.
     """
     limits = limits or RendezvousLimits()
+    public_key(static_private)  # a bad key fails here, before any connection
     async with AsyncExitStack() as stack:
         try:
             ws = await stack.enter_async_context(trio_websocket.open_websocket_url(
@@ -424,10 +463,17 @@ async def open_rendezvous(
         except (OSError, trio_websocket.HandshakeError, ValueError) as exc:
             raise SessionError(f"Cannot reach the rendezvous at {url}: {exc!r}. Check the URL and that "
                                "the rendezvous is running.") from None
-        client = RendezvousClient(ws, url, peer_id, name, limits, circuit_buffer, event_buffer)
+        client = RendezvousClient(ws, url, static_private, name, limits, circuit_buffer, event_buffer)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client._reader)
             try:
+                with trio.move_on_after(connect_timeout_s):
+                    await client._challenged.wait()
+                if client._challenge is None:
+                    why = (f"the connection was lost: {client._lost}" if client._lost is not None else
+                           f"it sent no key challenge within {connect_timeout_s:g} s; it may run a Kafila "
+                           "version without key proofs (proto_spec 03 §2.4), so upgrade it")
+                    raise SessionError(f"Cannot use the rendezvous at {url}: {why}.")
                 yield client
             finally:
                 nursery.cancel_scope.cancel()

@@ -11,6 +11,11 @@ Every WebSocket message is binary; byte 0 is the kind (proto_spec §1)::
 `RendezvousState` is the whole server logic (sessions, members, circuits, limits) with no I/O:
 the driver feeds it `receive_message(conn, data, now)` and executes the actions it drains from
 `actions()` (h11 / aioquic style, STYLE.md). Nothing here imports trio or sockets.
+
+Identity (proto_spec §2.4): every connection is sent a `challenge` on connect, and `register` /
+`join` are admitted only with proof of the static key behind the claimed peer id
+(`kafilad.proto.rendezvous_proof`). A proven peer that joins again while an older connection of
+the same key is still a member replaces it (the older one gets a fatal `superseded`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import attrs
 import msgpack
 
 from kafilad.errors import LocalProtocolError, RemoteProtocolError
+from kafilad.proto.rendezvous_proof import NONCE_BYTES, Challenge, check_proof, public_key
 
 KIND_CONTROL = 0x00
 KIND_RELAY = 0x01
@@ -34,6 +40,7 @@ SIGNAL_RECORD_CIRCUIT = 0
 
 CLOSE_POLICY_VIOLATION = 1008  # RFC 6455 §7.4.1
 CLOSE_MESSAGE_TOO_BIG = 1009
+CLOSE_SUPERSEDED = 4001  # RFC 6455 §7.4.2 private range: a newer proven connection replaced this one
 
 
 @attrs.frozen
@@ -233,6 +240,9 @@ Action = SendTo | CloseConn | RecordPayload
 @attrs.define
 class _Conn:
     bucket: TokenBucket
+    server_private: bytes  # per-connection X25519 ephemeral key of the challenge (§2.4)
+    challenge: Challenge
+    static_public: bytes = b""  # proven by register / join
     session_id: str | None = None
     peer_id: str = ""
     name: str = ""
@@ -304,7 +314,15 @@ class RendezvousState:
     def connection_made(self, conn: int, now: float) -> None:
         """Register a new WebSocket connection `conn` at time `now` (s)."""
         lim = self.limits
-        self._conns[conn] = _Conn(TokenBucket(lim.control_rate_per_s, lim.control_burst, now))
+        server_private = self._random(32)
+        challenge = Challenge(public_key(server_private), self._random(NONCE_BYTES))
+        self._conns[conn] = _Conn(TokenBucket(lim.control_rate_per_s, lim.control_burst, now),
+                                  server_private, challenge)
+        self._send(conn, t="challenge", server_public=challenge.server_public, nonce=challenge.nonce)
+
+    def knows(self, conn: int) -> bool:
+        """True while `conn` is open as far as the protocol is concerned (False once closed or lost)."""
+        return conn in self._conns
 
     def connection_lost(self, conn: int, reason: str) -> None:
         """Forget `conn`: close its circuits and tell its session (proto_spec §4). Idempotent."""
@@ -408,6 +426,29 @@ class RendezvousState:
         for member in session.members.values():
             self._send(member, t="member_left", peer_id=state.peer_id, reason=reason)
 
+    def _prove(self, conn: int, request_type: str, f: dict) -> bytes:
+        """Check the request's proof of its static key (proto_spec §2.4); return the proven key.
+
+        Raises:
+            _Refusal: `proof_required`, `peer_id_mismatch` or `bad_proof`.
+        """
+        state = self._conns[conn]
+        problem = check_proof(state.server_private, state.challenge, f["peer_id"], f.get("static_public"),
+                              f.get("proof"), request_type,
+                              f["session_id"] if request_type == "join" else "", f["name"])
+        if problem is not None:
+            raise _Refusal(*problem)
+        return f["static_public"]
+
+    def _supersede(self, old: int, session: _Session) -> None:
+        """A newer proven connection of the same key replaces member connection `old` (§2.4)."""
+        state = self._conns[old]
+        reason = (f"Peer {state.peer_id!r} joined session {session.session_id!r} again from a newer "
+                  "connection, which replaces this one.")
+        self._send(old, t="error", code="superseded", reason=reason, fatal=True)
+        self._actions.append(CloseConn(old, CLOSE_SUPERSEDED, reason[:120]))
+        self.connection_lost(old, "it rejoined from a new connection")
+
     # --- requests (proto_spec §2.1) -----------------------------------------------------------
 
     def _on_register(self, conn: int, f: dict) -> None:
@@ -419,6 +460,7 @@ class RendezvousState:
                            f"A session has 1 to {lim.max_members} members; {f['members']} were asked for.")
         if len(self._sessions) >= lim.max_sessions:
             raise _Refusal("too_many_sessions", "The rendezvous is full; try again later.")
+        state.static_public = self._prove(conn, "register", f)
         sid = self._new_id(5, self._sessions)
         self._sessions[sid] = _Session(
             sid, f["model_id"], f["members"], f["capability"], conn, {f["peer_id"]: conn},
@@ -430,14 +472,23 @@ class RendezvousState:
         state = self._conns[conn]
         if state.session_id is not None:
             raise _Refusal("already_in_session", "This connection is already in a session; leave it first.")
+        static_public = self._prove(conn, "join", f)
         session = self._sessions.get(f["session_id"].lower())
         if session is None:
             raise _Refusal("unknown_session",
                            f"No session {f['session_id']!r} is open at this rendezvous; check the code "
                            "and that the host is still running.")
-        if f["peer_id"] in session.members:
+        old = session.members.get(f["peer_id"])
+        if old == session.host_conn:
             raise _Refusal("duplicate_peer",
-                           f"Peer {f['peer_id']!r} is already a member of session {session.session_id!r}.")
+                           f"Peer {f['peer_id']!r} is the host of session {session.session_id!r}; a host "
+                           "cannot also join its own session.")
+        if old is not None and self._conns[old].static_public != static_public:
+            raise _Refusal("duplicate_peer",
+                           f"Peer {f['peer_id']!r} is already a member of session {session.session_id!r} "
+                           "with a different static key.")
+        if old is not None:
+            self._supersede(old, session)
         if len(session.members) >= session.expected:
             raise _Refusal("session_full",
                            f"Session {session.session_id!r} already has all {session.expected} members.")
@@ -446,6 +497,7 @@ class RendezvousState:
             self._send(member, t="member_joined", peer_id=f["peer_id"], name=f["name"])
         session.members[f["peer_id"]] = conn
         state.session_id, state.peer_id, state.name = session.session_id, f["peer_id"], f["name"]
+        state.static_public = static_public
         host_peer = self._conns[session.host_conn].peer_id
         self._send(conn, t="joined", session_id=session.session_id, host_peer_id=host_peer,
                    members=roster + [{"peer_id": f["peer_id"], "name": f["name"]}],

@@ -5,7 +5,10 @@ proto_spec/03-rendezvous.md. Every connection gets a reader (feeds the state mac
 rate limits) and a writer draining a bounded outbound queue. Actions are queued in the order the
 state machine emits them, so causal order holds across connections: `circuit_incoming` is queued
 to B before `circuit_opened` to A, hence before any data A or B can send on the circuit.
-A slow receiver fills its queue and thereby slows whoever sends to it (backpressure, never drops).
+A slow receiver fills its queue and thereby slows whoever sends to it (backpressure, never drops),
+except a connection the state machine has already closed (a violation, or `superseded` by a newer
+proven connection of the same key, proto_spec §2.4): if its queue is full it is aborted instead, so
+a stale half-open connection never stalls the one replacing it.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class RendezvousServer:
         self._record = record
         self._ids = itertools.count(1)
         self._queues: dict[int, trio.MemorySendChannel] = {}
+        self._scopes: dict[int, trio.CancelScope] = {}
 
     async def handle(self, request: WebSocketRequest) -> None:
         """Serve one WebSocket until it closes (trio-websocket handler)."""
@@ -70,10 +74,13 @@ class RendezvousServer:
         send_q, recv_q = trio.open_memory_channel(OUTBOUND_QUEUE_MESSAGES)
         self._queues[conn] = send_q
         self.state.connection_made(conn, trio.current_time())
+        hello = self.state.actions()  # the `challenge` (proto_spec §2.4)
         reason = "its connection closed"
         async with trio.open_nursery() as nursery:
+            self._scopes[conn] = nursery.cancel_scope
             nursery.start_soon(self._writer, ws, recv_q)
             try:
+                await self._dispatch(hello)
                 reason = await self._reader(conn, ws)
             except Exception:  # a bug must cost one connection, never the server (proto_spec §6)
                 log.exception("rendezvous: internal error on connection %d; closing it", conn)
@@ -82,6 +89,7 @@ class RendezvousServer:
                     await ws.aclose(1011, "internal error")
             finally:
                 del self._queues[conn]
+                del self._scopes[conn]
                 send_q.close()
                 self.state.connection_lost(conn, reason)
                 with trio.move_on_after(5.0) as scope:
@@ -122,8 +130,15 @@ class RendezvousServer:
                 log.warning("rendezvous: closing connection %d: %s", action.conn, action.reason)
             if queue is None:
                 continue
+            item = action.data if isinstance(action, SendTo) else action
             try:
-                await queue.send(action.data if isinstance(action, SendTo) else action)
+                if self.state.knows(action.conn):
+                    await queue.send(item)
+                    continue
+                try:
+                    queue.send_nowait(item)
+                except trio.WouldBlock:  # closed by the protocol and not draining: abort it
+                    self._scopes[action.conn].cancel()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # that connection is going away; its own handler cleans up
 

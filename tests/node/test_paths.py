@@ -9,8 +9,13 @@ from trio.testing import trio_test
 from kafilad.net.udp_endpoint import UdpEndpoint
 from kafilad.node.paths import PathManager
 from kafilad.node.rdv_client import Signal, open_rendezvous
+from kafilad.proto.identity import peer_id as peer_id_of  # [rdv-proof]
+from kafilad.proto.rendezvous_proof import public_key  # [rdv-proof]
 from kafilad.rendezvous.server import serve_rendezvous
 from kafilad.rendezvous.stun_server import serve_stun
+
+KEY_A, KEY_B = bytes(range(1, 33)), bytes(range(2, 34))  # [rdv-proof] static keys of a and b
+PEER_A, PEER_B = (peer_id_of(public_key(k)) for k in (KEY_A, KEY_B))  # [rdv-proof]
 
 
 async def _route_signals(rdv, pm: PathManager) -> None:
@@ -28,7 +33,7 @@ async def _session(nursery, *, stun: bool):
 
 async def _two_managers(nursery, url):
     out = []
-    for peer, name in (("peera", "a"), ("peerb", "b")):
+    for peer, name in ((KEY_A, "a"), (KEY_B, "b")):  # [rdv-proof]
         rdv = await nursery.start(_hold_rdv, url, peer, name)
         pm = PathManager(await UdpEndpoint.bind("127.0.0.1"), rdv, nursery)
         await nursery.start(pm.endpoint.serve)
@@ -40,7 +45,7 @@ async def _two_managers(nursery, url):
 
 
 async def _hold_rdv(url, peer, name, *, task_status=trio.TASK_STATUS_IGNORED):
-    async with open_rendezvous(url, peer_id=peer, name=name) as rdv:
+    async with open_rendezvous(url, static_private=peer, name=name) as rdv:  # [rdv-proof]
         task_status.started(rdv)
         await trio.sleep_forever()
 
@@ -59,8 +64,8 @@ async def test_an_edge_goes_direct_over_quic_and_is_recorded():
             async def side(pm, **kw):
                 got[pm.rdv.name] = await pm.direct(**kw)
             async with trio.open_nursery() as inner:
-                inner.start_soon(lambda: side(a, peer_id="peerb", peer_name="b", me_name="a", sender=True))
-                inner.start_soon(lambda: side(b, peer_id="peera", peer_name="a", me_name="b", sender=False))
+                inner.start_soon(lambda: side(a, peer_id=PEER_B, peer_name="b", me_name="a", sender=True))
+                inner.start_soon(lambda: side(b, peer_id=PEER_A, peer_name="a", me_name="b", sender=False))
             assert got["a"].is_client and not got["b"].is_client
             await got["a"].send_message(b"over quic")
             assert await got["b"].receive_message() == b"over quic"
@@ -81,12 +86,12 @@ async def test_disabled_direct_paths_and_a_silent_peer_fall_back_to_relay(monkey
             assert a.rdv.stun_servers == []
             assert await a.classify() == {"nat_class": None, "rendezvous_rtt_ms": None}
             monkeypatch.setenv("KAFILA_DIRECT", "0")
-            assert await a.direct(peer_id="peerb", peer_name="b", me_name="a", sender=True) is None
+            assert await a.direct(peer_id=PEER_B, peer_name="b", me_name="a", sender=True) is None  # [rdv-proof]
             assert a.edge_list()[0]["reason"] == "direct paths are disabled (KAFILA_DIRECT=0)"
             monkeypatch.delenv("KAFILA_DIRECT")
             monkeypatch.setattr(paths_mod, "OFFER_TIMEOUT_S", 0.3)
             # b never calls direct(), so no offer arrives
-            assert await a.direct(peer_id="peerb", peer_name="b", me_name="a", sender=True, attempt=1) is None
+            assert await a.direct(peer_id=PEER_B, peer_name="b", me_name="a", sender=True, attempt=1) is None
             rec = a.edge_list()[0]
             assert rec["path"] == "relayed" and rec["reason"] == "no candidate offer from b within 0.3 s"
             nursery.cancel_scope.cancel()

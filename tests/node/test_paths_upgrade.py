@@ -15,13 +15,18 @@ from trio.testing import trio_test
 from kafilad.net.udp_endpoint import UdpEndpoint
 from kafilad.node.paths import PathManager, bind_address, dropped_check_attempts, reprobe_initial_s
 from kafilad.node.rdv_client import Signal, open_rendezvous
+from kafilad.proto.identity import peer_id as peer_id_of  # [rdv-proof]
+from kafilad.proto.rendezvous_proof import public_key  # [rdv-proof]
 from kafilad.rendezvous.server import serve_rendezvous
+
+KEY_A, KEY_B = bytes(range(1, 33)), bytes(range(2, 34))  # [rdv-proof] static keys of a and b
+PEER_A, PEER_B = (peer_id_of(public_key(k)) for k in (KEY_A, KEY_B))  # [rdv-proof]
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 async def _hold_rdv(url, peer, name, *, task_status=trio.TASK_STATUS_IGNORED):
-    async with open_rendezvous(url, peer_id=peer, name=name) as rdv:
+    async with open_rendezvous(url, static_private=peer, name=name) as rdv:  # [rdv-proof]
         task_status.started(rdv)
         await trio.sleep_forever()
 
@@ -35,7 +40,7 @@ async def _route_signals(rdv, pm: PathManager) -> None:
 async def _pair(nursery):
     port = await nursery.start(lambda task_status: serve_rendezvous("127.0.0.1", 0, task_status=task_status))
     out = []
-    for peer, name in (("peera", "a"), ("peerb", "b")):
+    for peer, name in ((KEY_A, "a"), (KEY_B, "b")):  # [rdv-proof]
         rdv = await nursery.start(_hold_rdv, f"ws://127.0.0.1:{port}", peer, name)
         pm = PathManager(await UdpEndpoint.bind("127.0.0.1"), rdv, nursery)
         await nursery.start(pm.endpoint.serve)
@@ -51,8 +56,8 @@ async def _formation_fails(a: PathManager, b: PathManager) -> None:
     async def run(pm, key, **kw):
         res[key] = await pm.direct(**kw)
     async with trio.open_nursery() as n:
-        n.start_soon(lambda: run(a, "a", peer_id="peerb", peer_name="b", me_name="a", sender=True))
-        n.start_soon(lambda: run(b, "b", peer_id="peera", peer_name="a", me_name="b", sender=False))
+        n.start_soon(lambda: run(a, "a", peer_id=PEER_B, peer_name="b", me_name="a", sender=True))  # [rdv-proof]
+        n.start_soon(lambda: run(b, "b", peer_id=PEER_A, peer_name="a", me_name="b", sender=False))  # [rdv-proof]
     assert res == {"a": None, "b": None}
     for pm in (a, b):
         (rec,) = pm.edge_list()
@@ -77,15 +82,15 @@ async def test_a_relayed_edge_is_reprobed_then_upgraded(monkeypatch):
             async def side(pm, key, **kw):
                 links[key] = await pm.reprobe(secure=identity, **kw)
             async with trio.open_nursery() as n:
-                n.start_soon(lambda: side(a, "a", peer_id="peerb", peer_name="b", me_name="a", sender=True))
-                n.start_soon(lambda: side(b, "b", peer_id="peera", peer_name="a", me_name="b", sender=False))
+                n.start_soon(lambda: side(a, "a", peer_id=PEER_B, peer_name="b", me_name="a", sender=True))
+                n.start_soon(lambda: side(b, "b", peer_id=PEER_A, peer_name="a", me_name="b", sender=False))
             # verified and secured, but not yet switched: still relayed, measurements pending
             assert a.edge_list()[0]["path"] == "relayed" and a.edges[next(iter(a.edges))].pending["rtt_ms"] > 0
             await links["a"].send_message(b"over the new path")
             assert await links["b"].receive_message() == b"over the new path"
             t0 = time.time()
-            a.mark_upgraded("peerb", True, links["a"])
-            b.mark_upgraded("peera", False)
+            a.mark_upgraded(PEER_B, True, links["a"])  # [rdv-proof]
+            b.mark_upgraded(PEER_A, False)  # [rdv-proof]
             (ra,), (rb,) = a.edge_list(), b.edge_list()
             assert ra["path"] == rb["path"] == "direct" and ra["upgraded_from"] == "relayed"
             assert ra["tries"] == rb["tries"] == 1 and "reason" not in ra
@@ -129,8 +134,8 @@ async def test_a_reprobe_refused_after_quic_is_retried_with_the_next_attempt(mon
             async def side(pm, key, **kw):
                 links[key] = await pm.reprobe(secure=secure[key], **kw)
             async with trio.open_nursery() as n:
-                n.start_soon(lambda: side(a, "a", peer_id="peerb", peer_name="b", me_name="a", sender=True))
-                n.start_soon(lambda: side(b, "b", peer_id="peera", peer_name="a", me_name="b", sender=False))
+                n.start_soon(lambda: side(a, "a", peer_id=PEER_B, peer_name="b", me_name="a", sender=True))
+                n.start_soon(lambda: side(b, "b", peer_id=PEER_A, peer_name="a", me_name="b", sender=False))
             assert calls["a"] == 2 and 1 <= calls["b"] <= 2
             assert a.edge_list()[0]["tries"] == b.edge_list()[0]["tries"] >= 2
             assert a.edges[next(iter(a.edges))].pending["remote"] == "127.0.0.1:%d" % b.endpoint.local_address[1]

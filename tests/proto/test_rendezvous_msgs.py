@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 
 import msgpack
@@ -25,6 +26,8 @@ from kafilad.proto.rendezvous import (
     encode_relay_record,
     parse_relay_record,
 )
+from kafilad.proto.identity import peer_id
+from kafilad.proto.rendezvous_proof import Challenge, make_proof, public_key
 
 # --- codec (proto_spec §1-§3, §7) -------------------------------------------------------------
 
@@ -109,6 +112,19 @@ def test_token_bucket_lends_then_asks_for_the_debt_to_be_repaid():
 # --- state machine (proto_spec §2, §4, §5, §6) -------------------------------------------------
 
 
+def key(label: str) -> bytes:
+    """A fixed X25519 static private key per test peer label ("H", "A", ...)."""
+    return hashlib.blake2b(label.encode(), digest_size=32).digest()
+
+
+def pid(label: str) -> str:
+    """The peer id of `key(label)` (proto_spec 01 §1.1)."""
+    return peer_id(public_key(key(label)))
+
+
+H, A, B = pid("H"), pid("A"), pid("B")
+
+
 class Harness:
     """One RendezvousState and the decoded traffic to each fake connection."""
 
@@ -117,13 +133,25 @@ class Harness:
         self.state = RendezvousState(limits, random_bytes=lambda n: next(counter).to_bytes(n, "big"))
         self.inbox: dict[int, list] = {}
         self.closed: dict[int, CloseConn] = {}
+        self.challenges: dict[int, Challenge] = {}
         self.records: list[tuple[int, bytes]] = []
         self.now = 0.0
 
     def connect(self, conn: int) -> int:
+        """Open `conn`; its `challenge` (proto_spec §2.4) is kept in `challenges`, not the inbox."""
         self.state.connection_made(conn, self.now)
         self.inbox[conn] = []
+        self._drain()
+        [hello] = self.take(conn)
+        assert hello["t"] == "challenge" and len(hello["nonce"]) == 16
+        self.challenges[conn] = Challenge(hello["server_public"], hello["nonce"])
         return conn
+
+    def ident(self, conn: int, label: str, request_type: str, session_id: str = "", name: str = "") -> dict:
+        """peer_id, name, static_public and proof of `key(label)` for a request on `conn`."""
+        name = name or ("host" if label == "H" else label.lower())
+        static_public, proof = make_proof(key(label), self.challenges[conn], request_type, session_id, name)
+        return {"peer_id": pid(label), "name": name, "static_public": static_public, "proof": proof}
 
     def feed(self, conn: int, data) -> float:
         pause = self.state.receive_message(conn, data, self.now)
@@ -154,14 +182,14 @@ class Harness:
     def session(self, members: int = 3) -> str:
         """Host on conn 1, members on conns 2..; returns the session id."""
         self.connect(1)
-        self.send(1, t="register", model_id="m", members=members, capability={"memory_bytes": 1}, peer_id="H",
-                  name="host", req=1)
+        self.send(1, t="register", model_id="m", members=members, capability={"memory_bytes": 1}, req=1,
+                  **self.ident(1, "H", "register"))
         [reply] = self.take(1)
         return reply["session_id"]
 
     def join(self, conn: int, sid: str, peer: str) -> list:
         self.connect(conn)
-        self.send(conn, t="join", session_id=sid, peer_id=peer, name=peer.lower(), req=9)
+        self.send(conn, t="join", session_id=sid, req=9, **self.ident(conn, peer, "join", sid))
         return self.take(conn)
 
 
@@ -169,13 +197,13 @@ def test_register_returns_eight_base32_chars_and_join_tells_everyone():
     h = Harness()
     sid = h.session()
     assert len(sid) == 8 and set(sid) <= set("abcdefghijklmnopqrstuvwxyz234567")
-    assert h.join(2, sid, "A") == [{"t": "joined", "session_id": sid, "host_peer_id": "H", "model_id": "m",
-                                   "members": [{"peer_id": "H", "name": "host"}, {"peer_id": "A", "name": "a"}],
+    assert h.join(2, sid, "A") == [{"t": "joined", "session_id": sid, "host_peer_id": H, "model_id": "m",
+                                   "members": [{"peer_id": H, "name": "host"}, {"peer_id": A, "name": "a"}],
                                    "req": 9}]
-    assert h.take(1) == [{"t": "member_joined", "peer_id": "A", "name": "a"}]
+    assert h.take(1) == [{"t": "member_joined", "peer_id": A, "name": "a"}]
     h.join(3, sid.upper(), "B")  # codes may be typed in upper case
-    assert h.take(1) == [{"t": "member_joined", "peer_id": "B", "name": "b"}]
-    assert h.take(2) == [{"t": "member_joined", "peer_id": "B", "name": "b"}]
+    assert h.take(1) == [{"t": "member_joined", "peer_id": B, "name": "b"}]
+    assert h.take(2) == [{"t": "member_joined", "peer_id": B, "name": "b"}]
 
 
 def test_join_refusals_are_errors_that_keep_the_connection():
@@ -195,11 +223,11 @@ def test_join_refusals_are_errors_that_keep_the_connection():
 def test_invalid_member_count_and_double_register_are_refused():
     h = Harness(RendezvousLimits(max_members=4))
     h.connect(1)
-    h.send(1, t="register", model_id="m", members=5, capability={}, peer_id="H", name="h")
+    h.send(1, t="register", model_id="m", members=5, capability={}, **h.ident(1, "H", "register"))
     assert h.take(1)[0]["reason"] == "A session has 1 to 4 members; 5 were asked for."
-    h.send(1, t="register", model_id="m", members=2, capability={}, peer_id="H", name="h")
+    h.send(1, t="register", model_id="m", members=2, capability={}, **h.ident(1, "H", "register"))
     assert h.take(1)[0]["t"] == "registered"
-    h.send(1, t="join", session_id="x", peer_id="H", name="h")
+    h.send(1, t="join", session_id="x", **h.ident(1, "H", "join", "x"))
     assert h.take(1)[0]["code"] == "already_in_session"
 
 
@@ -208,8 +236,8 @@ def test_signal_is_forwarded_with_sender_and_recorded():
     sid = h.session()
     h.join(2, sid, "A")
     h.take(1)
-    h.send(2, t="signal", to="H", body={"cand": [1, 2]})
-    assert h.take(1) == [{"t": "signal", "from": "A", "body": {"cand": [1, 2]}}]
+    h.send(2, t="signal", to=H, body={"cand": [1, 2]})
+    assert h.take(1) == [{"t": "signal", "from": A, "body": {"cand": [1, 2]}}]
     assert h.records == [(0, msgpack.packb({"cand": [1, 2]}))]
     h.send(2, t="signal", to="nobody", body=None, req=4)
     assert h.take(2) == [{"t": "error", "code": "unknown_peer", "fatal": False, "req": 4,
@@ -229,14 +257,14 @@ def test_circuit_relays_both_ways_and_close_propagates():
     sid = h.session()
     h.join(2, sid, "A")
     h.take(1)
-    cid = open_circuit(h, 1, "A")
-    assert h.take(2) == [{"t": "circuit_incoming", "circuit": cid, "from": "H", "label": "ring"}]
+    cid = open_circuit(h, 1, A)
+    assert h.take(2) == [{"t": "circuit_incoming", "circuit": cid, "from": H, "label": "ring"}]
     h.feed(1, encode_relay(cid, b"\x00ciphertext"))
     h.feed(2, encode_relay(cid, b"reply"))
     assert h.take(2) == [RelayData(cid, b"\x00ciphertext")]
     assert h.take(1) == [RelayData(cid, b"reply")]
     assert h.records == [(cid, b"\x00ciphertext"), (cid, b"reply")]
-    cid2 = open_circuit(h, 2, "H", req=2)
+    cid2 = open_circuit(h, 2, H, req=2)
     assert cid2 != cid
     h.send(2, t="circuit_close", circuit=cid, reason="done")
     assert h.take(1)[1:] == [{"t": "circuit_closed", "circuit": cid, "reason": "done"}]
@@ -251,7 +279,7 @@ def test_outsider_cannot_send_on_someone_elses_circuit():
     sid = h.session()
     h.join(2, sid, "A")
     h.join(3, sid, "B")
-    cid = open_circuit(h, 1, "A")
+    cid = open_circuit(h, 1, A)
     h.take(2)
     h.feed(3, encode_relay(cid, b"inject"))
     assert h.take(2) == [] and h.take(3)[-1]["t"] == "circuit_closed"
@@ -262,16 +290,16 @@ def test_member_disconnect_closes_its_circuits_then_notifies():
     sid = h.session()
     h.join(2, sid, "A")
     h.join(3, sid, "B")
-    cid_ha = open_circuit(h, 1, "A")
-    cid_ab = open_circuit(h, 2, "B", req=5)
-    cid_hb = open_circuit(h, 3, "H", req=6)
+    cid_ha = open_circuit(h, 1, A)
+    cid_ab = open_circuit(h, 2, B, req=5)
+    cid_hb = open_circuit(h, 3, H, req=6)
     for c in (1, 2, 3):
         h.take(c)
     h.lose(2, "network unreachable")
     assert [m["t"] for m in h.take(1)] == ["circuit_closed", "member_left"]
     assert h.take(3) == [
         {"t": "circuit_closed", "circuit": cid_ab, "reason": "Peer 'a' left the session: network unreachable"},
-        {"t": "member_left", "peer_id": "A", "reason": "network unreachable"},
+        {"t": "member_left", "peer_id": A, "reason": "network unreachable"},
     ]
     h.feed(1, encode_relay(cid_hb, b"still"))
     assert h.take(3) == [RelayData(cid_hb, b"still")]
@@ -282,7 +310,7 @@ def test_host_leaving_closes_the_session():
     h = Harness()
     sid = h.session()
     h.join(2, sid, "A")
-    cid = open_circuit(h, 2, "H")
+    cid = open_circuit(h, 2, H)
     h.take(1)
     h.send(1, t="leave", reason="bye")
     assert h.take(2) == [
@@ -291,7 +319,7 @@ def test_host_leaving_closes_the_session():
     ]
     assert h.state.session_count == 0
     assert h.join(3, sid, "B")[0]["code"] == "unknown_session"
-    h.send(2, t="signal", to="H", body=1)
+    h.send(2, t="signal", to=H, body=1)
     assert h.take(2)[0]["code"] == "not_in_session"
 
 
@@ -303,11 +331,11 @@ def test_host_leaving_closes_the_session():
         (encode_control({"t": "join", "session_id": 5, "peer_id": "A", "name": "a"}), "malformed"),
         (encode_control({"t": "circuit_open", "to": "A", "label": "x", "req": True}), "malformed"),
         (encode_relay(1, b"x" * 101), "message_too_large"),
-        (encode_control({"t": "signal", "to": "A", "body": "x" * 200}), "message_too_large"),
+        (encode_control({"t": "signal", "to": "A", "body": "x" * 400}), "message_too_large"),
     ],
 )
 def test_violations_close_only_the_offending_connection(data, code):
-    h = Harness(RendezvousLimits(max_relay_payload_bytes=100, max_control_bytes=200))
+    h = Harness(RendezvousLimits(max_relay_payload_bytes=100, max_control_bytes=400))
     sid = h.session()
     h.join(2, sid, "A")
     h.take(1)
@@ -316,7 +344,7 @@ def test_violations_close_only_the_offending_connection(data, code):
     assert err["t"] == "error" and err["code"] == code and err["fatal"] is True
     assert h.closed[2].code == (1008 if code == "malformed" else 1009)
     assert list(h.closed) == [2]
-    assert h.take(1) == [{"t": "member_left", "peer_id": "A", "reason": f"it sent a bad message: {err['reason']}"}]
+    assert h.take(1) == [{"t": "member_left", "peer_id": A, "reason": f"it sent a bad message: {err['reason']}"}]
     assert h.join(3, sid, "B")[0]["t"] == "joined"  # the server carries on
 
 
@@ -333,7 +361,7 @@ def test_byte_budget_drops_data_and_closes_the_circuit_with_a_clear_error():
     h = Harness(RendezvousLimits(session_budget_bytes=10))
     sid = h.session()
     h.join(2, sid, "A")
-    cid = open_circuit(h, 1, "A")
+    cid = open_circuit(h, 1, A)
     h.take(2)
     h.feed(1, encode_relay(cid, b"123456"))
     h.feed(1, encode_relay(cid, b"1234"))
@@ -351,12 +379,12 @@ def test_rate_limit_pauses_the_reader_instead_of_dropping():
                                  control_rate_per_s=10.0, control_burst=2.0))
     sid = h.session()  # 1 control message from conn 1
     h.join(2, sid, "A")
-    cid = open_circuit(h, 1, "A")  # 2nd: bucket empty, no pause yet
+    cid = open_circuit(h, 1, A)  # 2nd: bucket empty, no pause yet
     h.take(2)
     assert h.feed(1, encode_relay(cid, b"x" * 1000)) == 0.0
     assert h.feed(1, encode_relay(cid, b"x" * 500)) == pytest.approx(0.5)
     assert len(h.take(2)) == 2  # both forwarded
-    assert h.send(1, t="signal", to="A", body=0) == pytest.approx(0.1)
+    assert h.send(1, t="signal", to=A, body=0) == pytest.approx(0.1)
     h.now = 2.0
     assert h.feed(1, encode_relay(cid, b"x" * 500)) == 0.0
 
@@ -370,7 +398,8 @@ _fuzz_messages = st.one_of(
     st.builds(lambda t, f: encode_control({**f, "t": t}),
               st.sampled_from(["register", "join", "leave", "signal", "circuit_open", "circuit_close", "x"]),
               st.dictionaries(st.sampled_from(["model_id", "members", "capability", "peer_id", "name", "session_id",
-                                               "to", "body", "label", "req", "circuit", "reason"]),
+                                               "to", "body", "label", "req", "circuit", "reason",
+                                               "static_public", "proof"]),
                               _field_values, max_size=8)),
     st.builds(encode_relay, st.integers(0, 3), st.binary(max_size=20)),
 )

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import AsyncExitStack
 from functools import partial
 
@@ -30,9 +31,49 @@ from kafilad.proto.rendezvous import (
     encode_relay,
     parse_relay_record,
 )
+from kafilad.proto.identity import peer_id
+from kafilad.proto.rendezvous_proof import Challenge, make_proof, public_key
 from kafilad.rendezvous.server import serve_rendezvous
 
 HANG_GUARD_S = 20
+
+
+def key(label: str) -> bytes:
+    """A fixed X25519 static private key per test peer label ("H", "A", ...)."""
+    return hashlib.blake2b(label.encode(), digest_size=32).digest()
+
+
+def pid(label: str) -> str:
+    """The peer id of `key(label)` (proto_spec 01 §1.1)."""
+    return peer_id(public_key(key(label)))
+
+
+H, A, B, C, R = (pid(x) for x in "HABCR")
+
+
+def rdv(url: str, label: str, name: str):
+    """open_rendezvous as the daemon whose static key is `key(label)`."""
+    return open_rendezvous(url, static_private=key(label), name=name)
+
+
+async def raw_challenge(raw) -> Challenge:
+    """Read the `challenge` a raw WebSocket gets on connect (proto_spec §2.4)."""
+    hello = decode_message(await raw.get_message()).fields
+    assert hello["t"] == "challenge"
+    return Challenge(hello["server_public"], hello["nonce"])
+
+
+def join_msg(label: str, sid: str, name: str, challenge: Challenge, **override) -> bytes:
+    """A `join` proven with `key(label)` against `challenge`; `override` replaces fields."""
+    static_public, proof = make_proof(key(label), challenge, "join", sid, name)
+    return encode_control({"t": "join", "session_id": sid, "peer_id": pid(label), "name": name,
+                           "static_public": static_public, "proof": proof, **override})
+
+
+async def raw_join(raw, label: str, sid: str, name: str) -> None:
+    """Join `sid` over a raw WebSocket as the holder of `key(label)`."""
+    await raw.send_message(join_msg(label, sid, name, await raw_challenge(raw)))
+    assert decode_message(await raw.get_message()).type == "joined"
 
 
 def run_with_server(test_fn, **server_kwargs):
@@ -50,15 +91,15 @@ def run_with_server(test_fn, **server_kwargs):
 
 async def session(stack: AsyncExitStack, url: str, peers: list[str], members: int | None = None):
     """Host "H" registers; each peer in `peers` joins. Returns (sid, host client, member clients)."""
-    host = await stack.enter_async_context(open_rendezvous(url, peer_id="H", name="host"))
+    host = await stack.enter_async_context(rdv(url, "H", "host"))
     sid = await host.register("stories260K", members or len(peers) + 1, {"memory_bytes": 1 << 30})
     clients = []
     for peer in peers:
-        client = await stack.enter_async_context(open_rendezvous(url, peer_id=peer, name=peer.lower()))
-        assert await client.join(sid) == "H"
-        assert await host.events.receive() == MemberJoined(peer, peer.lower())
+        client = await stack.enter_async_context(rdv(url, peer, peer.lower()))
+        assert await client.join(sid) == H
+        assert await host.events.receive() == MemberJoined(pid(peer), peer.lower())
         for earlier in clients:
-            assert await earlier.events.receive() == MemberJoined(peer, peer.lower())
+            assert await earlier.events.receive() == MemberJoined(pid(peer), peer.lower())
         clients.append(client)
     return sid, host, clients
 
@@ -68,15 +109,15 @@ def test_register_join_unknown_and_full_session():
         async with AsyncExitStack() as stack:
             sid, host, [a] = await session(stack, url, ["A"], members=2)
             assert len(sid) == 8 and sid == host.session_id
-            assert a.roster == [{"peer_id": "H", "name": "host"}, {"peer_id": "A", "name": "a"}]
-            late = await stack.enter_async_context(open_rendezvous(url, peer_id="B", name="b"))
+            assert a.roster == [{"peer_id": H, "name": "host"}, {"peer_id": A, "name": "a"}]
+            late = await stack.enter_async_context(rdv(url, "B", "b"))
             with pytest.raises(SessionError) as full:
                 await late.join(sid)
             assert str(full.value) == f"Session {sid!r} already has all 2 members."
             with pytest.raises(SessionError, match="No session 'zzzzzzzz' is open at this rendezvous"):
                 await late.join("zzzzzzzz")
-            with pytest.raises(SessionError, match="already a member"):
-                await (await stack.enter_async_context(open_rendezvous(url, peer_id="A", name="x"))).join(sid)
+            with pytest.raises(SessionError, match="is the host of session"):
+                await (await stack.enter_async_context(rdv(url, "H", "x"))).join(sid)
 
     run_with_server(body)
 
@@ -87,7 +128,7 @@ def test_unreachable_rendezvous_is_a_session_error():
         port = listener.socket.getsockname()[1]
         await listener.aclose()  # nothing listens there now
         with pytest.raises(SessionError, match=f"Cannot reach the rendezvous at ws://127.0.0.1:{port}"):
-            async with open_rendezvous(f"ws://127.0.0.1:{port}", peer_id="H", name="h"):
+            async with rdv(f"ws://127.0.0.1:{port}", "H", "h"):
                 pass
 
     trio.run(main)
@@ -97,19 +138,19 @@ def test_circuits_relay_bytes_both_ways_ids_unique_and_close_propagates():
     async def body(url):
         async with AsyncExitStack() as stack:
             _, host, [a, b] = await session(stack, url, ["A", "B"])
-            c_ha = await host.open_circuit("A", "ring")
+            c_ha = await host.open_circuit(A, "ring")
             c_ah = await a.accept_circuit()
-            assert (c_ah.circuit_id, c_ah.peer_id, c_ah.label) == (c_ha.circuit_id, "H", "ring")
-            assert (c_ha.peer_id, c_ha.label) == ("A", "ring")
+            assert (c_ah.circuit_id, c_ah.peer_id, c_ah.label) == (c_ha.circuit_id, H, "ring")
+            assert (c_ha.peer_id, c_ha.label) == (A, "ring")
             payloads = [b"", b"\x00" * 9, bytes(range(256)) * 4, b"x" * a.limits.max_relay_payload_bytes]
             for p in payloads:
                 await c_ha.send_message(p)
                 await c_ah.send_message(p[::-1])
             assert [await c_ah.receive_message() for _ in payloads] == payloads
             assert [await c_ha.receive_message() for _ in payloads] == [p[::-1] for p in payloads]
-            c_ab = await a.open_circuit("B", "ring")
-            c_bh = await b.open_circuit("H", "shards")
-            c_ha2 = await host.open_circuit("A", "ring")
+            c_ab = await a.open_circuit(B, "ring")
+            c_bh = await b.open_circuit(H, "shards")
+            c_ha2 = await host.open_circuit(A, "ring")
             assert (await b.accept_circuit()).label == "ring"
             assert (await host.accept_circuit()).label == "shards"
             assert (await a.accept_circuit()).circuit_id == c_ha2.circuit_id
@@ -121,7 +162,7 @@ def test_circuits_relay_bytes_both_ways_ids_unique_and_close_propagates():
             with pytest.raises(trio.EndOfChannel):
                 await c_ah.receive_message()
             assert c_ah.close_reason == "closed by peer"
-            with pytest.raises(trio.BrokenResourceError, match="The circuit to H is closed"):
+            with pytest.raises(trio.BrokenResourceError, match=f"The circuit to {H} is closed"):
                 await c_ah.send_message(b"too late")
             with pytest.raises(trio.ClosedResourceError):
                 await c_ha.send_message(b"after my own close")
@@ -139,19 +180,19 @@ def test_member_disconnect_closes_its_circuits_and_notifies_others():
     async def body(url):
         async with AsyncExitStack() as stack:
             _, host, [a, b] = await session(stack, url, ["A", "B"], members=4)
-            async with open_rendezvous(url, peer_id="C", name="c") as c:
+            async with rdv(url, "C", "c") as c:
                 await c.join(host.session_id)
                 for client in (host, a, b):
-                    assert await client.events.receive() == MemberJoined("C", "c")
-                c_hc = await host.open_circuit("C", "ring")
-                c_bc = await b.open_circuit("C", "ring")
+                    assert await client.events.receive() == MemberJoined(C, "c")
+                c_hc = await host.open_circuit(C, "ring")
+                c_bc = await b.open_circuit(C, "ring")
                 await c.accept_circuit()
                 await c.accept_circuit()
-                c_hb = await host.open_circuit("B", "ring")
+                c_hb = await host.open_circuit(B, "ring")
             # C's connection is closed now
             for client in (host, a, b):
                 event = await client.events.receive()
-                assert isinstance(event, MemberLeft) and event.peer_id == "C" and event.type == "member_left"
+                assert isinstance(event, MemberLeft) and event.peer_id == C and event.type == "member_left"
                 assert event.reason.startswith("its connection closed")
             for circuit in (c_hc, c_bc):
                 with pytest.raises(trio.EndOfChannel):
@@ -168,7 +209,7 @@ def test_host_leaving_closes_the_session_for_members():
         async with AsyncExitStack() as stack:
             _, host, [a] = await session(stack, url, ["A"])
             sid = host.session_id
-            circuit = await a.open_circuit("H", "ring")
+            circuit = await a.open_circuit(H, "ring")
             await host.accept_circuit()
             await host.leave("shutting down")
             with pytest.raises(trio.EndOfChannel):
@@ -176,7 +217,7 @@ def test_host_leaving_closes_the_session_for_members():
             assert await a.events.receive() == SessionClosed(
                 sid, "The host 'host' left the session: shutting down")
             assert a.session_id is None
-            probe = await stack.enter_async_context(open_rendezvous(url, peer_id="Z", name="z"))
+            probe = await stack.enter_async_context(rdv(url, "Z", "z"))
             with pytest.raises(SessionError, match="No session"):
                 await probe.join(sid)
 
@@ -187,8 +228,8 @@ def test_signal_is_delivered_with_its_sender():
     async def body(url):
         async with AsyncExitStack() as stack:
             _, host, [a] = await session(stack, url, ["A"])
-            await a.send_signal("H", {"candidates": ["192.0.2.1:4000"], "ufrag": b"\x01\x02"})
-            assert await host.events.receive() == Signal("A", {"candidates": ["192.0.2.1:4000"], "ufrag": b"\x01\x02"})
+            await a.send_signal(H, {"candidates": ["192.0.2.1:4000"], "ufrag": b"\x01\x02"})
+            assert await host.events.receive() == Signal(A, {"candidates": ["192.0.2.1:4000"], "ufrag": b"\x01\x02"})
             await a.send_signal("nobody", 1)
             event = await a.events.receive()
             assert event == RendezvousErrorEvent(
@@ -211,10 +252,10 @@ def test_losing_the_rendezvous_breaks_circuits_and_reports_disconnected():
             with trio.fail_after(HANG_GUARD_S):
                 async with AsyncExitStack() as stack:
                     _, host, [a] = await session(stack, url, ["A"])
-                    circuit = await host.open_circuit("A", "ring")
+                    circuit = await host.open_circuit(A, "ring")
                     await a.accept_circuit()
                     server_scope.cancel()
-                    with pytest.raises(trio.BrokenResourceError, match="The circuit to A broke"):
+                    with pytest.raises(trio.BrokenResourceError, match=f"The circuit to {A} broke"):
                         await circuit.receive_message()
                     event = await host.events.receive()
                     assert isinstance(event, Disconnected) and event.type == "disconnected"
@@ -223,10 +264,10 @@ def test_losing_the_rendezvous_breaks_circuits_and_reports_disconnected():
                         await a.accept_circuit()
                     with pytest.raises(trio.EndOfChannel):
                         await host.events.receive()
-                    with pytest.raises(trio.BrokenResourceError, match="The circuit to A is closed"):
+                    with pytest.raises(trio.BrokenResourceError, match=f"The circuit to {A} is closed"):
                         await circuit.send_message(b"x")
                     with pytest.raises(SessionError, match="lost"):
-                        await host.open_circuit("A", "ring")
+                        await host.open_circuit(A, "ring")
 
     trio.run(main)
 
@@ -245,12 +286,10 @@ def test_malformed_message_closes_that_connection_only(bad, code, close_code):
     async def body(url):
         async with AsyncExitStack() as stack:
             _, host, [a] = await session(stack, url, ["A"], members=4)
-            circuit = await host.open_circuit("A", "ring")
+            circuit = await host.open_circuit(A, "ring")
             peer_side = await a.accept_circuit()
             async with trio_websocket.open_websocket_url(url) as raw:
-                await raw.send_message(encode_control({"t": "join", "session_id": host.session_id,
-                                                       "peer_id": "R", "name": "raw"}))
-                assert decode_message(await raw.get_message()).type == "joined"
+                await raw_join(raw, "R", host.session_id, "raw")
                 await raw.send_message(bad)
                 err = decode_message(await raw.get_message()).fields
                 assert (err["t"], err["code"], err["fatal"]) == ("error", code, True)
@@ -259,13 +298,13 @@ def test_malformed_message_closes_that_connection_only(bad, code, close_code):
                 assert closed.value.reason.code == close_code
                 assert closed.value.reason.reason == err["reason"][:120]
             for client in (host, a):
-                assert await client.events.receive() == MemberJoined("R", "raw")
+                assert await client.events.receive() == MemberJoined(R, "raw")
                 left = await client.events.receive()
-                assert left == MemberLeft("R", f"it sent a bad message: {err['reason']}")
+                assert left == MemberLeft(R, f"it sent a bad message: {err['reason']}")
             await circuit.send_message(b"still relaying")
             assert await peer_side.receive_message() == b"still relaying"
-            newcomer = await stack.enter_async_context(open_rendezvous(url, peer_id="N", name="n"))
-            assert await newcomer.join(host.session_id) == "H"
+            newcomer = await stack.enter_async_context(rdv(url, "N", "n"))
+            assert await newcomer.join(host.session_id) == H
 
     run_with_server(body)
 
@@ -277,14 +316,14 @@ def test_relay_record_holds_exactly_the_forwarded_payloads(tmp_path):
     async def body(url):
         async with AsyncExitStack() as stack:
             _, host, [a] = await session(stack, url, ["A"])
-            c1 = await host.open_circuit("A", "ring")
+            c1 = await host.open_circuit(A, "ring")
             c2 = await a.accept_circuit()
             for p in sent:
                 await c1.send_message(p)
                 assert await c2.receive_message() == p
             await c2.send_message(b"back")
             assert await c1.receive_message() == b"back"
-            await a.send_signal("H", {"cand": "x"})
+            await a.send_signal(H, {"cand": "x"})
             await host.events.receive()
             parsed = parse_relay_record(record.read_bytes())
             assert parsed == [(c1.circuit_id, p) for p in sent] + [(c1.circuit_id, b"back"),
@@ -300,7 +339,7 @@ def test_record_path_from_environment(tmp_path, monkeypatch):
     async def body(url):
         async with AsyncExitStack() as stack:
             _, host, [a] = await session(stack, url, ["A"])
-            c1 = await host.open_circuit("A", "ring")
+            c1 = await host.open_circuit(A, "ring")
             await c1.send_message(b"opaque")
             assert await (await a.accept_circuit()).receive_message() == b"opaque"
             assert parse_relay_record(record.read_bytes()) == [(c1.circuit_id, b"opaque")]
@@ -312,7 +351,7 @@ def test_oversized_message_is_refused_locally_with_a_clear_error():
     async def body(url):
         async with AsyncExitStack() as stack:
             _, host, [a] = await session(stack, url, ["A"])
-            circuit = await host.open_circuit("A", "ring")
+            circuit = await host.open_circuit(A, "ring")
             limit = host.limits.max_relay_payload_bytes
             with pytest.raises(LocalProtocolError) as exc:
                 await circuit.send_message(b"x" * (limit + 1))
@@ -328,7 +367,7 @@ def test_session_byte_budget_exhausted_closes_the_circuit_with_a_clear_error():
     async def body(url):
         async with AsyncExitStack() as stack:
             sid, host, [a] = await session(stack, url, ["A"])
-            sender = await host.open_circuit("A", "ring")
+            sender = await host.open_circuit(A, "ring")
             receiver = await a.accept_circuit()
             await sender.send_message(b"a" * 600)
             await sender.send_message(b"b" * 600)  # 1,200 > 1,000: dropped
@@ -348,7 +387,7 @@ def test_rate_limit_slows_but_delivers_everything():
     async def body(url):
         async with AsyncExitStack() as stack:
             _, host, [a] = await session(stack, url, ["A"])
-            sender = await host.open_circuit("A", "ring")
+            sender = await host.open_circuit(A, "ring")
             receiver = await a.accept_circuit()
             chunks = [bytes([i]) * 1000 for i in range(20)]  # 20 kB at 100 kB/s after a 5 kB burst
 
