@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import itertools
 
 import msgpack
@@ -27,7 +28,7 @@ from kafilad.proto.rendezvous import (
     parse_relay_record,
 )
 from kafilad.proto.identity import peer_id
-from kafilad.proto.rendezvous_proof import Challenge, make_proof, public_key
+from kafilad.proto.rendezvous_proof import Challenge, make_proof, proof_input, public_key
 
 # --- codec (proto_spec §1-§3, §7) -------------------------------------------------------------
 
@@ -147,11 +148,13 @@ class Harness:
         self.challenges[conn] = Challenge(hello["server_public"], hello["nonce"])
         return conn
 
-    def ident(self, conn: int, label: str, request_type: str, session_id: str = "", name: str = "") -> dict:
-        """peer_id, name, static_public and proof of `key(label)` for a request on `conn`."""
+    def ident(self, conn: int, label: str, request_type: str, session_id: str = "", name: str = "",
+              private: bytes | None = None) -> dict:
+        """peer_id, name, static_public and proof of `key(label)` (or `private`) for a request on `conn`."""
         name = name or ("host" if label == "H" else label.lower())
-        static_public, proof = make_proof(key(label), self.challenges[conn], request_type, session_id, name)
-        return {"peer_id": pid(label), "name": name, "static_public": static_public, "proof": proof}
+        private = private or key(label)
+        static_public, proof = make_proof(private, self.challenges[conn], request_type, session_id, name)
+        return {"peer_id": peer_id(static_public), "name": name, "static_public": static_public, "proof": proof}
 
     def feed(self, conn: int, data) -> float:
         pause = self.state.receive_message(conn, data, self.now)
@@ -214,6 +217,7 @@ def test_join_refusals_are_errors_that_keep_the_connection():
     assert err["req"] == 9 and "No session 'zzzzzzzz'" in err["reason"]
     [err] = h.join(3, sid, "H")
     assert err["code"] == "duplicate_peer"
+    assert err["reason"] == f"Peer {H!r} is the host of session {sid!r}; a host cannot also join its own session."
     assert h.join(4, sid, "A")[0]["t"] == "joined"
     [err] = h.join(5, sid, "B")
     assert err["code"] == "session_full" and err["reason"] == f"Session {sid!r} already has all 2 members."
@@ -417,3 +421,125 @@ def test_any_input_yields_actions_never_an_exception(script):
     for conn in (1, 2, 3):
         h.lose(conn)
     assert h.state.session_count == 0
+
+
+# --- identity: proof of the static key (proto_spec §2.4) -----------------------------------------
+
+#: Two static keys whose peer ids collide (40 bits; found by a birthday search over
+#: blake2b(b"kafila collision %d", 32) for i < 405,291). Both ids are "6vtnqtm4".
+COLLIDING_KEYS = tuple(hashlib.blake2b(b"kafila collision %d" % i, digest_size=32).digest() for i in (119_529, 405_290))
+PROOF_REQUIRED = ("A 'join' must carry 'static_public' (32 bytes) and 'proof' (64 bytes): this rendezvous admits a "
+                  "peer id only with proof of its static key (proto_spec 03 §2.4). Upgrade the daemon.")
+
+
+def bad_proof_reason(peer: str) -> str:
+    return (f"The proof for peer {peer!r} does not verify against this connection's challenge: the client does "
+            "not hold that peer's static key, or reused a proof made for another connection or request.")
+
+
+def test_every_connection_gets_its_own_challenge():
+    h = Harness()
+    c1, c2 = h.challenges[h.connect(1)], h.challenges[h.connect(2)]
+    assert len(c1.server_public) == 32 and len(c1.nonce) == 16
+    assert c1.server_public != c2.server_public and c1.nonce != c2.nonce
+
+
+def test_squatter_without_the_key_is_refused_and_the_real_member_still_joins():
+    h = Harness()
+    sid = h.session(members=2)  # one slot left
+    h.connect(2)
+    h.send(2, t="join", session_id=sid, peer_id=A, name="a", req=1)  # the id alone, as before proofs
+    assert h.take(2) == [{"t": "error", "code": "proof_required", "fatal": False, "req": 1, "reason": PROOF_REQUIRED}]
+    h.send(2, t="join", session_id=sid, req=2, **{**h.ident(2, "S", "join", sid, name="a"), "peer_id": A})
+    [err] = h.take(2)
+    assert (err["code"], err["fatal"]) == ("peer_id_mismatch", False)
+    assert err["reason"] == (f"Peer id {A!r} is not the id of the static key presented (that key's id is "
+                             f"{pid('S')!r}); a daemon may use only the peer id of its own key.")
+    forged = h.ident(2, "S", "join", sid, name="a")["proof"]  # A's public key is no secret; its private key is
+    h.send(2, t="join", session_id=sid, peer_id=A, name="a", static_public=public_key(key("A")), proof=forged, req=3)
+    assert h.take(2) == [{"t": "error", "code": "bad_proof", "fatal": False, "req": 3, "reason": bad_proof_reason(A)}]
+    h.send(2, t="join", session_id=sid, peer_id=A, name="a", static_public=public_key(key("A")),
+           proof=bytes(64), req=4)
+    assert h.take(2)[0]["code"] == "bad_proof"
+    assert h.take(1) == [] and h.closed == {}  # the host never heard of the squatter
+    assert h.join(3, sid, "A")[0]["t"] == "joined"  # the real A takes the last slot
+    assert h.take(1) == [{"t": "member_joined", "peer_id": A, "name": "a"}]
+
+
+def test_register_needs_a_proof_too():
+    h = Harness()
+    h.connect(1)
+    h.send(1, t="register", model_id="m", members=2, capability={}, peer_id=H, name="host")
+    [err] = h.take(1)
+    assert err["code"] == "proof_required" and err["reason"].startswith("A 'register' must carry 'static_public'")
+    assert h.state.session_count == 0
+
+
+def test_a_low_order_key_proves_nothing():
+    """X25519 with a low-order point gives an all-zero secret anyone can compute (RFC 7748 §6.1)."""
+    h = Harness()
+    sid = h.session()
+    h.connect(2)
+    low_order = bytes(32)
+    mac = hmac.new(bytes(32), proof_input(h.challenges[2], low_order, "join", sid, "z"), hashlib.blake2b).digest()
+    h.send(2, t="join", session_id=sid, peer_id=peer_id(low_order), name="z", static_public=low_order, proof=mac)
+    assert h.take(2)[0]["code"] == "bad_proof"
+
+
+def test_a_proof_replayed_on_another_connection_or_request_is_refused():
+    h = Harness()
+    sid = h.session(members=4)
+    h.connect(2)
+    seen = encode_control({"t": "join", "session_id": sid, **h.ident(2, "A", "join", sid)})
+    h.feed(2, seen)
+    assert h.take(2)[0]["t"] == "joined"
+    h.connect(3)  # an eavesdropper replays the bytes it saw on its own connection (another challenge)
+    h.feed(3, seen)
+    assert h.take(3) == [{"t": "error", "code": "bad_proof", "fatal": False, "reason": bad_proof_reason(A)}]
+    h.connect(4)  # a proof is bound to the request type, session id and name, too
+    register_proof = h.ident(4, "B", "register")
+    h.send(4, t="join", session_id=sid, **register_proof)
+    renamed = {**h.ident(4, "B", "join", sid), "name": "mallory"}
+    h.send(4, t="join", session_id=sid, **renamed)
+    assert [e["code"] for e in h.take(4)] == ["bad_proof", "bad_proof"]
+    assert h.join(5, sid, "B")[0]["t"] == "joined"
+
+
+def test_a_proven_rejoin_replaces_the_stale_connection_even_in_a_full_session():
+    h = Harness()
+    sid = h.session(members=2)
+    h.join(2, sid, "A")
+    cid = open_circuit(h, 1, A)
+    h.take(2)
+    [joined] = h.join(3, sid, "A")  # A's daemon reconnected; its old WebSocket is half-open
+    assert joined["t"] == "joined"
+    assert joined["members"] == [{"peer_id": H, "name": "host"}, {"peer_id": A, "name": "a"}]
+    reason = f"Peer {A!r} joined session {sid!r} again from a newer connection, which replaces this one."
+    assert h.take(2) == [{"t": "error", "code": "superseded", "reason": reason, "fatal": True}]
+    assert h.closed == {2: CloseConn(2, 4001, reason[:120])}
+    assert h.take(1) == [
+        {"t": "circuit_closed", "circuit": cid, "reason": "Peer 'a' left the session: it rejoined from a new connection"},
+        {"t": "member_left", "peer_id": A, "reason": "it rejoined from a new connection"},
+        {"t": "member_joined", "peer_id": A, "name": "a"},
+    ]
+    h.send(1, t="signal", to=A, body="hi")
+    assert h.take(3) == [{"t": "signal", "from": H, "body": "hi"}]
+    h.send(2, t="signal", to=H, body="from the stale one")  # forgotten: ignored
+    assert h.take(1) == [] and h.take(2) == []
+
+
+def test_same_peer_id_under_another_key_cannot_replace_the_member():
+    first, second = COLLIDING_KEYS
+    assert peer_id(public_key(first)) == peer_id(public_key(second))
+    h = Harness()
+    sid = h.session()
+    h.connect(2)
+    h.send(2, t="join", session_id=sid, **h.ident(2, "", "join", sid, name="first", private=first))
+    assert h.take(2)[0]["t"] == "joined"
+    h.connect(3)
+    h.send(3, t="join", session_id=sid, **h.ident(3, "", "join", sid, name="second", private=second))
+    [err] = h.take(3)
+    assert err["code"] == "duplicate_peer"
+    assert err["reason"] == (f"Peer {peer_id(public_key(first))!r} is already a member of session {sid!r} "
+                             "with a different static key.")
+    assert h.closed == {}

@@ -400,3 +400,97 @@ def test_rate_limit_slows_but_delivers_everything():
                 assert [await receiver.receive_message() for _ in chunks] == chunks
 
     run_with_server(body, limits=RendezvousLimits(session_rate_Bps=100_000.0, session_burst_bytes=5_000.0))
+
+
+# --- identity: proof of the static key (proto_spec §2.4) -----------------------------------------
+
+
+def test_squatter_with_a_stolen_peer_id_is_refused_and_the_real_member_joins_the_last_slot():
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            sid, host, _ = await session(stack, url, [], members=2)
+            async with trio_websocket.open_websocket_url(url) as squatter:
+                challenge = await raw_challenge(squatter)
+                await squatter.send_message(encode_control({"t": "join", "session_id": sid, "peer_id": A,
+                                                            "name": "a"}))  # A's id, shown in `status`
+                err = decode_message(await squatter.get_message()).fields
+                assert (err["code"], err["fatal"]) == ("proof_required", False)
+                # A's public key with a proof made by the squatter's own key
+                forged = decode_message(join_msg("S", sid, "a", challenge)).fields
+                await squatter.send_message(encode_control({**forged, "peer_id": A,
+                                                            "static_public": public_key(key("A"))}))
+                err = decode_message(await squatter.get_message()).fields
+                assert err["code"] == "bad_proof" and err["reason"].startswith(f"The proof for peer {A!r}")
+                async with rdv(url, "A", "a") as real:
+                    assert await real.join(sid) == H
+                    assert await host.events.receive() == MemberJoined(A, "a")
+                    await squatter.send_message(join_msg("S", sid, "s", challenge))  # its own key: session full
+                    err = decode_message(await squatter.get_message()).fields
+                    assert (err["code"], err["reason"]) == ("session_full",
+                                                            f"Session {sid!r} already has all 2 members.")
+
+    run_with_server(body)
+
+
+def test_a_proof_seen_on_one_connection_is_refused_on_another():
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            sid, host, _ = await session(stack, url, [], members=3)
+            async with trio_websocket.open_websocket_url(url) as victim, \
+                    trio_websocket.open_websocket_url(url) as replayer:
+                seen = join_msg("A", sid, "a", await raw_challenge(victim))
+                await raw_challenge(replayer)
+                await replayer.send_message(seen)
+                err = decode_message(await replayer.get_message()).fields
+                assert (err["code"], err["fatal"]) == ("bad_proof", False)
+                await victim.send_message(seen)
+                assert decode_message(await victim.get_message()).type == "joined"
+                assert await host.events.receive() == MemberJoined(A, "a")
+
+    run_with_server(body)
+
+
+def test_a_proven_reconnect_replaces_the_stale_connection():
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            sid, host, [old] = await session(stack, url, ["A"])  # a full session of 2
+            stale = await host.open_circuit(A, "ring")
+            await old.accept_circuit()
+            new = await stack.enter_async_context(rdv(url, "A", "a"))
+            assert await new.join(sid) == H
+            reason = f"Peer {A!r} joined session {sid!r} again from a newer connection, which replaces this one."
+            assert await old.events.receive() == RendezvousErrorEvent("superseded", reason)
+            gone = await old.events.receive()
+            assert gone == Disconnected(f"the rendezvous closed the connection: {reason}")
+            assert await host.events.receive() == MemberLeft(A, "it rejoined from a new connection")
+            assert await host.events.receive() == MemberJoined(A, "a")
+            with pytest.raises(trio.EndOfChannel):
+                await stale.receive_message()
+            fresh = await host.open_circuit(A, "ring")
+            await fresh.send_message(b"to the new connection")
+            assert await (await new.accept_circuit()).receive_message() == b"to the new connection"
+
+    run_with_server(body)
+
+
+def test_a_rendezvous_without_challenge_is_a_clear_session_error():
+    async def silent(request):
+        ws = await request.accept()
+        await ws.get_message()  # never says a word
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(partial(trio_websocket.serve_websocket, silent, "127.0.0.1", 0, None))
+            url = f"ws://127.0.0.1:{server.port}"
+            with pytest.raises(SessionError) as exc:
+                async with open_rendezvous(url, static_private=key("A"), name="a", connect_timeout_s=0.5):
+                    pass
+            assert str(exc.value) == (f"Cannot use the rendezvous at {url}: it sent no key challenge within 0.5 s; "
+                                      "it may run a Kafila version without key proofs (proto_spec 03 §2.4), so "
+                                      "upgrade it.")
+            with pytest.raises(LocalProtocolError, match="32 bytes"):
+                async with open_rendezvous(url, static_private=b"short", name="a"):
+                    pass
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
