@@ -185,7 +185,7 @@ def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", conte
     >= `window_s` seconds and >= `repeats` steps each, and the window means are fitted as
     t(k blocks) = overhead + k * block_bytes / Bps.
 
-    Window means replaced medians of 7 single steps (scripts/validate_cost_model.py, seven runs on
+    Window means replaced medians of 7 single steps (scripts/validate_cost_model.py, eight runs on
     a shared 2-vCPU machine, docs/cost-model.md): the median-of-7 fit read a bandwidth-bound
     model at 2.8-5.2 GB/s from run to run, even with the CPU to itself; window means read
     4.4-5.4 GB/s.
@@ -236,7 +236,7 @@ def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", conte
 
 def measure_capability(model_dir: Optional[str | Path | dict] = None, *, dtype: str = "float32",
                        reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> dict:
-    """This member's capability report (issue 2 item 5; DESIGN §5.1). About a second at most.
+    """This member's capability report (issue 2 item 5; DESIGN §5.1). One to two seconds on small models.
 
     With `model_dir` (a directory, of which only config.json is read, or the config dict the host
     sent), bandwidth and step overhead come from timing blocks of that architecture
