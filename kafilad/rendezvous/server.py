@@ -138,7 +138,9 @@ class RendezvousServer:
                 try:
                     queue.send_nowait(item)
                 except trio.WouldBlock:  # closed by the protocol and not draining: abort it
-                    self._scopes[action.conn].cancel()
+                    scope = self._scopes.get(action.conn)
+                    if scope is not None:
+                        scope.cancel()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # that connection is going away; its own handler cleans up
 

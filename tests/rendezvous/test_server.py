@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from contextlib import AsyncExitStack
 from functools import partial
@@ -33,7 +34,7 @@ from kafilad.proto.rendezvous import (
 )
 from kafilad.proto.identity import peer_id
 from kafilad.proto.rendezvous_proof import Challenge, make_proof, public_key
-from kafilad.rendezvous.server import serve_rendezvous
+from kafilad.rendezvous.server import OUTBOUND_QUEUE_MESSAGES, serve_rendezvous
 
 HANG_GUARD_S = 20
 
@@ -494,3 +495,33 @@ def test_a_rendezvous_without_challenge_is_a_clear_session_error():
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_wedged_stale_connection_does_not_stall_the_reconnect():
+    """The stale connection reads nothing and its queue is full: it is aborted, the rejoin completes."""
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            sid, host, _ = await session(stack, url, [], members=2)
+            wedged_ws = trio_websocket.open_websocket_url(url, message_queue_size=1, disconnect_timeout=1)
+            # a client that reads nothing cannot finish its own close handshake either
+            with contextlib.suppress(trio_websocket.DisconnectionTimeout):
+                async with wedged_ws as wedged, trio.open_nursery() as nursery:
+                    await raw_join(wedged, "A", sid, "a")  # then never reads again
+                    assert await host.events.receive() == MemberJoined(A, "a")
+
+                    circuit = await host.open_circuit(A, "ring")
+                    sent = []
+
+                    async def flood():  # fills the TCP buffers, then the server's queue to `wedged`
+                        with contextlib.suppress(trio.BrokenResourceError):  # until the circuit closes
+                            while True:
+                                await circuit.send_message(b"x" * 60_000)
+                                sent.append(1)
+                    nursery.start_soon(flood)
+                    await trio.sleep(0.5)  # let the flood reach the server (not asserted on)
+                    async with rdv(url, "A", "a") as new:
+                        assert await new.join(sid) == H
+                    assert len(sent) > OUTBOUND_QUEUE_MESSAGES  # the queue to `wedged` was full
+                    assert await host.events.receive() == MemberLeft(A, "it rejoined from a new connection")
+
+    run_with_server(body)
