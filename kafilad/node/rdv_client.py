@@ -299,8 +299,11 @@ class RendezvousClient:
         """The identity fields of a `register` / `join` (proto_spec 03 §2.4)."""
         if self._challenge is None:
             raise SessionError(f"The connection to the rendezvous at {self.url} is lost: {self._lost}")
-        static_public, proof = make_proof(self._static_private, self._challenge, request_type, session_id,
-                                          self.name)
+        try:
+            static_public, proof = make_proof(self._static_private, self._challenge, request_type, session_id,
+                                              self.name)
+        except LocalProtocolError as exc:  # an unusable challenge key: the rendezvous is at fault
+            raise SessionError(f"Cannot prove this daemon's key to the rendezvous at {self.url}: {exc}") from None
         return {"peer_id": self.peer_id, "name": self.name, "static_public": static_public, "proof": proof}
 
     async def _send_raw(self, data: bytes) -> None:
