@@ -167,9 +167,10 @@ class RingMember:
         except LinkClosed as e:
             self.fail_all(f"{e.reason}", member=self.next_name)
             return
-        rids = _frame_reqs(frame)
-        for req in rids:
-            self.req_bytes[req] = self.req_bytes.get(req, 0) + n / len(rids)
+        if frame.get("t") == "act":  # an `end` goes after its request's statistics were taken
+            rids = _frame_reqs(frame)
+            for req in rids:
+                self.req_bytes[req] = self.req_bytes.get(req, 0) + n / len(rids)
 
     async def _compute(self, fn, *args):
         async with self.mlx_lock:
@@ -389,6 +390,8 @@ class RingMember:
             st.text += tail
             await self._emit(st, {"t": "token", "req": st.req, "token_id": None, "text": tail})
         st.finishing = True
+        log.info("ring: request %s ended after %d tokens; its decode steps carried up to %d requests",
+                 st.req, len(st.generated), max(st.batch_rows, default=1))
         self._ready.pop(st.req, None)
         await self._compute(self.runner.drop, st.req)  # off the trio thread: a prefill may hold the runner
         await self._send_next({"t": "end", "req": st.req, "stats": [self._stats_row(st.req)]})

@@ -1,0 +1,119 @@
+"""Batched decode round a real ring (DESIGN §6 "Batched decode", §9 item 4; kafilad/node/ring.py).
+
+Real daemons on loopback: concurrent requests decode in lockstep batches and each gets exactly
+the tokens it gets alone (greedy), requests of different lengths join and leave the batch, and a
+member killed mid-batch fails every request in the batch with that member's name.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+import trio
+
+from kafila_ctl.demo import LoopbackCluster
+from kafila_testing import STORIES_PROMPT, STORIES_REFERENCE_IDS
+from kafilad.errors import KafilaError
+
+pytestmark = pytest.mark.slow
+
+# different prompts and lengths: the short ones leave the batch while the long one decodes on
+JOBS = [("Kafila serves", 40), ("The ring", 12), ("Once upon a time", 25), ("A caravan of machines", 33)]
+
+
+def run_concurrently(c: LoopbackCluster, jobs, *, late: tuple = ()) -> dict:
+    """Generate every job through the host at once; a job listed in `late` starts once the first
+    job has streamed 4 tokens (it joins a batch already decoding). Returns prompt -> result."""
+    out, first_tokens = {}, trio.Event()
+
+    async def one(prompt, n, stream_first=False):
+        if prompt in late:
+            await first_tokens.wait()
+        tokens, result = 0, None
+        async for kind, body in c.client(0).stream("generate", prompt=prompt, max_tokens=n):
+            if kind == "event":
+                tokens += 1
+                if stream_first and tokens == 4:
+                    first_tokens.set()
+            else:
+                result = body
+        out[prompt] = result
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for i, (prompt, n) in enumerate(jobs):
+                nursery.start_soon(one, prompt, n, i == 0)
+    trio.run(main)
+    return out
+
+
+def head_batches(c: LoopbackCluster, status: dict) -> list[int]:
+    """The largest decode step (requests) of every request the head finished, from its log."""
+    head = next(m["name"] for m in status["members"] if m["head"])
+    log = (c.root / f"{head}.log").read_text()
+    return [int(x) for x in re.findall(r"its decode steps carried up to (\d+) requests", log)]
+
+
+def check_batched_equals_alone(c: LoopbackCluster, model, jobs, *, late=()) -> dict:
+    status = c.form(str(model), concurrency=len(jobs))["status"]
+    alone = {p: c.generate(p, n)["token_ids"] for p, n in jobs}
+    assert head_batches(c, status) == [1] * len(jobs)  # alone: every decode step carried one request
+    together = run_concurrently(c, jobs, late=late)
+    assert {p: r["token_ids"] for p, r in together.items()} == alone
+    assert len({tuple(t) for t in alone.values()}) == len(jobs)  # the prompts really differ
+    assert max(head_batches(c, status)[len(jobs):]) >= 3  # the concurrent requests shared decode steps
+    for r in together.values():
+        assert [s[0] for s in r["stats"]] and all(s[1] > 0 and s[2] > 0 and s[4] > 0 for s in r["stats"])
+    return together
+
+
+def test_synth_four_concurrent_requests_batch_and_match_alone(tmp_path, synth_llama):
+    with LoopbackCluster(3, root=str(tmp_path / "c")) as c:
+        got = check_batched_equals_alone(c, synth_llama, JOBS, late=("A caravan of machines",))
+        assert {p: len(r["token_ids"]) for p, r in got.items()} == dict(JOBS)
+        status = c.call(0, "status")
+        assert status["state"] == "ready" and all(m["measured_stage_s"] > 0 for m in status["members"])
+
+
+def test_stories260k_four_concurrent_requests_batch_and_match_alone(tmp_path, stories260k):
+    jobs = [(STORIES_PROMPT, 40), ("The dog", 12), ("Lily and Tom", 30), ("One day, a bird", 21)]
+    with LoopbackCluster(3, root=str(tmp_path / "c")) as c:
+        got = check_batched_equals_alone(c, stories260k, jobs, late=("One day, a bird",))
+        assert got[STORIES_PROMPT]["token_ids"] == STORIES_REFERENCE_IDS
+
+
+def test_member_killed_mid_batch_fails_every_request_with_its_name(tmp_path, synth_llama):
+    with LoopbackCluster(3, root=str(tmp_path / "c")) as c:
+        status = c.form(str(synth_llama), concurrency=4)["status"]
+        victim = next(m["name"] for m in status["members"] if not m["head"] and m["name"] != "m0")
+        vi = c.names.index(victim)
+        prompts = [p for p, _ in JOBS]
+        streamed = {p: 0 for p in prompts}
+        errors: dict = {}
+
+        async def one(prompt):
+            try:
+                async for kind, body in c.client(0).stream("generate", prompt=prompt, max_tokens=200):
+                    if kind == "event":
+                        streamed[prompt] += 1
+                        if all(n >= 3 for n in streamed.values()) and c.daemons[vi].poll() is None:
+                            c.daemons[vi].send_signal(signal.SIGKILL)  # every request is in the batch
+            except KafilaError as e:
+                errors[prompt] = str(e)
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                for p in prompts:
+                    nursery.start_soon(one, p)
+        trio.run(main)
+        assert set(errors) == set(prompts), streamed
+        assert all(victim in e for e in errors.values()), errors
+        assert all(3 <= n < 200 for n in streamed.values()), streamed
+        c.daemons[vi].wait(10)
+        snap = c.call(0, "status")
+        assert snap["state"] == "failed" and victim in snap["error"]
+        for i, p in enumerate(c.daemons):
+            if i != vi:
+                assert p.poll() is None and c.call(i, "keys")["name"] == c.names[i]
