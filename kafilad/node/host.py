@@ -434,16 +434,9 @@ class HostSession:
         me.load = {"fetched_bytes": 0, "cached_bytes": 0, "load_s": time.perf_counter() - t0}
 
     def _attach_ring(self, nxt, prv) -> None:
-        ring = self.ring
-        ring.next_link = nxt
-        i = self.ring_order.index(self.node.peer_id)
-        nxt_pid = self.ring_order[(i + 1) % len(self.ring_order)]
-        ring.next_is_head = nxt_pid == self.ring_order[0]
-        ring.next_name = self.members[nxt_pid].name
-        self.nursery.start_soon(ring.run)
-        self.nursery.start_soon(self._watch_ring, ring)
-        if prv is not None:
-            self.nursery.start_soon(ring.feed_from, prv)
+        stagehost.attach_ring(self.ring, nursery=self.nursery, me=self.node.peer_id, ring_order=self.ring_order,
+                              names={pid: r.name for pid, r in self.members.items()}, next_link=nxt, prev_link=prv,
+                              watch=self._watch_ring)
 
     async def _watch_ring(self, ring) -> None:
         await ring.broken_event.wait()

@@ -277,15 +277,9 @@ class MemberSession:
                                                     incoming=self._ring_incoming, member=self.ring,  # [paths]
                                                     on_edges=lambda: self.link.send(  # [paths] upgrades
                                                         {"t": "edges", "edges": stagehost.edges_of(self.node)}))
-            self.ring.next_link = nxt
-            i = self.ring_order.index(self.node.peer_id)
-            nxt_pid = self.ring_order[(i + 1) % len(self.ring_order)]
-            self.ring.next_is_head = nxt_pid == self.ring_order[0]
-            self.ring.next_name = self.roster[nxt_pid]["name"]
-            self.nursery.start_soon(self.ring.run)
-            self.nursery.start_soon(self._watch_ring, self.ring)
-            if prv is not None:
-                self.nursery.start_soon(self.ring.feed_from, prv)
+            stagehost.attach_ring(self.ring, nursery=self.nursery, me=self.node.peer_id, ring_order=self.ring_order,
+                                  names={pid: r["name"] for pid, r in self.roster.items()}, next_link=nxt,
+                                  prev_link=prv, watch=self._watch_ring)
             self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "load_s": time.perf_counter() - t0,
                          "edges": stagehost.edges_of(self.node)}  # [paths] this member's ring edges
             await self.link.send({"t": "ready", **self.load})

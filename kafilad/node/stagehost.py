@@ -359,3 +359,23 @@ def make_ring_member(node, *, stage, head: bool, tokenizer) -> RingMember:
     ex = executor()
     return RingMember(peer_id=node.peer_id, name=node.name, runner=ex.runner.StageRunner(stage),
                       mlx_lock=node.mlx_lock, head=head, tokenizer=tokenizer, executor=ex.runner)
+
+
+def attach_ring(ring: RingMember, *, nursery, me: str, ring_order: list[str], names: dict, next_link, prev_link,
+                watch) -> None:
+    """Wire a built RingMember into its ring edges and start its tasks in `nursery`.
+
+    Args:
+        me: this member's peer id; ring_order: peer ids, head first; names: peer id -> name.
+        next_link, prev_link: from connect_ring (None when the ring is this member alone).
+        watch: async callable(ring) run to report a broken ring to the session.
+    """
+    ring.next_link = next_link
+    i = ring_order.index(me)
+    nxt_pid = ring_order[(i + 1) % len(ring_order)]
+    ring.next_is_head = nxt_pid == ring_order[0]
+    ring.next_name = names[nxt_pid]
+    nursery.start_soon(ring.run)
+    nursery.start_soon(watch, ring)
+    if prev_link is not None:
+        nursery.start_soon(ring.feed_from, prev_link)
