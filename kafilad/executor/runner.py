@@ -2,7 +2,9 @@
 
 A `StageRunner` holds one KV cache list per request id. The trio node calls its synchronous
 methods with `trio.to_thread.run_sync` (DESIGN §6: MLX work runs off the trio thread); a lock
-serialises MLX work inside one runner, so several worker threads may call it at once.
+serialises MLX work inside one runner. Batched caches leave lazily evaluated arrays behind after
+`drop`/extract, and MLX binds those to the thread that built them, so the node drives every
+runner of a process from one dedicated worker thread (kafilad/node/ring.py `run_on_mlx_thread`).
 
 How the ring replays `mlx_lm.generate.generate_step` exactly (the token-identity rule):
 
