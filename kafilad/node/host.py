@@ -35,6 +35,7 @@ import trio
 from kafilad.errors import GenerationError, HandshakeError, KafilaError, SessionError
 from kafilad.modelinfo import read_model_info
 from kafilad.node import stagehost
+from kafilad.node.ring import run_on_mlx_thread
 from kafilad.node.link import Link, LinkClosed, secure_link
 from kafilad.planner import plan as make_plan
 from kafilad.planner.records import Device
@@ -359,7 +360,7 @@ class HostSession:
     async def _form(self) -> None:
         t0 = time.perf_counter()
         me = self.members[self.node.peer_id]
-        me.capability = await trio.to_thread.run_sync(stagehost.measure_capability, self.model_dir)
+        me.capability = await run_on_mlx_thread(stagehost.measure_capability, self.model_dir)
         me.capability.update(await stagehost.nat_capability(self.node, self.rdv))  # [paths]
         self.node.changed()
         while True:
@@ -424,7 +425,7 @@ class HostSession:
             return stage, tok
 
         async with self.node.mlx_lock:
-            stage, tok = await trio.to_thread.run_sync(build)
+            stage, tok = await run_on_mlx_thread(build)
         self.ring = stagehost.make_ring_member(self.node, stage=stage, head=head, tokenizer=tok)
         nxt, prv = await stagehost.connect_ring(node=self.node, rdv=self.rdv, session_id=self.session_id,
                                                 ring=self.ring_order, roster=roster, incoming=self._ring_incoming,

@@ -18,6 +18,7 @@ import trio
 from kafilad.errors import HandshakeError, KafilaError, SessionError
 from kafilad.node import stagehost
 from kafilad.node.host import result_of
+from kafilad.node.ring import run_on_mlx_thread
 from kafilad.node.link import Link, LinkClosed, secure_link
 from kafilad.proto.identity import fingerprint, fingerprint_matches, parse_session_code, peer_id as peer_id_of
 
@@ -163,7 +164,7 @@ class MemberSession:
 
     # ---- control loop ----------------------------------------------------------------------
     async def _control_loop(self) -> None:
-        cap = await trio.to_thread.run_sync(stagehost.measure_capability, self.admitted["config"])
+        cap = await run_on_mlx_thread(stagehost.measure_capability, self.admitted["config"])
         cap.update(await stagehost.nat_capability(self.node, self.rdv))  # [paths] nat_class, rendezvous_rtt_ms
         self.capability = cap
         await self.link.send({"t": "capability", **cap})
@@ -268,7 +269,7 @@ class MemberSession:
             self.load["progress"] = "building the stage"
             self.node.changed()
             async with self.node.mlx_lock:
-                stage, tok = await trio.to_thread.run_sync(build)
+                stage, tok = await run_on_mlx_thread(build)
             self.load["progress"] = "joining the ring"
             self.node.changed()
             self.ring = stagehost.make_ring_member(self.node, stage=stage, head=f["head"], tokenizer=tok)
