@@ -53,7 +53,7 @@ def test_relayed_ring_upgrades_to_direct_during_a_long_generation(tmp_path, synt
     prompt, n = "Kafila upgrades", 1500
     expected = reference_tokens(synth_llama, prompt, n)
     assert len(expected) > 300  # long enough to span the upgrade
-    env = {"KAFILA_TEST_DROP_CHECKS": "1", "KAFILA_REPROBE_S": "2"}
+    env = {"KAFILA_TEST_DROP_CHECKS": "1", "KAFILA_REPROBE_S": "1"}  # re-probes at ~1, 3, 7 s
     with LoopbackCluster(3, root=str(tmp_path / "c"), env=env) as cluster:
         _form_relayed(cluster, synth_llama, context=4096)
         t0 = time.time()
