@@ -7,7 +7,6 @@ that `kafila-ctl` uses.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -49,6 +48,7 @@ class LoopbackCluster:
         self.rdv: Optional[subprocess.Popen] = None
         self.daemons: list[Optional[subprocess.Popen]] = []
         self.rdv_url = ""
+        self.stun: list[tuple[str, int]] = []  # STUN addresses the rendezvous also serves
 
     def state_dir(self, i: int) -> Path:
         return self.root / self.names[i]
@@ -67,29 +67,39 @@ class LoopbackCluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> None:
+    def rendezvous_argv(self) -> list[str]:
+        """The rendezvous command; it prints `rendezvous listening on ws://IP:PORT` when bound."""
         cmd = [sys.executable, "-m", "kafilad.main", "rendezvous", "--listen", "127.0.0.1:0"]
+        for host, port in self.stun:
+            cmd += ["--stun", f"{host}:{port}"]
         if self.record_path:
             cmd += ["--record-relay", str(self.record_path)]
+        return cmd
+
+    def daemon_argv(self, i: int) -> list[str]:
+        return [sys.executable, "-m", "kafilad.main", "--state-dir", str(self.state_dir(i)), "--name", self.names[i],
+                "--rendezvous", self.rdv_url, "--http", "127.0.0.1:0"]
+
+    def daemon_env(self, i: int) -> dict:
+        return self.env
+
+    def start(self) -> None:
         log = open(self.root / "rendezvous.log", "wb")
-        self.rdv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=self.env)
+        self.rdv = subprocess.Popen(self.rendezvous_argv(), stdout=subprocess.PIPE, stderr=log, env=self.env)
         line = self.rdv.stdout.readline().decode()
-        m = re.search(r"ws://[\d.]+:(\d+)", line)
+        m = re.search(r"ws://([\d.]+):(\d+)", line)
         if not m:
             raise KafilaError(f"The rendezvous did not start: {line!r}; see {self.root / 'rendezvous.log'}.")
-        self.rdv_url = f"ws://127.0.0.1:{m.group(1)}"
+        self.rdv_url = f"ws://{m.group(1)}:{m.group(2)}"
         for i in range(self.n):
             self.daemons.append(self.start_daemon(i))
         for i in range(self.n):
             self.wait_daemon(i)
 
     def start_daemon(self, i: int) -> subprocess.Popen:
-        d = self.state_dir(i)
-        d.mkdir(parents=True, exist_ok=True)
+        self.state_dir(i).mkdir(parents=True, exist_ok=True)
         log = open(self.root / f"{self.names[i]}.log", "ab")
-        return subprocess.Popen([sys.executable, "-m", "kafilad.main", "--state-dir", str(d), "--name", self.names[i],
-                                 "--rendezvous", self.rdv_url, "--http", "127.0.0.1:0"],
-                                stdout=log, stderr=log, env=self.env)
+        return subprocess.Popen(self.daemon_argv(i), stdout=log, stderr=log, env=self.daemon_env(i))
 
     def wait_daemon(self, i: int) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -22,7 +22,6 @@ host -> member  {"t": "session_failed", "reason"}
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 import uuid

@@ -10,7 +10,6 @@ import hashlib
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Optional
 
 import trio

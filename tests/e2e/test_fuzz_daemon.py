@@ -7,9 +7,7 @@ direct edges stay direct, and the STUN responder still answers (proto_spec 07 §
 from __future__ import annotations
 
 import ipaddress
-import re
 import socket
-import subprocess
 import sys
 import threading
 
@@ -18,7 +16,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kafila_ctl.demo import LoopbackCluster
 from kafila_testing import reference_tokens
-from kafilad.errors import KafilaError
 from kafilad.proto.stun import Class, Message, Method, decode, encode
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="Linux loopback")]
@@ -44,29 +41,8 @@ class FuzzCluster(LoopbackCluster):
         p = _free_udp_ports(1)[0]
         self.stun = [("127.0.0.1", p), ("127.0.0.1", p + 1)] if p < 65535 else [("127.0.0.1", p)]
 
-    def start(self) -> None:  # LoopbackCluster.start with --stun
-        cmd = [sys.executable, "-m", "kafilad.main", "rendezvous", "--listen", "127.0.0.1:0"]
-        for host, port in self.stun:
-            cmd += ["--stun", f"{host}:{port}"]
-        log = open(self.root / "rendezvous.log", "wb")
-        self.rdv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=self.env)
-        line = self.rdv.stdout.readline().decode()
-        m = re.search(r"ws://[\d.]+:(\d+)", line)
-        if not m:
-            raise KafilaError(f"The rendezvous did not start: {line!r}.")
-        self.rdv_url = f"ws://127.0.0.1:{m.group(1)}"
-        for i in range(self.n):
-            self.daemons.append(self.start_daemon(i))
-        for i in range(self.n):
-            self.wait_daemon(i)
-
-    def start_daemon(self, i: int) -> subprocess.Popen:
-        shared = self.env
-        self.env = {**shared, "KAFILA_UDP_BIND": f"127.0.0.1:{self.udp_ports[i]}"}
-        try:
-            return super().start_daemon(i)
-        finally:
-            self.env = shared
+    def daemon_env(self, i: int) -> dict:
+        return {**self.env, "KAFILA_UDP_BIND": f"127.0.0.1:{self.udp_ports[i]}"}
 
 
 # ---- datagram strategies -----------------------------------------------------------------------

@@ -29,7 +29,6 @@ def mlx_lm_greedy(model_dir, prompt_ids, n, prefill_step_size=2048):
 
 
 def ring_runners(model_dir, bounds):
-    n = len(bounds)
     return [StageRunner(load_stage_from_dir(model_dir, a, b, head=(i == 0))) for i, (a, b) in enumerate(bounds)]
 
 

@@ -8,16 +8,12 @@ O-S direct; C-S and S-S relayed.
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from kafila_ctl.demo import LoopbackCluster
-from kafilad.errors import KafilaError
 
 from .conftest import require_lab
 from .lab import RDV_IPS, STUN_GRID, Lab
@@ -33,27 +29,13 @@ class LabCluster(LoopbackCluster):
         super().__init__(len(lab.members), root=tempfile.mkdtemp(prefix="kl-"), names=list(lab.members), **kw)
         self._own_root = True
 
-    def start(self) -> None:
+    def rendezvous_argv(self) -> list[str]:
         stun = [a for ip, port in STUN_GRID for a in ("--stun", f"{ip}:{port}")]
-        cmd = self.lab.python("rdv", "-m", "kafilad.main", "rendezvous", "--listen", f"{RDV_IPS[0]}:{RDV_PORT}", *stun)
-        log = open(self.root / "rendezvous.log", "wb")
-        self.rdv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=self.env)
-        line = self.rdv.stdout.readline().decode()
-        if not re.search(r"ws://[\d.]+:(\d+)", line):
-            raise KafilaError(f"The lab rendezvous did not start: {line!r}; see {self.root / 'rendezvous.log'}.")
-        self.rdv_url = f"ws://{RDV_IPS[0]}:{RDV_PORT}"
-        for i in range(self.n):
-            self.daemons.append(self.start_daemon(i))
-        for i in range(self.n):
-            self.wait_daemon(i)
+        return self.lab.python("rdv", "-m", "kafilad.main", "rendezvous", "--listen", f"{RDV_IPS[0]}:{RDV_PORT}", *stun)
 
-    def start_daemon(self, i: int) -> subprocess.Popen:
-        d = self.state_dir(i)
-        d.mkdir(parents=True, exist_ok=True)
-        log = open(self.root / f"{self.names[i]}.log", "ab")
-        return subprocess.Popen(self.lab.python(self.names[i], "-m", "kafilad.main", "--state-dir", str(d),
-                                                "--name", self.names[i], "--rendezvous", self.rdv_url),
-                                stdout=log, stderr=log, env=self.env)
+    def daemon_argv(self, i: int) -> list[str]:
+        return self.lab.python(self.names[i], "-m", "kafilad.main", "--state-dir", str(self.state_dir(i)),
+                               "--name", self.names[i], "--rendezvous", self.rdv_url)
 
     def form_in_order(self, model_dir: str, *, context: int = 512, timeout_s: float = 180.0) -> dict:
         """Host on m1, then join m2, m3, ... one after another (join order matters to the test)."""
