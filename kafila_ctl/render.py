@@ -72,6 +72,11 @@ def status_renderable(snap: dict):
     if lg.get("decode_tokens_per_s"):
         head.append(f"\nlast generation: {lg['decode_tokens_per_s']:.1f} tokens/s decode, "
                     f"ttft {_ms(lg.get('ttft_s'))} ms")
+    members = snap.get("members") or []
+    if snap.get("role") == "host" and members and not any(m.get("nat_class") for m in members) \
+            and all(m.get("capability") for m in members):
+        head.append("\nNAT classes unknown: the rendezvous serves no STUN (start it with --stun ADDR:PORT)",
+                    style="dim")
     parts = [head, members_table(snap)]
     if snap.get("pending"):
         pt = Table(title="pending admission")

@@ -49,3 +49,10 @@ def test_idle_and_failed_views():
     assert "not in a session" in idle
     failed = render({**SNAPSHOT, "state": "failed", "error": "member m1 (prqlnsqi) left the session: killed"})
     assert "state failed" in failed and "member m1 (prqlnsqi) left the session: killed" in failed
+
+
+def test_hint_when_no_member_has_a_nat_class():
+    members = [{**m, "nat_class": None, "capability": {"memory_bytes": 1}} for m in SNAPSHOT["members"]]
+    out = render({**SNAPSHOT, "members": members})
+    assert "NAT classes unknown: the rendezvous serves no STUN" in out
+    assert "NAT classes unknown" not in render(SNAPSHOT)
