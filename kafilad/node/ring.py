@@ -173,10 +173,18 @@ class RingMember:
                 self.req_bytes[req] = self.req_bytes.get(req, 0) + n / len(rids)
 
     async def _compute(self, fn, *args):
-        async with self.mlx_lock:
+        """Run `fn(*args)` on the MLX thread; return (result, seconds `fn` itself took).
+
+        The time is taken inside the worker thread, so it is the stage's compute (what the
+        planner predicts, DESIGN §5.1), not the hand-off between trio and the worker.
+        """
+        def timed():
             t0 = time.perf_counter()
-            out = await run_on_mlx_thread(fn, *args)
+            out = fn(*args)
             return out, time.perf_counter() - t0
+
+        async with self.mlx_lock:
+            return await run_on_mlx_thread(timed)
 
     def _note_step(self, rids: list[str], dt: float) -> None:
         for req in rids:
