@@ -160,7 +160,21 @@ def cmd_chat(args) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        result = _stream_generation(args, messages=messages)
+        while True:
+            try:
+                result = _stream_generation(args, messages=messages)
+                break
+            except KafilaError as e:
+                first = 1 if messages[0]["role"] == "system" else 0
+                if "admitted context" in str(e) and len(messages) - first > 1:
+                    del messages[first:first + 2]  # forget the oldest exchange and try again
+                    continue
+                print(f"kafila-ctl: {e}", file=sys.stderr)
+                messages.pop()
+                result = None
+                break
+        if result is None:
+            continue
         print()
         messages.append({"role": "assistant", "content": result["text"]})
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
 from typing import Optional
@@ -150,10 +151,15 @@ async def _complete(node, conn, stream, req: dict, *, chat: bool) -> None:
         default_max = 16
     max_tokens = req.get("max_tokens", req.get("max_completion_tokens", default_max))
     temperature = req.get("temperature", 0.0)
-    if not isinstance(max_tokens, int) or max_tokens < 1:
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise HttpError(400, "'max_tokens' must be a positive integer.")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise HttpError(400, "'temperature' must be a non-negative number.")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise HttpError(400, "'temperature' must be a finite, non-negative number.")
+    if req.get("n", 1) != 1:
+        raise HttpError(400, "Only 'n': 1 is supported.")
+    if req.get("stop"):
+        raise HttpError(400, "'stop' sequences are not supported; generation ends at EOS or 'max_tokens'.")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
@@ -170,7 +176,7 @@ async def _complete(node, conn, stream, req: dict, *, chat: bool) -> None:
             result = await s.generate(prompt, max_tokens=max_tokens, temperature=float(temperature),
                                       emit=_ignore)
         except GenerationError as e:
-            status = 400 if "admitted context" in str(e) else 500
+            status = 400 if "admitted context" in str(e) else 500  # the prompt is too long for the session
             raise HttpError(status, str(e), "server_error" if status == 500 else "invalid_request_error") from None
         finish = "length" if len(result["token_ids"]) >= max_tokens else "stop"
         await _send_json(conn, stream, 200, {

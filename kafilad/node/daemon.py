@@ -8,6 +8,7 @@ errors before they are established reach the `kafila-ctl` command that asked for
 from __future__ import annotations
 
 import logging
+import math
 import signal
 from typing import Optional
 
@@ -15,13 +16,30 @@ import trio
 
 from kafilad.control.api import OPS
 from kafilad.control.server import serve_control
-from kafilad.errors import KafilaError
+from kafilad.errors import KafilaError, find_kafila_error
 from kafilad.node.statedir import StateDir
 from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
 
 log = logging.getLogger("kafilad")
 
 DEFAULT_ADMIT_TIMEOUT_S = 120.0
+
+
+def _arg(args: dict, key: str, kind: type, default):
+    """A control argument of the given type (bool is not an int here), or its default.
+
+    Raises:
+        KafilaError: the argument has another type.
+    """
+    value = args.get(key, default)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise KafilaError(f"Control argument '{key}' must be {kind.__name__}, not {type(value).__name__}.")
+    return value
 
 
 class Node:
@@ -139,8 +157,10 @@ class Node:
         try:
             await self.nursery.start(lambda task_status: self._run_session(session, task_status=task_status,
                                                                            progress=progress))
-        except BaseException:
+        except BaseException as e:
             session.state = "failed"
+            known = find_kafila_error(e) if isinstance(e, Exception) else None
+            session.error = str(known or e) or type(e).__name__
             self.changed()
             raise
         self.changed()
@@ -185,8 +205,11 @@ class Node:
 
     async def op_wait(self, args: dict, emit) -> dict:
         """Wait until the session state is in args["states"]; error if it fails or times out."""
-        states = set(args.get("states") or ["ready"])
-        with trio.move_on_after(float(args.get("timeout_s", 300))):
+        states = set(_arg(args, "states", list, ["ready"]))
+        timeout_s = _arg(args, "timeout_s", float, 300.0)
+        if timeout_s < 0:
+            raise KafilaError(f"--timeout must be 0 or more seconds (got {timeout_s:g}).")
+        with trio.move_on_after(timeout_s):
             while True:
                 snap = self.snapshot()
                 if snap["state"] in states:
@@ -206,11 +229,11 @@ class Node:
 
     async def op_generate(self, args: dict, emit) -> dict:
         s = self._host_session()
-        max_tokens, temperature = int(args.get("max_tokens", 64)), float(args.get("temperature", 0.0))
+        max_tokens, temperature = _arg(args, "max_tokens", int, 64), _arg(args, "temperature", float, 0.0)
         if max_tokens < 1:
             raise KafilaError(f"--max-tokens must be at least 1 (got {max_tokens}).")
-        if not temperature >= 0.0:
-            raise KafilaError(f"--temperature must be 0 (greedy) or positive (got {temperature:g}).")
+        if not (temperature >= 0.0 and math.isfinite(temperature)):
+            raise KafilaError(f"--temperature must be 0 (greedy) or a finite positive number (got {temperature:g}).")
         prompt = args.get("prompt")
         if args.get("messages") is not None:
             prompt = s.chat_prompt(args["messages"])

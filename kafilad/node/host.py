@@ -125,6 +125,8 @@ class HostSession:
         limit = self.info.config.get("max_position_embeddings")
         if self.context is None:
             self.context = min(DEFAULT_CONTEXT, int(limit)) if limit else DEFAULT_CONTEXT
+        if not self.admit_timeout_s > 0:
+            raise KafilaError(f"--admit-timeout must be a positive number of seconds (got {self.admit_timeout_s:g}).")
         if self.context < 1 or self.concurrency < 1:
             raise KafilaError(f"--context and --concurrency must be at least 1 (got {self.context} and {self.concurrency}).")
         if limit and self.context > int(limit):
@@ -584,9 +586,12 @@ class HostSession:
     async def close(self) -> None:
         if self.trace is not None:  # [paths] the edges (paths, bytes sent) at session end
             self.trace.write("session_closed", edges=stagehost.session_edges(self))  # [paths]
+        reason = "the host closed the session"
+        self._fail(reason)  # requests in flight end with this reason, not a member's departure
+        self.state = "closing"
         for r in list(self.members.values()):  # [paths] members may leave while we await
             if r.link is not None:
-                await r.link.close("host closed the session")
+                await r.link.close(reason)
         self.state = "closed"
 
 

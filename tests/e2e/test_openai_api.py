@@ -53,3 +53,13 @@ def test_completions_models_and_streaming(tmp_path, synth_llama):
         assert status == 400 and "'max_tokens' must be a positive integer" in json.loads(body)["error"]["message"]
         status, _ = post(base + "/nowhere", {})
         assert status == 404
+        status, body = post(base + "/completions", {"prompt": "x", "max_tokens": 3, "temperature": 1e999})
+        assert status == 400 and "finite" in json.loads(body)["error"]["message"]
+        # `kafila-ctl chat`: the second turn no longer fits 512 tokens with 256 to generate, so the
+        # oldest exchange is forgotten rather than the chat ending
+        import subprocess
+        import sys
+        r = subprocess.run([sys.executable, "-m", "kafila_ctl.cli", "--state-dir", str(c.state_dir(0)), "chat"],
+                           input="hello\nwhat now\n", capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "kafila-ctl:" not in r.stderr, r.stderr
+        assert len([ln for ln in r.stdout.splitlines() if ln.strip()]) >= 2
