@@ -59,6 +59,7 @@ class MemberRecord:
     capability: Optional[dict] = None
     ready: bool = False
     lost: Optional[str] = None
+    control_down: bool = False  # its ctl circuit died with the rendezvous; its ring stage may still run
     load: dict = attrs.field(factory=dict)
 
 
@@ -109,6 +110,7 @@ class HostSession:
         self._ring_incoming_send, self._ring_incoming = trio.open_memory_channel(8)
         self.trace = None
         self.rdv = None
+        self.rendezvous_lost: Optional[str] = None  # why the rendezvous connection ended (DESIGN §2)
         self._culprit: Optional[str] = None
 
     def _validate(self) -> None:
@@ -190,7 +192,10 @@ class HostSession:
     # ---- membership -------------------------------------------------------------------------
     async def _accept_loop(self, rdv) -> None:
         while True:
-            circuit = await rdv.accept_circuit()
+            try:
+                circuit = await rdv.accept_circuit()
+            except trio.BrokenResourceError:
+                return  # the rendezvous is gone; _events_loop gets its Disconnected
             if circuit.label == "ctl":
                 self.nursery.start_soon(self._serve_member, circuit)
             elif circuit.label == "ring":
@@ -214,7 +219,46 @@ class HostSession:
                         self._members_changed.set()
                         self.node.changed()
             elif isinstance(ev, Disconnected):
-                self._fail(f"the connection to the rendezvous was lost: {ev.reason}")
+                await self._rendezvous_gone(ev.reason)
+
+    def _rdv_lost_reason(self) -> Optional[str]:
+        """Why the rendezvous connection ended, or None while it is up."""
+        return self.rendezvous_lost or getattr(self.rdv, "_lost", None)
+
+    async def _rendezvous_gone(self, reason: str) -> None:
+        """The rendezvous connection ended (DESIGN §2: it is signalling and a last-resort relay).
+
+        Every ctl link (a relayed circuit) died with it. A ready session whose ring edges are all
+        direct keeps serving while the head is the host; with another head the host cannot start
+        requests, and with any relayed edge the ring itself is broken: both fail the session.
+        """
+        if self.rendezvous_lost is not None:
+            return
+        self.rendezvous_lost = reason
+        for r in self.members.values():
+            if r.link is not None:
+                r.control_down = True
+        lost = f"the connection to the rendezvous was lost ({str(reason).rstrip('.')})"
+        if self.trace:
+            self.trace.write("rendezvous_lost", reason=reason)
+        self.node.changed()
+        if self.state != "ready":
+            await self._fail_and_notify(f"{lost} while the session was {self.state}")
+            return
+        relayed = [f"{e['from']} -> {e['to']}" for e in stagehost.session_edges(self) if e.get("path") != "direct"]
+        if relayed:
+            await self._fail_and_notify(f"{lost}, and the ring edge(s) {', '.join(relayed)} were relayed "
+                                        "through it, so the ring is broken")
+            return
+        head = self.members.get(self.ring_order[0]) if self.ring_order else None
+        if head is not None and head.link is not None:
+            self._culprit = head.name
+            self._fail(f"the control link to the head {head.name} went down with the rendezvous; {lost}. "
+                       f"The ring is direct and still runs, but this host can only start requests through "
+                       f"the head: leave and form the session again once the rendezvous is back")
+            return
+        log.warning("session %s: %s; every ring edge is direct and the head is this host, so it keeps serving",
+                    self.session_id, lost)
 
     async def _member_lost(self, rec: MemberRecord, reason: str) -> None:
         msg = f"member {rec.name} ({rec.peer_id}) left the session: {reason}"
@@ -249,7 +293,9 @@ class HostSession:
             await self._member_loop(rec)
         except LinkClosed as e:
             rec = self.members.get(pid)
-            if rec is not None and rec.link is link and rec.lost is None:
+            if rec is not None and rec.link is link and self._rdv_lost_reason() is not None:
+                await self._rendezvous_gone(self._rdv_lost_reason())  # its ctl circuit died with the rendezvous
+            elif rec is not None and rec.link is link and rec.lost is None:
                 rec.lost = e.reason
                 if self.state in ("planning", "loading", "ready"):
                     await self._member_lost(rec, e.reason)
@@ -442,9 +488,12 @@ class HostSession:
 
     async def _watch_ring(self, ring) -> None:
         await ring.broken_event.wait()
-        if self.state not in ("failed", "closed"):
+        if self.state not in ("failed", "closing", "closed"):
             self._culprit = ring.broken_member
-            await self._fail_and_notify(ring.broken)
+            lost = self._rdv_lost_reason()
+            await self._fail_and_notify(ring.broken if lost is None else
+                                        f"{ring.broken} (the connection to the rendezvous was lost as well: "
+                                        f"{str(lost).rstrip('.')})")
 
     async def _fail_and_notify(self, msg: str) -> None:
         """Fail the session and tell every member (whose head then fails its requests)."""
@@ -571,11 +620,13 @@ class HostSession:
                             "predicted_stage_s": plan.stage_s.get(r.name) if plan else None,
                             "measured_stage_s": self.measured_stage_s.get(r.name),
                             "ready": r.ready, "lost": r.lost,
+                            "control": None if r.link is None else ("down" if r.control_down else "up"),
                             "progress": "loading" if self.state == "loading" and not r.ready else None,
                             "capability": r.capability,
                             "nat_class": (r.capability or {}).get("nat_class")})  # [paths]
         return {"role": "host", "session_id": self.session_id, "code": self.code, "state": self.state,
                 "error": self.error, "model_id": self.info.model_id, "expected_members": self.expected,
+                "rendezvous": "lost" if self.rendezvous_lost else ("connected" if self.rdv else None),
                 "context": self.context, "concurrency": self.concurrency, "members": members,
                 "pending": [{"peer_id": p.peer_id, "name": p.name} for p in self.pending.values()],
                 "form_s": self.formed_s, "last_generation": self.last_generation,

@@ -50,6 +50,8 @@ class MemberSession:
         self._ring_incoming_send, self._ring_incoming = trio.open_memory_channel(8)
         self._fetch_waiters: dict[int, trio.MemorySendChannel] = {}
         self._next_fetch = 0
+        self.rdv = None
+        self.rendezvous_lost: Optional[str] = None  # why the rendezvous connection ended (DESIGN §2)
 
     async def run(self, *, progress, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Join; `task_status.started()` once admitted. Before that, errors propagate to the caller.
@@ -141,7 +143,10 @@ class MemberSession:
 
     async def _accept_loop(self, rdv) -> None:
         while True:
-            circuit = await rdv.accept_circuit()
+            try:
+                circuit = await rdv.accept_circuit()
+            except trio.BrokenResourceError:
+                return  # the rendezvous is gone; _events_loop gets its Disconnected
             if circuit.label == "ring":
                 await self._ring_incoming_send.send(circuit)
             else:
@@ -158,8 +163,35 @@ class MemberSession:
                     self.ring.fail_all(f"it left the session ({ev.reason})", member=name)
                 if self.state in ("loading", "ready"):
                     self._fail(f"member {name} left the session: {ev.reason}")
-            elif isinstance(ev, (SessionClosed, Disconnected)):
+            elif isinstance(ev, Disconnected):
+                self._rendezvous_gone(ev.reason)
+            elif isinstance(ev, SessionClosed):
                 self._fail(f"the session ended: {ev.reason}")
+
+    def _rendezvous_gone(self, reason: str) -> bool:
+        """The rendezvous connection ended, and with it the ctl link to the host (a relayed circuit).
+
+        A ready member whose two ring edges are direct keeps running its stage (DESIGN §2: the
+        rendezvous is signalling and a last-resort relay); otherwise it fails. Returns True if it
+        keeps running.
+        """
+        first = self.rendezvous_lost is None
+        self.rendezvous_lost = self.rendezvous_lost or reason
+        lost = f"the connection to the rendezvous was lost ({str(self.rendezvous_lost).rstrip('.')})"
+        paths = [e.get("path") for e in stagehost.edges_of(self.node)]
+        keep = self.state == "ready" and len(paths) >= 2 and all(p == "direct" for p in paths) \
+            and (self.ring is None or not self.ring.broken)
+        if not keep:
+            self._fail(f"{lost} while this device was {self.state}" if self.state != "ready" else
+                       f"{lost}, and this device's ring edges were relayed through it")
+        elif first:
+            log.warning("session %s: %s; both ring edges are direct, so this stage keeps serving",
+                        self.session_id, lost)
+            self.node.changed()
+        return keep
+
+    def _rdv_lost_reason(self) -> Optional[str]:
+        return self.rendezvous_lost or getattr(self.rdv, "_lost", None)
 
     # ---- control loop ----------------------------------------------------------------------
     async def _control_loop(self) -> None:
@@ -173,6 +205,9 @@ class MemberSession:
             try:
                 f = await self.link.receive()
             except LinkClosed as e:
+                lost = self._rdv_lost_reason()
+                if lost is not None and self._rendezvous_gone(lost):
+                    await trio.sleep_forever()  # the ring stage keeps serving without the ctl link
                 self._fail(f"the link to the host {self.host_name} closed: {e.reason}")
                 return
             t = f.get("t")
@@ -300,8 +335,10 @@ class MemberSession:
         await ring.broken_event.wait()
         try:
             await self.link.send({"t": "ring_broken", "reason": ring.broken, "member": ring.broken_member})
-        except LinkClosed:
-            pass
+        except LinkClosed:  # no host to tell (the rendezvous took the ctl link): fail here
+            lost = self._rdv_lost_reason()
+            self._fail(ring.broken if lost is None else
+                       f"{ring.broken} (the connection to the rendezvous was lost: {str(lost).rstrip('.')})")
 
     async def _serve_generation(self, f: dict) -> None:
         req = f["req"]
@@ -332,6 +369,8 @@ class MemberSession:
                             "predicted_stage_s": plan.get("stage_s", {}).get(name), "measured_stage_s": None})
         return {"role": "member", "session_id": self.session_id, "code": self.code, "state": self.state,
                 "error": self.error, "host": self.host_name, "members": members,
+                "rendezvous": "lost" if self.rendezvous_lost else ("connected" if self.rdv else None),
+                "control": "down" if self.rendezvous_lost else ("up" if self.link else None),
                 "blocks": [p["start"], p["end"]] if p else None, "head": bool(p.get("head")),
                 "capability": self.capability, "load": self.load, "plan": plan or None}
 
