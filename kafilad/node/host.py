@@ -223,7 +223,7 @@ class HostSession:
 
     def _rdv_lost_reason(self) -> Optional[str]:
         """Why the rendezvous connection ended, or None while it is up."""
-        return self.rendezvous_lost or getattr(self.rdv, "_lost", None)
+        return self.rendezvous_lost or getattr(self.rdv, "lost", None)
 
     async def _rendezvous_gone(self, reason: str) -> None:
         """The rendezvous connection ended (DESIGN §2: it is signalling and a last-resort relay).

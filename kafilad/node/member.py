@@ -191,7 +191,7 @@ class MemberSession:
         return keep
 
     def _rdv_lost_reason(self) -> Optional[str]:
-        return self.rendezvous_lost or getattr(self.rdv, "_lost", None)
+        return self.rendezvous_lost or getattr(self.rdv, "lost", None)
 
     # ---- control loop ----------------------------------------------------------------------
     async def _control_loop(self) -> None:

@@ -222,6 +222,11 @@ class RendezvousClient:
 
     # --- requests -------------------------------------------------------------------------------
 
+    @property
+    def lost(self) -> str | None:
+        """Why the connection to the rendezvous ended, or None while it is up."""
+        return self._lost
+
     async def register(self, model_id: str, members: int, capability: dict) -> str:
         """Open a session as its host (DESIGN §3 step 1; proto_spec §2.1 `register`).
 
