@@ -21,7 +21,6 @@ host -> member  {"t": "session_failed", "reason"}
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 import uuid
@@ -33,6 +32,7 @@ import trio
 
 from kafilad.errors import GenerationError, HandshakeError, KafilaError, SessionError
 from kafilad.modelinfo import read_model_info
+from kafilad.node.modelfiles import ModelFiles
 from kafilad.node import stagehost
 from kafilad.node.ring import run_on_mlx_thread
 from kafilad.node.link import Link, LinkClosed, secure_link
@@ -42,10 +42,6 @@ from kafilad.proto.identity import compose_session_code, peer_id as peer_id_of
 
 log = logging.getLogger("kafilad.host")
 
-#: files the head needs beside its tensors (tokenizer and generation settings).
-HEAD_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-              "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
-FETCH_MAX_BYTES = 4 * 1024 * 1024
 DEFAULT_CONTEXT = 4096  # tokens, when --context is not given (capped at max_position_embeddings)
 HOLD_DTYPE_BYTES = 4  # CPU members hold f32 weights (DESIGN §6)
 
@@ -90,6 +86,7 @@ class HostSession:
         self.open = open_
         self.admit_timeout_s = admit_timeout_s
         self.info = read_model_info(self.model_dir)
+        self.files = ModelFiles(self.model_dir, self.info)
         self._validate()
         self.session_id = ""
         self.code = ""
@@ -363,8 +360,7 @@ class HostSession:
             f = await link.receive()
             t = f.get("t")
             if t == "capability":
-                rec.capability = {k: f.get(k) for k in ("memory_bytes", "bandwidth_Bps", "step_overhead_s",
-                                                        "nat_class", "rendezvous_rtt_ms")}
+                rec.capability = _checked_capability(f, rec.name)
                 self._members_changed.set()
                 self.node.changed()
             elif t == "fetch":
@@ -379,7 +375,7 @@ class HostSession:
             elif t == "failed":
                 raise LinkClosed(f"{rec.name} failed to load its stage: {f.get('reason')}")
             elif t == "leaving":
-                raise LinkClosed(f"{rec.name} left: {f.get('reason')}")
+                raise LinkClosed(f"{rec.name} is leaving: {f.get('reason')}")
             elif t == "ring_broken":
                 if self.state not in ("failed", "closed"):
                     self._culprit = f.get("member")
@@ -393,14 +389,12 @@ class HostSession:
 
     async def _serve_fetch(self, link: Link, f: dict) -> None:
         """Serve one byte range of a model file (proto_spec 05 §2) — only files of the model."""
-        req_id, fname = f.get("id"), str(f.get("file", ""))
-        offset, length = int(f.get("offset", 0)), int(f.get("length", 0))
-        allowed = {t.file for t in self.info.tensors.values()} | set(HEAD_FILES)
-        path = Path(self.model_dir) / fname
-        if fname not in allowed or "/" in fname or not path.is_file() or length < 0 or length > FETCH_MAX_BYTES:
-            await link.send({"t": "fetch_error", "id": req_id, "reason": f"cannot serve {fname!r} [{offset}, +{length})"})
+        req_id, fname, offset, length = f.get("id"), f.get("file"), f.get("offset"), f.get("length")
+        problem = self.files.check_range(fname, offset, length)
+        if problem is not None:
+            await link.send({"t": "fetch_error", "id": req_id, "reason": f"cannot serve it: {problem}"})
             return
-        data = await trio.to_thread.run_sync(_read_range, path, offset, length)
+        data = await trio.to_thread.run_sync(self.files.read, fname, offset, length)
         await link.send({"t": "data", "id": req_id, "data": data})
 
     # ---- formation --------------------------------------------------------------------------
@@ -442,8 +436,8 @@ class HostSession:
                 continue
             start, end = self.plan.blocks[r.name]
             head = self.plan.head == r.name
-            tensors = await trio.to_thread.run_sync(self._tensor_table, start, end, head)
-            files = await trio.to_thread.run_sync(self._file_table) if head else []
+            tensors = await trio.to_thread.run_sync(self.files.tensor_table, start, end, head)
+            files = await trio.to_thread.run_sync(self.files.file_table) if head else []
             await r.link.send({"t": "plan", "plan": self.plan.to_json(), "ring": self.ring_order, "roster": roster,
                                "start": start, "end": end, "head": head, "tensors": tensors, "files": files})
         await self._load_own(roster)
@@ -505,23 +499,6 @@ class HostSession:
                         await other.link.send({"t": "session_failed", "reason": msg})
                     except LinkClosed:
                         pass
-
-    def _tensor_table(self, start: int, end: int, head: bool) -> list[dict]:
-        out = []
-        for t in self.info.stage_tensors(start, end, head):
-            data = _read_range(Path(self.model_dir) / t.file, t.offset_bytes, t.nbytes)
-            out.append({"name": t.name, "file": t.file, "dtype": t.dtype, "shape": list(t.shape),
-                        "offset": t.offset_bytes, "nbytes": t.nbytes, "sha256": hashlib.sha256(data).hexdigest()})
-        return out
-
-    def _file_table(self) -> list[dict]:
-        out = []
-        for name in HEAD_FILES:
-            p = Path(self.model_dir) / name
-            if p.is_file():
-                data = p.read_bytes()
-                out.append({"name": name, "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-        return out
 
     # ---- generation ---------------------------------------------------------------------------
     async def generate(self, prompt: str, *, max_tokens: int, temperature: float, emit) -> dict:
@@ -646,6 +623,30 @@ class HostSession:
         self.state = "closed"
 
 
+def _checked_capability(f: dict, name: str) -> dict:
+    """A member's capability frame (proto_spec 05 §2), type-checked for the planner (DESIGN §5.1).
+
+    Raises:
+        LinkClosed: a field is missing or malformed (that member's link then closes with the reason).
+    """
+    def number(key, *, required=False, positive=False):
+        v = f.get(key)
+        if v is None and not required:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or (positive and v <= 0):
+            raise LinkClosed(f"malformed capability from {name}: '{key}' is {v!r}")
+        return v
+
+    cap = {"memory_bytes": int(number("memory_bytes", required=True, positive=True)),
+           "bandwidth_Bps": number("bandwidth_Bps", positive=True),
+           "step_overhead_s": number("step_overhead_s") or 0.0,
+           "rendezvous_rtt_ms": number("rendezvous_rtt_ms"),
+           "nat_class": f.get("nat_class")}
+    if cap["nat_class"] not in (None, "O", "C", "S"):
+        raise LinkClosed(f"malformed capability from {name}: 'nat_class' is {cap['nat_class']!r}")
+    return cap
+
+
 def result_of(st) -> dict:
     """The result record of a finished RequestState (kafilad/node/ring.py)."""
     decode = st.circuit_s[len(st.circuit_s) - len(st.generated) + 1:] if len(st.generated) > 1 else []
@@ -662,9 +663,4 @@ def _median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else None
 
-
-def _read_range(path: Path, offset: int, length: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(length)
 

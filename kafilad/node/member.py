@@ -113,7 +113,7 @@ class MemberSession:
                         await self._control_loop()
                         nursery.cancel_scope.cancel()
                 except trio.Cancelled:
-                    await self._say_leaving("the daemon is shutting down or left the session")
+                    await self._say_leaving("its daemon is shutting down")
                     raise
         except (KafilaError, LinkClosed, trio.BrokenResourceError, OSError) as e:
             reason = e.reason if isinstance(e, LinkClosed) else str(e)
@@ -375,7 +375,7 @@ class MemberSession:
                 "capability": self.capability, "load": self.load, "plan": plan or None}
 
     async def close(self) -> None:
-        await self._say_leaving("it left the session")
+        await self._say_leaving("its user ran `kafila-ctl leave`")
         if self.link is not None:
             await self.link.close("member left the session")
         self.state = "closed"
