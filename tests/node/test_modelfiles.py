@@ -1,0 +1,54 @@
+"""The host serves only its model's files, in bounded ranges; capability frames are checked."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from kafilad.modelinfo import read_model_info
+from kafilad.node.host import _checked_capability
+from kafilad.node.link import LinkClosed
+from kafilad.node.modelfiles import FETCH_MAX_BYTES, ModelFiles
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from kafilad.executor.synth import synthesize_model
+    d = synthesize_model(tmp_path_factory.mktemp("m") / "synth", num_hidden_layers=3, hidden_size=32)
+    return ModelFiles(str(d), read_model_info(d))
+
+
+def test_ranges_outside_the_model_are_refused(model):
+    assert model.check_range("model.safetensors", 0, 8) is None
+    assert model.read("model.safetensors", 0, 8) == (model.model_dir / "model.safetensors").read_bytes()[:8]
+    assert "not a file of this model" in model.check_range("../../etc/passwd", 0, 8)
+    assert "not a file of this model" in model.check_range("sub/model.safetensors", 0, 8)
+    assert "not a file of this model" in model.check_range(5, 0, 8)
+    assert "not a valid range" in model.check_range("model.safetensors", -1, 8)
+    assert "not a valid range" in model.check_range("model.safetensors", 0, FETCH_MAX_BYTES + 1)
+    assert "not a valid range" in model.check_range("model.safetensors", "0", 8)
+    assert "missing on the host" in model.check_range("vocab.json", 0, 8)
+
+
+def test_tables_hash_exactly_the_stage_tensors(model):
+    table = model.tensor_table(1, 2, False)
+    names = {t.name for t in model.info.stage_tensors(1, 2, False)}
+    assert {e["name"] for e in table} == names and all(".layers.1." in n for n in names)
+    for e in table:
+        data = model.read(e["file"], e["offset"], e["nbytes"])
+        assert hashlib.sha256(data).hexdigest() == e["sha256"]
+    files = {e["name"] for e in model.file_table()}
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= files
+
+
+def test_capability_frames_are_type_checked():
+    ok = _checked_capability({"memory_bytes": 10**9, "bandwidth_Bps": 5e9, "step_overhead_s": 1e-4,
+                              "nat_class": "C", "rendezvous_rtt_ms": 12.5}, "m1")
+    assert ok == {"memory_bytes": 10**9, "bandwidth_Bps": 5e9, "step_overhead_s": 1e-4,
+                  "rendezvous_rtt_ms": 12.5, "nat_class": "C"}
+    for bad in ({"memory_bytes": "lots"}, {"memory_bytes": 0}, {"memory_bytes": True},
+                {"memory_bytes": 1, "bandwidth_Bps": float("nan")}, {"memory_bytes": 1, "nat_class": "X"},
+                {"memory_bytes": 1, "step_overhead_s": -1}):
+        with pytest.raises(LinkClosed, match="malformed capability from m1"):
+            _checked_capability(bad, "m1")
