@@ -59,7 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 import attrs
 import trio
 
-from kafilad.errors import GenerationError
+from kafilad.errors import GenerationError, RemoteProtocolError
 from kafilad.node.link import Link, LinkClosed
 
 log = logging.getLogger("kafilad.ring")
@@ -208,6 +208,11 @@ class RingMember:
                     await self._on_end(frame)
                 else:
                     log.warning("ring: ignoring unknown frame type %r", t)
+            except (KeyError, TypeError, ValueError, IndexError, RemoteProtocolError) as e:
+                # a malformed frame (or activations our stage cannot take) from the previous member:
+                # the ring cannot be trusted to carry this request on; it breaks, naming the sender
+                log.warning("ring: malformed %r frame from %s: %r", t, self.prev_name, e)
+                self.fail_all(f"it sent a malformed ring frame ({type(e).__name__}: {e})", member=self.prev_name)
             except GenerationError as e:
                 rids = _frame_reqs(frame)
                 for req in rids:

@@ -205,3 +205,22 @@ async def test_stories260k_batch_matches_reference(stories260k):
             assert {r: st.generated for r, st in states.items()} == expected
             assert ring[0].max_batch_rows >= 3
             check_stats(states, ring)
+
+
+@trio_test
+async def test_malformed_ring_frame_breaks_the_ring_naming_the_sender(synth_model):
+    """A frame the stage cannot take fails the request in flight and names the previous member."""
+    async with ring_of(synth_model, [(0, 2), (2, 5)]) as (head, tail):
+        tail.prev_name = "m0"
+        good = await head.generate("a", "Kafila", max_tokens=3, temperature=0.0, on_event=_ignore)
+        assert good.error is None and len(good.generated) == 3
+        # the head's next member receives garbage activations from the head
+        await head.next_link.send({"t": "act", "req": "x", "sample": True, "h": {"dtype": "float32",
+                                                                               "shape": [1, 1, 64], "data": b"\0"}})
+        with trio.fail_after(10):
+            await tail.broken_event.wait()
+        assert tail.broken_member == "m0" and "malformed ring frame" in tail.broken
+
+
+async def _ignore(ev):
+    return None
