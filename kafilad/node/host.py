@@ -188,17 +188,9 @@ class HostSession:
 
     # ---- membership -------------------------------------------------------------------------
     async def _accept_loop(self, rdv) -> None:
-        while True:
-            try:
-                circuit = await rdv.accept_circuit()
-            except trio.BrokenResourceError:
-                return  # the rendezvous is gone; _events_loop gets its Disconnected
-            if circuit.label == "ctl":
-                self.nursery.start_soon(self._serve_member, circuit)
-            elif circuit.label == "ring":
-                await self._ring_incoming_send.send(circuit)
-            else:
-                await circuit.aclose()
+        async def serve(circuit) -> None:
+            self.nursery.start_soon(self._serve_member, circuit)
+        await stagehost.accept_circuits(rdv, {"ctl": serve, "ring": self._ring_incoming_send.send})
 
     async def _events_loop(self, rdv) -> None:
         from kafilad.node.rdv_client import Disconnected, MemberLeft, Signal

@@ -142,15 +142,7 @@ class MemberSession:
         self.node.changed()
 
     async def _accept_loop(self, rdv) -> None:
-        while True:
-            try:
-                circuit = await rdv.accept_circuit()
-            except trio.BrokenResourceError:
-                return  # the rendezvous is gone; _events_loop gets its Disconnected
-            if circuit.label == "ring":
-                await self._ring_incoming_send.send(circuit)
-            else:
-                await circuit.aclose()
+        await stagehost.accept_circuits(rdv, {"ring": self._ring_incoming_send.send})
 
     async def _events_loop(self, rdv) -> None:
         from kafilad.node.rdv_client import Disconnected, MemberLeft, SessionClosed, Signal

@@ -380,3 +380,21 @@ def attach_ring(ring: RingMember, *, nursery, me: str, ring_order: list[str], na
     nursery.start_soon(watch, ring)
     if prev_link is not None:
         nursery.start_soon(ring.feed_from, prev_link)
+
+
+async def accept_circuits(rdv, route: dict) -> None:
+    """Hand each incoming relayed circuit to `route[label]` (an async callable); close the others.
+
+    Returns quietly when the rendezvous connection ends (the session's events loop gets its
+    Disconnected and decides what that means).
+    """
+    while True:
+        try:
+            circuit = await rdv.accept_circuit()
+        except trio.BrokenResourceError:
+            return
+        handler = route.get(circuit.label)
+        if handler is None:
+            await circuit.aclose()
+        else:
+            await handler(circuit)
