@@ -64,3 +64,59 @@ def find_kafila_error(exc: BaseException) -> "KafilaError | None":
         if found is not None:
             return found
     return None
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The non-group exceptions inside `exc`, depth first (`exc` itself if it is not a group)."""
+    if isinstance(exc, BaseExceptionGroup):
+        out: list[BaseException] = []
+        for inner in exc.exceptions:
+            out.extend(_leaves(inner))
+        return out
+    return [exc]
+
+
+def collapse(exc: BaseException) -> BaseException:
+    """The exception a caller should see for `exc` (trio ≥ 0.25 strict exception groups).
+
+    A nursery wraps whatever its tasks or its body raise in a (possibly nested) group, so an
+    ``except SessionError`` above it would never match. This returns:
+
+    - `exc` itself when it is not a group;
+    - the sole leaf when the groups hold exactly one exception (what trio < 0.25 raised);
+    - the first leaf when every leaf is a KafilaError (two tasks of one operation failing for
+      related reasons, e.g. both ring edges refused; the first is the one the caller reports);
+    - otherwise `exc` unchanged (several unrelated failures: a bug, to be seen whole).
+    """
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    leaves = _leaves(exc)
+    if len(leaves) == 1:
+        return leaves[0]
+    if leaves and all(isinstance(e, KafilaError) for e in leaves):
+        return leaves[0]
+    return exc
+
+
+class collapse_groups:
+    """Context manager: re-raise a group from its block as :func:`collapse` of it.
+
+    Wrap every nursery whose failures a caller handles by type::
+
+        with collapse_groups():
+            async with trio.open_nursery() as nursery:
+                ...
+
+    The group stays reachable as the raised exception's ``__context__``.
+    """
+
+    def __enter__(self) -> "collapse_groups":
+        return self
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, BaseExceptionGroup):
+            return False
+        inner = collapse(exc)
+        if inner is exc:
+            return False
+        raise inner

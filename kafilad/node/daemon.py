@@ -16,7 +16,7 @@ import trio
 
 from kafilad.control.api import OPS
 from kafilad.control.server import serve_control
-from kafilad.errors import KafilaError, find_kafila_error
+from kafilad.errors import KafilaError, collapse_groups, find_kafila_error
 from kafilad.node.statedir import StateDir
 from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
 
@@ -117,7 +117,8 @@ class Node:
         with trio.CancelScope() as scope:
             self._session_scope = scope
             try:
-                await session.run(task_status=_Status(), **kw)
+                with collapse_groups():
+                    await session.run(task_status=_Status(), **kw)
             except Exception as e:
                 if not started:
                     raise

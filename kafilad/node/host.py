@@ -30,7 +30,7 @@ from typing import Optional
 import attrs
 import trio
 
-from kafilad.errors import GenerationError, HandshakeError, KafilaError, SessionError
+from kafilad.errors import GenerationError, HandshakeError, KafilaError, SessionError, collapse_groups
 from kafilad.modelinfo import read_model_info
 from kafilad.node.modelfiles import ModelFiles
 from kafilad.node import stagehost
@@ -153,11 +153,12 @@ class HostSession:
                 self.state = "forming"
                 self.node.changed()
                 task_status.started(self.code)
-                async with trio.open_nursery() as nursery:
-                    self.nursery = nursery
-                    nursery.start_soon(self._accept_loop, rdv)
-                    nursery.start_soon(self._events_loop, rdv)
-                    nursery.start_soon(self._form)
+                with collapse_groups():
+                    async with trio.open_nursery() as nursery:
+                        self.nursery = nursery
+                        nursery.start_soon(self._accept_loop, rdv)
+                        nursery.start_soon(self._events_loop, rdv)
+                        nursery.start_soon(self._form)
         except KafilaError as e:
             if self.code:
                 self._fail(str(e))

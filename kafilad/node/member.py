@@ -14,7 +14,7 @@ from typing import Optional
 
 import trio
 
-from kafilad.errors import HandshakeError, KafilaError, SessionError
+from kafilad.errors import HandshakeError, KafilaError, SessionError, collapse_groups
 from kafilad.node import stagehost
 from kafilad.node.host import result_of
 from kafilad.node.ring import run_on_mlx_thread
@@ -106,12 +106,13 @@ class MemberSession:
                 task_status.started()
                 started = True
                 try:
-                    async with trio.open_nursery() as nursery:
-                        self.nursery = nursery
-                        nursery.start_soon(self._accept_loop, rdv)
-                        nursery.start_soon(self._events_loop, rdv)
-                        await self._control_loop()
-                        nursery.cancel_scope.cancel()
+                    with collapse_groups():
+                        async with trio.open_nursery() as nursery:
+                            self.nursery = nursery
+                            nursery.start_soon(self._accept_loop, rdv)
+                            nursery.start_soon(self._events_loop, rdv)
+                            await self._control_loop()
+                            nursery.cancel_scope.cancel()
                 except trio.Cancelled:
                     await self._say_leaving("its daemon is shutting down")
                     raise

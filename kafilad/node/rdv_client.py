@@ -27,7 +27,7 @@ import trio
 import trio_websocket
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from kafilad.errors import LocalProtocolError, RemoteProtocolError, SessionError
+from kafilad.errors import LocalProtocolError, RemoteProtocolError, SessionError, collapse_groups
 from kafilad.proto.identity import peer_id as peer_id_of
 from kafilad.proto.rendezvous import (
     ControlMessage,
@@ -472,16 +472,17 @@ async def open_rendezvous(
             raise SessionError(f"Cannot reach the rendezvous at {url}: {exc!r}. Check the URL and that "
                                "the rendezvous is running.") from None
         client = RendezvousClient(ws, url, static_private, name, limits, circuit_buffer, event_buffer)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(client._reader)
-            try:
-                with trio.move_on_after(connect_timeout_s):
-                    await client._challenged.wait()
-                if client._challenge is None:
-                    why = (f"the connection was lost: {client._lost}" if client._lost is not None else
-                           f"it sent no key challenge within {connect_timeout_s:g} s; it may run a Kafila "
-                           "version without key proofs (proto_spec 03 §2.4), so upgrade it")
-                    raise SessionError(f"Cannot use the rendezvous at {url}: {why}.")
-                yield client
-            finally:
-                nursery.cancel_scope.cancel()
+        with collapse_groups():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client._reader)
+                try:
+                    with trio.move_on_after(connect_timeout_s):
+                        await client._challenged.wait()
+                    if client._challenge is None:
+                        why = (f"the connection was lost: {client._lost}" if client._lost is not None else
+                               f"it sent no key challenge within {connect_timeout_s:g} s; it may run a Kafila "
+                               "version without key proofs (proto_spec 03 §2.4), so upgrade it")
+                        raise SessionError(f"Cannot use the rendezvous at {url}: {why}.")
+                    yield client
+                finally:
+                    nursery.cancel_scope.cancel()

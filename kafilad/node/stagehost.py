@@ -12,7 +12,7 @@ from typing import Awaitable, Callable, Optional
 
 import trio
 
-from kafilad.errors import HandshakeError, KafilaError, SessionError
+from kafilad.errors import HandshakeError, KafilaError, SessionError, collapse_groups
 from kafilad.node import paths
 from kafilad.node.link import Link, LinkClosed, secure_link
 from kafilad.node.ring import RingMember
@@ -129,7 +129,7 @@ async def connect_ring(*, node, rdv, session_id: str, ring: list[str], roster: d
             return
 
     try:
-        with trio.fail_after(RING_FORM_TIMEOUT_S):
+        with trio.fail_after(RING_FORM_TIMEOUT_S), collapse_groups():
             async with trio.open_nursery() as n:
                 n.start_soon(open_next)
                 n.start_soon(accept_prev)
@@ -222,18 +222,19 @@ async def _reprobe_while_serving(pm, member: RingMember, *, peer: str, peer_name
                                  secure) -> Optional[Link]:
     """``pm.reprobe`` until it gives a link, the ring breaks (None) or a re-probe errs (None, logged)."""
     out: dict = {}
-    async with trio.open_nursery() as n:
-        async def watch() -> None:
-            await member.broken_event.wait()
-            n.cancel_scope.cancel()
+    with collapse_groups():
+        async with trio.open_nursery() as n:
+            async def watch() -> None:
+                await member.broken_event.wait()
+                n.cancel_scope.cancel()
 
-        n.start_soon(watch)
-        try:
-            out["link"] = await pm.reprobe(peer_id=peer, peer_name=peer_name, me_name=me_name, sender=sender,
-                                           secure=secure)
-        except (KafilaError, LinkClosed, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            log.warning("ring: stopped re-probing the edge %s %s: %s", "to" if sender else "from", peer_name, e)
-        n.cancel_scope.cancel()
+            n.start_soon(watch)
+            try:
+                out["link"] = await pm.reprobe(peer_id=peer, peer_name=peer_name, me_name=me_name, sender=sender,
+                                               secure=secure)
+            except (KafilaError, LinkClosed, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                log.warning("ring: stopped re-probing the edge %s %s: %s", "to" if sender else "from", peer_name, e)
+            n.cancel_scope.cancel()
     return out.get("link")
 
 
