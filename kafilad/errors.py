@@ -22,6 +22,38 @@ class HandshakeError(RemoteProtocolError):
     """The Noise handshake failed or the remote static key is not the one expected."""
 
 
+class HandshakeTimeout(HandshakeError):
+    """The Noise handshake did not finish in time, or the transport closed during it.
+
+    Not a verdict on the peer's key: on a direct path it means "this path does not carry us",
+    and the edge falls back to the relay (proto_spec 07 §3).
+    """
+
+
+class HandshakeRefused(HandshakeError):
+    """The remote static key is not the one expected (session code fingerprint, roster): an error on any path."""
+
+
+class LinkClosed(KafilaError):
+    """A secure link ended; ``reason`` says why (a whole sentence naming the peer).
+
+    Split as trio splits ``ClosedResourceError`` / ``BrokenResourceError``: :class:`LinkBroken` when the
+    transport was lost or the peer misbehaved, :class:`LinkEnded` when it was closed in an orderly way.
+    """
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class LinkEnded(LinkClosed):
+    """The link was closed in an orderly way (by us, or the peer's clean EOF / goodbye)."""
+
+
+class LinkBroken(LinkClosed):
+    """The link was lost (transport error, liveness deadline) or closed for a protocol violation."""
+
+
 class ModelFormatError(KafilaError):
     """A model directory is missing a file or holds a malformed config or safetensors header."""
 
@@ -50,6 +82,28 @@ class SessionError(KafilaError):
 
 class GenerationError(SessionError):
     """A request failed mid-generation; the message names the member at fault."""
+
+
+class ContextTooLongError(GenerationError):
+    """The prompt plus the requested tokens exceed the session's admitted context (DESIGN §5.4).
+
+    Attributes:
+        prompt_tokens, max_tokens, context: the numbers that did not fit (tokens).
+    """
+
+    def __init__(self, message: str, *, prompt_tokens: int, max_tokens: int, context: int):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context = context
+
+
+class SessionNotReadyError(GenerationError):
+    """A request arrived while the session cannot serve (forming, recovering, failed); ``state`` names it."""
+
+    def __init__(self, message: str, *, state: str):
+        super().__init__(message)
+        self.state = state
 
 
 def find_kafila_error(exc: BaseException) -> "KafilaError | None":
