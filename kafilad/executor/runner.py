@@ -1,10 +1,10 @@
 """Per-request execution of one stage, and the activation wire format (DESIGN §2 ring, §6).
 
-A `StageRunner` holds one KV cache list per request id. The trio node calls its synchronous
-methods with `trio.to_thread.run_sync` (DESIGN §6: MLX work runs off the trio thread); a lock
-serialises MLX work inside one runner. Batched caches leave lazily evaluated arrays behind after
-`drop`/extract, and MLX binds those to the thread that built them, so the node drives every
-runner of a process from one dedicated worker thread (kafilad/node/ring.py `run_on_mlx_thread`).
+A `StageRunner` holds one KV cache list per request id. Its methods are synchronous; MLX work
+runs off the trio thread (DESIGN §6), and a lock serialises MLX work inside one runner. Batched
+caches leave lazily evaluated arrays behind after `drop`/extract, and MLX binds those to the
+thread that built them, so the node calls every runner of a process on one dedicated MLX worker
+thread (kafilad/node/ring.py `run_on_mlx_thread`), not on trio's thread pool.
 
 How the ring replays `mlx_lm.generate.generate_step` exactly (the token-identity rule):
 
@@ -32,9 +32,11 @@ from their single caches (`merge`/`extend`), absent ids are taken out (`extract`
 into single caches, and the order is permuted to match. Batched steps run (B, 1, D) matmuls, so
 tokens match single-request decoding but log-probs may differ in the last bits.
 
-Wire format of an activation (a msgpack-able dict; proto_spec describes the frame around it):
+Wire format of an activation: the array map of proto_spec 02 §4.2, checked by the one codec
+`kafilad.proto.frames.encode_activation` / `decode_activation`::
     {"dtype": "float32" | "bfloat16" | "float16", "shape": [B, L, D], "data": bytes}
-where `data` is the array in C order, little-endian (bf16: its raw 16-bit patterns).
+where `data` is the array in C order, little-endian (bf16: its raw 16-bit patterns). This module
+only converts between MLX arrays and those bytes.
 """
 
 from __future__ import annotations
@@ -48,13 +50,12 @@ from mlx_lm.sample_utils import make_sampler
 
 from kafilad.errors import RemoteProtocolError
 from kafilad.executor.stage import Stage
+from kafilad.proto.frames import decode_activation, encode_activation
 
 #: mlx-lm's generate_step default prefill chunk (tokens).
 DEFAULT_PREFILL_STEP_SIZE = 2048
-#: wire dtype name -> numpy dtype of its bytes.
+#: wire dtype name (proto_spec 02 §4.2) -> numpy dtype of its bytes.
 _WIRE_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
-#: largest activation we accept from a peer (elements), far above any real (1, L, D).
-MAX_WIRE_ELEMENTS = 1 << 30
 
 
 def prefill_chunks(ids: list[int], prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE) -> list[list[int]]:
@@ -74,8 +75,12 @@ def prefill_chunks(ids: list[int], prefill_step_size: int = DEFAULT_PREFILL_STEP
 
 
 def array_to_wire(a: mx.array) -> dict:
-    """Encode an activation for the wire, bit-exactly. Returns {"dtype", "shape", "data"}.
+    """Encode an activation for the wire, bit-exactly: the array map of proto_spec 02 §4.2.
 
+    Args:
+        a: float32, float16 or bfloat16 array, e.g. a hidden state (B, L, D).
+    Returns:
+        {"dtype", "shape", "data"} (``kafilad.proto.frames.encode_activation``).
     Raises:
         ValueError: a dtype other than float32, float16, bfloat16.
     """
@@ -88,34 +93,18 @@ def array_to_wire(a: mx.array) -> dict:
     else:
         raise ValueError(f"Activations of dtype {a.dtype} cannot be sent; use float32, float16 or bfloat16.")
     arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-    return {"dtype": name, "shape": list(a.shape), "data": np.ascontiguousarray(arr).tobytes()}
+    return encode_activation(name, tuple(a.shape), np.ascontiguousarray(arr).tobytes())
 
 
 def array_from_wire(d: dict) -> mx.array:
-    """Decode `array_to_wire`'s dict back into an MLX array (bit-exact).
+    """Decode `array_to_wire`'s map back into an MLX array (bit-exact).
 
     Raises:
-        RemoteProtocolError: unknown dtype, bad shape, or a byte count that does not match.
+        RemoteProtocolError: not a valid activation map (``kafilad.proto.frames.decode_activation``:
+            dtype, shape, byte count).
     """
-    try:
-        name, shape, data = d["dtype"], [int(s) for s in d["shape"]], d["data"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise RemoteProtocolError(f"An activation arrived without a valid dtype, shape and data ({e}).") from e
-    np_dtype = _WIRE_NP.get(name)
-    if np_dtype is None:
-        raise RemoteProtocolError(f"An activation arrived in dtype {name!r}; expected float32, float16 or bfloat16.")
-    n = 1
-    for s in shape:
-        if s < 0:
-            raise RemoteProtocolError(f"An activation arrived with negative shape {shape}.")
-        n *= s
-    if n > MAX_WIRE_ELEMENTS:
-        raise RemoteProtocolError(f"An activation of shape {shape} exceeds the {MAX_WIRE_ELEMENTS}-element limit.")
-    itemsize = np.dtype(np_dtype).itemsize
-    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) != n * itemsize:
-        got = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else type(data).__name__
-        raise RemoteProtocolError(f"An activation of shape {shape} ({name}) needs {n * itemsize} bytes but {got} arrived.")
-    arr = np.frombuffer(data, dtype=np.dtype(np_dtype).newbyteorder("<")).reshape(shape)
+    name, shape, data = decode_activation(d)
+    arr = np.frombuffer(data, dtype=np.dtype(_WIRE_NP[name]).newbyteorder("<")).reshape(shape)
     out = mx.array(arr)
     return out.view(mx.bfloat16) if name == "bfloat16" else out
 
@@ -125,7 +114,7 @@ class StageRunner:
 
     See the module docstring for the call sequence that reproduces mlx-lm's generate_step.
     Methods are synchronous and evaluate their result (they block for the compute); call them
-    from a worker thread (`trio.to_thread.run_sync`).
+    all from one thread, off the trio thread (kafilad/node/ring.py `run_on_mlx_thread`).
     """
 
     def __init__(self, stage: Stage):

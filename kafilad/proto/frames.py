@@ -17,7 +17,9 @@ A frame (proto_spec 02 §1)::
 Frames form a byte stream (inside the Noise channel, proto_spec 01 §3), so one frame may span
 many Noise messages and one Noise message may hold parts of several frames: ``chunk`` cuts a
 stream into Noise-message-sized pieces (proto_spec 02 §3). Tensors travel as the array map of
-proto_spec 02 §4 (``encode_array`` / ``decode_array``), raw little-endian bytes.
+proto_spec 02 §4 (``encode_array`` / ``decode_array``), raw little-endian bytes; activations
+between ring stages are array maps of a float dtype (``encode_activation`` / ``decode_activation``,
+proto_spec 02 §4.2), which the executor converts to and from MLX arrays.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ DTYPE_BYTES: dict[str, int] = {
     "int64": 8,
     "float64": 8,
 }
+#: dtypes an activation (a hidden state between ring stages) may travel in (proto_spec 02 §4.2).
+ACTIVATION_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def encode_frame(body: Mapping[str, Any]) -> bytes:
@@ -102,8 +106,13 @@ class FrameDecoder:
 
     @property
     def pending_bytes(self) -> int:
-        """Bytes received but not yet returned as frames."""
+        """Bytes received but not yet returned as frames (non-zero at EOF: the stream ended inside a frame)."""
         return len(self._buf)
+
+    @property
+    def error(self) -> RemoteProtocolError | None:
+        """The RemoteProtocolError that ended this decoder (a malformed frame), or None."""
+        return self._error
 
     def receive_data(self, data: bytes) -> None:
         """Append bytes from the stream (any split is fine)."""
@@ -228,3 +237,36 @@ def _check_array(dtype: Any, shape: Any, data: Any) -> None:
         raise ValueError(
             f"{nbytes} data bytes for shape {tuple(shape)} of {dtype} (expected {expected})."
         )
+
+
+def encode_activation(dtype: str, shape: tuple[int, ...], data: bytes) -> dict:
+    """The array map of an activation (proto_spec 02 §4.2), e.g. a hidden state (B, L, D).
+
+    Args:
+        dtype: one of ACTIVATION_DTYPES (bfloat16: the raw 16-bit patterns).
+        shape: e.g. (B, L, D).
+        data: C-order little-endian bytes, ``prod(shape) * itemsize``.
+    Returns:
+        ``{"dtype", "shape", "data"}`` as ``encode_array``.
+    Raises:
+        LocalProtocolError: a dtype that is not an activation dtype, or as ``encode_array``.
+    """
+    if dtype not in ACTIVATION_DTYPES:
+        raise LocalProtocolError(
+            f"Activations travel as {', '.join(ACTIVATION_DTYPES)}, not {dtype!r} (proto_spec 02 §4.2).")
+    return encode_array(dtype, shape, data)
+
+
+def decode_activation(d: Any) -> tuple[str, tuple[int, ...], bytes]:
+    """Validate an activation from the previous stage and return (dtype, shape, data) (proto_spec 02 §4.2).
+
+    Raises:
+        RemoteProtocolError: not a valid array map (``decode_array``), or a dtype that is not an
+            activation dtype.
+    """
+    dtype, shape, data = decode_array(d)
+    if dtype not in ACTIVATION_DTYPES:
+        raise RemoteProtocolError(
+            f"An activation arrived in dtype {dtype!r}; expected {', '.join(ACTIVATION_DTYPES[:-1])} "
+            f"or {ACTIVATION_DTYPES[-1]} (proto_spec 02 §4.2).")
+    return dtype, shape, data

@@ -39,13 +39,13 @@ def test_bfloat16_and_float16_round_trip():
 
 def test_wire_rejects_malformed_activations():
     good = array_to_wire(mx.ones((1, 2, 4)))
-    with pytest.raises(RemoteProtocolError, match=r"shape \[1, 2, 4\] \(float32\) needs 32 bytes but 31 arrived"):
+    with pytest.raises(RemoteProtocolError, match=r"31 data bytes for shape \(1, 2, 4\) of float32 \(expected 32\)"):
         array_from_wire({**good, "data": good["data"][:-1]})
     with pytest.raises(RemoteProtocolError, match="dtype 'int64'; expected float32, float16 or bfloat16"):
-        array_from_wire({**good, "dtype": "int64"})
-    with pytest.raises(RemoteProtocolError, match="without a valid dtype, shape and data"):
+        array_from_wire({**good, "dtype": "int64", "data": good["data"] * 2})
+    with pytest.raises(RemoteProtocolError, match="no 'shape' list"):
         array_from_wire({"dtype": "float32", "data": b""})
-    with pytest.raises(RemoteProtocolError, match="negative shape"):
+    with pytest.raises(RemoteProtocolError, match="must be non-negative integers"):
         array_from_wire({**good, "shape": [1, -2, -4]})
     with pytest.raises(ValueError, match="cannot be sent"):
         array_to_wire(mx.array([1, 2]))

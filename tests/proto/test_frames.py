@@ -212,3 +212,38 @@ def test_decode_array_checks_byte_count(dtype, shape, delta):
     else:
         with pytest.raises(RemoteProtocolError, match="data bytes"):
             frames.decode_array(arr)
+
+
+# --- activations (proto_spec 02 §4.2): the one codec the executor uses ---------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from(frames.ACTIVATION_DTYPES),
+    shape=st.lists(st.integers(0, 6), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_activation_round_trips_through_a_frame(dtype, shape, data):
+    nbytes = frames.DTYPE_BYTES[dtype]
+    for s in shape:
+        nbytes *= s
+    raw = data.draw(st.binary(min_size=nbytes, max_size=nbytes))  # any bit pattern: NaNs, -0.0
+    dec = frames.FrameDecoder()
+    dec.receive_data(frames.encode_frame({"t": "act", "h": frames.encode_activation(dtype, tuple(shape), raw)}))
+    assert frames.decode_activation(dec.next_event()["h"]) == (dtype, tuple(shape), raw)
+
+
+@pytest.mark.parametrize("dtype", sorted(set(frames.DTYPE_BYTES) - set(frames.ACTIVATION_DTYPES)))
+def test_activation_dtypes_are_floats_only(dtype):
+    raw = b"\x00" * frames.DTYPE_BYTES[dtype]
+    with pytest.raises(LocalProtocolError, match=f"not '{dtype}'"):
+        frames.encode_activation(dtype, (1,), raw)
+    with pytest.raises(RemoteProtocolError, match=f"dtype '{dtype}'; expected float32, float16 or bfloat16"):
+        frames.decode_activation(frames.encode_array(dtype, (1,), raw))
+
+
+def test_activation_checks_are_the_array_checks():
+    with pytest.raises(RemoteProtocolError, match=r"31 data bytes for shape \(1, 2, 4\) of float32 \(expected 32\)"):
+        frames.decode_activation({"dtype": "float32", "shape": [1, 2, 4], "data": b"\x00" * 31})
+    with pytest.raises(LocalProtocolError, match="expected 4"):
+        frames.encode_activation("bfloat16", (2,), b"\x00")
