@@ -47,7 +47,9 @@ class ControlClient:
         """Yield ("event", dict) for each streamed event, then ("result", result).
 
         Raises:
-            DaemonNotRunning, KafilaError: as for `call`.
+            DaemonNotRunning, KafilaError: as for `call`; the connection ended before the reply.
+            RemoteProtocolError: the daemon sent a malformed frame or closed inside one (it died
+                mid-frame), as opposed to a clean close before the reply (KafilaError).
         """
         conn = await self._connect()
         try:
@@ -55,7 +57,10 @@ class ControlClient:
             while True:
                 try:
                     msg = await conn.receive()
-                except (trio.BrokenResourceError, RemoteProtocolError) as e:
+                except RemoteProtocolError as e:  # a malformed frame, or the daemon died inside one
+                    raise RemoteProtocolError(
+                        f"kafilad closed the control connection during '{op}': {str(e).rstrip('.')}.") from None
+                except trio.BrokenResourceError as e:
                     raise KafilaError(f"kafilad closed the control connection during '{op}': {e}.") from None
                 if msg is None:
                     raise KafilaError(f"kafilad closed the control connection during '{op}' without a reply.")

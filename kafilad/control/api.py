@@ -1,4 +1,4 @@
-"""Local control API between kafila-ctl and kafilad (DESIGN §7; proto_spec/05-control.md).
+"""Local control API between kafila-ctl and kafilad (DESIGN §7; proto_spec 05 §4).
 
 Over the Unix socket `DIR/kafilad.sock` (mode 0600) each side sends frames of the frame layer
 (proto_spec 02: u32 length || msgpack map with "t"). One request per connection:
@@ -10,16 +10,16 @@ daemon -> ctl   {"t": "reply", "ok": true, "result": ...}
              or {"t": "reply", "ok": false, "error": "whole sentence"}
 ```
 A request whose "v" differs from API_VERSION gets an error reply naming both versions.
+Both ends read and write frames with ``FramedStream``, the one frame driver
+(kafilad/net/frame_stream.py ``FrameStream``): ``receive`` returns None when the other end
+closed between frames and raises RemoteProtocolError when it closed inside one.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import trio
-
-from kafilad.errors import RemoteProtocolError
-from kafilad.proto.frames import FrameDecoder, encode_frame
+from kafilad.net.frame_stream import FrameStream
 
 API_VERSION = 1
 
@@ -41,38 +41,9 @@ OPS = {
 }
 
 
-class FramedStream:
-    """Frame-layer messages over a trio stream (one control connection)."""
-
-    def __init__(self, stream: trio.abc.Stream):
-        self.stream = stream
-        self._decoder = FrameDecoder()
-
-    async def send(self, body: dict) -> None:
-        await self.stream.send_all(encode_frame(body))
-
-    async def receive(self) -> dict | None:
-        """Next frame, or None at EOF.
-
-        Raises:
-            RemoteProtocolError: malformed frame, or EOF in the middle of one.
-        """
-        while True:
-            ev = self._decoder.next_event()
-            if ev is not None:
-                return ev
-            data = await self.stream.receive_some(65536)
-            if not data:
-                if self._decoder_has_partial():
-                    raise RemoteProtocolError("The control connection closed in the middle of a frame.")
-                return None
-            self._decoder.receive_data(data)
-
-    def _decoder_has_partial(self) -> bool:
-        return bool(getattr(self._decoder, "buffered_bytes", 0))
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
+#: The frame driver of a control connection: ``send(body) -> int``, ``receive() -> dict | None``
+#: (None at a clean end; RemoteProtocolError for a malformed frame or an end inside one), ``aclose()``.
+FramedStream = FrameStream
 
 
 def request(op: str, args: dict[str, Any] | None = None) -> dict:

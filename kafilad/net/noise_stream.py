@@ -1,8 +1,8 @@
-"""The secure channel over trio: Noise XX handshake, NoiseStream, FrameChannel (DESIGN §4).
+"""The secure channel over trio: Noise XX handshake and NoiseStream (DESIGN §4).
 
-Thin driver of the sans-IO machines in ``kafilad.proto.noise`` and ``kafilad.proto.frames``::
+Thin driver of the sans-IO machine in ``kafilad.proto.noise``::
 
-    FrameChannel    frames (proto_spec 02): u32 length || msgpack map, a byte stream
+    FrameStream     frames (proto_spec 02) over any trio stream: kafilad/net/frame_stream.py
     NoiseStream     trio.abc.Stream; every send_all is cut into Noise transport messages
                     of <= 65519 plaintext bytes (proto_spec 01 §3, 02 §3)
     MessageTransport  whole messages <= 65535 bytes: relayed circuit, TCP/QUIC stream, memory
@@ -18,16 +18,15 @@ from typing import Callable
 
 import trio
 
-from kafilad.errors import HandshakeError, RemoteProtocolError
+from kafilad.errors import HandshakeError, HandshakeRefused, RemoteProtocolError
 from kafilad.net.transport import MessageTransport
-from kafilad.proto.frames import MAX_FRAME_BYTES, FrameDecoder, chunk, encode_frame
+from kafilad.proto.frames import chunk
 from kafilad.proto.noise import MAX_PLAINTEXT_BYTES, NoiseTransport, NoiseXX
 
 #: Confirmation the responder sends as transport message 0 (proto_spec 01 §4.3).
 CONFIRM_ACCEPT = b"\x01"
 CONFIRM_REFUSE = b"\x00"
 _MAX_REASON_BYTES = 1000
-_FRAME_RECEIVE_BYTES = 1024 * 1024
 
 
 class _Guard:
@@ -167,10 +166,18 @@ class NoiseStream(trio.abc.Stream):
 
 
 async def _receive_handshake_message(transport: MessageTransport, number: int) -> bytes:
+    """Handshake message `number` (1-3) or the confirmation (4).
+
+    Raises:
+        HandshakeRefused: the transport ended before message 3: the initiator refused our key
+            (proto_spec 01 §4.3).
+        HandshakeError: the transport ended before another message.
+    """
     try:
         return await transport.receive_message()
     except trio.EndOfChannel:
-        raise HandshakeError(
+        error = HandshakeRefused if number == 3 else HandshakeError
+        raise error(
             f"The peer closed the connection before Noise handshake message {number}; it may have refused "
             "our key (not admitted, or not the host the session code names) or our session id."
         ) from None
@@ -195,8 +202,10 @@ async def noise_handshake(
     Wrap the call in ``trio.fail_after`` for a timeout.
 
     Raises:
-        HandshakeError: authentication failed (tampering, different prologue), the key was
-            refused by either side, or the peer closed during the handshake. The transport is
+        HandshakeRefused: the peer refused our key (its confirmation, or its close before
+            message 3), or ``check_remote`` raised it.
+        HandshakeError: authentication failed (tampering, different prologue), ``check_remote``
+            refused, or the peer closed before message 2 or the confirmation. The transport is
             closed on every failure.
         trio.BrokenResourceError: the transport was lost.
     """
@@ -213,7 +222,7 @@ async def noise_handshake(
             if confirm != CONFIRM_ACCEPT:
                 if confirm[:1] == CONFIRM_REFUSE:
                     reason = confirm[1:].decode("utf-8", "replace")
-                    raise HandshakeError(f"The peer refused the secure channel: {reason}")
+                    raise HandshakeRefused(f"The peer refused the secure channel: {reason}")
                 raise HandshakeError("The peer sent a malformed handshake confirmation (proto_spec 01 §4.3).")
         else:
             hs.read_message(await _receive_handshake_message(transport, 1))
@@ -243,59 +252,3 @@ async def noise_handshake(
         transport, noise, remote_static=hs.remote_static, remote_payload=remote_payload,
         handshake_hash=hs.handshake_hash,
     )
-
-
-class FrameChannel:
-    """Frames (proto_spec 02) over a NoiseStream; sends from several tasks never interleave.
-
-    Receiving is for one task at a time. A malformed frame or a message that fails
-    authentication raises RemoteProtocolError and closes the stream (proto_spec 02 §2).
-    """
-
-    def __init__(self, stream: NoiseStream, *, max_frame_bytes: int = MAX_FRAME_BYTES):
-        self.stream = stream
-        self._decoder = FrameDecoder(max_frame_bytes)
-        self._send_lock = trio.Lock()
-
-    @property
-    def remote_static(self) -> bytes:
-        return self.stream.remote_static
-
-    async def send_frame(self, body: dict) -> int:
-        """Encode and send one frame; returns its size in bytes (4 + L).
-
-        Raises:
-            LocalProtocolError: the body is not a valid frame (see ``encode_frame``).
-            trio.BrokenResourceError, trio.ClosedResourceError: the channel is gone.
-        """
-        data = encode_frame(body)
-        async with self._send_lock:
-            await self.stream.send_all(data)
-        return len(data)
-
-    async def receive_frame(self) -> dict:
-        """The next frame body.
-
-        Raises:
-            trio.EndOfChannel: the peer closed cleanly between frames.
-            RemoteProtocolError: a malformed frame, an undecryptable message, or a close inside a
-                frame; the channel is then closed.
-            trio.BrokenResourceError, trio.ClosedResourceError: the channel is gone.
-        """
-        try:
-            while True:
-                body = self._decoder.next_event()
-                if body is not None:
-                    return body
-                data = await self.stream.receive_some(_FRAME_RECEIVE_BYTES)
-                if not data:
-                    self._decoder.receive_eof()
-                    raise trio.EndOfChannel
-                self._decoder.receive_data(data)
-        except RemoteProtocolError:
-            with trio.CancelScope(shield=True):
-                await self.stream.aclose()
-            raise
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()

@@ -4,6 +4,13 @@ Every link of a session (host control channel, ring edge) is made here, so the s
 everywhere (DESIGN §4 "Identity"): the Noise prologue binds the session id, and the remote static
 key must be the one expected (the session code's fingerprint for the host, the roster for ring
 neighbours). A malformed frame closes only this link, with the reason logged.
+
+Errors (kafilad/errors.py), split as trio splits ``ClosedResourceError`` / ``BrokenResourceError``:
+
+    secure_link     HandshakeTimeout   did not finish in time, or the transport closed during it
+                    HandshakeRefused   a key was refused (ours by the peer, or theirs by check_remote)
+    Link.send/receive  LinkEnded       the peer closed cleanly between frames, or we closed the link
+                       LinkBroken      transport lost, malformed frame, undecryptable message
 """
 
 from __future__ import annotations
@@ -14,98 +21,115 @@ from typing import Callable, Optional
 import msgpack
 import trio
 
-from kafilad.errors import HandshakeError, RemoteProtocolError
+from kafilad.errors import (
+    HandshakeError,
+    HandshakeRefused,
+    HandshakeTimeout,
+    LinkBroken,
+    LinkClosed,
+    LinkEnded,
+    RemoteProtocolError,
+)
+from kafilad.net.frame_stream import FrameStream
 from kafilad.net.noise_stream import noise_handshake
-from kafilad.proto.frames import FrameDecoder, encode_frame
 from kafilad.proto.identity import session_prologue
+
+__all__ = ["Link", "LinkBroken", "LinkClosed", "LinkEnded", "secure_link"]
 
 log = logging.getLogger("kafilad.link")
 
-RECEIVE_BYTES = 1 << 20
+#: Transport errors that mean the link is gone (ClosedResourceError after our own close).
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel)
 
 
-class LinkClosed(Exception):
-    """The link ended (cleanly or not); `reason` says why."""
+class Link(FrameStream):
+    """A FrameStream (proto_spec 02) to a known peer, raising LinkEnded / LinkBroken.
 
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-class Link:
-    """Frames (proto_spec 02) over an established Noise stream, with byte counters.
+    Args:
+        stream: the established stream (a NoiseStream from ``secure_link``; any trio stream in tests).
+        peer_id, peer_name: the remote member.
+        label: "ctl" or "ring" (proto_spec 05 §1), for logs.
 
     Attributes:
-        peer_id, peer_name: the remote member.
+        peer_id, peer_name, label: as given.
         bytes_sent, bytes_received: frame bytes (plaintext, before Noise overhead).
+        closed_reason: None while open; else why it ended (a sentence naming the peer).
     """
 
-    def __init__(self, stream, *, peer_id: str, peer_name: str, label: str):
-        self.stream = stream
+    def __init__(self, stream: trio.abc.Stream, *, peer_id: str, peer_name: str, label: str):
+        super().__init__(stream)
         self.peer_id = peer_id
         self.peer_name = peer_name
         self.label = label
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self._decoder = FrameDecoder()
-        self._send_lock = trio.Lock()
         self.closed_reason: Optional[str] = None
+        self._closed_as: type[LinkClosed] = LinkEnded
+
+    def _ended(self, closed_as: type[LinkClosed], reason: str) -> LinkClosed:
+        """Record the first way the link ended; return the error for it (later calls repeat it)."""
+        if self.closed_reason is None:
+            self.closed_reason, self._closed_as = reason, closed_as
+        return self._closed_as(self.closed_reason)
 
     async def send(self, body: dict) -> int:
-        """Send one frame; return its size in bytes.
+        """Send one frame; return its size in bytes (4 + L).
 
         Raises:
-            LinkClosed: the transport is gone.
+            LinkEnded: we closed the link (``close``) or it had ended cleanly before.
+            LinkBroken: the transport is gone, or the link broke before.
+            LocalProtocolError: the body is not a valid frame; nothing was sent.
         """
-        data = encode_frame(body)
-        async with self._send_lock:
-            try:
-                await self.stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel) as e:
-                raise LinkClosed(f"link to {self.peer_name} broke while sending: {e or type(e).__name__}") from None
-        self.bytes_sent += len(data)
-        return len(data)
+        try:
+            return await super().send(body)
+        except trio.ClosedResourceError:
+            raise self._ended(LinkEnded, f"the link to {self.peer_name} was closed") from None
+        except _GONE as e:
+            raise self._ended(
+                LinkBroken, f"link to {self.peer_name} broke while sending: {e or type(e).__name__}") from None
 
     async def receive(self) -> dict:
         """Next frame.
 
         Raises:
-            LinkClosed: clean EOF, loss of the transport, or a malformed frame (the link is then
-                closed and the reason logged: "a malformed frame closes that link", DESIGN §7).
+            LinkEnded: the peer closed cleanly between frames, or we closed the link.
+            LinkBroken: loss of the transport, a malformed frame, an undecryptable message, or a
+                close inside a frame (the link is then closed and the reason logged: "a malformed
+                frame closes that link", DESIGN §7).
         """
-        while True:
-            try:
-                ev = self._decoder.next_event()
-            except RemoteProtocolError as e:
-                await self.close(f"malformed frame from {self.peer_name}: {e}")
-                raise LinkClosed(self.closed_reason) from None
-            if ev is not None:
-                return ev
-            try:
-                data = await self.stream.receive_some(RECEIVE_BYTES)
-            except RemoteProtocolError as e:
-                await self.close(f"undecryptable message from {self.peer_name}: {e}")
-                raise LinkClosed(self.closed_reason) from None
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel) as e:
-                self.closed_reason = self.closed_reason or f"link to {self.peer_name} was lost ({type(e).__name__})"
-                raise LinkClosed(self.closed_reason) from None
-            if not data:
-                self.closed_reason = self.closed_reason or f"{self.peer_name} closed the link"
-                raise LinkClosed(self.closed_reason)
-            self.bytes_received += len(data)
-            self._decoder.receive_data(data)
+        try:
+            body = await super().receive()
+        except RemoteProtocolError as e:
+            what = "malformed frame" if self.decoder.error is not None else "undecryptable message"
+            reason = f"{what} from {self.peer_name}: {e}"
+            await self.close(reason, broken=True)
+            raise self._ended(LinkBroken, reason) from None
+        except trio.ClosedResourceError:
+            raise self._ended(LinkEnded, f"the link to {self.peer_name} was closed") from None
+        except _GONE as e:
+            raise self._ended(LinkBroken, f"link to {self.peer_name} was lost ({type(e).__name__})") from None
+        if body is None:
+            raise self._ended(LinkEnded, f"{self.peer_name} closed the link")
+        return body
 
-    async def close(self, reason: str = "closed") -> None:
+    async def close(self, reason: str = "closed", *, broken: bool = False) -> None:
+        """Close the link (idempotent; shielded, at most 2 s). Later sends and receives raise
+        LinkEnded with `reason` (LinkBroken if `broken`), unless the link had ended before.
+
+        A reason other than "closed" is logged as a warning.
+        """
         if self.closed_reason is None:
-            self.closed_reason = reason
+            self._ended(LinkBroken if broken else LinkEnded, reason)
             if reason != "closed":
                 log.warning("closing %s link with %s: %s", self.label, self.peer_name, reason)
         with trio.CancelScope(shield=True):
             with trio.move_on_after(2):
                 try:
                     await self.stream.aclose()
-                except Exception:
+                except Exception:  # closing is best effort: the link is gone either way
                     pass
+
+    async def aclose(self) -> None:
+        """As ``close()``."""
+        await self.close()
 
 
 async def secure_link(transport, *, initiator: bool, static_private: bytes, session_id: str,
@@ -114,22 +138,35 @@ async def secure_link(transport, *, initiator: bool, static_private: bytes, sess
     """Run Noise XX over `transport` and return (link, remote_static, remote_hello).
 
     Args:
+        transport: a MessageTransport (relayed circuit, QUIC stream, memory pair); closed on failure.
         hello: small msgpack-able dict sent as the handshake payload (name, peer id, role).
         check_remote: called with (remote_static, remote_hello); returns the peer's display name
-            or raises HandshakeError to abort (wrong key, not in the roster).
+            or raises HandshakeError to refuse (wrong key, not in the roster).
+        label: "ctl" or "ring", for messages.
+        timeout_s: bound on the whole handshake.
     Raises:
-        HandshakeError: handshake failed, timed out, or check_remote refused the key.
+        HandshakeTimeout: the handshake did not finish within `timeout_s`, or the transport closed
+            during it (on a direct path: "this path does not carry us", proto_spec 07 §3).
+        HandshakeRefused: check_remote refused the peer's key (its message kept), or the peer
+            refused ours (proto_spec 01 §4.3).
+        HandshakeError: otherwise malformed or unauthenticated handshake (e.g. another session's
+            prologue, a malformed payload).
     """
     result: dict = {}
 
     def check(remote_static: bytes, payload: bytes) -> None:
         try:
             remote_hello = msgpack.unpackb(payload, raw=False) if payload else {}
-        except Exception as e:
+        except Exception as e:  # msgpack raises many types
             raise HandshakeError(f"malformed handshake payload: {e}") from None
         if not isinstance(remote_hello, dict):
             raise HandshakeError("malformed handshake payload: not a map")
-        result["name"] = check_remote(remote_static, remote_hello)
+        try:
+            result["name"] = check_remote(remote_static, remote_hello)
+        except HandshakeRefused:
+            raise
+        except HandshakeError as e:  # check_remote's refusal, message kept
+            raise HandshakeRefused(str(e)) from None
         result["hello"] = remote_hello
 
     try:
@@ -140,16 +177,14 @@ async def secure_link(transport, *, initiator: bool, static_private: bytes, sess
     except trio.TooSlowError:
         with trio.CancelScope(shield=True):
             await transport.aclose()
-        raise HandshakeError(f"the Noise handshake on the {label} link did not finish within {timeout_s:g} s") from None
-    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel) as e:
-        raise HandshakeError(f"the {label} link closed during the Noise handshake ({type(e).__name__})") from None
+        raise HandshakeTimeout(
+            f"the Noise handshake on the {label} link did not finish within {timeout_s:g} s") from None
+    except _GONE as e:
+        raise HandshakeTimeout(f"the {label} link closed during the Noise handshake ({type(e).__name__})") from None
     except HandshakeError:
         with trio.CancelScope(shield=True):
             await transport.aclose()
         raise
-    remote_hello = result.get("hello")
-    if remote_hello is None:  # check_remote runs when the remote static arrives; payload may come later
-        remote_hello = msgpack.unpackb(stream.remote_payload, raw=False) if stream.remote_payload else {}
-        result["name"] = check_remote(stream.remote_static, remote_hello)
+    remote_hello = result["hello"]  # noise_handshake calls `check` before it returns the stream
     link = Link(stream, peer_id=remote_hello.get("peer_id", "?"), peer_name=result["name"], label=label)
     return link, stream.remote_static, remote_hello

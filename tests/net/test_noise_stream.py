@@ -1,4 +1,4 @@
-"""The trio secure channel (kafilad.net.noise_stream, kafilad.net.transport)."""
+"""The trio secure channel (kafilad.net.noise_stream, kafilad.net.transport), with frames over it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import trio.testing
 from trio.testing import trio_test
 
 from kafilad.errors import HandshakeError, LocalProtocolError, RemoteProtocolError
-from kafilad.net.noise_stream import FrameChannel, NoiseStream, noise_handshake
+from kafilad.net.frame_stream import FrameStream
+from kafilad.net.noise_stream import NoiseStream, noise_handshake
 from kafilad.net.transport import (
     MessageTransport,
     StreamMessageTransport,
@@ -111,20 +112,19 @@ async def test_tcp_loopback_five_mib_frame_round_trips():
             stream = await listeners[0].accept()
             s = await noise_handshake(StreamMessageTransport(stream), initiator=False,
                                       static_private=generate_keypair()[0], prologue=PROLOGUE)
-            ch = FrameChannel(s)
-            got["frame"] = await ch.receive_frame()
-            await ch.send_frame({"t": "ack", "n": len(got["frame"]["data"])})
-            with pytest.raises(trio.EndOfChannel):
-                await ch.receive_frame()
+            ch = FrameStream(s)
+            got["frame"] = await ch.receive()
+            await ch.send({"t": "ack", "n": len(got["frame"]["data"])})
+            assert await ch.receive() is None  # the client closed between frames
             await ch.aclose()
 
         nursery.start_soon(server)
         client_stream = await trio.open_tcp_stream("127.0.0.1", port)
         s = await noise_handshake(StreamMessageTransport(client_stream), initiator=True,
                                   static_private=generate_keypair()[0], prologue=PROLOGUE)
-        ch = FrameChannel(s)
-        size = await ch.send_frame({"t": "shard", "data": payload})
-        assert await ch.receive_frame() == {"t": "ack", "n": len(payload)}
+        ch = FrameStream(s)
+        size = await ch.send({"t": "shard", "data": payload})
+        assert await ch.receive() == {"t": "ack", "n": len(payload)}
         assert s.messages_sent == math.ceil(size / MAX_PLAINTEXT_BYTES) == 81
         assert s.ciphertext_bytes_sent == size + 16 * s.messages_sent
         await ch.aclose()
@@ -134,16 +134,16 @@ async def test_tcp_loopback_five_mib_frame_round_trips():
 
 
 @trio_test
-async def test_concurrent_send_frame_calls_do_not_interleave():
+async def test_concurrent_sends_do_not_interleave():
     s1, s2 = await _memory_streams()
-    tx, rx = FrameChannel(s1), FrameChannel(s2)
+    tx, rx = FrameStream(s1), FrameStream(s2)
     n_tasks, size = 8, 200_000  # each frame spans several Noise messages
     received = []
     async with trio.open_nursery() as nursery:
         for k in range(n_tasks):
-            nursery.start_soon(tx.send_frame, {"t": "blob", "k": k, "data": bytes([k]) * size})
+            nursery.start_soon(tx.send, {"t": "blob", "k": k, "data": bytes([k]) * size})
         for _ in range(n_tasks):
-            received.append(await rx.receive_frame())
+            received.append(await rx.receive())
     assert sorted(f["k"] for f in received) == list(range(n_tasks))
     assert all(f["data"] == bytes([f["k"]]) * size for f in received)
 
@@ -175,19 +175,19 @@ async def test_corrupted_ciphertext_breaks_only_that_link():
         nursery.start_soon(_relay, relay_b, relay_a, None)
         ab, ba = await _handshake_pair(a_end, b_end)
         ac, ca = await _handshake_pair(c1, c2)
-        a_to_b, b_from_a = FrameChannel(ab), FrameChannel(ba)
-        a_to_c, c_from_a = FrameChannel(ac), FrameChannel(ca)
-        await a_to_b.send_frame({"t": "act", "x": 1})
+        a_to_b, b_from_a = FrameStream(ab), FrameStream(ba)
+        a_to_c, c_from_a = FrameStream(ac), FrameStream(ca)
+        await a_to_b.send({"t": "act", "x": 1})
         with pytest.raises(RemoteProtocolError, match="failed authentication"):
-            await b_from_a.receive_frame()
+            await b_from_a.receive()
         with pytest.raises(trio.ClosedResourceError):  # the bad link is closed on B's side
-            await b_from_a.receive_frame()
-        await a_to_c.send_frame({"t": "act", "x": 2})
-        assert await c_from_a.receive_frame() == {"t": "act", "x": 2}
+            await b_from_a.receive()
+        await a_to_c.send({"t": "act", "x": 2})
+        assert await c_from_a.receive() == {"t": "act", "x": 2}
         # A learns the link is gone when it next uses it.
         with pytest.raises(trio.BrokenResourceError):
             for _ in range(100):
-                await a_to_b.send_frame({"t": "act", "x": 3})
+                await a_to_b.send({"t": "act", "x": 3})
         await a_to_c.aclose()
         await a_to_b.aclose()
         nursery.cancel_scope.cancel()
@@ -236,28 +236,28 @@ async def test_different_session_prologue_fails_on_both_sides():
 
 
 @trio_test
-async def test_frame_channel_eof_and_malformed_frames():
+async def test_frame_stream_over_noise_eof_and_malformed_frames():
     s1, s2 = await _memory_streams()
-    tx, rx = FrameChannel(s1), FrameChannel(s2)
-    await tx.send_frame({"t": "bye"})
+    tx, rx = FrameStream(s1), FrameStream(s2)
+    await tx.send({"t": "bye"})
     await tx.aclose()
-    assert await rx.receive_frame() == {"t": "bye"}
-    with pytest.raises(trio.EndOfChannel):
-        await rx.receive_frame()
+    assert await rx.receive() == {"t": "bye"}
+    assert await rx.receive() is None  # a clean end between frames
+    assert await rx.receive() is None
 
     s1, s2 = await _memory_streams()
-    rx = FrameChannel(s2)
+    rx = FrameStream(s2)
     await s1.send_all(encode_frame({"t": "partial"})[:-1])
     await s1.aclose()
     with pytest.raises(RemoteProtocolError, match="ended inside a frame"):
-        await rx.receive_frame()
+        await rx.receive()
 
     s1, s2 = await _memory_streams()
-    rx = FrameChannel(s2)
+    rx = FrameStream(s2)
     body = msgpack.packb(["not", "a", "map"])
     await s1.send_all(len(body).to_bytes(4, "big") + body)
     with pytest.raises(RemoteProtocolError, match="not a map"):
-        await rx.receive_frame()
+        await rx.receive()
     await s1.aclose()
 
 
