@@ -24,7 +24,6 @@ import ipaddress
 import logging
 import socket
 import ssl
-import struct
 from typing import Optional
 
 import trio
@@ -33,9 +32,10 @@ from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
-from kafilad.errors import LocalProtocolError
-from kafilad.net.transport import MAX_TRANSPORT_MESSAGE_BYTES
+from kafilad.errors import RemoteProtocolError
 from kafilad.net.udp_endpoint import UdpEndpoint
+from kafilad.proto.quic_header import quic_dcid
+from kafilad.proto.transport_messages import MessageDecoder, encode_message
 
 log = logging.getLogger("kafilad.quic")
 
@@ -55,7 +55,6 @@ PING_INTERVAL_S = 15.0
 SEND_WINDOW_BYTES = 4 * 1024 * 1024
 #: QUIC flow-control windows (aioquic's 1 MiB default stalls a fast sender between MAX_DATA updates).
 FLOW_WINDOW_BYTES = 16 * 1024 * 1024
-_PREFIX = struct.Struct(">H")
 
 _CERT: Optional[tuple] = None
 
@@ -142,7 +141,7 @@ class QuicTransport:
         self.closed_reason: Optional[str] = None
         self._local_closed = False
         self._eof = False
-        self._buf = bytearray()
+        self._decoder = MessageDecoder()  # proto_spec 01 §5.1 on stream 0
         self._wake = trio.Event()
         self._readable = trio.Event()
         self._writable = trio.Event()
@@ -166,7 +165,7 @@ class QuicTransport:
             elif isinstance(ev, qe.ConnectionIdIssued):
                 self.endpoint.route_cid(ev.connection_id, self._on_datagram)
             elif isinstance(ev, qe.StreamDataReceived) and ev.stream_id == self.stream_id:
-                self._buf += ev.data
+                self._decoder.receive_data(ev.data)
                 self.bytes_received += len(ev.data)
                 if ev.end_stream:
                     self._eof = True
@@ -267,9 +266,7 @@ class QuicTransport:
 
     # ---- MessageTransport ----------------------------------------------------------------------
     async def send_message(self, data: bytes) -> None:
-        if len(data) > MAX_TRANSPORT_MESSAGE_BYTES:
-            raise LocalProtocolError(f"A transport message is at most {MAX_TRANSPORT_MESSAGE_BYTES} bytes, "
-                                     f"not {len(data)} (proto_spec 01 §5).")
+        framed = encode_message(data)  # LocalProtocolError over 65,535 bytes
         # trio's pattern for an operation that completes: raise a pending cancellation first, then
         # yield once after the data left (no scheduler pass in between on an uncontended lock).
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -287,8 +284,8 @@ class QuicTransport:
                     break
                 self._writable = trio.Event()
                 await self._writable.wait()
-            self.conn.send_stream_data(self.stream_id, _PREFIX.pack(len(data)) + bytes(data))
-            self.bytes_sent += len(data) + _PREFIX.size
+            self.conn.send_stream_data(self.stream_id, framed)
+            self.bytes_sent += len(framed)
             self._data_queued = True
             self._transmit()  # as aioquic's asyncio protocol does: the data leaves before we yield
             self._rearm()
@@ -300,14 +297,15 @@ class QuicTransport:
         while True:
             if self._local_closed:
                 raise trio.ClosedResourceError("this QUIC transport was closed")
-            if len(self._buf) >= _PREFIX.size:
-                (n,) = _PREFIX.unpack_from(self._buf)
-                if len(self._buf) >= _PREFIX.size + n:
-                    msg = bytes(self._buf[_PREFIX.size:_PREFIX.size + n])
-                    del self._buf[:_PREFIX.size + n]
-                    await trio.lowlevel.checkpoint()
-                    return msg
+            msg = self._decoder.next_message()
+            if msg is not None:
+                await trio.lowlevel.checkpoint()
+                return msg
             if self._eof:
+                try:
+                    self._decoder.receive_eof()
+                except RemoteProtocolError as exc:  # proto_spec 01 §5.1: an end inside a message is a loss
+                    raise trio.BrokenResourceError(str(exc)) from None
                 raise trio.EndOfChannel
             if self.closed_reason is not None:
                 raise trio.BrokenResourceError(self.closed_reason)
@@ -365,9 +363,9 @@ async def quic_accept(endpoint: UdpEndpoint, remote: Address, nursery, *, timeou
         if "t" in got:
             got["t"]._on_datagram(data, addr)
             return
-        if len(data) < 6 or data[5] > 20:
+        dcid = quic_dcid(data)  # a long-header Initial: the DCID the client chose
+        if dcid is None:
             return
-        dcid = bytes(data[6:6 + data[5]])
         conn = QuicConnection(configuration=configuration(is_client=False, datagram_bytes=size),
                               original_destination_connection_id=dcid)
         t = QuicTransport(endpoint, conn, addr)

@@ -23,33 +23,24 @@ from collections.abc import Sequence
 import trio
 
 from kafilad.errors import KafilaError
+from kafilad.proto import address
 from kafilad.proto.natclass import NatClassifier, NatReport
 
 Address = tuple[str, int]
 
 #: Largest datagram read; STUN answers are far smaller (RFC 8489 §6.1).
 RECV_BYTES = 2048
+#: The default STUN port (RFC 8489), assumed when a server is named without one.
+STUN_PORT = 3478
 
 
-def parse_host_port(text: str, default_port: int = 3478) -> Address:
-    """Parse "host:port", "[v6]:port", "host" or a bare IPv6 literal into (host, port).
+def parse_host_port(text: str, default_port: int = STUN_PORT) -> Address:
+    """A STUN server address: :func:`kafilad.proto.address.parse_host_port` with the STUN port as default.
 
     Raises:
-        KafilaError: the port is not a number in 1-65535.
+        AddressError (a KafilaError): not HOST:PORT, or a port outside 1-65535.
     """
-    host, port_text = text, ""
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest.removeprefix(":")
-    elif text.count(":") == 1:
-        host, port_text = text.split(":")
-    try:
-        port = int(port_text) if port_text else default_port
-        if not 0 < port < 65536:
-            raise ValueError
-    except ValueError:
-        raise KafilaError(f"'{text}' is not HOST:PORT with a port between 1 and 65535.") from None
-    return host, port
+    return address.parse_host_port(text, default_port)
 
 
 async def resolve(servers: Sequence[tuple[str, int]], family: int) -> list[Address]:
@@ -157,7 +148,7 @@ def _main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     async def run() -> NatReport:
-        bind_host, bind_port = parse_host_port(args.bind, 0) if args.bind != "0.0.0.0:0" else ("0.0.0.0", 0)
+        bind_host, bind_port = address.parse_host_port(args.bind, 0, allow_any_port=True)
         family = trio.socket.AF_INET6 if ":" in bind_host else trio.socket.AF_INET
         with trio.socket.socket(family, trio.socket.SOCK_DGRAM) as sock:
             await sock.bind((bind_host, bind_port))

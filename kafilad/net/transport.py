@@ -6,7 +6,7 @@ transport, not a byte stream. Three carry it:
 - a relayed circuit (one WebSocket binary message per Noise message; kafilad.node, via the
   rendezvous), which implements ``MessageTransport`` itself;
 - a byte stream (TCP, a QUIC stream, a Unix socket): ``StreamMessageTransport`` adds a 2-byte
-  length prefix per message (proto_spec 01 §5.1)::
+  length prefix per message (proto_spec 01 §5.1; the codec is kafilad/proto/transport_messages.py)::
 
       +--------+--------+------------------------------+
       |  n (u16, BE)    |  message (n bytes, 0..65535) |
@@ -17,16 +17,15 @@ transport, not a byte stream. Three carry it:
 
 from __future__ import annotations
 
-import struct
 from typing import Protocol, runtime_checkable
 
 import trio
 
-from kafilad.errors import LocalProtocolError
+from kafilad.errors import RemoteProtocolError
+from kafilad.proto.transport_messages import MAX_MESSAGE_BYTES, MessageDecoder, check_message_size, encode_message
 
 #: Largest message any transport must carry: one Noise message (proto_spec 01 §3).
-MAX_TRANSPORT_MESSAGE_BYTES = 65535
-_PREFIX = struct.Struct(">H")
+MAX_TRANSPORT_MESSAGE_BYTES = MAX_MESSAGE_BYTES
 _RECEIVE_BYTES = 256 * 1024
 
 
@@ -47,14 +46,6 @@ class MessageTransport(Protocol):
     async def aclose(self) -> None: ...
 
 
-def _check_size(data: bytes) -> None:
-    if len(data) > MAX_TRANSPORT_MESSAGE_BYTES:
-        raise LocalProtocolError(
-            f"A transport message is at most {MAX_TRANSPORT_MESSAGE_BYTES} bytes, not {len(data)} "
-            "(proto_spec 01 §5)."
-        )
-
-
 class StreamMessageTransport:
     """Messages over a trio byte stream, each prefixed with its u16 big-endian length.
 
@@ -68,37 +59,27 @@ class StreamMessageTransport:
 
     def __init__(self, stream: trio.abc.Stream):
         self.stream = stream
-        self._buf = bytearray()
+        self._decoder = MessageDecoder()
         self._send_lock = trio.Lock()
         self._send_broken = False
         self._eof = False
 
     async def send_message(self, data: bytes) -> None:
-        _check_size(data)
+        framed = encode_message(data)
         async with self._send_lock:
             if self._send_broken:
                 raise trio.BrokenResourceError("An earlier send on this transport was interrupted mid-message.")
             try:
-                await self.stream.send_all(_PREFIX.pack(len(data)) + bytes(data))
+                await self.stream.send_all(framed)
             except trio.ClosedResourceError:
                 raise
             except BaseException:
                 self._send_broken = True
                 raise
 
-    def _pop_message(self) -> bytes | None:
-        if len(self._buf) < _PREFIX.size:
-            return None
-        (n,) = _PREFIX.unpack_from(self._buf)
-        if len(self._buf) < _PREFIX.size + n:
-            return None
-        message = bytes(self._buf[_PREFIX.size : _PREFIX.size + n])
-        del self._buf[: _PREFIX.size + n]
-        return message
-
     async def receive_message(self) -> bytes:
         while True:
-            message = self._pop_message()
+            message = self._decoder.next_message()
             if message is not None:
                 await trio.lowlevel.checkpoint()
                 return message
@@ -107,13 +88,13 @@ class StreamMessageTransport:
                 raise trio.EndOfChannel
             data = await self.stream.receive_some(_RECEIVE_BYTES)
             if not data:
-                if self._buf:
-                    raise trio.BrokenResourceError(
-                        f"The stream ended inside a message ({len(self._buf)} bytes of it arrived)."
-                    )
+                try:
+                    self._decoder.receive_eof()
+                except RemoteProtocolError as exc:  # proto_spec 01 §5.1: a lost link
+                    raise trio.BrokenResourceError(str(exc)) from None
                 self._eof = True
                 raise trio.EndOfChannel
-            self._buf += data
+            self._decoder.receive_data(data)
 
     async def aclose(self) -> None:
         await self.stream.aclose()
@@ -131,7 +112,7 @@ class MemoryMessageTransport:
         self._receive = receive
 
     async def send_message(self, data: bytes) -> None:
-        _check_size(data)
+        check_message_size(data)
         await self._send.send(bytes(data))
 
     async def receive_message(self) -> bytes:

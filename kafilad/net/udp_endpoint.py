@@ -14,6 +14,8 @@ which protocol a datagram belongs to (RFC 9443 §3)::
 Routing QUIC by destination connection id, not by address, lets two edges share one address pair
 (a two-member ring has an edge each way between the same sockets).
 
+The first-byte rule and the DCID parser are pure: kafilad/proto/quic_header.py.
+
 The STUN view (:meth:`UdpEndpoint.stun_socket`) looks like a trio UDP socket to
 :func:`kafilad.net.stun_client.classify_nat`, so classification runs on this socket while the
 demultiplexer owns it.
@@ -27,6 +29,8 @@ from collections import OrderedDict
 from typing import Callable, Optional
 
 import trio
+
+from kafilad.proto.quic_header import is_long_header, protocol_of, quic_dcid
 
 log = logging.getLogger("kafilad.udp")
 
@@ -44,40 +48,6 @@ STASH_PER_ADDRESS = 8
 STASH_ADDRESSES = 32
 #: Requested kernel socket buffer size (the kernel may cap it at net.core.rmem_max).
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-#: Length of the connection ids we issue (aioquic's QuicConfiguration.connection_id_length default).
-CID_BYTES = 8
-
-
-def protocol_of(data: bytes) -> str:
-    """"stun", "quic" or "other" by the first byte (RFC 9443 §3)."""
-    if not data:
-        return "other"
-    b = data[0]
-    if b <= 3:
-        return "stun"
-    if 64 <= b <= 127 or b >= 192:
-        return "quic"
-    return "other"
-
-
-def quic_dcid(data: bytes, short_cid_bytes: int = CID_BYTES) -> Optional[bytes]:
-    """Destination connection id of a QUIC packet (RFC 9000 §17.2, §17.3), or None if truncated.
-
-    Long header: flags(1) version(4) dcid_len(1) dcid(dcid_len) ...; short header: flags(1)
-    dcid(short_cid_bytes) ... (the length is ours to know: we issued it).
-    """
-    if not data:
-        return None
-    if data[0] & 0x80:
-        if len(data) < 6:
-            return None
-        n = data[5]
-        if n > 20 or len(data) < 6 + n:
-            return None
-        return bytes(data[6:6 + n])
-    if len(data) < 1 + short_cid_bytes:
-        return None
-    return bytes(data[1:1 + short_cid_bytes])
 
 
 def _norm(addr) -> Address:
@@ -255,7 +225,7 @@ class UdpEndpoint:
         if handler is not None:
             handler(data, addr)
             return
-        if data[0] & 0x80:
+        if is_long_header(data):
             handler = self._expect.get(addr)
             if handler is not None:
                 handler(data, addr)

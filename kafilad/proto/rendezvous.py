@@ -29,13 +29,13 @@ import attrs
 import msgpack
 
 from kafilad.errors import LocalProtocolError, RemoteProtocolError
+from kafilad.proto.noise import MAX_MESSAGE_BYTES as NOISE_MAX_MESSAGE_BYTES
 from kafilad.proto.rendezvous_proof import NONCE_BYTES, Challenge, check_proof, public_key
 
 KIND_CONTROL = 0x00
 KIND_RELAY = 0x01
 RELAY_HEADER = struct.Struct(">BQ")  # kind, circuit id (proto_spec §3)
 RECORD_HEADER = struct.Struct(">QI")  # circuit id, payload length (proto_spec §7)
-NOISE_MAX_MESSAGE_BYTES = 65_535
 SIGNAL_RECORD_CIRCUIT = 0
 
 CLOSE_POLICY_VIOLATION = 1008  # RFC 6455 §7.4.1

@@ -163,3 +163,22 @@ async def test_accept_gives_up_when_no_client_comes():
         with pytest.raises(trio.BrokenResourceError, match="no QUIC client arrived from 127.0.0.1:9 within 0.2 s"):
             await quic_accept(a, ("127.0.0.1", 9), nursery, timeout_s=0.2)
         nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_stream_that_ends_inside_a_message_is_a_lost_link():
+    """proto_spec 01 §5.1 on QUIC stream 0: an end between messages is clean, inside one is a loss."""
+    a, b = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.serve)
+            await nursery.start(b.serve)
+            client, server = await connected_pair(nursery, a, b)
+            await client.send_message(b"whole")
+            # half of a 9-byte message, then FIN on the stream (what a peer dying mid-write leaves)
+            client.conn.send_stream_data(client.stream_id, b"\x00\x09half", end_stream=True)
+            client._transmit()
+            assert await server.receive_message() == b"whole"
+            with pytest.raises(trio.BrokenResourceError, match=r"ended inside a message \(6 bytes"):
+                await server.receive_message()
+            nursery.cancel_scope.cancel()

@@ -10,23 +10,9 @@ from hypothesis import strategies as st
 from trio.testing import trio_test
 
 from kafilad.net.stun_client import classify_nat
-from kafilad.net.udp_endpoint import RECV_BATCH, UdpEndpoint, protocol_of, quic_dcid
+from kafilad.net.udp_endpoint import RECV_BATCH, UdpEndpoint
 from kafilad.proto.ice import IceAgent, PathVerified, make_candidate, new_credentials
 from kafilad.rendezvous.stun_server import serve_stun
-
-
-def test_protocol_of_follows_rfc_9443_ranges():
-    assert [protocol_of(bytes([b])) for b in (0, 3, 4, 63, 64, 127, 128, 191, 192, 255)] == [
-        "stun", "stun", "other", "other", "quic", "quic", "other", "other", "quic", "quic"]
-    assert protocol_of(b"") == "other"
-
-
-def test_quic_dcid_of_long_and_short_headers():
-    cid = bytes(range(8))
-    assert quic_dcid(bytes([0xC3]) + b"\x00\x00\x00\x01" + bytes([8]) + cid + b"rest") == cid
-    assert quic_dcid(bytes([0x41]) + cid + b"payload") == cid
-    assert quic_dcid(bytes([0xC3, 0, 0, 0, 1, 30]) + bytes(40)) is None  # dcid longer than 20: not QUIC v1
-    assert quic_dcid(bytes([0x41, 1, 2])) is None
 
 
 @trio_test
