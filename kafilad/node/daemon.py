@@ -16,8 +16,9 @@ import trio
 
 from kafilad.control.api import OPS
 from kafilad.control.server import serve_control
-from kafilad.errors import KafilaError, collapse_groups, find_kafila_error
+from kafilad.errors import KafilaError, collapse_groups
 from kafilad.node.statedir import StateDir
+from kafilad.proto import session as sm
 from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
 
 log = logging.getLogger("kafilad")
@@ -78,10 +79,8 @@ class Node:
             nursery.start_soon(self._signals, nursery.cancel_scope)
             if self.http is not None:
                 from kafilad.control.openai_api import serve_openai_api
-                try:
-                    self.http_port = await nursery.start(serve_openai_api, self, *self.http)
-                except OSError as e:
-                    log.warning("OpenAI-compatible API not served on %s:%s: %s", *self.http, e)
+                # a port in use or out of range refuses the start with a sentence (KafilaError)
+                self.http_port = await nursery.start(serve_openai_api, self, *self.http)
             log.info("kafilad %s (peer %s) listening on %s", self.name, self.peer_id, self.state.socket_path)
             task_status.started()
 
@@ -123,10 +122,11 @@ class Node:
                 if not started:
                     raise
                 log.exception("session %s stopped by an internal error", session.session_id)
-                session._fail(f"internal error: {e!r}")
+                await session._handle(sm.Abort(repr(e)))
             finally:
-                if session.state not in ("failed",):
-                    session.state = "closed"
+                if session.state not in ("failed", "closed"):
+                    with trio.CancelScope(shield=True), trio.move_on_after(2):
+                        await session._handle(sm.Close("the session ended"))
                 self.changed()
 
     async def op_host(self, args: dict, emit) -> dict:
@@ -158,14 +158,11 @@ class Node:
         try:
             await self.nursery.start(lambda task_status: self._run_session(session, task_status=task_status,
                                                                            progress=progress))
-        except BaseException as e:
-            session.state = "failed"
-            known = find_kafila_error(e) if isinstance(e, Exception) else None
-            session.error = str(known or e) or type(e).__name__
-            self.changed()
+        except BaseException:
+            self.changed()  # the machine says `failed` and why (the join's error is the caller's reply)
             raise
         self.changed()
-        return {"session_id": session.session_id, "host": session.host_name, "state": session.state}
+        return {"session_id": session.session_id, "host": session.host_name, "state": str(session.state)}
 
     def _host_session(self):
         from kafilad.node.host import HostSession

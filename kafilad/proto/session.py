@@ -1,0 +1,759 @@
+"""The session as data: pure host and member state machines (DESIGN §3 steps 1-2, §5, §6; proto_spec 05).
+
+In the style of h11's ``_state.py``: each machine has an enum of states and a transition table,
+``TABLE[state][event type] -> the states it may enter``; :meth:`handle` takes one typed event and
+returns the actions the driver (kafilad/node/host.py, member.py) performs: frames to send, links
+to close, requests to fail, trace records to write. A machine enters a state in one place
+(``_enter``), which records the change for watchers (``changed``). No trio, no sockets, no mlx:
+every transition is tested without processes (tests/proto/test_session_machines.py).
+
+Host states::
+
+    starting --Registered--> forming --(every member admitted and measured)--> planning
+    planning --Planned--> loading --(every stage ready)--> ready
+    planning --PlanFailed--> failed;  loading/ready --MemberLost | RingFailed--> failed
+    ready --RendezvousLost--> ready (edges direct, head here) | failed
+    any --Close--> closed   (a normal close is never recorded as a failure)
+
+Member states::
+
+    joining --Pending--> pending --Admitted--> admitted --CapabilitySent--> measured
+    measured --PlanFrame--> loading --StageLoaded--> ready
+    joining/pending --Denied--> failed (the join is refused);  any --failure--> failed
+    ready --RendezvousLost--> ready (both ring edges direct) | failed
+    any --Close--> closed
+
+Events that arrive from a peer (a control frame) in a state whose row does not list them are the
+peer's protocol error: the action closes that peer's link with a sentence. Local events out of
+place are our bug: :class:`LocalProtocolError`. In ``failed`` and ``closed`` every event but
+``Close`` is ignored (the session is over; late frames change nothing).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import attrs
+
+from kafilad.errors import LocalProtocolError
+from kafilad.proto import control as cf
+
+
+class HostState(str, enum.Enum):
+    STARTING = "starting"
+    FORMING = "forming"
+    PLANNING = "planning"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class MemberState(str, enum.Enum):
+    JOINING = "joining"
+    PENDING = "pending"
+    ADMITTED = "admitted"
+    MEASURED = "measured"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: States in which a session is over: only Close is handled.
+_OVER = (HostState.FAILED, HostState.CLOSED, MemberState.FAILED, MemberState.CLOSED)
+
+
+# ---- events -----------------------------------------------------------------------------------
+@attrs.frozen
+class Registered:
+    """The rendezvous created the session (proto_spec 03 `registered`)."""
+    session_id: str
+
+
+@attrs.frozen
+class MemberJoined:
+    """A member finished the Noise handshake on its ctl link (DESIGN §4). ``trusted``: its key is in the roster."""
+    peer_id: str
+    name: str
+    public_key: bytes
+    trusted: bool
+
+
+@attrs.frozen
+class Decision:
+    """`kafila-ctl admit|deny` for a pending member."""
+    peer_id: str
+    admit: bool
+    reason: str = ""
+
+
+@attrs.frozen
+class PendingTimedOut:
+    peer_id: str
+    timeout_s: float
+
+
+@attrs.frozen
+class OwnCapability:
+    """The host measured itself (DESIGN §5.1)."""
+    capability: dict
+
+
+@attrs.frozen
+class FrameFrom:
+    """A control frame (kafilad/proto/control.py) from member ``peer_id``."""
+    peer_id: str
+    frame: object
+
+
+@attrs.frozen
+class Planned:
+    """The planner's result: ``blocks`` name -> (start, end), ``head`` name, ``order`` names in ring order."""
+    plan: dict
+    blocks: dict
+    head: str
+    order: tuple
+
+
+@attrs.frozen
+class PlanFailed:
+    reason: str
+
+
+@attrs.frozen
+class OwnStageLoaded:
+    load: dict
+
+
+@attrs.frozen
+class MemberLost:
+    """A member's ctl link ended, or the rendezvous said it left."""
+    peer_id: str
+    reason: str
+
+
+@attrs.frozen
+class RingFailed:
+    """This daemon's ring stage broke; ``member`` is the one the failure names."""
+    member: Optional[str]
+    reason: str
+
+
+@attrs.frozen
+class RendezvousLost:
+    """The rendezvous connection ended (DESIGN §2). Host: ``relayed_edges`` lists "a -> b" of edges
+    still relayed; member: ``edges_direct`` says both of its ring edges are direct."""
+    reason: str
+    relayed_edges: tuple = ()
+    edges_direct: bool = False
+
+
+@attrs.frozen
+class JoinFailed:
+    """Member: the join ended before admission (rendezvous unreachable, wrong host key...); ``message`` says why."""
+    message: str
+
+
+@attrs.frozen
+class Abort:
+    """The driver hit an internal error; the session fails with ``reason`` (the daemon lives on)."""
+    reason: str
+
+
+@attrs.frozen
+class Close:
+    """The user closes the session (`kafila-ctl leave`), or the daemon stops."""
+    reason: str
+
+
+@attrs.frozen
+class CapabilitySent:
+    capability: dict
+
+
+@attrs.frozen
+class StageLoaded:
+    load: dict
+
+
+@attrs.frozen
+class LoadFailed:
+    reason: str
+
+
+@attrs.frozen
+class HostLinkLost:
+    reason: str
+
+
+@attrs.frozen
+class SessionEnded:
+    """The rendezvous says the session is gone, or another member left it (member side)."""
+    reason: str
+    member: Optional[str] = None
+
+
+# ---- actions ----------------------------------------------------------------------------------
+@attrs.frozen
+class Send:
+    """Send ``frame`` on the ctl link of ``peer_id`` (member side: the host; peer_id "")."""
+    peer_id: str
+    frame: object
+
+
+@attrs.frozen
+class CloseLink:
+    peer_id: str
+    reason: str
+
+
+@attrs.frozen
+class Remember:
+    """Store the member's key in the trusted roster (DESIGN §4)."""
+    peer_id: str
+    name: str
+    public_key: bytes
+
+
+@attrs.frozen
+class MakePlan:
+    """Run the planner over ``order`` (MemberEntry, the host first)."""
+    order: tuple
+
+
+@attrs.frozen
+class DistributePlan:
+    """Send each remote member its `plan` frame and load the host's own stage."""
+    planned: Planned
+
+
+@attrs.frozen
+class StartLoad:
+    """Member: fetch, verify and build the stage of this plan frame."""
+    plan: object
+
+
+@attrs.frozen
+class FailRequests:
+    """Fail every request in flight with ``reason`` naming ``member``."""
+    reason: str
+    member: Optional[str]
+
+
+@attrs.frozen
+class Trace:
+    kind: str
+    fields: dict = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Formed:
+    """Every stage is ready: the driver writes `edges` and `session_formed` trace records."""
+
+
+@attrs.frozen
+class EdgesChanged:
+    reporter: str
+
+
+@attrs.frozen
+class Refused:
+    """Member: the join ends before admission with this sentence."""
+    message: str
+
+
+@attrs.frozen
+class JoinAccepted:
+    """Member: admitted; the `join` command returns."""
+
+
+# ---- records ----------------------------------------------------------------------------------
+@attrs.define
+class MemberEntry:
+    """One member as the host sees it. The host's own entry has ``is_host``."""
+    peer_id: str
+    name: str
+    public_key: bytes
+    is_host: bool = False
+    capability: Optional[dict] = None
+    ready: bool = False
+    lost: Optional[str] = None
+    control_down: bool = False
+    load: dict = attrs.field(factory=dict)
+
+
+@attrs.define
+class PendingEntry:
+    peer_id: str
+    name: str
+    public_key: bytes
+
+
+H = HostState
+HOST_TABLE: dict = {
+    H.STARTING: {Registered: {H.FORMING}, Abort: {H.FAILED}, Close: {H.CLOSED}},
+    H.FORMING: {MemberJoined: {H.FORMING}, Decision: {H.FORMING}, PendingTimedOut: {H.FORMING},
+                OwnCapability: {H.FORMING, H.PLANNING}, cf.Capability: {H.FORMING, H.PLANNING},
+                MemberLost: {H.FORMING}, cf.Leaving: {H.FORMING}, RendezvousLost: {H.FAILED}, Abort: {H.FAILED}, Close: {H.CLOSED}},
+    H.PLANNING: {MemberJoined: {H.PLANNING}, Decision: {H.PLANNING}, PendingTimedOut: {H.PLANNING},
+                 Planned: {H.LOADING}, PlanFailed: {H.FAILED}, MemberLost: {H.FAILED}, cf.Leaving: {H.FAILED},
+                 RendezvousLost: {H.FAILED}, Abort: {H.FAILED}, Close: {H.CLOSED}},
+    H.LOADING: {MemberJoined: {H.LOADING}, Decision: {H.LOADING}, PendingTimedOut: {H.LOADING},
+                cf.Ready: {H.LOADING, H.READY}, OwnStageLoaded: {H.LOADING, H.READY}, cf.Edges: {H.LOADING},
+                cf.Failed: {H.FAILED}, cf.Leaving: {H.FAILED}, cf.RingBroken: {H.FAILED}, MemberLost: {H.FAILED},
+                RingFailed: {H.FAILED}, RendezvousLost: {H.FAILED}, Abort: {H.FAILED}, Close: {H.CLOSED}},
+    H.READY: {MemberJoined: {H.READY}, Decision: {H.READY}, PendingTimedOut: {H.READY},
+              cf.Edges: {H.READY}, cf.Failed: {H.FAILED}, cf.Leaving: {H.FAILED}, cf.RingBroken: {H.FAILED},
+              MemberLost: {H.READY, H.FAILED}, RingFailed: {H.FAILED}, RendezvousLost: {H.READY, H.FAILED},
+              Abort: {H.FAILED}, Close: {H.CLOSED}},
+    H.FAILED: {Close: {H.CLOSED}},
+    H.CLOSED: {},
+}
+
+M = MemberState
+_MEMBER_FAILURES = {HostLinkLost: {M.FAILED}, cf.SessionFailed: {M.FAILED}, SessionEnded: {M.FAILED},
+                    RendezvousLost: {M.FAILED}, Abort: {M.FAILED}, Close: {M.CLOSED}}
+MEMBER_TABLE: dict = {
+    M.JOINING: {cf.Pending: {M.PENDING}, cf.Admitted: {M.ADMITTED}, cf.Denied: {M.FAILED}, JoinFailed: {M.FAILED},
+                **_MEMBER_FAILURES},
+    M.PENDING: {cf.Pending: {M.PENDING}, cf.Admitted: {M.ADMITTED}, cf.Denied: {M.FAILED}, JoinFailed: {M.FAILED},
+                **_MEMBER_FAILURES},
+    M.ADMITTED: {CapabilitySent: {M.MEASURED}, **_MEMBER_FAILURES},
+    M.MEASURED: {cf.PlanFrame: {M.LOADING}, **_MEMBER_FAILURES},
+    M.LOADING: {StageLoaded: {M.READY}, LoadFailed: {M.FAILED}, RingFailed: {M.LOADING, M.FAILED},
+                **_MEMBER_FAILURES},
+    M.READY: {**_MEMBER_FAILURES, RendezvousLost: {M.READY, M.FAILED}, HostLinkLost: {M.READY, M.FAILED},
+              RingFailed: {M.READY, M.FAILED}},
+    M.FAILED: {Close: {M.CLOSED}},
+    M.CLOSED: {},
+}
+
+
+class _Machine:
+    TABLE: dict = {}
+
+    def __init__(self, state):
+        self.state = state
+        self.error: Optional[str] = None
+        #: set by every state change; the driver clears it after telling watchers
+        self.changed = True
+
+    def _enter(self, state, allowed) -> None:
+        if state not in allowed:
+            raise LocalProtocolError(f"{type(self).__name__}: {self.state} -> {state} is not in the table")
+        if state != self.state:
+            self.state = state
+        self.changed = True
+
+    def _row(self, event):
+        """The states `event` may lead to from here, None when the event is ignored."""
+        key = type(event.frame) if isinstance(event, FrameFrom) else type(event)
+        row = self.TABLE[self.state]
+        if key in row:
+            return row[key]
+        if self.state in _OVER:
+            return None
+        if isinstance(event, FrameFrom) or isinstance(event, cf.ControlFrame):
+            return "peer-error"
+        raise LocalProtocolError(f"{type(self).__name__}: event {key.__name__} in state {self.state}")
+
+
+class HostMachine(_Machine):
+    """The host's session (proto_spec 05 §2; DESIGN §3 steps 1-2, §5).
+
+    Args:
+        host_peer_id, host_name, host_key: this daemon.
+        expected: members of the session, the host included (`--members`).
+        open_: admit any holder of the code (`host --open`).
+        admitted: the session parameters every admitted member gets (model_id, config, dtype,
+            context, concurrency).
+    """
+
+    TABLE = HOST_TABLE
+
+    def __init__(self, *, host_peer_id: str, host_name: str, host_key: bytes, expected: int, open_: bool,
+                 admitted: dict):
+        super().__init__(HostState.STARTING)
+        self.expected = expected
+        self.open = open_
+        self.params = admitted
+        self.session_id = ""
+        self.host_peer_id = host_peer_id
+        self.members: dict[str, MemberEntry] = {
+            host_peer_id: MemberEntry(peer_id=host_peer_id, name=host_name, public_key=host_key, is_host=True)}
+        self.pending: dict[str, PendingEntry] = {}
+        self.planned: Optional[Planned] = None
+        self.ring_order: list[str] = []
+        self.rendezvous_lost: Optional[str] = None
+        self.culprit: Optional[str] = None
+
+    # -- queries --
+    def name_of(self, peer_id: str) -> str:
+        e = self.members.get(peer_id) or self.pending.get(peer_id)
+        return e.name if e is not None else peer_id
+
+    def live(self) -> list[MemberEntry]:
+        return [e for e in self.members.values() if e.lost is None]
+
+    def head(self) -> Optional[MemberEntry]:
+        return self.members.get(self.ring_order[0]) if self.ring_order else None
+
+    def _unique_name(self, wanted: str, peer_id: str) -> str:
+        """``wanted``, or ``wanted-2``, ``-3``... when another device already has that name (names
+        key the plan, DESIGN §5)."""
+        taken = {e.name for p, e in {**self.members, **self.pending}.items() if p != peer_id}
+        name, n = wanted, 1
+        while name in taken:
+            n += 1
+            name = f"{wanted}-{n}"
+        return name
+
+    # -- the one entry point --
+    def handle(self, event) -> list:
+        """Apply one event; return the actions to perform, in order.
+
+        Raises:
+            LocalProtocolError: a local event this state does not take (a driver bug).
+        """
+        row = self._row(event)
+        if row is None:
+            return []
+        if row == "peer-error":
+            frame = event.frame
+            return [CloseLink(event.peer_id, f"{self.name_of(event.peer_id)} sent an unexpected "
+                                             f"{getattr(frame, 'T', type(frame).__name__)} frame while the "
+                                             f"session was {self.state}")]
+        if isinstance(event, FrameFrom):
+            return getattr(self, "_on_" + event.frame.T)(event.peer_id, event.frame, row)
+        return getattr(self, "_on_" + type(event).__name__)(event, row)
+
+    # -- formation --
+    def _on_Registered(self, ev: Registered, row) -> list:
+        self.session_id = ev.session_id
+        self._enter(HostState.FORMING, row)
+        return [Trace("session_opened", {"session_id": ev.session_id, "role": "host", "members": self.expected,
+                                         **{k: self.params.get(k) for k in ("model_id", "context", "concurrency")}})]
+
+    def _full(self) -> bool:
+        return len(self.members) >= self.expected or self.state != HostState.FORMING
+
+    def _on_MemberJoined(self, ev: MemberJoined, row) -> list:
+        if ev.peer_id in self.members or ev.peer_id in self.pending:
+            return [Send(ev.peer_id, cf.Denied("this device is already in the session")), CloseLink(ev.peer_id, "")]
+        if self._full():
+            return [Send(ev.peer_id, cf.Denied("the session is already complete")), CloseLink(ev.peer_id, "")]
+        name = self._unique_name(ev.name, ev.peer_id)
+        if self.open or ev.trusted:
+            return self._admit(ev.peer_id, name, ev.public_key, remember=True)
+        self.pending[ev.peer_id] = PendingEntry(ev.peer_id, name, ev.public_key)
+        self.changed = True
+        return [Send(ev.peer_id, cf.Pending())]
+
+    def _admit(self, peer_id: str, name: str, key: bytes, *, remember: bool) -> list:
+        self.members[peer_id] = MemberEntry(peer_id=peer_id, name=name, public_key=key)
+        self.changed = True
+        out = [Remember(peer_id, name, key)] if remember else []
+        return out + [Send(peer_id, cf.Admitted(session_id=self.session_id, name=name, **self.params))]
+
+    def _on_Decision(self, ev: Decision, row) -> list:
+        p = self.pending.pop(ev.peer_id, None)
+        if p is None:
+            return []
+        self.changed = True
+        if not ev.admit:
+            return [Send(p.peer_id, cf.Denied(ev.reason or "the host denied this device")), CloseLink(p.peer_id, "")]
+        if self._full():
+            return [Send(p.peer_id, cf.Denied("the session became complete while this device waited")),
+                    CloseLink(p.peer_id, "")]
+        return self._admit(p.peer_id, self._unique_name(p.name, p.peer_id), p.public_key, remember=True)
+
+    def _on_PendingTimedOut(self, ev: PendingTimedOut, row) -> list:
+        if self.pending.pop(ev.peer_id, None) is None:
+            return []
+        self.changed = True
+        return [Send(ev.peer_id, cf.Denied(f"the host did not admit this device within {ev.timeout_s:g} s")),
+                CloseLink(ev.peer_id, "")]
+
+    def _on_OwnCapability(self, ev: OwnCapability, row) -> list:
+        self.members[self.host_peer_id].capability = dict(ev.capability)
+        return self._maybe_plan(row)
+
+    def _on_capability(self, peer_id: str, frame: cf.Capability, row) -> list:
+        entry = self.members.get(peer_id)
+        if entry is None:
+            return [CloseLink(peer_id, "a capability frame from a device that was not admitted")]
+        entry.capability = frame.as_record()
+        return self._maybe_plan(row)
+
+    def _maybe_plan(self, row) -> list:
+        self.changed = True
+        live = self.live()
+        if len(live) < self.expected or not all(e.capability for e in live):
+            return []
+        self._enter(HostState.PLANNING, row)
+        return [MakePlan(tuple(live))]
+
+    def _on_Planned(self, ev: Planned, row) -> list:
+        names = {e.name: e.peer_id for e in self.members.values()}
+        self.planned = ev
+        self.ring_order = [names[n] for n in ev.order]
+        for e in self.members.values():
+            e.ready = False
+        self._enter(HostState.LOADING, row)
+        return [Trace("plan", {"plan": ev.plan}), DistributePlan(ev)]
+
+    def _on_PlanFailed(self, ev: PlanFailed, row) -> list:
+        return self._fail(f"no plan fits this fleet: {ev.reason.rstrip('.')}", None, row)
+
+    def _on_ready(self, peer_id: str, frame: cf.Ready, row) -> list:
+        e = self.members[peer_id]
+        e.ready = True
+        e.load = {"fetched_bytes": frame.fetched_bytes, "cached_bytes": frame.cached_bytes, "load_s": frame.load_s,
+                  "edges": frame.edges}
+        return self._maybe_ready(row)
+
+    def _on_OwnStageLoaded(self, ev: OwnStageLoaded, row) -> list:
+        e = self.members[self.host_peer_id]
+        e.ready = True
+        e.load = dict(ev.load)
+        return self._maybe_ready(row)
+
+    def _maybe_ready(self, row) -> list:
+        self.changed = True
+        if not all(e.ready for e in self.members.values()):
+            return []
+        self._enter(HostState.READY, row)
+        return [Formed()]
+
+    def _on_edges(self, peer_id: str, frame: cf.Edges, row) -> list:
+        e = self.members[peer_id]
+        e.load = {**e.load, "edges": frame.edges}
+        self.changed = True
+        return [EdgesChanged(e.name)]
+
+    # -- losses --
+    def _on_failed(self, peer_id: str, frame: cf.Failed, row) -> list:
+        return self._lose(peer_id, f"{self.name_of(peer_id)} failed to load its stage: {frame.reason}", row)
+
+    def _on_leaving(self, peer_id: str, frame: cf.Leaving, row) -> list:
+        return self._lose(peer_id, f"{self.name_of(peer_id)} is leaving: {frame.reason}", row) + \
+            [CloseLink(peer_id, "")]
+
+    def _on_MemberLost(self, ev: MemberLost, row) -> list:
+        if ev.peer_id in self.pending:
+            self.pending.pop(ev.peer_id)
+            self.changed = True
+            return []
+        e = self.members.get(ev.peer_id)
+        if e is None or e.lost is not None or e.is_host:
+            return []
+        if self.rendezvous_lost is not None:
+            e.control_down = True  # its ctl circuit died with the rendezvous; its stage may still run
+            self.changed = True
+            return []
+        return self._lose(ev.peer_id, ev.reason, row)
+
+    def _lose(self, peer_id: str, reason: str, row) -> list:
+        e = self.members.get(peer_id)
+        if e is None or e.lost is not None:
+            return []
+        e.lost = reason
+        self.changed = True
+        if self.state == HostState.FORMING:
+            del self.members[peer_id]
+            return []
+        return self._fail(f"member {e.name} ({peer_id}) left the session: {reason}", e.name, row)
+
+    def _on_ring_broken(self, peer_id: str, frame: cf.RingBroken, row) -> list:
+        return self._fail(f"{frame.reason} (reported by {self.name_of(peer_id)})", frame.member, row)
+
+    def _on_RingFailed(self, ev: RingFailed, row) -> list:
+        reason = ev.reason
+        if self.rendezvous_lost is not None:
+            reason += f" (the connection to the rendezvous was lost as well: {self.rendezvous_lost.rstrip('.')})"
+        return self._fail(reason, ev.member, row)
+
+    def _on_RendezvousLost(self, ev: RendezvousLost, row) -> list:
+        if self.rendezvous_lost is not None:
+            return []
+        self.rendezvous_lost = ev.reason
+        for e in self.members.values():
+            if not e.is_host:
+                e.control_down = True
+        self.changed = True
+        out = [Trace("rendezvous_lost", {"reason": ev.reason})]
+        lost = f"the connection to the rendezvous was lost ({ev.reason.rstrip('.')})"
+        if self.state != HostState.READY:
+            return out + self._fail(f"{lost} while the session was {self.state}", None, row)
+        if ev.relayed_edges:
+            return out + self._fail(f"{lost}, and the ring edge(s) {', '.join(ev.relayed_edges)} were relayed "
+                                    "through it, so the ring is broken", None, row)
+        head = self.head()
+        if head is not None and not head.is_host:
+            return out + self._fail(
+                f"the control link to the head {head.name} went down with the rendezvous; {lost}. The ring is "
+                f"direct and still runs, but this host can only start requests through the head: leave and form "
+                f"the session again once the rendezvous is back", head.name, row, tell=False)
+        self._enter(HostState.READY, row)
+        return out
+
+    def _fail(self, reason: str, culprit: Optional[str], row, *, tell: bool = True) -> list:
+        self.error = reason
+        self.culprit = culprit
+        self._enter(HostState.FAILED, row)
+        out = [FailRequests(reason, culprit), Trace("session_failed", {"reason": reason})]
+        if tell:
+            out += [Send(e.peer_id, cf.SessionFailed(reason)) for e in self.members.values()
+                    if not e.is_host and e.lost is None and not e.control_down]
+        return out
+
+    def _on_Abort(self, ev: Abort, row) -> list:
+        return self._fail(f"internal error: {ev.reason}", None, row)
+
+    def _on_Close(self, ev: Close, row) -> list:
+        was = self.state
+        self._enter(HostState.CLOSED, row)
+        out = [Trace("session_closed", {"reason": ev.reason})] if was != HostState.STARTING else []
+        if was != HostState.FAILED:
+            out.append(FailRequests(ev.reason, None))
+        out += [CloseLink(p, ev.reason) for p in list(self.pending)]
+        out += [CloseLink(e.peer_id, ev.reason) for e in self.members.values() if not e.is_host]
+        self.pending.clear()
+        return out
+
+
+class MemberMachine(_Machine):
+    """A member's side of a session (proto_spec 05 §2; DESIGN §3 steps 1-2, §6)."""
+
+    TABLE = MEMBER_TABLE
+
+    def __init__(self):
+        super().__init__(MemberState.JOINING)
+        self.admitted: Optional[cf.Admitted] = None
+        self.plan: Optional[cf.PlanFrame] = None
+        self.capability: Optional[dict] = None
+        self.rendezvous_lost: Optional[str] = None
+        self.ring_broken: Optional[RingFailed] = None
+        #: the rendezvous is gone but both ring edges are direct: the stage serves on (DESIGN §2)
+        self.keeps_serving = False
+
+    def handle(self, event) -> list:
+        """Apply one event (a typed host frame, or a local event); return the actions.
+
+        Raises:
+            LocalProtocolError: a local event this state does not take (a driver bug).
+        """
+        row = self._row(event)
+        if row is None:
+            return []
+        if row == "peer-error":
+            return [CloseLink("", f"the host sent an unexpected {event.T} frame while this device was "
+                                  f"{self.state}")]
+        name = event.T if isinstance(event, cf.ControlFrame) else type(event).__name__
+        return getattr(self, "_on_" + name)(event, row)
+
+    def _on_pending(self, ev, row) -> list:
+        self._enter(MemberState.PENDING, row)
+        return []
+
+    def _on_admitted(self, ev: cf.Admitted, row) -> list:
+        self.admitted = ev
+        self._enter(MemberState.ADMITTED, row)
+        return [JoinAccepted()]
+
+    def _on_denied(self, ev: cf.Denied, row) -> list:
+        self.error = f"The host refused this device: {ev.reason}."
+        self._enter(MemberState.FAILED, row)
+        return [Refused(self.error)]
+
+    def _on_JoinFailed(self, ev: JoinFailed, row) -> list:
+        self.error = ev.message
+        self._enter(MemberState.FAILED, row)
+        return []
+
+    def _on_CapabilitySent(self, ev: CapabilitySent, row) -> list:
+        self.capability = dict(ev.capability)
+        self._enter(MemberState.MEASURED, row)
+        return []
+
+    def _on_plan(self, ev: cf.PlanFrame, row) -> list:
+        self.plan = ev
+        self._enter(MemberState.LOADING, row)
+        return [StartLoad(ev)]
+
+    def _on_StageLoaded(self, ev: StageLoaded, row) -> list:
+        self._enter(MemberState.READY, row)
+        return [Send("", cf.Ready(**{k: ev.load[k] for k in ("fetched_bytes", "cached_bytes", "load_s", "edges")
+                                     if k in ev.load}))]
+
+    def _on_LoadFailed(self, ev: LoadFailed, row) -> list:
+        return self._fail(ev.reason, None, row) + [Send("", cf.Failed(ev.reason))]
+
+    def _on_RingFailed(self, ev: RingFailed, row) -> list:
+        self.ring_broken = ev
+        if self.rendezvous_lost is not None and self.state == MemberState.READY:
+            return self._fail(f"{ev.reason} (the connection to the rendezvous was lost: "
+                              f"{self.rendezvous_lost.rstrip('.')})", ev.member, row)
+        self.changed = True
+        return [Send("", cf.RingBroken(reason=ev.reason, member=ev.member))]
+
+    def _on_HostLinkLost(self, ev: HostLinkLost, row) -> list:
+        if self.state == MemberState.READY and self.keeps_serving and self.ring_broken is None:
+            self.changed = True
+            return []  # the ring stage keeps serving without the ctl link (DESIGN §2)
+        if self.ring_broken is not None:
+            return self._fail(self.ring_broken.reason, self.ring_broken.member, row)
+        if self.state in (MemberState.JOINING, MemberState.PENDING):
+            msg = f"The host closed the link before admitting this device: {ev.reason}."
+            self.error = msg
+            self._enter(MemberState.FAILED, row)
+            return [Refused(msg)]
+        return self._fail(f"the link to the host closed: {ev.reason}", None, row)
+
+    def _on_RendezvousLost(self, ev: RendezvousLost, row) -> list:
+        first = self.rendezvous_lost is None
+        self.rendezvous_lost = self.rendezvous_lost or ev.reason
+        lost = f"the connection to the rendezvous was lost ({self.rendezvous_lost.rstrip('.')})"
+        if self.state == MemberState.READY and ev.edges_direct and self.ring_broken is None:
+            self.keeps_serving = True
+            self.changed = True
+            return [Trace("rendezvous_lost", {"reason": ev.reason, "serving": True})] if first else []
+        if self.state in (MemberState.JOINING, MemberState.PENDING):
+            self.error = f"Cannot join: {lost}."
+            self._enter(MemberState.FAILED, row)
+            return [Refused(self.error)]
+        return self._fail(f"{lost} while this device was {self.state}" if self.state != MemberState.READY else
+                          f"{lost}, and this device's ring edges were relayed through it", None, row)
+
+    def _on_session_failed(self, ev: cf.SessionFailed, row) -> list:
+        return self._fail(ev.reason or "the host reported a failure", None, row, host=True)
+
+    def _on_SessionEnded(self, ev: SessionEnded, row) -> list:
+        if self.state in (MemberState.JOINING, MemberState.PENDING):
+            self.error = f"Cannot join: {ev.reason}."
+            self._enter(MemberState.FAILED, row)
+            return [Refused(self.error)]
+        return self._fail(ev.reason, ev.member, row)
+
+    def _fail(self, reason: str, member: Optional[str], row, host: bool = False) -> list:
+        self.error = reason
+        self._enter(MemberState.FAILED, row)
+        return [FailRequests(reason, member if member is not None else ("host" if host else None)),
+                Trace("session_failed", {"reason": reason})]
+
+    def _on_Abort(self, ev: Abort, row) -> list:
+        return self._fail(f"internal error: {ev.reason}", None, row) + [Send("", cf.Failed(ev.reason))]
+
+    def _on_Close(self, ev: Close, row) -> list:
+        was = self.state
+        self._enter(MemberState.CLOSED, row)
+        out = [Send("", cf.Leaving(ev.reason))] if was not in (MemberState.FAILED,) else []
+        return out + [FailRequests(ev.reason, None), CloseLink("", ev.reason)]
