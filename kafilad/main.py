@@ -1,7 +1,12 @@
 """`kafilad` command line: the daemon (foreground) and `kafilad rendezvous`.
 
-    kafilad [--state-dir DIR] [--name NAME] [--rendezvous ws://HOST:PORT] [-v]
-    kafilad rendezvous --listen HOST:PORT [--stun ADDR:PORT ...] [--record-relay FILE]
+    kafilad [--state-dir DIR] [--name NAME] [--rendezvous ws://HOST:PORT] [--http HOST:PORT|PORT|off] [-v]
+    kafilad rendezvous --listen HOST:PORT [--stun ADDR:PORT ...] [--record-relay FILE] [--register-timeout S]
+
+`--http` takes HOST:PORT, a bare PORT (meaning 127.0.0.1:PORT, the API stays local), or `off`.
+A port outside 0..65535 is refused by the parser, and a port that cannot be bound (in use, not a
+local address) refuses the start with a sentence: the daemon never runs without the API it was
+asked to serve.
 """
 
 from __future__ import annotations
@@ -16,11 +21,53 @@ import trio
 from kafilad.errors import find_kafila_error
 
 
+#: file handles the daemon asks for (the soft limit is raised up to this, never past the hard limit)
+WANT_OPEN_FILES = 8192
+
+
+def _port(text: str, whole: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port between 0 and 65535 in {whole!r}")
+    return int(text)
+
+
 def _hostport(s: str) -> tuple[str, int]:
     host, _, port = s.rpartition(":")
-    if not host or not port.isdigit():
+    if not host.strip("[]"):
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {s!r}")
-    return host.strip("[]"), int(port)
+    return host.strip("[]"), _port(port, s)
+
+
+def _seconds(s: str) -> float:
+    try:
+        value = float(s)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 1e9:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {s!r}")
+    return value
+
+
+def _http_address(s: str) -> tuple[str, int] | None:
+    """`--http`: HOST:PORT, a bare PORT (127.0.0.1:PORT), or off/none (no API)."""
+    s = s.strip()
+    if s.lower() in ("off", "none", ""):
+        return None
+    if s.isdigit():
+        return "127.0.0.1", _port(s, s)
+    return _hostport(s)
+
+
+def _raise_open_files_limit(want: int = WANT_OPEN_FILES) -> None:
+    """Raise the soft RLIMIT_NOFILE toward `want` (macOS starts at 256, Linux at 1024)."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="this member's name (default: the host name)")
     p.add_argument("--rendezvous", default=os.environ.get("KAFILA_RENDEZVOUS") or None,
                    help="default rendezvous URL, e.g. ws://rdv.example:7400 (env KAFILA_RENDEZVOUS)")
-    p.add_argument("--http", default="127.0.0.1:8400",
-                   help="serve the OpenAI-compatible API of a hosted session on HOST:PORT ('off' disables)")
+    p.add_argument("--http", type=_http_address, default="127.0.0.1:8400",
+                   help="serve the OpenAI-compatible API of a hosted session on HOST:PORT, or on "
+                        "127.0.0.1:PORT for a bare PORT ('off' disables)")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command")
     r = sub.add_parser("rendezvous", help="run the rendezvous / relay / STUN service")
@@ -38,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stun", type=_hostport, action="append", default=[],
                    help="STUN responder ADDR:PORT (repeat: 2 IPs x 2 ports enable RFC 5780 discovery)")
     r.add_argument("--record-relay", help="append every relayed payload to FILE (tests, audits)")
+    r.add_argument("--register-timeout", type=_seconds, default=None, metavar="S",
+                   help="close a WebSocket that has not registered or joined a session within S seconds "
+                        "(default 10)")
     return p
 
 
@@ -83,16 +134,18 @@ async def _rendezvous(args) -> None:
         if args.stun:
             from kafilad.rendezvous.stun_server import serve_stun
             await nursery.start(serve_stun, args.stun)
+        extra = {} if args.register_timeout is None else {"register_timeout_s": args.register_timeout}
         actual = await nursery.start(lambda task_status: serve_rendezvous(
-            host, port, record_path=args.record_relay, stun_addresses=args.stun, task_status=task_status))
+            host, port, record_path=args.record_relay, stun_addresses=args.stun, task_status=task_status, **extra))
         print(f"rendezvous listening on ws://{host}:{actual}", flush=True)
 
 
 async def _daemon(args) -> None:
     from kafilad.node.daemon import Node
     from kafilad.node.statedir import StateDir, default_name
-    http = None if args.http in ("off", "none", "") else _hostport(args.http)
-    node = Node(StateDir(args.state_dir), name=args.name or default_name(), rendezvous=args.rendezvous, http=http)
+    _raise_open_files_limit()
+    node = Node(StateDir(args.state_dir), name=args.name or default_name(), rendezvous=args.rendezvous,
+                http=args.http)
     await node.run()
 
 

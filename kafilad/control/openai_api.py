@@ -5,12 +5,22 @@ Routes (https://platform.openai.com/docs/api-reference, the subset a local serve
 
 ```
 GET  /v1/models             {"object": "list", "data": [{"id": model_id, "object": "model", ...}]}
+HEAD /v1/models             the same headers, no body (RFC 9110 §9.3.2)
 POST /v1/completions        {"prompt": str, "max_tokens": 16, "temperature": 0, "stream": false}
 POST /v1/chat/completions   {"messages": [{"role", "content"}], "max_tokens": 256, "temperature": 0, "stream": false}
 ```
 With `"stream": true` the reply is Server-Sent Events: one `data: {chunk}` per token, then
-`data: [DONE]`. Errors are `{"error": {"message": str, "type": str}}` with a 4xx/5xx status.
-The HTTP/1.1 machine is h11 (sans-IO); this module is its thin trio driver.
+`data: [DONE]`. Errors are `{"error": {"message": str, "type": str}}` with a 4xx/5xx status and a
+sentence that names API fields, never command-line flags. While the session is forming, loading
+or failed, the 503 says which (with `Retry-After` while it is still coming up).
+
+Every input is checked before it reaches the session: the body must be UTF-8 JSON (nesting
+deeper than Python's parser goes is a 400, not a RecursionError), strings must be valid Unicode
+(a lone surrogate such as "\\ud800" is a 400, not a tokenizer error), numbers must fit a float,
+and a chat template that refuses the messages (jinja2's `raise_exception`) is a 400.
+A streaming client that reads slower than tokens come gets `SSE_BUFFER_EVENTS` events of slack;
+past it its request is ended (the ring never waits for a client) and the stream says so.
+HTTP itself (limits, timeouts, keep-alive, HEAD, lingering close) is kafilad/control/http_server.py.
 """
 
 from __future__ import annotations
@@ -18,126 +28,259 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 import uuid
+from functools import partial
 from typing import Optional
 
-import h11
 import trio
 
+from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
 from kafilad.errors import GenerationError, KafilaError
 
 log = logging.getLogger("kafilad.http")
 
-MAX_BODY_BYTES = 4 * 1024 * 1024
-RECEIVE_BYTES = 65536
+#: SSE events a streaming request may have waiting for its client before it is ended.
+SSE_BUFFER_EVENTS = 256
+MAX_TOKENS_LIMIT = 2**31 - 1
+#: seconds a client is told to wait (Retry-After) while the session is still coming up
+RETRY_FORMING_S = 5
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    """An answer with an error status and a sentence."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 headers: Optional[list[tuple[str, str]]] = None):
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
 
 
-async def serve_openai_api(node, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve the API for `node` until cancelled; `task_status.started(actual_port)`."""
-    listeners = await trio.open_tcp_listeners(port, host=host)
+async def serve_openai_api(node, host: str, port: int, *, limits: HttpLimits = HttpLimits(),
+                           task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the API for `node` on host:port until cancelled; `task_status.started(actual_port)`.
+
+    Raises:
+        KafilaError: the address cannot be served (port out of range, in use, not local).
+    """
+    try:
+        listeners = await open_listeners(host, port)
+    except ValueError:
+        raise KafilaError(f"The HTTP API port must be between 0 and 65535 (got {port}).") from None
+    except OSError as e:
+        raise KafilaError(f"The HTTP API cannot listen on {host}:{port}: {e.strerror or e}; "
+                          "pick another with --http HOST:PORT, or --http off.") from None
     actual = listeners[0].socket.getsockname()[1]
     log.info("OpenAI-compatible API on http://%s:%s/v1", host, actual)
+    server = HttpServer(partial(handle, node), limits)
     task_status.started(actual)
-    await trio.serve_listeners(lambda stream: _connection(node, stream), listeners)
+    await server.serve(listeners)
 
 
-async def _connection(node, stream: trio.SocketStream) -> None:
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_BODY_BYTES)
-    async with stream:
-        while True:
-            try:
-                request, body = await _read_request(conn, stream)
-            except (h11.RemoteProtocolError, HttpError, trio.BrokenResourceError):
-                return
-            if request is None:
-                return
-            try:
-                await _route(node, conn, stream, request, body)
-            except HttpError as e:
-                await _send_json(conn, stream, e.status, {"error": {"message": e.message, "type": e.kind}})
-            except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
-                return
-            if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
-                return
-            try:
-                conn.start_next_cycle()
-            except h11.LocalProtocolError:
-                return
+async def handle(node, request: Request, res: Responder) -> None:
+    """The handler of every request (the server guards it: see http_server.py)."""
+    try:
+        await _route(node, request, res)
+    except HttpError as e:
+        if res.started:
+            raise
+        await res.send(e.status, json.dumps({"error": {"message": e.message, "type": e.kind}}).encode(),
+                       headers=e.headers)
 
 
-async def _read_request(conn: h11.Connection, stream) -> tuple[Optional[h11.Request], bytes]:
-    request, body = None, bytearray()
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            data = await stream.receive_some(RECEIVE_BYTES)
-            conn.receive_data(data)
-            if not data and request is None:
-                return None, b""
-            continue
-        if isinstance(event, h11.Request):
-            request = event
-        elif isinstance(event, h11.Data):
-            body += event.data
-            if len(body) > MAX_BODY_BYTES:
-                raise HttpError(413, "The request body is too large.")
-        elif isinstance(event, h11.EndOfMessage):
-            return request, bytes(body)
-        elif isinstance(event, h11.ConnectionClosed):
-            return None, b""
+_ROUTES = {"/v1/models": ("GET", "HEAD"), "/v1/completions": ("POST",), "/v1/chat/completions": ("POST",)}
 
 
-async def _send_json(conn, stream, status: int, obj: dict) -> None:
-    data = json.dumps(obj).encode()
-    headers = [("content-type", "application/json"), ("content-length", str(len(data)))]
-    await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)))
-    await stream.send_all(conn.send(h11.Data(data=data)))
-    await stream.send_all(conn.send(h11.EndOfMessage()))
+async def _route(node, request: Request, res: Responder) -> None:
+    method, path = request.method, request.path.rstrip("/")
+    allowed = _ROUTES.get(path)
+    if allowed is None:
+        raise HttpError(404, f"No route for {method} {_shown(path)}; the API serves "
+                             f"{', '.join(sorted(_ROUTES))}.", "not_found")
+    if method not in allowed:
+        raise HttpError(405, f"{_shown(path)} answers {' and '.join(allowed)}, not {_shown(method)}.",
+                        headers=[("allow", ", ".join(allowed))])
+    if path == "/v1/models":
+        s = _session(node)
+        await res.send(200, json.dumps({"object": "list", "data": [
+            {"id": _model_id(s), "object": "model", "created": _created(s), "owned_by": "kafila"}]}).encode())
+        return
+    req = _json_object(request.body)
+    await _complete(node, res, req, chat=path.endswith("chat/completions"))
+
+
+def _model_id(session) -> str:
+    return str(getattr(getattr(session, "info", None), "model_id", None) or "kafila")
+
+
+_CREATED: dict[int, int] = {}
+
+
+def _created(session) -> int:
+    """When the session started (s since the epoch), or when this API first saw it."""
+    started = getattr(session, "started_s", None)
+    if isinstance(started, (int, float)) and math.isfinite(started):
+        return int(started)
+    return _CREATED.setdefault(id(session), int(time.time()))
+
+
+def _shown(text: str) -> str:
+    """Client-supplied text quoted in an answer: at most 80 characters, printable."""
+    text = "".join(c if c.isprintable() else "?" for c in text[:80])
+    return text + ("..." if len(text) >= 80 else "")
+
+
+def _json_object(body: bytes) -> dict:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HttpError(400, f"The request body is not UTF-8 text (byte {e.start} is not valid UTF-8).") from None
+    try:
+        req = json.loads(text or "{}")
+    except RecursionError:
+        raise HttpError(400, "The request body nests JSON arrays or objects deeper than the server accepts.") from None
+    except ValueError as e:  # JSONDecodeError, and integers past Python's digit limit
+        raise HttpError(400, f"The request body is not valid JSON ({e}).") from None
+    if not isinstance(req, dict):
+        raise HttpError(400, "The request body must be a JSON object.")
+    return req
+
+
+def _text(value: str, field: str) -> str:
+    """`value` if it is valid Unicode (encodable as UTF-8).
+
+    Raises:
+        HttpError: a lone surrogate (JSON allows "\\ud800"; no tokenizer does).
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise HttpError(400, f"{field} contains a lone surrogate (\\u{ord(value[e.start]):04x} at character "
+                             f"{e.start}); send valid Unicode text.") from None
+    return value
+
+
+def _state(session) -> str:
+    state = session.state
+    return str(getattr(state, "value", state))
 
 
 def _session(node):
+    """The hosted session if it is ready to generate.
+
+    Raises:
+        HttpError: 503 saying what the daemon is doing instead.
+    """
+    return _ready(node.session)
+
+
+def _ready(s):
+    """`s` if it is a hosted session ready to generate; else HttpError 503 saying its state."""
     from kafilad.node.host import HostSession
-    s = node.session
-    if not isinstance(s, HostSession) or s.state != "ready":
-        raise HttpError(503, "No session is being served by this daemon; host one with `kafila-ctl host`.",
+    if s is None:
+        raise HttpError(503, "No session is being served by this daemon: it is not hosting one.",
                         "service_unavailable")
-    return s
+    state = _state(s)
+    if not isinstance(s, HostSession):
+        if state in ("failed", "closed"):
+            raise HttpError(503, "No session is being served by this daemon: it is not hosting one.",
+                            "service_unavailable")
+        raise HttpError(503, "This daemon is a member of a session, not its host; send requests to the host's API.",
+                        "service_unavailable")
+    if state == "ready":
+        return s
+    if state == "failed":
+        reason = _api_text(str(s.error or "no reason was recorded")).rstrip(".")
+        raise HttpError(503, f"The session failed: {reason}. No session is being served by this daemon.",
+                        "service_unavailable")
+    if state in ("closing", "closed"):
+        raise HttpError(503, f"The session is {state}; no session is being served by this daemon.",
+                        "service_unavailable")
+    raise HttpError(503, f"The session is {state}; it serves requests once it is ready.", "service_unavailable",
+                    headers=[("retry-after", str(RETRY_FORMING_S))])
 
 
-async def _route(node, conn, stream, request: h11.Request, body: bytes) -> None:
-    method, path = request.method.decode(), request.target.decode().split("?")[0].rstrip("/")
-    if method == "GET" and path == "/v1/models":
-        s = _session(node)
-        await _send_json(conn, stream, 200, {"object": "list", "data": [
-            {"id": s.info.model_id, "object": "model", "created": int(s.started_s), "owned_by": "kafila"}]})
-        return
-    if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
-        try:
-            req = json.loads(body or b"{}")
-        except json.JSONDecodeError as e:
-            raise HttpError(400, f"The request body is not valid JSON ({e}).") from None
-        if not isinstance(req, dict):
-            raise HttpError(400, "The request body must be a JSON object.")
-        await _complete(node, conn, stream, req, chat=path.endswith("chat/completions"))
-        return
-    raise HttpError(404, f"No route for {method} {path}.", "not_found")
+_FLAG = re.compile(r"--([a-z][a-z0-9-]*)")
+
+
+def _api_text(message: str) -> str:
+    """A session's sentence with command-line flags named as the API's fields (`--max-tokens` -> 'max_tokens')."""
+    return _FLAG.sub(lambda m: "'" + m.group(1).replace("-", "_") + "'", message)
 
 
 def _chat_prompt(session, messages) -> str:
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role", "user"), str)
+            for m in messages):
+        raise HttpError(400, "'messages' must be a non-empty list of {role, content} objects with string values.")
+    for i, m in enumerate(messages):
+        _text(m["content"], f"messages[{i}].content")
+        _text(m.get("role", "user"), f"messages[{i}].role")
     try:
-        return session.chat_prompt(messages)
+        prompt = session.chat_prompt(messages)
     except KafilaError as e:
-        raise HttpError(400, str(e)) from None
+        raise HttpError(400, _api_text(str(e))) from None
+    except Exception as e:  # noqa: BLE001 - the model's template is code we do not control
+        if not _is_template_error(e) and not isinstance(e, (TypeError, ValueError, KeyError, IndexError)):
+            raise
+        raise HttpError(400, f"The model's chat template refused these messages: {_shown(str(e)) or type(e).__name__}.") \
+            from None
+    if not isinstance(prompt, str) or not prompt:
+        raise HttpError(400, "The model's chat template made an empty prompt of these messages.")
+    return _text(prompt, "the chat template's output")
 
 
-async def _complete(node, conn, stream, req: dict, *, chat: bool) -> None:
+def _is_template_error(e: Exception) -> bool:
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # pragma: no cover - transformers brings jinja2
+        return False
+    return isinstance(e, TemplateError)
+
+
+def _params(req: dict, default_max: int) -> tuple[int, float]:
+    max_tokens = req.get("max_tokens", req.get("max_completion_tokens", default_max))
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+        raise HttpError(400, "'max_tokens' must be a positive integer.")
+    temperature = req.get("temperature", 0.0)
+    if temperature is None:
+        temperature = 0.0
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+        raise HttpError(400, "'temperature' must be a finite, non-negative number.")
+    try:
+        temperature = float(temperature)
+    except OverflowError:
+        raise HttpError(400, "'temperature' must be a finite, non-negative number (this one is too large).") from None
+    if not math.isfinite(temperature) or temperature < 0:
+        raise HttpError(400, "'temperature' must be a finite, non-negative number.")
+    if req.get("n", 1) not in (1, None):
+        raise HttpError(400, "Only 'n': 1 is supported.")
+    if req.get("stop"):
+        raise HttpError(400, "'stop' sequences are not supported; generation ends at EOS or 'max_tokens'.")
+    if not isinstance(req.get("stream", False), (bool, type(None))):
+        raise HttpError(400, "'stream' must be true or false.")
+    return max_tokens, temperature
+
+
+def _generation_error(e: KafilaError, session) -> HttpError:
+    """The answer for an error of `session.generate` (ContextTooLongError: 400; not ready: 503)."""
+    numbers = [getattr(e, k, None) for k in ("prompt_tokens", "max_tokens", "context")]
+    if all(isinstance(n, int) for n in numbers):  # ContextTooLongError
+        return HttpError(400, f"The prompt ({numbers[0]} tokens) plus 'max_tokens' {numbers[1]} exceeds the "
+                              f"session's context of {numbers[2]} tokens.")
+    text = _api_text(str(e))
+    if "admitted context" in text:  # the prompt is too long for the session
+        return HttpError(400, text)
+    if _state(session) != "ready":
+        try:
+            _ready(session)
+        except HttpError as unavailable:
+            return unavailable
+    return HttpError(500, text, "server_error")
+
+
+async def _complete(node, res: Responder, req: dict, *, chat: bool) -> None:
     s = _session(node)
     if chat:
         prompt = _chat_prompt(s, req.get("messages"))
@@ -148,22 +291,13 @@ async def _complete(node, conn, stream, req: dict, *, chat: bool) -> None:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise HttpError(400, "'prompt' must be a non-empty string.")
+        _text(prompt, "'prompt'")
         default_max = 16
-    max_tokens = req.get("max_tokens", req.get("max_completion_tokens", default_max))
-    temperature = req.get("temperature", 0.0)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise HttpError(400, "'max_tokens' must be a positive integer.")
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) \
-            or not math.isfinite(temperature) or temperature < 0:
-        raise HttpError(400, "'temperature' must be a finite, non-negative number.")
-    if req.get("n", 1) != 1:
-        raise HttpError(400, "Only 'n': 1 is supported.")
-    if req.get("stop"):
-        raise HttpError(400, "'stop' sequences are not supported; generation ends at EOS or 'max_tokens'.")
+    max_tokens, temperature = _params(req, default_max)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
-    model = s.info.model_id
+    model = _model_id(s)
 
     def choice(text: str, finish: Optional[str], *, delta: bool) -> dict:
         if chat:
@@ -173,41 +307,73 @@ async def _complete(node, conn, stream, req: dict, *, chat: bool) -> None:
 
     if not req.get("stream"):
         try:
-            result = await s.generate(prompt, max_tokens=max_tokens, temperature=float(temperature),
-                                      emit=_ignore)
-        except GenerationError as e:
-            status = 400 if "admitted context" in str(e) else 500  # the prompt is too long for the session
-            raise HttpError(status, str(e), "server_error" if status == 500 else "invalid_request_error") from None
+            result = await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=_ignore)
+        except KafilaError as e:
+            raise _generation_error(e, s) from None
         finish = "length" if len(result["token_ids"]) >= max_tokens else "stop"
-        await _send_json(conn, stream, 200, {
+        await res.send(200, json.dumps({
             "id": rid, "object": obj, "created": created, "model": model,
             "choices": [choice(result["text"], finish, delta=False)],
             "usage": {"prompt_tokens": result["prompt_tokens"], "completion_tokens": len(result["token_ids"]),
-                      "total_tokens": result["prompt_tokens"] + len(result["token_ids"])}})
+                      "total_tokens": result["prompt_tokens"] + len(result["token_ids"])}}).encode())
         return
-    await stream.send_all(conn.send(h11.Response(status_code=200, headers=[
-        ("content-type", "text/event-stream"), ("cache-control", "no-cache")])))
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-    async def sse(payload) -> None:
+    def chunk(text: str, finish: Optional[str]) -> dict:
+        return {"id": rid, "object": chunk_obj, "created": created, "model": model,
+                "choices": [choice(text, finish, delta=True)]}
+
+    await _stream(s, res, prompt, max_tokens, temperature, chunk)
+
+
+async def _stream(s, res: Responder, prompt: str, max_tokens: int, temperature: float, chunk) -> None:
+    """Stream one generation as SSE; the generation never waits for the client (module docstring)."""
+    await res.start(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache")])
+    send, recv = trio.open_memory_channel(SSE_BUFFER_EVENTS)
+    slow = False
+
+    def push(payload) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload)
-        await stream.send_all(conn.send(h11.Data(data=f"data: {data}\n\n".encode())))
+        try:
+            send.send_nowait(f"data: {data}\n\n".encode())
+        except trio.WouldBlock:  # only an end event can find the buffer full: tokens stop 2 short
+            pass
 
-    async def on_token(ev: dict) -> None:
-        if ev.get("text"):
-            await sse({"id": rid, "object": chunk_obj, "created": created, "model": model,
-                       "choices": [choice(ev["text"], None, delta=True)]})
+    async def writer() -> None:
+        async with recv:
+            async for data in recv:
+                await res.write(data)
 
-    try:
-        result = await s.generate(prompt, max_tokens=max_tokens, temperature=float(temperature), emit=on_token)
-        finish = "length" if len(result["token_ids"]) >= max_tokens else "stop"
-        await sse({"id": rid, "object": chunk_obj, "created": created, "model": model,
-                   "choices": [choice("", finish, delta=True)]})
-    except KafilaError as e:
-        await sse({"error": {"message": str(e), "type": "server_error"}})
-    await sse("[DONE]")
-    await stream.send_all(conn.send(h11.EndOfMessage()))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer)
+        with send:
+            with trio.CancelScope() as gen_scope:
+                async def on_token(ev: dict) -> None:
+                    nonlocal slow
+                    if not ev.get("text"):
+                        return
+                    if send.statistics().current_buffer_used >= SSE_BUFFER_EVENTS - 2:  # 2 kept for the end
+                        slow = True
+                        gen_scope.cancel()
+                        return
+                    push(chunk(ev["text"], None))
+
+                try:
+                    result = await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=on_token)
+                    finish = "length" if len(result["token_ids"]) >= max_tokens else "stop"
+                    push(chunk("", finish))
+                except KafilaError as e:
+                    push({"error": {"message": _generation_error(e, s).message, "type": "server_error"}})
+            if slow:
+                log.info("http: ended a streaming request: its client fell %d events behind", SSE_BUFFER_EVENTS)
+                push({"error": {"message": f"The client read the stream too slowly ({SSE_BUFFER_EVENTS} events "
+                                           "behind); the request was ended.", "type": "server_error"}})
+            push("[DONE]")
+    await res.end()
 
 
 async def _ignore(ev: dict) -> None:
     return None
+
+
+__all__ = ["serve_openai_api", "handle", "HttpError", "ClientGone", "SSE_BUFFER_EVENTS"]

@@ -3,6 +3,18 @@
 A handler table maps op names to `async def handler(args: dict, emit) -> result`, where
 `await emit(event_dict)` streams an event to the client. Handler errors that are KafilaError
 become an error reply with their message; a malformed request closes only that connection.
+
+Nothing a client does can stop the daemon or starve the other clients (issue 9):
+- at most `max_connections` connections at once (the HTTP API has its own, separate limits);
+  past it a connection gets an error reply and is closed;
+- a request frame is at most `max_request_bytes`, must arrive within `request_timeout_s`, and the
+  unfinished request frames of all connections together hold at most `max_total_request_bytes`;
+- `emit` never waits for the client: events queue (at most `max_queued_events`); a client that
+  falls further behind has its operation ended with an error reply, so a stopped `kafila-ctl`
+  never stalls the ring that produces its tokens;
+- the client closing its connection cancels its operation;
+- every connection runs inside a guard: an error in a handler or in this driver ends that
+  connection (logged), never the server or the daemon's root nursery.
 """
 
 from __future__ import annotations
@@ -12,17 +24,33 @@ import os
 from pathlib import Path
 from typing import Awaitable, Callable
 
+import attrs
 import trio
 
-from kafilad.control.api import API_VERSION, FramedStream
-from kafilad.errors import KafilaError, RemoteProtocolError, find_kafila_error
+from kafilad.control.api import API_VERSION
+from kafilad.errors import KafilaError, LocalProtocolError, RemoteProtocolError, find_kafila_error
+from kafilad.proto.frames import FrameDecoder, encode_frame
 
 log = logging.getLogger("kafilad.control")
 
 Handler = Callable[[dict, Callable[[dict], Awaitable[None]]], Awaitable[object]]
 
+RECEIVE_BYTES = 65_536
 
-async def serve_control(socket_path: Path, handlers: dict[str, Handler], *,
+
+@attrs.frozen
+class ControlLimits:
+    """Limits of the control server (tests shrink them)."""
+
+    max_connections: int = 64
+    max_request_bytes: int = 16 * 1024 * 1024
+    max_total_request_bytes: int = 64 * 1024 * 1024
+    request_timeout_s: float = 30.0
+    max_queued_events: int = 4096
+    send_timeout_s: float = 30.0
+
+
+async def serve_control(socket_path: Path, handlers: dict[str, Handler], *, limits: ControlLimits = ControlLimits(),
                         task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Listen on `socket_path` (mode 0600) and dispatch requests to `handlers` until cancelled.
 
@@ -47,14 +75,11 @@ async def serve_control(socket_path: Path, handlers: dict[str, Handler], *,
     os.chmod(socket_path, 0o600)
     sock.listen(64)
     listener = trio.SocketListener(sock)
+    server = ControlServer(handlers, limits)
     try:
         async with trio.open_nursery() as nursery:
             task_status.started(socket_path)
-
-            async def handle(stream: trio.SocketStream) -> None:
-                await _handle_connection(stream, handlers)
-
-            await trio.serve_listeners(handle, [listener], handler_nursery=nursery)
+            await trio.serve_listeners(server.serve_stream, [listener], handler_nursery=nursery)
     finally:
         try:
             socket_path.unlink()
@@ -62,56 +87,184 @@ async def serve_control(socket_path: Path, handlers: dict[str, Handler], *,
             pass
 
 
-async def _handle_connection(stream: trio.abc.Stream, handlers: dict[str, Handler]) -> None:
-    conn = FramedStream(stream)
-    async with stream:
+class ControlServer:
+    """Serves control connections (see the module docstring); one instance per socket."""
+
+    def __init__(self, handlers: dict[str, Handler], limits: ControlLimits = ControlLimits()):
+        self.handlers = handlers
+        self.limits = limits
+        self.connections = 0
+        self.held_request_bytes = 0
+
+    async def serve_stream(self, stream: trio.abc.Stream) -> None:
+        """Serve one connection to its end; never raises an Exception (a structural guarantee)."""
+        self.connections += 1
         try:
-            req = await conn.receive()
-        except RemoteProtocolError as e:
-            log.warning("control: malformed request closed: %s", e)
-            return
-        except trio.BrokenResourceError:
-            return
-        if req is None:
-            return
+            if self.connections > self.limits.max_connections:
+                await self._send(stream, _error(f"kafilad is answering {self.limits.max_connections} control "
+                                                "connections, its limit; retry shortly."), timeout_s=1.0)
+                return
+            await self._connection(stream)
+        except Exception:  # noqa: BLE001 - one connection's failure must not reach the daemon
+            log.exception("control: internal error on a connection; closed it")
+        finally:
+            self.connections -= 1
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+
+    async def _send(self, stream: trio.abc.Stream, body: dict, *, timeout_s: float | None = None) -> bool:
+        """Send one frame; False when the client is gone or did not read in time."""
+        try:
+            data = encode_frame(body)
+        except LocalProtocolError as e:  # a result msgpack cannot carry: say so instead
+            log.error("control: cannot encode a reply: %s", e)
+            data = encode_frame(_error(f"kafilad could not encode its reply ({e})."))
+        with trio.move_on_after(self.limits.send_timeout_s if timeout_s is None else timeout_s):
+            try:
+                await stream.send_all(data)
+                return True
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                return False
+        return False
+
+    async def _read_request(self, stream: trio.abc.Stream) -> tuple[dict | None, int, str | None]:
+        """The request frame; returns (request or None, bytes held from the budget, error sentence or None)."""
+        lim = self.limits
+        decoder = FrameDecoder(max_frame_bytes=lim.max_request_bytes)
+        held = 0
+        with trio.move_on_after(lim.request_timeout_s):
+            while True:
+                try:
+                    req = decoder.next_event()
+                except RemoteProtocolError as e:
+                    log.warning("control: malformed request closed: %s", e)
+                    return None, held, None
+                if req is not None:
+                    return req, held, None
+                try:
+                    data = await stream.receive_some(RECEIVE_BYTES)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+                if not data:
+                    if decoder.pending_bytes:
+                        log.warning("control: a connection closed in the middle of its request frame")
+                    return None, held, None
+                if self.held_request_bytes + len(data) > lim.max_total_request_bytes:
+                    return None, held, (f"kafilad is holding {self.held_request_bytes} bytes of unfinished control "
+                                        "requests, its limit; retry shortly.")
+                self.held_request_bytes += len(data)
+                held += len(data)
+                decoder.receive_data(data)
+        return None, held, f"The control request did not arrive within {lim.request_timeout_s:g} s."
+
+    async def _connection(self, stream: trio.abc.Stream) -> None:
+        req, held, refusal = None, 0, None
+        try:
+            req, held, refusal = await self._read_request(stream)
+            if refusal is not None:
+                await self._send(stream, _error(refusal), timeout_s=1.0)
+                return
+            if req is None:
+                return
+            reply = self._check(req)
+            if reply is not None:
+                await self._send(stream, reply)
+                return
+            await self._dispatch(stream, req)
+        finally:
+            self.held_request_bytes -= held
+
+    def _check(self, req: dict) -> dict | None:
+        """An error reply for a request that cannot be dispatched, else None."""
         if req.get("t") != "request" or not isinstance(req.get("op"), str):
-            await _safe_send(conn, {"t": "reply", "ok": False, "error": "Malformed control request."})
-            return
+            return _error("Malformed control request.")
         if req.get("v") != API_VERSION:
-            await _safe_send(conn, {"t": "reply", "ok": False, "error":
-                                    f"kafila-ctl speaks control API v{req.get('v')} but this kafilad speaks "
-                                    f"v{API_VERSION}; use matching versions."})
-            return
-        op = req["op"]
-        handler = handlers.get(op)
-        if handler is None:
-            await _safe_send(conn, {"t": "reply", "ok": False, "error": f"Unknown control operation '{op}'."})
-            return
-        args = req.get("args") or {}
+            return _error(f"kafila-ctl speaks control API v{req.get('v')} but this kafilad speaks "
+                          f"v{API_VERSION}; use matching versions.")
+        if req["op"] not in self.handlers:
+            return _error(f"Unknown control operation '{req['op'][:80]}'.")
+        if not isinstance(req.get("args") or {}, dict):
+            return _error("Control request arguments must be a map.")
+        return None
 
-        async def emit(event: dict) -> None:
-            await conn.send({**event, "t": "event", "kind": event.get("t")})
+    async def _dispatch(self, stream: trio.abc.Stream, req: dict) -> None:
+        op, args = req["op"], req.get("args") or {}
+        lim = self.limits
+        send_q, recv_q = trio.open_memory_channel(lim.max_queued_events)
+        writer_done = trio.Event()
+        gone = overflow = False
+        reply: dict | None = None
 
+        async with trio.open_nursery() as nursery:
+            async def writer() -> None:
+                nonlocal gone
+                try:
+                    async with recv_q:
+                        async for frame in recv_q:
+                            with trio.move_on_after(lim.send_timeout_s) as scope:
+                                try:
+                                    await stream.send_all(frame)
+                                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                                    scope.cancel()
+                            if scope.cancelled_caught:
+                                gone = True
+                                nursery.cancel_scope.cancel()
+                                return
+                finally:
+                    writer_done.set()
+
+            async def watch() -> None:  # the client leaving ends its operation
+                nonlocal gone
+                seen = 0
+                while seen < RECEIVE_BYTES * 16:
+                    try:
+                        data = await stream.receive_some(RECEIVE_BYTES)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        data = b""
+                    if not data:
+                        gone = True
+                        nursery.cancel_scope.cancel()
+                        return
+                    seen += len(data)  # bytes after the one request are ignored (one request per connection)
+
+            with trio.CancelScope() as op_scope:
+                async def emit(event: dict) -> None:
+                    nonlocal overflow
+                    frame = encode_frame({**event, "t": "event", "kind": event.get("t")})
+                    try:
+                        send_q.send_nowait(frame)
+                    except trio.WouldBlock:
+                        overflow = True
+                        op_scope.cancel()
+
+                nursery.start_soon(writer)
+                nursery.start_soon(watch)
+                reply = await self._run_handler(op, args, emit)
+            if overflow:
+                reply = _error(f"The client did not read the events of '{op}' in time "
+                               f"({lim.max_queued_events} waiting); the operation was ended.")
+            send_q.close()
+            await writer_done.wait()
+            if not gone and reply is not None:
+                await self._send(stream, reply)
+            nursery.cancel_scope.cancel()
+
+    async def _run_handler(self, op: str, args: dict, emit) -> dict | None:
+        handler = self.handlers[op]
         try:
             result = await handler(args, emit)
         except KafilaError as e:
-            await _safe_send(conn, {"t": "reply", "ok": False, "error": str(e)})
-            return
+            return _error(str(e))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return  # the client went away mid-stream
-        except Exception as e:  # a bug in a handler must not take the daemon down
+            return None  # the client went away mid-stream
+        except Exception as e:  # noqa: BLE001 - a bug in a handler must not take the daemon down
             known = find_kafila_error(e)  # a refusal wrapped by a nursery is not a bug
             if known is not None:
-                await _safe_send(conn, {"t": "reply", "ok": False, "error": str(known)})
-                return
+                return _error(str(known))
             log.exception("control: handler %s failed", op)
-            await _safe_send(conn, {"t": "reply", "ok": False, "error": f"Internal error in '{op}': {e!r}."})
-            return
-        await _safe_send(conn, {"t": "reply", "ok": True, "result": result})
+            return _error(f"Internal error in '{op}': {e!r}.")
+        return {"t": "reply", "ok": True, "result": result}
 
 
-async def _safe_send(conn: FramedStream, body: dict) -> None:
-    try:
-        await conn.send(body)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
+def _error(message: str) -> dict:
+    return {"t": "reply", "ok": False, "error": message}

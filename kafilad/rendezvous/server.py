@@ -9,6 +9,11 @@ A slow receiver fills its queue and thereby slows whoever sends to it (backpress
 except a connection the state machine has already closed (a violation, or `superseded` by a newer
 proven connection of the same key, proto_spec §2.4): if its queue is full it is aborted instead, so
 a stale half-open connection never stalls the one replacing it.
+
+A connection must `register` or `join` (be told `registered` / `joined`, proto_spec §2.1) within
+`register_timeout_s` of connecting; one that does not is closed (1008, the reason says why), so
+idle or half-open WebSockets cannot pile up. Every connection runs inside a guard: an error in
+its handling ends that connection, never the server.
 """
 
 from __future__ import annotations
@@ -23,14 +28,17 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
 from kafilad.proto.rendezvous import (
+    CLOSE_POLICY_VIOLATION,
     Action,
     CloseConn,
     RecordPayload,
     RendezvousLimits,
     RendezvousState,
     SendTo,
+    decode_message,
     encode_relay_record,
 )
+from kafilad.errors import RemoteProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,8 @@ log = logging.getLogger(__name__)
 RECORD_ENV = "KAFILA_RELAY_RECORD"
 #: Outbound messages queued per connection before senders to it wait.
 OUTBOUND_QUEUE_MESSAGES = 64
+#: Seconds a connection may take to register or join before it is closed.
+REGISTER_TIMEOUT_S = 10.0
 
 
 def describe_close(exc: ConnectionClosed) -> str:
@@ -55,22 +65,33 @@ class RendezvousServer:
     Args:
         limits: the server's limits (proto_spec §5).
         record: open binary file to append relay records to (proto_spec §7), or None.
+        register_timeout_s: a connection not registered or joined by then is closed.
     """
 
-    def __init__(self, limits: RendezvousLimits, record: BinaryIO | None = None, stun_addresses=()):
+    def __init__(self, limits: RendezvousLimits, record: BinaryIO | None = None, stun_addresses=(),
+                 register_timeout_s: float = REGISTER_TIMEOUT_S):
         self.state = RendezvousState(limits, stun_addresses=stun_addresses)
         self._record = record
         self._ids = itertools.count(1)
         self._queues: dict[int, trio.MemorySendChannel] = {}
         self._scopes: dict[int, trio.CancelScope] = {}
+        self._unregistered: set[int] = set()
+        self.register_timeout_s = register_timeout_s
 
     async def handle(self, request: WebSocketRequest) -> None:
-        """Serve one WebSocket until it closes (trio-websocket handler)."""
+        """Serve one WebSocket until it closes (trio-websocket handler); never raises an Exception."""
+        try:
+            await self._handle(request)
+        except Exception:  # noqa: BLE001 - a bug must cost one connection, never the server (proto_spec §6)
+            log.exception("rendezvous: internal error on a connection; closed it")
+
+    async def _handle(self, request: WebSocketRequest) -> None:
         try:
             ws = await request.accept()
         except ConnectionClosed:
             return
         conn = next(self._ids)
+        self._unregistered.add(conn)
         send_q, recv_q = trio.open_memory_channel(OUTBOUND_QUEUE_MESSAGES)
         self._queues[conn] = send_q
         self.state.connection_made(conn, trio.current_time())
@@ -79,6 +100,8 @@ class RendezvousServer:
         async with trio.open_nursery() as nursery:
             self._scopes[conn] = nursery.cancel_scope
             nursery.start_soon(self._writer, ws, recv_q)
+            deadline_scope = trio.CancelScope()
+            nursery.start_soon(self._register_deadline, conn, deadline_scope)
             try:
                 await self._dispatch(hello)
                 reason = await self._reader(conn, ws)
@@ -90,11 +113,39 @@ class RendezvousServer:
             finally:
                 del self._queues[conn]
                 del self._scopes[conn]
+                self._unregistered.discard(conn)
+                deadline_scope.cancel()
                 send_q.close()
                 self.state.connection_lost(conn, reason)
                 with trio.move_on_after(5.0) as scope:
                     scope.shield = True
                     await self._dispatch(self.state.actions())
+
+    async def _register_deadline(self, conn: int, scope: trio.CancelScope) -> None:
+        with scope:
+            await trio.sleep(self.register_timeout_s)
+        if scope.cancelled_caught or conn not in self._unregistered:
+            return
+        reason = f"did not register or join a session within {self.register_timeout_s:g} s"
+        log.info("rendezvous: closing connection %d: it %s", conn, reason)
+        queue = self._queues.get(conn)
+        if queue is None:
+            return
+        try:
+            queue.send_nowait(CloseConn(conn, CLOSE_POLICY_VIOLATION, reason))
+        except trio.WouldBlock:  # not draining either: abort it
+            self._scopes[conn].cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    def _note_registered(self, action: SendTo) -> None:
+        """Mark `action.conn` registered when the state machine tells it `registered` / `joined`."""
+        try:
+            msg = decode_message(action.data)
+        except RemoteProtocolError:
+            return
+        if getattr(msg, "type", None) in ("registered", "joined"):
+            self._unregistered.discard(action.conn)
 
     async def _reader(self, conn: int, ws: WebSocketConnection) -> str:
         while True:
@@ -130,6 +181,8 @@ class RendezvousServer:
                 log.warning("rendezvous: closing connection %d: %s", action.conn, action.reason)
             if queue is None:
                 continue
+            if isinstance(action, SendTo) and action.conn in self._unregistered:
+                self._note_registered(action)
             item = action.data if isinstance(action, SendTo) else action
             try:
                 if self.state.knows(action.conn):
@@ -152,6 +205,7 @@ async def serve_rendezvous(
     record_path: str | None = None,
     limits: RendezvousLimits | None = None,
     stun_addresses=(),
+    register_timeout_s: float = REGISTER_TIMEOUT_S,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the rendezvous service (DESIGN §2) on ws://host:port until cancelled.
@@ -164,6 +218,7 @@ async def serve_rendezvous(
         limits: server limits (proto_spec §5); None means the defaults.
         stun_addresses: (ip, port) of this rendezvous's STUN responder, advertised to members in
             `registered` / `joined` (proto_spec 07 §1).
+        register_timeout_s: seconds a WebSocket may stay open without registering or joining.
         task_status: `started(actual_port)` is called once listening.
     Raises:
         OSError: the address cannot be bound.
@@ -172,7 +227,9 @@ async def serve_rendezvous(
     record_path = record_path or os.environ.get(RECORD_ENV) or None
     record = open(record_path, "ab") if record_path else None  # noqa: SIM115 (closed below)
     try:
-        server = RendezvousServer(limits, record, stun_addresses)
+        if not register_timeout_s > 0:
+            raise ValueError(f"register_timeout_s must be positive (got {register_timeout_s})")
+        server = RendezvousServer(limits, record, stun_addresses, register_timeout_s)
         async with trio.open_nursery() as nursery:
             ws_server = await nursery.start(partial(
                 serve_websocket, server.handle, host, port, None, handler_nursery=nursery,

@@ -1,0 +1,505 @@
+"""A small hardened HTTP/1.1 server: h11 (the sans-IO machine) and its trio driver (DESIGN §7).
+
+It serves the host's OpenAI-compatible API (kafilad/control/openai_api.py) and is written so that
+nothing a client sends can stop the daemon (issue 9). Why not hypercorn: measured on this
+machine, hypercorn's trio worker keeps up (3,100 small GETs/s, 28,700 SSE events/s, against
+9,200 and 33,600 here), but its public API has no connection limit, no hook on its accept loop and
+no lingering close, so 2,100 idle connections still ran the process out of file handles for 5 s
+and a 413 before an 8 MB body reached the client as a reset; it also brings HTTP/2 (h2c upgrade,
+prior knowledge) and WebSocket surfaces this API does not need.
+
+One connection goes through these phases (RFC 9112; statuses of RFC 9110 §15):
+
+```
+phase     from                           until               on timeout                        limit
+idle      connect / end of a response    first byte          close quietly (keep-alive ends)   idle_timeout_s
+head      first byte of a request        end of its headers  408, close                        header_timeout_s
+body      end of the headers             end of the body     408, close                        body_timeout_s
+handler   end of the body                end of the answer   (a write stalled) close           send_timeout_s per write
+```
+Limits, each answered with a sentence in `{"error": {"message", "type"}}`:
+- headers over `max_header_bytes`: 431; malformed framing: 400 (h11's hint), then close.
+- a body over `max_body_bytes`: 413 (from Content-Length before any of it is read, or as it
+  arrives when chunked); bodies of all connections together over `max_total_body_bytes`: 413 with
+  `Retry-After` (RFC 9110 §15.5.14: a temporary condition).
+- more than `max_connections` open connections: the one longest idle or in its headers is closed
+  to make room (so idle connections cannot lock normal clients out); when every connection is in
+  a request, the new one gets 503 with `Retry-After`.
+After an answer that leaves part of a request unread, the server shuts down its sending side and
+discards what the client still sends for up to `linger_s` (RFC 9112 §9.6 "lingering close"), so
+the client reads the answer instead of a connection reset.
+
+While the handler runs, the driver watches the connection: the client closing it cancels the
+handler (a client gone is a request gone). Every connection runs inside a guard: an error in a
+handler or in the driver ends that connection (500 when nothing was answered yet) and is logged;
+it never reaches the caller's nursery.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import logging
+import math
+import sys
+from typing import Awaitable, Callable, Optional
+
+import attrs
+import h11
+import trio
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+log = logging.getLogger("kafilad.http")
+
+RECEIVE_BYTES = 65_536
+#: connections answered 503 at once (each holds a file handle for at most `send_timeout_s`)
+MAX_REFUSING = 16
+
+
+@attrs.frozen
+class HttpLimits:
+    """Limits of one server (the defaults suit a local API; tests shrink them)."""
+
+    max_connections: int = 256
+    max_header_bytes: int = 16 * 1024
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_total_body_bytes: int = 64 * 1024 * 1024
+    idle_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    send_timeout_s: float = 30.0
+    linger_s: float = 2.0
+    linger_bytes: int = 64 * 1024 * 1024
+
+
+@attrs.frozen
+class Request:
+    """A complete request: `method` upper-case ("GET"), `path` without the query, `body` bytes."""
+
+    method: str
+    target: str
+    path: str
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+    http_version: str
+
+    def header(self, name: bytes) -> Optional[bytes]:
+        """The first value of header `name` (lower-case bytes), or None."""
+        for k, v in self.headers:
+            if k == name:
+                return v
+        return None
+
+
+class ClientGone(Exception):
+    """The client closed the connection, reset it, or stopped reading past `send_timeout_s`."""
+
+
+class BodyBudget:
+    """Bytes of request bodies held by all connections of one server, bounded by `limit_bytes`."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self.held_bytes = 0
+
+    def take(self, n: int) -> bool:
+        """Reserve `n` bytes; False (and nothing reserved) when that would pass the limit."""
+        if self.held_bytes + n > self.limit_bytes:
+            return False
+        self.held_bytes += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held_bytes -= n
+
+
+def error_body(status: int, message: str) -> bytes:
+    """The JSON body of an error answer (the OpenAI error shape)."""
+    kind = {404: "not_found", 408: "timeout", 413: "request_too_large", 429: "rate_limit_exceeded",
+            503: "service_unavailable"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return json.dumps({"error": {"message": message, "type": kind}}).encode()
+
+
+class Responder:
+    """Writes the answer to one request; a HEAD request gets the headers without the body.
+
+    Every write waits at most `send_timeout_s`; a write that fails raises ClientGone.
+    """
+
+    def __init__(self, conn: h11.Connection, stream: trio.abc.Stream, method: str, send_timeout_s: float):
+        self._conn, self._stream, self._send_timeout_s = conn, stream, send_timeout_s
+        self._head = method == "HEAD"
+        self.started = False
+        self.finished = False
+        self.close_after = False
+
+    async def _send(self, event) -> None:
+        await send_event(self._conn, self._stream, event, self._send_timeout_s)
+
+    async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
+        """Send the status line and headers (a body without content-length is sent chunked)."""
+        if self.close_after:
+            headers = [*headers, ("connection", "close")]
+        self.started = True
+        await self._send(h11.Response(status_code=status, headers=headers))
+
+    async def write(self, data: bytes) -> None:
+        if data and not self._head:
+            await self._send(h11.Data(data=data))
+
+    async def end(self) -> None:
+        self.finished = True
+        await self._send(h11.EndOfMessage())
+
+    async def send(self, status: int, body: bytes, *, content_type: str = "application/json",
+                   headers: Optional[list[tuple[str, str]]] = None) -> None:
+        """A whole answer with a content-length."""
+        await self.start(status, [("content-type", content_type), ("content-length", str(len(body))),
+                                  *(headers or [])])
+        await self.write(body)
+        await self.end()
+
+    async def error(self, status: int, message: str, headers: Optional[list[tuple[str, str]]] = None) -> None:
+        await self.send(status, error_body(status, message), headers=headers)
+
+
+Handler = Callable[[Request, Responder], Awaitable[None]]
+
+
+async def send_event(conn: h11.Connection, stream: trio.abc.Stream, event, timeout_s: float) -> None:
+    """Send one h11 event, waiting at most `timeout_s` for the client to take it.
+
+    Raises:
+        ClientGone: the connection broke or the client did not read in time.
+    """
+    data = conn.send(event)
+    if not data:
+        return
+    try:
+        with trio.move_on_after(timeout_s) as scope:
+            await stream.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError) as e:
+        raise ClientGone(f"the client went away ({type(e).__name__})") from None
+    if scope.cancelled_caught:
+        raise ClientGone(f"the client did not read for {timeout_s:g} s")
+
+
+@attrs.define
+class _Slot:
+    phase: str  # "idle" | "head" | "body" | "handler"
+    since_s: float
+    scope: trio.CancelScope
+
+
+class _Refused(Exception):
+    """End the connection after answering `status` (the request could not be read)."""
+
+    def __init__(self, status: int, message: str, *, linger: bool, retry_after_s: Optional[int] = None):
+        super().__init__(message)
+        self.status, self.message, self.linger, self.retry_after_s = status, message, linger, retry_after_s
+
+
+class HttpServer:
+    """Serves `handler` on listeners under `limits` (see the module docstring).
+
+    Args:
+        handler: `async def handler(request, responder)`; it must answer through the responder.
+        limits: this server's limits.
+    """
+
+    def __init__(self, handler: Handler, limits: HttpLimits = HttpLimits()):
+        self.handler = handler
+        self.limits = limits
+        self.budget = BodyBudget(limits.max_total_body_bytes)
+        self._slots: dict[int, _Slot] = {}
+        self._ids = itertools.count()
+        self._refusing = 0
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._slots)
+
+    async def serve(self, listeners: list[trio.SocketListener], *,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Accept on `listeners` until cancelled; accept errors (EMFILE...) wait and retry."""
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(self._accept_loop, listener, nursery)
+            task_status.started()
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        async with listener:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as e:
+                    if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
+                        raise
+                    log.warning("http: accept failed (%s); retrying in 0.1 s", e.strerror)
+                    await trio.sleep(0.1)
+                    continue
+                nursery.start_soon(self.serve_stream, stream)
+
+    async def serve_stream(self, stream: trio.abc.Stream) -> None:
+        """Serve one connection to its end; never raises an Exception (a structural guarantee)."""
+        cid = next(self._ids)
+        try:
+            if len(self._slots) >= self.limits.max_connections and not self._evict_one():
+                await self._refuse_busy(stream)
+                return
+            with trio.CancelScope() as scope:
+                self._slots[cid] = _Slot("idle", trio.current_time(), scope)
+                await self._connection(stream, self._slots[cid])
+        except Exception:  # noqa: BLE001 - one connection's failure must not reach the server
+            log.exception("http: internal error on a connection; closed it")
+        finally:
+            self._slots.pop(cid, None)
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+
+    def _evict_one(self) -> bool:
+        """Close the connection longest idle or in its headers to make room; False if none is."""
+        idle = [s for s in self._slots.values() if s.phase in ("idle", "head") and not s.scope.cancel_called]
+        if not idle:
+            return False
+        min(idle, key=lambda s: s.since_s).scope.cancel()
+        return True
+
+    async def _refuse_busy(self, stream: trio.abc.Stream) -> None:
+        if self._refusing >= MAX_REFUSING:
+            return
+        self._refusing += 1
+        try:
+            body = error_body(503, f"The server is answering {len(self._slots)} connections, its limit; "
+                                   "retry shortly.")
+            head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n").encode()
+            with trio.move_on_after(min(1.0, self.limits.send_timeout_s)):
+                await stream.send_all(head + body)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            self._refusing -= 1
+
+    # ---- one connection ------------------------------------------------------------------------
+    async def _connection(self, stream: trio.abc.Stream, slot: _Slot) -> None:
+        lim = self.limits
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=lim.max_header_bytes)
+        while True:
+            held = [0]  # body bytes reserved from the budget for this request
+            try:
+                try:
+                    request = await self._read_request(conn, stream, slot, held)
+                except _Refused as r:
+                    await self._answer_refusal(conn, stream, r)
+                    return
+                if request is None:
+                    return
+                slot.phase, slot.since_s = "handler", trio.current_time()
+                responder = Responder(conn, stream, request.method, lim.send_timeout_s)
+                if not await self._run_handler(request, responder, conn, stream):
+                    return
+            finally:
+                self.budget.give(held[0])
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                if conn.their_state is not h11.DONE:
+                    await self._linger(stream)
+                return
+            try:
+                conn.start_next_cycle()
+            except h11.LocalProtocolError:
+                return
+            slot.phase, slot.since_s = "idle", trio.current_time()
+
+    async def _receive(self, conn: h11.Connection, stream: trio.abc.Stream) -> bool:
+        """Feed the next bytes to h11; False at EOF or when the connection broke."""
+        try:
+            data = await stream.receive_some(RECEIVE_BYTES)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            data = b""
+        conn.receive_data(data)
+        return bool(data)
+
+    async def _read_request(self, conn: h11.Connection, stream: trio.abc.Stream, slot: _Slot,
+                            held: list[int]) -> Optional[Request]:
+        """Read one request with its body under the phase timers; None when the client is done.
+
+        Raises:
+            _Refused: a request the server answers with an error and then closes.
+        """
+        lim = self.limits
+        now = trio.current_time()
+        idle_deadline = now + lim.idle_timeout_s
+        head_deadline = math.inf if not conn.trailing_data[0] else now + lim.header_timeout_s
+        if head_deadline != math.inf:
+            slot.phase = "head"
+        request: Optional[h11.Request] = None
+        body = bytearray()
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as e:
+                status = e.error_status_hint if 400 <= e.error_status_hint < 600 else 400
+                message = ("The request headers are larger than the server accepts "
+                           f"({lim.max_header_bytes} bytes)." if status == 431 else
+                           f"The request is not valid HTTP/1.1 ({e}).")
+                raise _Refused(status, message, linger=True) from None
+            if event is h11.NEED_DATA:
+                if request is None and slot.phase == "idle":
+                    with trio.move_on_at(idle_deadline):
+                        got = await self._receive(conn, stream)
+                        if got:
+                            slot.phase, slot.since_s = "head", trio.current_time()
+                            head_deadline = slot.since_s + lim.header_timeout_s
+                        continue
+                    return None  # idle keep-alive connection: close quietly
+                deadline = head_deadline if request is None else body_deadline
+                with trio.move_on_at(deadline):
+                    await self._receive(conn, stream)
+                    continue
+                what = "its headers" if request is None else "its body"
+                limit_s = lim.header_timeout_s if request is None else lim.body_timeout_s
+                raise _Refused(408, f"The client did not send {what} within {limit_s:g} s.", linger=False)
+            if isinstance(event, h11.Request):
+                request = event
+                # h11 bounds headers still arriving; these arrived whole in one read
+                head_bytes = len(event.method) + len(event.target) + 12 + sum(len(k) + len(v) + 4
+                                                                             for k, v in event.headers)
+                if head_bytes > lim.max_header_bytes:
+                    raise _Refused(431, "The request headers are larger than the server accepts "
+                                        f"({lim.max_header_bytes} bytes).", linger=True)
+                slot.phase, slot.since_s = "body", trio.current_time()
+                body_deadline = slot.since_s + lim.body_timeout_s
+                self._check_declared_length(event, held)
+                if conn.they_are_waiting_for_100_continue:
+                    try:
+                        await send_event(conn, stream, h11.InformationalResponse(status_code=100, headers=[]),
+                                         lim.send_timeout_s)
+                    except ClientGone:
+                        return None
+            elif isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > lim.max_body_bytes:
+                    raise _Refused(413, f"The request body is larger than {lim.max_body_bytes} bytes.", linger=True)
+                if len(body) > held[0]:
+                    if not self.budget.take(len(body) - held[0]):
+                        raise self._budget_refusal()
+                    held[0] = len(body)
+            elif isinstance(event, h11.EndOfMessage):
+                assert request is not None
+                target = request.target.decode("latin-1")
+                return Request(method=request.method.decode("latin-1").upper(), target=target,
+                               path=target.split("?", 1)[0], headers=tuple(request.headers),
+                               body=bytes(body), http_version=request.http_version.decode("latin-1"))
+            elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
+                return None
+
+    def _check_declared_length(self, request: h11.Request, held: list[int]) -> None:
+        for name, value in request.headers:
+            if name == b"content-length":
+                n = int(value)  # h11 checked it is digits
+                if n > self.limits.max_body_bytes:
+                    raise _Refused(413, f"The request body ({n} bytes) is larger than "
+                                        f"{self.limits.max_body_bytes} bytes.", linger=True)
+                if not self.budget.take(n):
+                    raise self._budget_refusal()
+                held[0] = n
+
+    def _budget_refusal(self) -> _Refused:
+        return _Refused(413, f"The server is holding {self.budget.held_bytes} bytes of request bodies, its limit; "
+                             "retry shortly.", linger=True, retry_after_s=1)
+
+    async def _answer_refusal(self, conn: h11.Connection, stream: trio.abc.Stream, r: _Refused) -> None:
+        if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            responder = Responder(conn, stream, "GET", min(self.limits.send_timeout_s, 5.0))
+            responder.close_after = True
+            try:
+                await responder.error(r.status, r.message,
+                                      [("retry-after", str(r.retry_after_s))] if r.retry_after_s else None)
+            except (ClientGone, h11.LocalProtocolError):
+                return
+        if r.linger:
+            await self._linger(stream)
+
+    async def _linger(self, stream: trio.abc.Stream) -> None:
+        """Shut down our side, then discard what the client still sends (RFC 9112 §9.6)."""
+        with trio.move_on_after(self.limits.linger_s):
+            try:
+                await stream.send_eof()
+                seen = 0
+                while seen < self.limits.linger_bytes:
+                    data = await stream.receive_some(RECEIVE_BYTES)
+                    if not data:
+                        return
+                    seen += len(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError, AttributeError):
+                return
+
+    async def _run_handler(self, request: Request, responder: Responder, conn: h11.Connection,
+                           stream: trio.abc.Stream) -> bool:
+        """Run the handler while watching for the client leaving; True when the connection may go on."""
+        gone = False
+
+        async def watch(scope: trio.CancelScope) -> None:
+            nonlocal gone
+            try:
+                data = await stream.receive_some(RECEIVE_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
+            if data:
+                conn.receive_data(data)  # a pipelined request: kept for the next cycle
+                return
+            gone = True
+            scope.cancel()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch, nursery.cancel_scope)
+                await self.handler(request, responder)
+                nursery.cancel_scope.cancel()
+        except Exception as e:  # noqa: BLE001 - the guard of every request
+            if _only(e, (ClientGone, trio.BrokenResourceError, trio.ClosedResourceError)):
+                return False
+            log.exception("http: internal error answering %s %s", request.method, request.path)
+            if not responder.started and not gone:
+                responder.close_after = True
+                try:
+                    await responder.error(500, "The server hit an internal error answering this request; "
+                                               "it is logged on the host.")
+                except (ClientGone, h11.LocalProtocolError):
+                    pass
+            return False
+        if gone:
+            return False
+        if not responder.finished:  # a handler that returned without answering: a bug, but not a hang
+            log.error("http: the handler for %s %s returned without answering", request.method, request.path)
+            if not responder.started:
+                responder.close_after = True
+                try:
+                    await responder.error(500, "The server did not answer this request; it is logged on the host.")
+                except (ClientGone, h11.LocalProtocolError):
+                    pass
+            return False
+        return not responder.close_after
+
+
+def _only(exc: BaseException, kinds: tuple[type, ...]) -> bool:
+    """True when `exc` is one of `kinds`, or a group holding only those."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only(e, kinds) for e in exc.exceptions)
+    return isinstance(exc, kinds)
+
+
+async def open_listeners(host: str, port: int) -> list[trio.SocketListener]:
+    """TCP listeners on host:port, refusing with a sentence what cannot be served.
+
+    Raises:
+        ValueError: port outside 0..65535 (never wrapped around to another port).
+        OSError: the address is in use or cannot be bound.
+    """
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is outside 0..65535")
+    return await trio.open_tcp_listeners(port, host=host)

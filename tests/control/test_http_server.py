@@ -1,0 +1,354 @@
+"""The hardened HTTP/1.1 server (kafilad/control/http_server.py) with handlers of the test's own:
+keep-alive, HEAD, chunked bodies, header and body limits, the total body budget, timeouts (408),
+connection limits, lingering close, a client leaving, and failures injected into handlers that
+must never reach the server's nursery. Timers run under MockClock over in-memory streams; limits
+that depend on TCP (resets, file handles) use real loopback sockets."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import pytest
+import trio
+import trio.testing
+
+from kafilad.control.http_server import HttpLimits, HttpServer, Request, Responder
+
+pytestmark = pytest.mark.filterwarnings("ignore::trio.TrioDeprecationWarning")
+
+
+async def echo(request: Request, res: Responder) -> None:
+    """Answers with what it was asked, so tests see method, path and body as the handler did."""
+    await res.send(200, json.dumps({"method": request.method, "path": request.path,
+                                    "body": request.body.decode("latin-1")}).encode())
+
+
+def parse_responses(data: bytes) -> list[tuple[int, dict, bytes]]:
+    """Split raw HTTP/1.1 responses with content-length bodies (status, headers, body)."""
+    out = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+        n = int(headers.get("content-length", "0"))
+        out.append((status, headers, rest[:n]))
+        data = rest[n:]
+    return out
+
+
+async def exchange(server: HttpServer, raw: bytes, *, read_until_close: bool = True, eof: bool = False) -> bytes:
+    """Feed `raw` to a fresh connection of `server` over memory streams; return what it answered."""
+    client, srv = trio.testing.memory_stream_pair()
+    out = bytearray()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.serve_stream, srv)
+        await client.send_all(raw)
+        if eof:
+            await client.send_eof()
+        while True:
+            data = await client.receive_some(65536)
+            if not data:
+                break
+            out += data
+            if not read_until_close:
+                break
+    return bytes(out)
+
+
+def run(fn, *, clock: bool = True):
+    trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0) if clock else None)
+
+
+# ---- HTTP basics ----------------------------------------------------------------------------------
+
+def test_keep_alive_head_and_pipelining_on_one_connection():
+    async def main():
+        server = HttpServer(echo)
+        raw = (b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"
+               b"HEAD /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"
+               b"POST /v1/completions?x=1 HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhello"
+               b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        got = await exchange(server, raw)
+        (s1, h1, b1), (s2, h2, b2), (s3, _, b3), (s4, _, b4) = parse_responses_head_aware(got)
+        assert s1 == s2 == s3 == s4 == 200
+        assert json.loads(b1) == {"method": "GET", "path": "/v1/models", "body": ""}
+        head_body = json.dumps({"method": "HEAD", "path": "/v1/models", "body": ""}).encode()
+        assert b2 == b"" and h2["content-length"] == str(len(head_body))  # HEAD: the headers, no body
+        assert json.loads(b3) == {"method": "POST", "path": "/v1/completions", "body": "hello"}
+        assert json.loads(b4)["path"] == "/last"
+        assert server.open_connections == 0
+    run(main)
+
+
+def parse_responses_head_aware(data: bytes):
+    """Like parse_responses, but the second response (to HEAD) has no body despite content-length."""
+    out = []
+    i = 0
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+        n = 0 if i == 1 else int(headers.get("content-length", "0"))
+        out.append((int(lines[0].split()[1]), headers, rest[:n]))
+        data = rest[n:]
+        i += 1
+    return out
+
+
+def test_chunked_body_is_joined_and_expect_100_continue_is_answered():
+    async def main():
+        raw = (b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\nexpect: 100-continue\r\n"
+               b"connection: close\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+        got = await exchange(HttpServer(echo), raw)
+        assert got.startswith(b"HTTP/1.1 100 ")
+        status, _, body = parse_responses(got.split(b"\r\n\r\n", 1)[1])[0]
+        assert status == 200 and json.loads(body)["body"] == "abcde"
+    run(main)
+
+
+@pytest.mark.parametrize("raw, status, words", [
+    (b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20000 + b"\r\n\r\n", 431, "headers are larger"),
+    (b"GET / HTTP/1.1\r\nhost: x\r\ncontent-length: -1\r\n\r\n", 400, "not valid HTTP/1.1"),
+    (b"\xff\xfe garbage\r\n\r\n", 400, "not valid HTTP/1.1"),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5000000\r\n\r\n", 413, "larger than 4194304 bytes"),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n" + b"100000\r\n" + b"a" * 0x100000 + b"\r\n"
+     + b"400000\r\n" + b"a" * 0x400000 + b"\r\n0\r\n\r\n", 413, "larger than 4194304 bytes"),
+])
+def test_malformed_and_oversized_requests_get_a_sentence(raw, status, words):
+    async def main():
+        server = HttpServer(echo)
+        got = await exchange(server, raw, eof=True)
+        (s, headers, body), = parse_responses(got)
+        assert s == status and words in json.loads(body)["error"]["message"]
+        assert headers["connection"] == "close"
+        assert server.budget.held_bytes == 0
+    run(main)
+
+
+def test_total_body_budget_refuses_with_retry_after_then_recovers():
+    async def main():
+        limits = HttpLimits(max_body_bytes=600_000, max_total_body_bytes=1_000_000)
+        server = HttpServer(echo, limits)
+        first_client, first_srv = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve_stream, first_srv)
+            await first_client.send_all(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 600000\r\n\r\n" + b"a" * 1000)
+            await trio.sleep(0.1)
+            assert server.budget.held_bytes == 600_000  # declared length reserved before it is read
+            got = await exchange(server, b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 500000\r\n\r\n")
+            (s, headers, body), = parse_responses(got)
+            assert s == 413 and headers["retry-after"] == "1"
+            assert "retry shortly" in json.loads(body)["error"]["message"]
+            await first_client.send_all(b"a" * 599_000)
+            data = await first_client.receive_some(65536)
+            assert data.startswith(b"HTTP/1.1 200 ")
+            await first_client.aclose()
+        assert server.budget.held_bytes == 0
+        got = await exchange(server, b"POST / HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 500000\r\n\r\n"
+                             + b"b" * 500_000)
+        assert parse_responses(got)[0][0] == 200
+    run(main)
+
+
+# ---- timers (MockClock) ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw, status, words, after_s", [
+    (b"", None, None, 30.0),                                                       # idle: closed quietly
+    (b"GET / HTTP/1.1\r\nhost:", 408, "did not send its headers within 10 s", 10.0),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc", 408, "did not send its body within 30 s", 30.0),
+])
+def test_idle_header_and_body_timeouts(raw, status, words, after_s):
+    async def main():
+        server = HttpServer(echo)
+        t0 = trio.current_time()
+        got = await exchange(server, raw)
+        assert trio.current_time() - t0 == pytest.approx(after_s, abs=0.01)
+        if status is None:
+            assert got == b""
+        else:
+            (s, _, body), = parse_responses(got)
+            assert s == status and words in json.loads(body)["error"]["message"]
+    run(main)
+
+
+def test_a_keep_alive_connection_closes_after_the_idle_timeout():
+    async def main():
+        server = HttpServer(echo, HttpLimits(idle_timeout_s=5.0))
+        t0 = trio.current_time()
+        got = await exchange(server, b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert parse_responses(got)[0][0] == 200 and trio.current_time() - t0 == pytest.approx(5.0, abs=0.01)
+    run(main)
+
+
+# ---- failures injected into handlers --------------------------------------------------------------
+
+class Boom(Exception):
+    pass
+
+
+async def failing(request: Request, res: Responder) -> None:
+    if request.path == "/raise":
+        raise Boom("injected")
+    if request.path == "/group":
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            raise Boom("injected in a nursery")
+    if request.path == "/midway":
+        await res.start(200, [("content-type", "text/event-stream")])
+        await res.write(b"data: 1\n\n")
+        raise Boom("injected after the answer started")
+    if request.path == "/silent":
+        return
+    await echo(request, res)
+
+
+@pytest.mark.parametrize("path, status", [("/raise", 500), ("/group", 500), ("/silent", 500), ("/midway", 200)])
+def test_a_failing_handler_costs_one_connection_and_the_server_goes_on(path, status, caplog):
+    async def main():
+        server = HttpServer(failing)
+        got = await exchange(server, f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\nGET /ok HTTP/1.1\r\n\r\n".encode())
+        head = got.split(b"\r\n", 1)[0]
+        assert head.startswith(f"HTTP/1.1 {status} ".encode())
+        if status == 500:
+            (s, _, body), = parse_responses(got)  # the pipelined /ok is not answered: the connection closed
+            assert "logged on the host" in json.loads(body)["error"]["message"]
+        got = await exchange(server, b"GET /ok HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        assert parse_responses(got)[0][0] == 200  # the same server serves the next connection
+    run(main)
+    assert path == "/silent" or "Boom" in caplog.text
+
+
+def test_failures_on_real_sockets_never_reach_the_server_nursery():
+    """A real listener: handlers that fail every way, then a normal request on a new connection."""
+    async def main():
+        server = HttpServer(failing)
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve, listeners)
+            for path in ("/raise", "/group", "/midway", "/silent", "/raise"):
+                s = await trio.open_tcp_stream("127.0.0.1", port)
+                await s.send_all(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+                while await s.receive_some(65536):
+                    pass
+                await s.aclose()
+            s = await trio.open_tcp_stream("127.0.0.1", port)
+            await s.send_all(b"GET /ok HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            data = b""
+            while chunk := await s.receive_some(65536):
+                data += chunk
+            assert parse_responses(data)[0][0] == 200
+            nursery.cancel_scope.cancel()
+    run(main, clock=False)
+
+
+def test_a_client_leaving_cancels_its_handler():
+    cancelled = []
+
+    async def slow(request: Request, res: Responder) -> None:
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            cancelled.append(request.path)
+            raise
+
+    async def main():
+        server = HttpServer(slow)
+        client, srv = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve_stream, srv)
+            await client.send_all(b"GET /gen HTTP/1.1\r\nhost: x\r\n\r\n")
+            await trio.sleep(1)
+            await client.aclose()
+        assert cancelled == ["/gen"] and server.open_connections == 0
+    run(main)
+
+
+# ---- real sockets: resets, connection limits ------------------------------------------------------
+
+def serve_in_thread(server: HttpServer):
+    """Run `server` on 127.0.0.1:0 in a trio thread; returns (port, stop)."""
+    ready, port = threading.Event(), []
+    token = []
+
+    async def main():
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port.append(listeners[0].socket.getsockname()[1])
+        token.append(trio.lowlevel.current_trio_token())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve, listeners)
+            ready.set()
+            token.append(nursery.cancel_scope)
+
+    t = threading.Thread(target=trio.run, args=(main,))
+    t.start()
+    ready.wait(10)
+
+    def stop():
+        token[0].run_sync_soon(token[1].cancel)
+        t.join(10)
+    return port[0], stop
+
+
+def read_all(s: socket.socket) -> bytes:
+    out = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_a_body_over_the_limit_is_answered_413_not_reset():
+    port, stop = serve_in_thread(HttpServer(echo))
+    try:
+        body = b"x" * (8 * 1024 * 1024)
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        (status, headers, answer), = parse_responses(read_all(s))
+        s.close()
+        assert status == 413 and "larger than 4194304 bytes" in json.loads(answer)["error"]["message"]
+    finally:
+        stop()
+
+
+def test_idle_connections_past_the_limit_make_room_and_busy_ones_get_503():
+    gate = threading.Event()
+
+    async def handler(request: Request, res: Responder) -> None:
+        if request.path == "/hold":
+            await trio.to_thread.run_sync(gate.wait, abandon_on_cancel=True)
+        await echo(request, res)
+
+    server = HttpServer(handler, HttpLimits(max_connections=8))
+    port, stop = serve_in_thread(server)
+    idle = []
+    try:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(300)]
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        assert parse_responses(read_all(s))[0][0] == 200  # idle ones were closed to make room
+        s.close()
+        assert server.open_connections <= 8
+        holders = []
+        for _ in range(8):
+            h = socket.create_connection(("127.0.0.1", port), timeout=10)
+            h.sendall(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+            holders.append(h)
+        import time
+        time.sleep(0.5)
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        (status, headers, body), = parse_responses(read_all(s))
+        assert status == 503 and headers["retry-after"] == "1" and "its limit" in json.loads(body)["error"]["message"]
+        gate.set()
+        for h in holders:
+            assert h.recv(100).startswith(b"HTTP/1.1 200 ")
+            h.close()
+    finally:
+        gate.set()
+        for c in idle:
+            c.close()
+        stop()
