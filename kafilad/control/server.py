@@ -236,6 +236,7 @@ class ControlServer:
                     except trio.WouldBlock:
                         overflow = True
                         op_scope.cancel()
+                    await trio.lowlevel.checkpoint()  # let the writer run; never wait for the client
 
                 nursery.start_soon(writer)
                 nursery.start_soon(watch)

@@ -525,3 +525,28 @@ def test_a_wedged_stale_connection_does_not_stall_the_reconnect():
                     assert await host.events.receive() == MemberLeft(A, "it rejoined from a new connection")
 
     run_with_server(body)
+
+
+def test_a_websocket_that_never_registers_is_closed_after_the_deadline():
+    """Issue 9: idle WebSockets cannot pile up; registered and joined ones stay past the deadline."""
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            _, host, [a] = await session(stack, url, ["A"], members=3)
+            t0 = trio.current_time()
+            async with trio_websocket.open_websocket_url(url) as idle:
+                await raw_challenge(idle)
+                with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                    await idle.get_message()
+                assert closed.value.reason.code == 1008
+                assert closed.value.reason.reason == "did not register or join a session within 0.5 s"
+            assert 0.4 <= trio.current_time() - t0 < 5
+            await trio.sleep(0.6)  # the registered host and the joined member are still served
+            newcomer = await stack.enter_async_context(rdv(url, "N", "n"))
+            assert await newcomer.join(host.session_id) == H
+            assert await host.events.receive() == MemberJoined(N, "n")
+            assert await a.events.receive() == MemberJoined(N, "n")
+
+    run_with_server(body, register_timeout_s=0.5)
+
+
+N = pid("N")

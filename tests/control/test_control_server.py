@@ -1,0 +1,203 @@
+"""The control server (kafilad/control/server.py) with handler tables of the test's own: failures
+injected into handlers end one connection, never the server; connection and request-size limits,
+the total bound on unfinished request frames, the request timeout (MockClock), a client that does
+not read its events, and a client that leaves."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+import trio
+import trio.testing
+
+from kafilad.control.api import API_VERSION, FramedStream, request
+from kafilad.control.server import ControlLimits, ControlServer, serve_control
+from kafilad.proto.frames import encode_frame
+
+
+class Boom(Exception):
+    pass
+
+
+def table(log: list):
+    async def ok(args, emit):
+        return {"echo": args}
+
+    async def boom(args, emit):
+        raise Boom("injected")
+
+    async def group(args, emit):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            raise Boom("injected in a nursery")
+
+    async def unencodable(args, emit):
+        return {"a set": {1, 2}}
+
+    async def bad_event(args, emit):
+        await emit({"t": "token", "value": object()})
+        return "unreachable"
+
+    async def hold(args, emit):
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            log.append("hold cancelled")
+            raise
+
+    async def flood(args, emit):
+        for i in range(args["n"]):
+            await emit({"t": "token", "i": i, "pad": b"p" * args.get("pad", 0)})
+            await trio.sleep(0.001)
+        return "done"
+
+    return {"ok": ok, "boom": boom, "group": group, "unencodable": unencodable, "bad_event": bad_event,
+            "hold": hold, "flood": flood}
+
+
+async def call(path, op, **args):
+    stream = FramedStream(await trio.open_unix_socket(str(path)))
+    await stream.send(request(op, args))
+    events = []
+    while True:
+        msg = await stream.receive()
+        if msg is None or msg["t"] == "reply":
+            await stream.aclose()
+            return msg, events
+        events.append(msg)
+
+
+def with_server(test, limits=ControlLimits(), log=None):
+    async def main(tmp):
+        async with trio.open_nursery() as nursery:
+            path = await nursery.start(lambda task_status: serve_control(tmp / "k.sock", table(log if log is not None
+                                                                                               else []),
+                                                                         limits=limits, task_status=task_status))
+            with trio.fail_after(30):
+                await test(path)
+            nursery.cancel_scope.cancel()
+    return main
+
+
+@pytest.mark.parametrize("op, words", [
+    ("boom", "Internal error in 'boom': Boom('injected')"),
+    ("group", "Internal error in 'group'"),
+    ("unencodable", "could not encode its reply"),
+    ("bad_event", "msgpack cannot encode"),
+])
+def test_a_failing_handler_gets_an_error_reply_and_the_server_goes_on(tmp_path, op, words):
+    async def test(path):
+        reply, _ = await call(path, op)
+        assert reply["ok"] is False and words in reply["error"]
+        reply, _ = await call(path, "ok", x=1)
+        assert reply == {"t": "reply", "ok": True, "result": {"echo": {"x": 1}}}
+    trio.run(with_server(test), tmp_path)
+
+
+def test_malformed_frames_close_only_their_connection(tmp_path):
+    async def test(path):
+        for raw in (b"\x00\x00\x00\x00", struct.pack(">I", 1 << 30), struct.pack(">I", 3) + b"\xc1\xc1\xc1",
+                    encode_frame({"t": "request", "v": API_VERSION, "op": "ok", "args": [1, 2]}),
+                    encode_frame({"t": "request", "v": API_VERSION, "op": 5})):
+            s = await trio.open_unix_socket(str(path))
+            await s.send_all(raw)
+            data = b""
+            while chunk := await s.receive_some(65536):
+                data += chunk
+            await s.aclose()
+            if data:
+                reply = msgpack.unpackb(data[4:])
+                assert reply["ok"] is False and reply["error"].endswith(".")
+        reply, _ = await call(path, "ok")
+        assert reply["ok"] is True
+    trio.run(with_server(test), tmp_path)
+
+
+def test_connections_past_the_limit_are_refused_with_a_sentence(tmp_path):
+    log = []
+
+    async def test(path):
+        held = []
+        for _ in range(2):
+            s = FramedStream(await trio.open_unix_socket(str(path)))
+            await s.send(request("hold"))
+            held.append(s)
+        await trio.sleep(0.2)
+        reply, _ = await call(path, "ok")
+        assert reply["ok"] is False and "answering 2 control connections, its limit" in reply["error"]
+        for s in held:
+            await s.aclose()
+        await trio.sleep(0.2)
+        assert log == ["hold cancelled"] * 2  # a client leaving ends its operation
+        reply, _ = await call(path, "ok")
+        assert reply["ok"] is True
+    trio.run(with_server(test, ControlLimits(max_connections=2), log), tmp_path)
+
+
+def test_unfinished_request_frames_are_bounded_in_total(tmp_path):
+    async def test(path):
+        big = encode_frame({"t": "request", "v": API_VERSION, "op": "ok", "args": {"pad": b"x" * 700_000}})
+        a = await trio.open_unix_socket(str(path))
+        await a.send_all(big[:600_000])
+        await trio.sleep(0.2)
+        b = await trio.open_unix_socket(str(path))
+        with trio.move_on_after(5):
+            await b.send_all(big[:600_000])  # the server stops reading once it refused
+        data = await b.receive_some(65536)
+        reply = msgpack.unpackb(data[4:])
+        assert reply["ok"] is False and "unfinished control requests, its limit" in reply["error"]
+        await b.aclose()
+        await a.send_all(big[600_000:])
+        reply = FramedStream(a)
+        got = await reply.receive()
+        assert got["ok"] is True and len(got["result"]["echo"]["pad"]) == 700_000
+        await a.aclose()
+        big2 = encode_frame({"t": "request", "v": API_VERSION, "op": "ok", "args": {"pad": b"x" * 900_000}})
+        c = await trio.open_unix_socket(str(path))
+        try:
+            await c.send_all(big2)
+        except trio.BrokenResourceError:
+            pass  # over max_request_bytes: refused from its header, closed (and logged)
+        try:
+            assert await c.receive_some(65536) == b""
+        except trio.BrokenResourceError:
+            pass  # or reset, with the unread rest of the frame
+        await c.aclose()
+        reply, _ = await call(path, "ok")
+        assert reply["ok"] is True
+    trio.run(with_server(test, ControlLimits(max_request_bytes=800_000, max_total_request_bytes=1_000_000)), tmp_path)
+
+
+def test_a_request_that_never_finishes_times_out():
+    async def main():
+        server = ControlServer(table([]))
+        client, srv = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve_stream, srv)
+            t0 = trio.current_time()
+            await client.send_all(encode_frame({"t": "request", "v": API_VERSION, "op": "ok"})[:6])
+            data = await client.receive_some(65536)
+            assert trio.current_time() - t0 == pytest.approx(30.0)
+            assert msgpack.unpackb(data[4:])["error"] == "The control request did not arrive within 30 s."
+        assert server.held_request_bytes == 0 and server.connections == 0
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_client_that_does_not_read_its_events_has_its_operation_ended(tmp_path):
+    async def test(path):
+        s = FramedStream(await trio.open_unix_socket(str(path)))
+        await s.send(request("flood", {"n": 100_000, "pad": 10_000}))
+        await trio.sleep(1)  # not reading: the socket buffers fill, then the queue of 64 events
+        n, reply = 0, None
+        while (msg := await s.receive()) is not None:
+            if msg["t"] == "reply":
+                reply = msg
+                break
+            n += 1
+        assert reply["ok"] is False and "did not read the events of 'flood' in time (64 waiting)" in reply["error"]
+        assert n < 100_000
+        reply, events = await call(path, "flood", n=5)
+        assert reply["result"] == "done" and [e["i"] for e in events] == list(range(5))
+    trio.run(with_server(test, ControlLimits(max_queued_events=64, send_timeout_s=5.0)), tmp_path)
