@@ -11,13 +11,20 @@ A text with more than one ":" and no brackets is a bare IPv6 literal (no port).
 
 from __future__ import annotations
 
+import argparse
+
 from kafilad.errors import KafilaError
 
 Address = tuple[str, int]
 
 
-class AddressError(KafilaError, ValueError):
-    """Not a HOST:PORT; the message is a whole sentence (a ValueError too, so argparse ``type=`` can use it)."""
+class AddressError(KafilaError, ValueError, argparse.ArgumentTypeError):
+    """Not a HOST:PORT; the message is a whole sentence.
+
+    Also a ValueError and an ``argparse.ArgumentTypeError``, so ``parse_host_port`` (or a
+    ``functools.partial`` of it) serves as an argparse ``type=`` and a bad value becomes a usage
+    error carrying this sentence.
+    """
 
 
 def parse_host_port(text: str, default_port: int | None = None, *, allow_any_port: bool = False) -> Address:

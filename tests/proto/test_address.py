@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 import pytest
 from hypothesis import given
@@ -65,13 +66,16 @@ def test_stun_servers_default_to_the_stun_port():
     assert stun_client.parse_host_port("10.0.0.1:3479") == ("10.0.0.1", 3479)
 
 
-def test_argparse_type_turns_the_error_into_a_usage_error():
-    """The parser raises a ValueError, so ``type=`` turns a bad value into a usage message."""
-    p = argparse.ArgumentParser(exit_on_error=False)
-    p.add_argument("--listen", type=parse_host_port)
-    assert p.parse_args(["--listen", "127.0.0.1:7400"]).listen == ("127.0.0.1", 7400)
-    with pytest.raises(argparse.ArgumentError):
+def test_argparse_type_turns_the_error_into_a_usage_error_with_the_sentence(capsys):
+    """`kafilad rendezvous --listen HOST:PORT` (port 0: any free port) needs no wrapper of its own."""
+    p = argparse.ArgumentParser(prog="kafilad")
+    p.add_argument("--listen", type=functools.partial(parse_host_port, allow_any_port=True))
+    p.add_argument("--stun", type=parse_host_port, action="append", default=[])
+    args = p.parse_args(["--listen", "0.0.0.0:0", "--stun", "[2001:db8::1]:3478"])
+    assert args.listen == ("0.0.0.0", 0) and args.stun == [("2001:db8::1", 3478)]
+    with pytest.raises(SystemExit):
         p.parse_args(["--listen", "127.0.0.1"])
+    assert "argument --listen: '127.0.0.1' is not HOST:PORT: it names no port." in capsys.readouterr().err
 
 
 @given(host=st.from_regex(r"[a-z0-9][a-z0-9.-]{0,30}", fullmatch=True), port=st.integers(1, 65535))
