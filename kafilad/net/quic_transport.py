@@ -313,19 +313,32 @@ class QuicTransport:
             await self._readable.wait()
 
     async def aclose(self) -> None:
+        self._close_locally()
+        await trio.lowlevel.checkpoint()
+
+    def close_now(self) -> None:
+        """Close as :meth:`aclose` does and send the CONNECTION_CLOSE at once, without waiting for
+        the driver (RFC 9000 §10.2): for a scope that is ending, whose driver may never run again.
+        The peer sees a clean end of stream."""
+        self._close_locally()
+        try:
+            self._transmit()  # what the kernel buffer cannot take now is lost, as any datagram may be
+        except Exception:  # closing is best effort: the connection is gone either way
+            log.debug("quic: could not send the close to %s", self.remote, exc_info=True)
+
+    def _close_locally(self) -> None:
         if not self._local_closed:
             self._local_closed = True
             if self.closed_reason is None:
                 try:
                     self.conn.send_stream_data(self.stream_id, b"", end_stream=True)
-                except Exception:
+                except Exception:  # the stream may be closed already: the connection close follows anyway
                     pass
                 self.conn.close(error_code=0, reason_phrase="closed")
                 self.closed_reason = "closed locally"
                 self._wake.set()
         self._readable.set()
         self._writable.set()
-        await trio.lowlevel.checkpoint()
 
 
 async def quic_connect(endpoint: UdpEndpoint, remote: Address, nursery, *, timeout_s: float = 10.0,

@@ -182,10 +182,14 @@ class UdpEndpoint:
         self._by_cid[bytes(cid)] = handler
 
     def unroute(self, handler) -> None:
-        """Forget every route and expectation delivering to ``handler``."""
-        for cid in [c for c, h in self._by_cid.items() if h is handler]:
+        """Forget every route and expectation delivering to ``handler``.
+
+        Compared by equality, not identity: a bound method (``transport._on_datagram``) is a new
+        object at each access, equal to the one registered.
+        """
+        for cid in [c for c, h in self._by_cid.items() if h == handler]:
             del self._by_cid[cid]
-        for a in [a for a, h in self._expect.items() if h is handler]:
+        for a in [a for a, h in self._expect.items() if h == handler]:
             del self._expect[a]
 
     def expect_quic_client(self, addr: Address, handler: Callable[[bytes, Address], None]) -> None:
