@@ -1,4 +1,4 @@
-"""ICE-style connectivity checks (kafilad.proto.ice) against an in-memory NAT model, fake clock."""
+"""ICE-style connectivity checks (kafilad.proto.ice) against the in-memory NAT model (tests/netsim.py), fake clock."""
 
 from __future__ import annotations
 
@@ -21,41 +21,9 @@ from kafilad.proto.ice import (
     new_credentials,
 )
 from kafilad.proto.stun import decode
+from netsim import Nat
 
 STUN_SERVER = ("192.0.2.10", 3478)
-
-
-@dataclass
-class Nat:
-    """A NAT box with one public IP: "O" full cone, "C" port-restricted cone, "S" symmetric, None = no NAT."""
-
-    cls: str | None
-    public_ip: str
-    next_port: int = 40000
-    table: dict = field(default_factory=dict)
-    reverse: dict = field(default_factory=dict)
-    permits: set = field(default_factory=set)
-
-    def outbound(self, src, dst):
-        if self.cls is None:
-            return src
-        key = (src, dst) if self.cls == "S" else (src,)
-        if key not in self.table:
-            self.table[key] = self.next_port
-            self.reverse[self.next_port] = src
-            self.next_port += 7
-        port = self.table[key]
-        self.permits.add((port, None if self.cls == "O" else dst))
-        return (self.public_ip, port)
-
-    def inbound(self, src, dst):
-        if self.cls is None:
-            return dst
-        if dst[0] != self.public_ip or dst[1] not in self.reverse:
-            return None
-        if (dst[1], None if self.cls == "O" else src) not in self.permits:
-            return None
-        return self.reverse[dst[1]]
 
 
 @dataclass
