@@ -1,23 +1,25 @@
-"""Direct paths for ring edges: candidates over rendezvous signals, checks, QUIC, relay fallback (DESIGN §3 steps 3-6, §4; proto_spec 07).
+"""Direct paths for ring edges: classification, candidate offers, checks, QUIC (DESIGN §3 steps 3-6, §4; proto_spec 07).
 
-One :class:`PathManager` per session and daemon, on the daemon's one :class:`UdpEndpoint`:
+One :class:`PathManager` per session, opened by the session as an async context manager on the
+daemon's one :class:`UdpEndpoint` (proto_spec 07 §1)::
 
-1. :meth:`PathManager.classify` runs RFC 5780 discovery on that socket against the rendezvous's
-   STUN addresses (advertised in `registered` / `joined`, proto_spec 03) and keeps the report: its
-   class and RTT go into the member's capability frame, its mapped address is our srflx candidate.
-2. For each chosen ring edge only, both ends call :meth:`PathManager.direct`: each sends an
-   offer signal (proto_spec 07 §2) with fresh ICE credentials, candidates and its NAT class; when
-   both classes predict relay (C–S, S–S) both skip the checks at once; otherwise an
-   :class:`kafilad.proto.ice.IceAgent` runs (bounded, paced) and on success the edge's sender opens
-   QUIC to the verified address and the receiver accepts it. Any failure returns None and the
-   caller (kafilad/node/stagehost.py ``connect_ring``) uses the relayed circuit instead.
-3. Every outcome is kept as an :class:`EdgeRecord` (predicted and actual path, RTT, time to verify)
-   for ``status --json`` and the session trace.
-4. A relayed edge is re-probed (:meth:`PathManager.reprobe`, proto_spec 07 §7): the sender retries
-   with offers ``try`` = 1, 2, ... after a backoff doubling from ``KAFILA_REPROBE_S`` (10 s) to 5 min;
-   the receiver answers every re-probe offer it gets. A re-probe that verifies a pair and finishes
-   Noise returns the new link; ``stagehost.connect_ring`` switches the ring onto it (make before
-   break) and :meth:`PathManager.mark_upgraded` records the switch.
+    async with open_session_paths(node, rdv, session_id=sid) as paths:
+        cap = await paths.capability()            # nat_class, rendezvous_rtt_ms (§1)
+        ...  the session's events loop calls paths.on_signal(from_peer_id, body) for each Signal (§2)
+        ...  kafilad/node/edge.py forms the ring edges on it (§5) and re-probes relayed ones (§7)
+
+The manager owns one nursery: every ICE agent (checks, then keepalives on the selected pair), QUIC
+driver and re-probe of the session runs there. Leaving the block closes every QUIC connection
+the manager opened (their CONNECTION_CLOSE leaves at once, even while the session is being
+cancelled) and cancels that nursery, so nothing of the session's paths outlives it.
+
+What lives here is the machinery of one *attempt* (:meth:`PathManager.try_direct`): an offer
+exchange over rendezvous signals (§2), both classes predicting relay skips the checks at
+attempt 0, else an :class:`kafilad.proto.ice.IceAgent` runs (bounded, paced, §3) and on success
+the edge's sender opens QUIC to the verified address and the receiver accepts it (§4). The
+outcome is noted on the edge's :class:`EdgeRecord` (§6). The life of one edge (securing with
+Noise, falling back to the relay, re-probing, the make-before-break switch) is
+:class:`kafilad.node.edge.RingEdge`.
 
 Environment (read when used, so each daemon can differ):
 
@@ -33,16 +35,20 @@ Environment (read when used, so each daemon can differ):
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import logging
 import os
 import time
-from typing import Awaitable, Callable, Optional
+import weakref
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Optional
 from urllib.parse import urlparse
 
 import attrs
 import trio
 
+from kafilad.errors import collapse_groups
 from kafilad.net.quic_transport import QuicTransport, quic_accept, quic_connect
 from kafilad.net.stun_client import classify_nat, local_address_toward, parse_host_port
 from kafilad.net.udp_endpoint import UdpEndpoint
@@ -51,7 +57,8 @@ from kafilad.proto import ice
 
 log = logging.getLogger("kafilad.paths")
 
-#: How long to wait for the peer's offer signal before relaying.
+#: How long to wait for the peer's offer signal before relaying (proto_spec 07 §2); also how long
+#: a receiver holds a re-probe offer before it is stale (§7 step 2).
 OFFER_TIMEOUT_S = 5.0
 #: Bound on the QUIC handshake after a verified pair.
 QUIC_TIMEOUT_S = 8.0
@@ -60,9 +67,12 @@ CLASSIFY_TIMEOUT_S = 6.0
 #: Default first re-probe delay of a relayed edge, and the cap of its doubling (DESIGN §3 step 6).
 REPROBE_INITIAL_S = 10.0
 REPROBE_MAX_S = 300.0
+#: Offers kept in a session's inbox (the oldest are dropped beyond it).
+INBOX_OFFERS = 64
 
 
 def direct_enabled() -> bool:
+    """False when ``KAFILA_DIRECT`` is 0 / false / no: every edge relays."""
     return os.environ.get("KAFILA_DIRECT", "1") not in ("0", "false", "no")
 
 
@@ -82,22 +92,42 @@ def dropped_check_attempts() -> int:
         return 0
 
 
+class PathKind(str, enum.Enum):
+    """The path of an edge as status reports it (proto_spec 07 §6); compares equal to its string."""
+
+    PENDING = "pending"
+    DIRECT = "direct"
+    RELAYED = "relayed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @attrs.define
 class EdgeRecord:
-    """One ring edge as this daemon saw it (proto_spec 07 §5)."""
+    """One ring edge as this daemon saw it (proto_spec 07 §6), and its transitions.
 
-    src: str            # sender's name
-    dst: str            # receiver's name
-    predicted: str      # "direct" | "relayed"
-    path: str = "pending"   # "direct" | "relayed"
+    Attributes:
+        src, dst: the sender's and the receiver's names.
+        predicted: the path the two NAT classes predict (DESIGN §3 step 4).
+        path: the path the ring uses now.
+        links: every Link this edge has used, oldest first (sender side).
+        tries: the last attempt made: 0 at formation, then re-probes 1, 2, ...
+        pending: a verified re-probe's measurements, applied by :meth:`upgraded` at the switch.
+    """
+
+    src: str
+    dst: str
+    predicted: PathKind = PathKind.DIRECT
+    path: PathKind = PathKind.PENDING
     rtt_ms: Optional[float] = None
     verify_s: Optional[float] = None
     remote: Optional[str] = None
     reason: str = ""
-    links: list = attrs.field(factory=list)  # every Link this edge has used, oldest first (sender side)
-    tries: int = 0                  # the last attempt made: 0 at formation, then re-probes 1, 2, ...
+    links: list = attrs.field(factory=list)
+    tries: int = 0
     upgraded_at: Optional[float] = None   # Unix time the edge switched from relayed to direct
-    pending: Optional[dict] = None  # a verified re-probe's measurements, applied at the switch
+    pending: Optional[dict] = None
 
     @property
     def link(self):
@@ -109,8 +139,41 @@ class EdgeRecord:
         if value is not None and (not self.links or self.links[-1] is not value):
             self.links.append(value)
 
+    # ---- transitions -------------------------------------------------------------------------
+    def note_attempt(self, attempt: int, found: Optional[dict], reason: str = "") -> None:
+        """An attempt ended: verified with ``found`` measurements (QUIC up), or failed with ``reason``.
+
+        At attempt 0 a verified pair makes the record "direct" at once; a verified re-probe only
+        parks its measurements in ``pending`` until :meth:`upgraded` (proto_spec 07 §7 step 2).
+        """
+        self.tries = max(self.tries, attempt)
+        if found is None:
+            if self.path != PathKind.DIRECT:
+                self.path = PathKind.RELAYED
+            self.reason = reason
+        elif attempt == 0:
+            self.path, self.reason = PathKind.DIRECT, ""
+            self.verify_s, self.rtt_ms, self.remote = found["verify_s"], found["rtt_ms"], found["remote"]
+            log.info("ring edge %s -> %s is direct via %s (verified in %.3f s)", self.src, self.dst, self.remote,
+                     self.verify_s)
+        else:
+            self.pending = found
+
+    def relayed(self, reason: str) -> None:
+        """The edge uses (or stays on) the relayed circuit, for ``reason``."""
+        self.path, self.reason, self.pending = PathKind.RELAYED, reason, None
+
+    def upgraded(self, link=None) -> None:
+        """The ring now uses the re-probed direct path (``link`` on the sender; proto_spec 07 §7 step 3)."""
+        found, self.pending = self.pending or {}, None
+        self.verify_s, self.rtt_ms, self.remote = found.get("verify_s"), found.get("rtt_ms"), found.get("remote")
+        self.path, self.reason, self.upgraded_at = PathKind.DIRECT, "", time.time()
+        self.link = link
+        log.info("ring edge %s -> %s upgraded from relayed to direct via %s (re-probe %d)", self.src, self.dst,
+                 self.remote, self.tries)
+
     def to_json(self) -> dict:
-        out = {"from": self.src, "to": self.dst, "path": self.path, "predicted_path": self.predicted,
+        out = {"from": self.src, "to": self.dst, "path": str(self.path), "predicted_path": str(self.predicted),
                "rtt_ms": self.rtt_ms, "verify_s": self.verify_s, "tries": self.tries}
         if self.remote:
             out["remote"] = self.remote
@@ -124,28 +187,113 @@ class EdgeRecord:
         return out
 
 
+class OfferInbox:
+    """Candidate offers received over rendezvous signals (proto_spec 07 §2), matched by (edge, try) and sender."""
+
+    def __init__(self, capacity: int = INBOX_OFFERS):
+        self.capacity = capacity
+        self.offers: dict[tuple[str, int], dict] = {}
+        self._changed = trio.Event()
+
+    def store(self, from_peer: str, body, now: float) -> bool:
+        """Keep a well-formed offer, stamped with ``from`` and ``received_at`` = ``now``; False if it was dropped."""
+        if not isinstance(body, dict) or body.get("t") != "ice_offer":
+            return False
+        edge, attempt = body.get("edge"), body.get("try", 0)
+        if not isinstance(edge, str) or not isinstance(attempt, int) or isinstance(attempt, bool):
+            return False
+        if not (isinstance(body.get("ufrag"), str) and isinstance(body.get("pwd"), str)):
+            return False
+        self.offers[(edge, attempt)] = {**body, "from": from_peer, "received_at": now}
+        while len(self.offers) > self.capacity:
+            self.offers.pop(next(iter(self.offers)))
+        self._changed.set()
+        self._changed = trio.Event()
+        return True
+
+    async def wait(self, edge: str, attempt: int, peer: str, timeout_s: float) -> Optional[dict]:
+        """The offer of ``peer`` for (``edge``, ``attempt``), taken out of the inbox; None after ``timeout_s``."""
+        with trio.move_on_after(timeout_s):
+            while True:
+                offer = self.offers.pop((edge, attempt), None)
+                if offer is not None and offer["from"] == peer:
+                    return offer
+                await self._changed.wait()
+        return None
+
+    async def newest_reprobe(self, edge: str, peer: str) -> int:
+        """Wait for a re-probe offer (``try`` >= 1) of ``peer`` on ``edge``; its attempt number.
+
+        Older re-probe offers are dropped, and so is any held longer than :data:`OFFER_TIMEOUT_S`
+        (its sender stopped waiting for our answer; answering it would desynchronise the ends).
+        """
+        while True:
+            changed = self._changed
+            stale = trio.current_time() - OFFER_TIMEOUT_S
+            for key in [k for k, o in self.offers.items() if k[0] == edge and k[1] >= 1 and o["received_at"] < stale]:
+                self.offers.pop(key, None)
+            tries = [k for (e, k), o in self.offers.items() if e == edge and k >= 1 and o["from"] == peer]
+            if tries:
+                newest = max(tries)
+                for k in tries:
+                    if k != newest:
+                        self.offers.pop((edge, k), None)
+                return newest
+            with trio.move_on_after(OFFER_TIMEOUT_S):
+                await changed.wait()
+
+
 class PathManager:
-    """Direct-path machinery of one daemon in one session.
+    """Direct-path machinery of one daemon in one session (make it with :func:`open_session_paths`).
 
     Args:
         endpoint: the daemon's UDP endpoint (already serving).
-        rdv: the session's RendezvousClient (send_signal; ``stun_servers`` if advertised).
-        nursery: where QUIC drivers and agent tasks run (lives as long as the session's links).
+        rdv: the session's rendezvous client: ``peer_id``, ``session_id``, ``url``, ``stun_servers``,
+            ``send_signal(peer_id, body)``, ``open_circuit(peer_id, label)``.
+        nursery: where agents, QUIC drivers and re-probes run; it must not outlive the session.
+        inbox: offers that arrived before this manager (default: a new inbox).
+        name: this daemon's display name; static_private: its static key (Noise on ring edges).
+        session_id: the session's id (default: ``rdv.session_id`` when used).
+    Attributes:
+        edges: every EdgeRecord this daemon is an end of, by edge id (proto_spec 07 §2).
+        report: the NAT classification (a NatReport) once :meth:`classify` ran.
     """
 
-    def __init__(self, endpoint: UdpEndpoint, rdv, nursery, inbox: Optional[dict] = None):
+    def __init__(self, endpoint: UdpEndpoint, rdv, nursery, inbox: Optional[OfferInbox] = None, *,
+                 name: Optional[str] = None, static_private: Optional[bytes] = None,
+                 session_id: Optional[str] = None):
         self.endpoint = endpoint
         self.rdv = rdv
         self.nursery = nursery
+        self.name = name if name is not None else getattr(rdv, "name", "?")
+        self.static_private = static_private
+        self._session_id = session_id
         self.report = None
         self.nat_class: Optional[str] = None
         self.rendezvous_rtt_ms: Optional[float] = None
         self.edges: dict[str, EdgeRecord] = {}
-        self._inbox = inbox if inbox is not None else {"offers": {}, "event": trio.Event()}
+        self.inbox = inbox if inbox is not None else OfferInbox()
+        self.closed = False
+        self._quic: weakref.WeakSet[QuicTransport] = weakref.WeakSet()
         self._scope: Optional[trio.CancelScope] = None
 
+    @property
+    def peer_id(self) -> str:
+        return self.rdv.peer_id
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id or getattr(self.rdv, "session_id", "") or ""
+
     def close(self) -> None:
-        """Stop this session's agents and QUIC drivers."""
+        """End every path of the session now: close its QUIC connections, stop agents and re-probes.
+
+        Synchronous so it runs even while the session is being cancelled: each connection's
+        CONNECTION_CLOSE is sent before this returns (RFC 9000 §10.2), the peer sees a clean end.
+        """
+        self.closed = True
+        for t in list(self._quic):
+            t.close_now()
         if self._scope is not None:
             self._scope.cancel()
 
@@ -163,8 +311,14 @@ class PathManager:
                 log.warning("NAT classification failed: %s", e)
         return {"nat_class": self.nat_class, "rendezvous_rtt_ms": self.rendezvous_rtt_ms}
 
+    async def capability(self) -> dict:
+        """{"nat_class", "rendezvous_rtt_ms"} for the capability frame (DESIGN §3 step 3); classifies once."""
+        if self.report is None:
+            return await self.classify()
+        return {"nat_class": self.nat_class, "rendezvous_rtt_ms": self.rendezvous_rtt_ms}
+
     async def candidates(self) -> list[str]:
-        """Our candidates as SDP strings: host (toward the rendezvous) then server-reflexive."""
+        """Our candidates as SDP strings: host (toward the rendezvous) then server-reflexive (proto_spec 07 §2)."""
         port = self.endpoint.local_address[1]
         out = []
         host = urlparse(getattr(self.rdv, "url", "") or "").hostname
@@ -190,87 +344,79 @@ class PathManager:
 
     # ---- signals -------------------------------------------------------------------------------
     def on_signal(self, from_peer: str, body) -> None:
-        """Take a signal body from the rendezvous (proto_spec 07 §2); malformed ones are dropped."""
-        self.store_offer(self._inbox, from_peer, body)
+        """Take a rendezvous signal body (proto_spec 07 §2); malformed ones are dropped.
 
-    @staticmethod
-    def store_offer(inbox: dict, from_peer: str, body) -> None:
-        if not isinstance(body, dict) or body.get("t") != "ice_offer":
-            return
-        edge, attempt = body.get("edge"), body.get("try", 0)
-        if not isinstance(edge, str) or not isinstance(attempt, int):
-            return
-        if not (isinstance(body.get("ufrag"), str) and isinstance(body.get("pwd"), str)):
-            return
-        offers = inbox["offers"]
-        offers[(edge, attempt)] = {**body, "from": from_peer, "received_at": time.monotonic()}
-        while len(offers) > 64:
-            offers.pop(next(iter(offers)))
-        inbox["event"].set()
-        inbox["event"] = trio.Event()
+        The session's events loop calls this for every ``Signal`` event.
+        """
+        self.inbox.store(from_peer, body, trio.current_time())
 
-    async def _wait_offer(self, edge: str, attempt: int, peer: str, timeout_s: float) -> Optional[dict]:
-        with trio.move_on_after(timeout_s):
-            while True:
-                offer = self._inbox["offers"].pop((edge, attempt), None)
-                if offer is not None and offer["from"] == peer:
-                    return offer
-                await self._inbox["event"].wait()
-        return None
+    # ---- edges ---------------------------------------------------------------------------------
+    def edge_id(self, peer_id: str, sender: bool) -> str:
+        """``<session_id>:<sender peer id>><receiver peer id>`` (proto_spec 07 §2)."""
+        me = self.peer_id
+        return f"{self.session_id}:{me}>{peer_id}" if sender else f"{self.session_id}:{peer_id}>{me}"
 
-    # ---- one edge ------------------------------------------------------------------------------
-    async def direct(self, *, peer_id: str, peer_name: str, me_name: str, sender: bool,
+    def record(self, peer_id: str, peer_name: str, *, sender: bool, me_name: Optional[str] = None) -> EdgeRecord:
+        """The record of our edge to (``sender``) or from ``peer_id``, made on first use."""
+        edge = self.edge_id(peer_id, sender)
+        rec = self.edges.get(edge)
+        if rec is None:
+            me = me_name or self.name
+            rec = self.edges[edge] = EdgeRecord(me if sender else peer_name, peer_name if sender else me)
+        return rec
+
+    def edge_from_me(self, peer_id: str) -> Optional[EdgeRecord]:
+        return self.edges.get(self.edge_id(peer_id, True))
+
+    def edge_list(self) -> list[dict]:
+        """Every edge's status record (proto_spec 07 §6)."""
+        return [r.to_json() for r in self.edges.values()]
+
+    # ---- one attempt ---------------------------------------------------------------------------
+    async def direct(self, *, peer_id: str, peer_name: str, sender: bool, me_name: Optional[str] = None,
                      attempt: int = 0) -> Optional[QuicTransport]:
-        """Try the direct path of one ring edge; the QUIC transport, or None to relay.
+        """One direct attempt on the edge to (``sender``) or from ``peer_id``, noted on its record.
 
-        At ``attempt`` 0 the edge's record takes the outcome (path, RTT, time to verify). A
-        re-probe (``attempt`` >= 1, proto_spec 07 §7) leaves the record "relayed" and keeps the
-        measurements in ``pending`` until :meth:`mark_upgraded` says the ring switched.
+        Returns:
+            The QUIC transport over the verified path, or None (the record says why).
+        """
+        rec = self.record(peer_id, peer_name, sender=sender, me_name=me_name)
+        return await self.try_direct(rec, peer_id=peer_id, peer_name=peer_name, sender=sender, attempt=attempt)
+
+    async def try_direct(self, rec: EdgeRecord, *, peer_id: str, peer_name: str, sender: bool,
+                         attempt: int = 0) -> Optional[QuicTransport]:
+        """One offer exchange, check run and QUIC handshake on ``rec``'s edge (proto_spec 07 §2-§4).
 
         Args:
-            peer_id, peer_name: the other end of the edge.
             sender: True on the edge's sender (ICE controlling, QUIC client).
-            attempt: 0 at formation, then 1, 2, ... for re-probes (kept apart in signals).
+            attempt: 0 at formation, then 1, 2, ... for re-probes (kept apart in signals, §7).
+        Returns:
+            The QUIC transport, or None; the outcome is noted on ``rec`` (:meth:`EdgeRecord.note_attempt`).
         """
-        edge = self._edge_id(peer_id, sender)
-        rec = self.edges.get(edge) or EdgeRecord(me_name if sender else peer_name, peer_name if sender else me_name,
-                                                 predicted="direct")
-        self.edges[edge] = rec
-        rec.tries = max(rec.tries, attempt)
-        t, found = await self._attempt(rec, edge=edge, peer_id=peer_id, peer_name=peer_name, sender=sender,
-                                       attempt=attempt)
-        if t is None:
-            if rec.path != "direct":
-                rec.path = "relayed"
-            rec.reason = found["reason"]  # a re-probe's own number is in ``tries``
-            return None
-        if attempt == 0:
-            rec.path, rec.verify_s, rec.rtt_ms, rec.remote = "direct", found["verify_s"], found["rtt_ms"], found["remote"]
-            log.info("ring edge %s -> %s is direct via %s (verified in %.3f s)", rec.src, rec.dst, rec.remote,
-                     rec.verify_s)
-        else:
-            rec.pending = found
+        t, found = await self._attempt(rec, edge=self.edge_id(peer_id, sender), peer_id=peer_id,
+                                       peer_name=peer_name, sender=sender, attempt=attempt)
+        rec.note_attempt(attempt, found if t is not None else None, found.get("reason", ""))
         return t
 
     async def _attempt(self, rec: EdgeRecord, *, edge: str, peer_id: str, peer_name: str, sender: bool,
                        attempt: int) -> tuple[Optional[QuicTransport], dict]:
-        """One offer exchange, check run and QUIC handshake: (transport, measurements) or (None, {"reason"})."""
+        """(transport, measurements) or (None, {"reason"})."""
         if not direct_enabled():
             return None, {"reason": "direct paths are disabled (KAFILA_DIRECT=0)"}
         creds = ice.new_credentials()
         offer = {"t": "ice_offer", "edge": edge, "try": attempt, "ufrag": creds.ufrag, "pwd": creds.pwd,
                  "cands": await self.candidates(), "nat_class": self.nat_class}
-        t0 = time.perf_counter()
+        t0 = trio.current_time()
         try:
             await self.rdv.send_signal(peer_id, offer)
         except trio.BrokenResourceError:
             return None, {"reason": "the rendezvous connection was lost"}
-        theirs = await self._wait_offer(edge, attempt, peer_id, OFFER_TIMEOUT_S)
+        theirs = await self.inbox.wait(edge, attempt, peer_id, OFFER_TIMEOUT_S)
         if theirs is None:
             return None, {"reason": f"no candidate offer from {peer_name} within {OFFER_TIMEOUT_S:g} s"}
         their_class = theirs.get("nat_class") if theirs.get("nat_class") in ("O", "C", "S") else None
-        rec.predicted = predict_path(self.nat_class, their_class)
-        if rec.predicted == "relayed" and attempt == 0:
+        rec.predicted = PathKind(predict_path(self.nat_class, their_class))
+        if rec.predicted == PathKind.RELAYED and attempt == 0:
             return None, {"reason": f"predicted relay ({self.nat_class}-{their_class})"}
         agent = ice.IceAgent(controlling=sender, local=creds, remote=ice.Credentials(theirs["ufrag"], theirs["pwd"]),
                              remote_candidates=ice.candidates_from_sdp(theirs.get("cands")),
@@ -278,7 +424,7 @@ class PathManager:
         result = await self._run_checks(agent, rec, deaf=attempt < dropped_check_attempts())
         if not isinstance(result, ice.PathVerified):
             return None, {"reason": result.reason if result else "the checks stopped"}
-        found = {"verify_s": time.perf_counter() - t0, "rtt_ms": result.rtt_ms,
+        found = {"verify_s": trio.current_time() - t0, "rtt_ms": result.rtt_ms,
                  "remote": f"{result.remote[0]}:{result.remote[1]}"}
         try:
             if sender:
@@ -287,10 +433,16 @@ class PathManager:
                 t = await quic_accept(self.endpoint, result.remote, self.nursery, timeout_s=QUIC_TIMEOUT_S)
         except trio.BrokenResourceError as e:
             return None, {"reason": f"QUIC did not connect over the verified path: {e}"}
+        self._quic.add(t)
+        if self.closed:  # the session ended while QUIC connected
+            t.close_now()
+            return None, {"reason": "the session ended"}
         return t, found
 
     async def _run_checks(self, agent: ice.IceAgent, rec: EdgeRecord, *, deaf: bool = False):
-        """Drive ``agent`` until it selects a pair or fails; keep it alive afterwards in the nursery.
+        """Drive ``agent`` until it selects a pair or fails; it keeps running in the nursery afterwards
+        (answering checks, keepalives every 15 s, proto_spec 07 §3) until the path is lost or the
+        session's paths close.
 
         ``deaf`` (the ``KAFILA_TEST_DROP_CHECKS`` hook) leaves the agent unregistered with the
         endpoint: its checks go out but nothing addressed to it is delivered, so it fails after
@@ -339,107 +491,57 @@ class PathManager:
                     self.endpoint.remove_stun_handler(on_stun)
                 settled.set()
 
-        self.nursery.start_soon(drive)  # keeps answering checks and sending keepalives after selection
+        self.nursery.start_soon(drive)
         await settled.wait()
         return outcome.get("ev")
 
-    # ---- upgrade of a relayed edge (proto_spec 07 §7) -------------------------------------------
-    async def reprobe(self, *, peer_id: str, peer_name: str, me_name: str, sender: bool,
-                      secure: Callable[[QuicTransport], Awaitable[Optional[object]]]):
-        """Re-probe a relayed edge until a direct path verifies and ``secure`` makes a link over it.
-
-        The sender makes attempts ``try`` = 1, 2, ... after a backoff doubling from
-        :func:`reprobe_initial_s` to :data:`REPROBE_MAX_S` (DESIGN §3 step 6); the receiver answers
-        the newest re-probe offer it has from the sender, whenever one arrives.
-
-        Args:
-            secure: runs Noise over the new QUIC transport; returns the Link, or None (then the
-                attempt counts as failed and the edge stays relayed).
-        Returns:
-            The new Link (the record stays "relayed" until :meth:`mark_upgraded`).
-        """
-        edge = self._edge_id(peer_id, sender)
-        delay_s = reprobe_initial_s()
-        attempt = 0
-        while True:
-            if sender:
-                await trio.sleep(delay_s)
-                attempt += 1
-                delay_s = min(max(delay_s, 0.5) * 2, REPROBE_MAX_S)
-            else:
-                attempt = await self._wait_reprobe(edge, peer_id)
-            t = await self.direct(peer_id=peer_id, peer_name=peer_name, me_name=me_name, sender=sender,
-                                  attempt=attempt)
-            if t is None:
-                continue
-            link = await secure(t)
-            if link is not None:
-                return link
-            rec = self.edges.get(edge)
-            if rec is not None:
-                rec.pending = None
-
-    async def _wait_reprobe(self, edge: str, peer: str) -> int:
-        """The newest re-probe attempt (``try`` >= 1) offered by ``peer`` on ``edge``; older ones are dropped.
-
-        An offer older than :data:`OFFER_TIMEOUT_S` is stale (its sender stopped waiting for our
-        answer), so it is dropped too: answering it would only desynchronise the two ends.
-        """
-        while True:
-            event = self._inbox["event"]
-            offers = self._inbox["offers"]
-            stale = time.monotonic() - OFFER_TIMEOUT_S
-            for key in [(e, k) for (e, k), o in offers.items() if e == edge and k >= 1 and o["received_at"] < stale]:
-                offers.pop(key, None)
-            tries = [k for (e, k), o in offers.items() if e == edge and k >= 1 and o["from"] == peer]
-            if tries:
-                newest = max(tries)
-                for k in tries:
-                    if k != newest:
-                        self._inbox["offers"].pop((edge, k), None)
-                return newest
-            with trio.move_on_after(OFFER_TIMEOUT_S):
-                await event.wait()
-
-    def mark_upgraded(self, peer_id: str, sender: bool, link=None) -> Optional[EdgeRecord]:
-        """Record that the ring now uses the direct path of this edge (``link`` on the sender)."""
-        rec = self.edges.get(self._edge_id(peer_id, sender))
-        if rec is None:
-            return None
-        found, rec.pending = rec.pending or {}, None
-        rec.verify_s, rec.rtt_ms, rec.remote = found.get("verify_s"), found.get("rtt_ms"), found.get("remote")
-        rec.path, rec.reason, rec.upgraded_at = "direct", "", time.time()
-        if link is not None:
-            rec.link = link
-        log.info("ring edge %s -> %s upgraded from relayed to direct via %s (re-probe %d)", rec.src, rec.dst,
-                 rec.remote, rec.tries)
-        return rec
-
-    def _edge_id(self, peer_id: str, sender: bool) -> str:
-        me, sid = self.rdv.peer_id, getattr(self.rdv, "session_id", "") or ""
-        return f"{sid}:{me}>{peer_id}" if sender else f"{sid}:{peer_id}>{me}"
-
-    def edge_from_me(self, peer_id: str) -> Optional[EdgeRecord]:
-        return self.edges.get(self._edge_id(peer_id, True))
-
-    def mark_relayed(self, peer_id: str, sender: bool, reason: str) -> None:
-        rec = self.edges.get(self._edge_id(peer_id, sender))
-        if rec is not None:
-            rec.path, rec.reason = "relayed", reason
-
-    def edge_list(self) -> list[dict]:
-        return [r.to_json() for r in self.edges.values()]
+    async def wait_reprobe(self, *, peer_id: str) -> int:
+        """Receiver: the newest re-probe attempt (``try`` >= 1) ``peer_id`` offered on its edge to us (§7)."""
+        return await self.inbox.newest_reprobe(self.edge_id(peer_id, False), peer_id)
 
 
-# ---- per-daemon endpoint, per-session manager ---------------------------------------------------
+@asynccontextmanager
+async def open_session_paths(node, rdv, *, session_id: Optional[str] = None,
+                             endpoint: Optional[UdpEndpoint] = None,
+                             inbox: Optional[OfferInbox] = None) -> AsyncIterator[PathManager]:
+    """The session's PathManager for the duration of the block; on exit every path of it ends.
+
+    Args:
+        node: the daemon (``name``, ``static_private``; and ``nursery`` to serve its UDP endpoint
+            on first use when ``endpoint`` is not given).
+        rdv: the session's rendezvous client.
+        session_id: the session id (default: ``rdv.session_id`` when an edge is made).
+        endpoint: the daemon's UDP endpoint, serving (default: :func:`endpoint_of` ``node``).
+        inbox: offers received before the block (default: a new inbox).
+    Yields:
+        The PathManager. Its nursery holds every agent, QUIC driver and re-probe of the session;
+        leaving the block closes its QUIC connections at once and cancels that nursery.
+    """
+    ep = endpoint if endpoint is not None else await endpoint_of(node)
+    with collapse_groups():
+        async with trio.open_nursery() as nursery:
+            pm = PathManager(ep, rdv, nursery, inbox, name=getattr(node, "name", None),
+                             static_private=getattr(node, "static_private", None), session_id=session_id)
+            pm._scope = nursery.cancel_scope
+            try:
+                yield pm
+            finally:
+                pm.close()
+
+
+# ---- the daemon's one UDP endpoint (proto_spec 07 §1) ------------------------------------------
+
+_ENDPOINTS: "weakref.WeakKeyDictionary[object, UdpEndpoint]" = weakref.WeakKeyDictionary()
+
 
 async def endpoint_of(node) -> UdpEndpoint:
-    """The daemon's one UDP endpoint, bound on first use and served in the node's root nursery."""
-    ep = getattr(node, "_kafila_udp", None)
+    """The daemon's one UDP endpoint, bound on first use (``KAFILA_UDP_BIND``) and served in the
+    node's root nursery for the daemon's lifetime (proto_spec 07 §1)."""
+    ep = _ENDPOINTS.get(node)
     if ep is None:
         host, port = bind_address(os.environ.get("KAFILA_UDP_BIND", ""))
         ep = await UdpEndpoint.bind(host, port)
-        node._kafila_udp = ep
+        _ENDPOINTS[node] = ep
         await node.nursery.start(ep.serve)
     return ep
 
@@ -453,47 +555,3 @@ def bind_address(spec: str) -> tuple[str, int]:
         host, port = parse_host_port(spec)
         return host, int(port)
     return spec, 0
-
-
-def _inbox(node) -> dict:
-    box = getattr(node, "_kafila_offers", None)
-    if box is None:
-        box = node._kafila_offers = {"offers": {}, "event": trio.Event()}
-    return box
-
-
-def deliver_signal(node, from_peer: str, body) -> None:
-    """Route a rendezvous Signal to the path machinery (call from the session's events loop).
-
-    Offers may arrive before this daemon's PathManager exists, so they wait in a per-daemon inbox.
-    """
-    pm = getattr(node, "_kafila_paths", None)
-    if pm is not None:
-        pm.on_signal(from_peer, body)
-        return
-    PathManager.store_offer(_inbox(node), from_peer, body)
-
-
-async def paths_of(node, rdv) -> PathManager:
-    """This session's PathManager (made on first use; a new rendezvous connection gets a new one).
-
-    Its tasks (check agents, QUIC drivers) run in a nursery under the node's root nursery; the
-    previous session's manager is closed when a new one is made.
-    """
-    pm = getattr(node, "_kafila_paths", None)
-    if pm is None or pm.rdv is not rdv:
-        if pm is not None:
-            pm.close()
-        ep = await endpoint_of(node)
-        holder = await node.nursery.start(_hold)
-        pm = PathManager(ep, rdv, holder[0], inbox=_inbox(node))
-        pm._scope = holder[1]
-        node._kafila_paths = pm
-    return pm
-
-
-async def _hold(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    with trio.CancelScope() as scope:
-        async with trio.open_nursery() as nursery:
-            task_status.started((nursery, scope))
-            await trio.sleep_forever()

@@ -7,7 +7,7 @@ import trio
 from trio.testing import trio_test
 
 from kafilad.net.udp_endpoint import UdpEndpoint
-from kafilad.node.paths import PathManager
+from kafilad.node.paths import OfferInbox, PathManager
 from kafilad.node.rdv_client import Signal, open_rendezvous
 from kafilad.proto.identity import peer_id as peer_id_of  # [rdv-proof]
 from kafilad.proto.rendezvous_proof import public_key  # [rdv-proof]
@@ -98,14 +98,15 @@ async def test_disabled_direct_paths_and_a_silent_peer_fall_back_to_relay(monkey
 
 
 def test_malformed_offers_are_dropped():
-    inbox = {"offers": {}, "event": trio.Event()}
+    inbox = OfferInbox()
     for body in (None, 7, {"t": "other"}, {"t": "ice_offer"}, {"t": "ice_offer", "edge": 1, "ufrag": "a", "pwd": "b"},
                  {"t": "ice_offer", "edge": "e", "try": "x", "ufrag": "a", "pwd": "b"},
                  {"t": "ice_offer", "edge": "e", "ufrag": 3, "pwd": "b"}):
-        PathManager.store_offer(inbox, "p", body)
-    assert inbox["offers"] == {}
-    PathManager.store_offer(inbox, "p", {"t": "ice_offer", "edge": "e", "ufrag": "abcd", "pwd": "x" * 22})
-    assert list(inbox["offers"]) == [("e", 0)] and inbox["offers"][("e", 0)]["from"] == "p"
+        assert inbox.store("p", body, now=0.0) is False
+    assert inbox.offers == {}
+    assert inbox.store("p", {"t": "ice_offer", "edge": "e", "ufrag": "abcd", "pwd": "x" * 22}, now=1.5)
+    assert list(inbox.offers) == [("e", 0)] and inbox.offers[("e", 0)]["from"] == "p"
+    assert inbox.offers[("e", 0)]["received_at"] == 1.5
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -1,0 +1,311 @@
+"""RingEdge and the session's path manager over the in-memory NAT network (tests/netsim.py), mock clock.
+
+Real parts: the RFC 5780 classifier against STUN responders, ICE agents, QUIC (aioquic), Noise XX,
+the UDP demultiplexer, RingMember's reading of a switched edge. Simulated: the wire (NAT boxes,
+10 ms one way) and the rendezvous (signals, relayed circuits as memory streams). Time is
+``MockClock(autojump_threshold=0)``: the 5 s check timeouts and re-probe backoffs pass instantly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Optional
+
+import pytest
+import trio
+from trio.testing import MockClock, trio_test
+
+from kafilad.errors import HandshakeRefused, SessionError
+from kafilad.node import stagehost
+from kafilad.node.edge import RingEdge, form_ring
+from kafilad.node.link import LinkClosed
+from kafilad.node.paths import PathKind, PathManager, open_session_paths
+from kafilad.node.ring import RingMember
+from kafilad.proto.identity import peer_id as peer_id_of
+from kafilad.proto.rendezvous_proof import public_key
+from netsim import STUN_GRID, MemoryRendezvous, MemoryRendezvousClient, SimEndpoint, SimNet
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture
+def clock():
+    return MockClock(autojump_threshold=0)
+
+
+@dataclass
+class Peer:
+    name: str
+    key: bytes
+    endpoint: SimEndpoint
+    rdv: MemoryRendezvousClient
+    paths: Optional[PathManager] = None
+    leave: trio.Event = field(default_factory=trio.Event)
+    left: trio.Event = field(default_factory=trio.Event)
+    left_at_s: Optional[float] = None
+
+    @property
+    def public(self) -> bytes:
+        return public_key(self.key)
+
+    @property
+    def peer_id(self) -> str:
+        return peer_id_of(self.public)
+
+
+async def _hold_paths(peer: Peer, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A session's paths: open until ``peer.leave``; signals routed to them as the events loop does."""
+    node = SimpleNamespace(name=peer.name, static_private=peer.key)
+    async with open_session_paths(node, peer.rdv, endpoint=peer.endpoint) as pm:
+        peer.rdv.on_signal = pm.on_signal
+        peer.paths = pm
+        task_status.started(pm)
+        await peer.leave.wait()
+        peer.left_at_s = trio.current_time()
+    peer.left.set()
+
+
+async def _world(nursery, classes: dict, *, drop=None, classify=True):
+    """Hosts behind NATs of ``classes`` ({name: "O" | "C" | "S"}), each with its session's paths open."""
+    net = SimNet(drop=drop)
+    await nursery.start(net.run)
+    hub = MemoryRendezvous(stun_servers=net.stun_servers())
+    await nursery.start(hub.run)
+    peers = {}
+    for i, (name, cls) in enumerate(classes.items()):
+        key = bytes([i + 1]) * 32
+        pid = peer_id_of(public_key(key))
+        peer = peers[name] = Peer(name, key, net.host(name, cls, public_ip=f"203.0.113.{i + 1}"), hub.client(pid, name))
+        await nursery.start(_hold_paths, peer)
+        if classify:
+            assert (await peer.paths.capability())["nat_class"] == cls
+    roster = {p.peer_id: {"name": p.name, "public_key": p.public} for p in peers.values()}
+    return net, hub, peers, roster
+
+
+def _edge_pair(a: Peer, b: Peer, roster: dict) -> tuple[RingEdge, RingEdge]:
+    return (RingEdge(a.paths, peer_id=b.peer_id, roster=roster, sender=True, session_id="s1"),
+            RingEdge(b.paths, peer_id=a.peer_id, roster=roster, sender=False, session_id="s1", incoming=b.rdv.incoming))
+
+
+async def _form(*edges: RingEdge, delays_s: tuple = ()) -> None:
+    async def one(e, delay_s):
+        await trio.sleep(delay_s)
+        await e.form()
+    async with trio.open_nursery() as n:
+        for i, e in enumerate(edges):
+            n.start_soon(one, e, delays_s[i] if i < len(delays_s) else 0)
+
+
+async def _check_frames(out: RingEdge, into: RingEdge, text: str) -> None:
+    await out.link.send({"t": "probe", "text": text})
+    assert await into.link.receive() == {"t": "probe", "text": text}
+
+
+def _host_checks(net: SimNet, host: str) -> list:
+    """STUN datagrams ``host`` sent to anything but the STUN servers: connectivity checks."""
+    return [s for s in net.sent_by(host, kind="stun") if s.dst not in STUN_GRID]
+
+
+def _drop_checks(on: dict):
+    """A firewall that drops host-to-host STUN (the checks) while ``on["checks"]``."""
+    def drop(data, src, dst):
+        return on["checks"] and data[:1] < b"\x04" and dst not in STUN_GRID and src not in STUN_GRID
+    return drop
+
+
+@trio_test
+async def test_an_open_to_open_edge_goes_direct_over_quic(clock):
+    async with trio.open_nursery() as nursery:
+        net, hub, p, roster = await _world(nursery, {"a": "O", "b": "O"})
+        out, into = _edge_pair(p["a"], p["b"], roster)
+        t0 = trio.current_time()
+        await _form(out, into, delays_s=(0.0, 1.0))  # b's edge starts late: a's offer waits in b's inbox
+        assert trio.current_time() - t0 < 1.5
+        rec = out.record.to_json()
+        assert rec["path"] == rec["predicted_path"] == "direct" and rec["tries"] == 0 and "reason" not in rec
+        mapped_b = p["b"].endpoint.nat.table[(p["b"].endpoint.local,)]
+        assert rec["remote"] == f"203.0.113.2:{mapped_b}"
+        assert rec["rtt_ms"] == pytest.approx(20.0) and 0 < rec["verify_s"] < 1.5
+        assert into.record.path == PathKind.DIRECT and into.record.src == "a" and into.record.dst == "b"
+        await _check_frames(out, into, "over quic")
+        assert net.sent_by("a", kind="quic") and hub.clients[p["a"].peer_id].circuits == []
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_cone_to_symmetric_edge_relays_by_prediction_without_checks(clock):
+    async with trio.open_nursery() as nursery:
+        net, hub, p, roster = await _world(nursery, {"c": "C", "s": "S"})
+        out, into = _edge_pair(p["c"], p["s"], roster)
+        t0 = trio.current_time()
+        await _form(out, into)
+        assert trio.current_time() - t0 < 0.5  # no check timeout waited
+        for e in (out, into):
+            assert e.record.path == e.record.predicted == PathKind.RELAYED
+        assert out.record.reason == "predicted relay (C-S)" and into.record.reason == "predicted relay (S-C)"
+        assert _host_checks(net, "c") == [] and _host_checks(net, "s") == []
+        await _check_frames(out, into, "over the relay")
+        assert len(hub.clients[p["c"].peer_id].circuits) == 1
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_direct_path_whose_checks_are_all_dropped_falls_back_to_the_relay(clock):
+    async with trio.open_nursery() as nursery:
+        net, hub, p, roster = await _world(nursery, {"a": "O", "b": "C"}, drop=_drop_checks({"checks": True}))
+        out, into = _edge_pair(p["a"], p["b"], roster)
+        t0 = trio.current_time()
+        await _form(out, into)
+        assert 5.0 <= trio.current_time() - t0 < 5.5  # the check timeout, then the relay at once
+        for e in (out, into):
+            assert e.record.path == PathKind.RELAYED and e.record.predicted == PathKind.DIRECT
+            assert e.record.reason.startswith("no direct path answered within 5 s"), e.record.reason
+        assert len(_host_checks(net, "a")) >= 50  # paced checks went out; none came back
+        await _check_frames(out, into, "relayed after the checks failed")
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_noise_that_does_not_finish_over_quic_falls_back_to_the_relay(clock):
+    def drop_quic_data(data, src, dst):  # the QUIC handshake (long headers) passes; 1-RTT packets are lost
+        return 64 <= data[0] <= 127
+    async with trio.open_nursery() as nursery:
+        net, hub, p, roster = await _world(nursery, {"a": "O", "b": "O"}, drop=drop_quic_data)
+        out, into = _edge_pair(p["a"], p["b"], roster)
+        t0 = trio.current_time()
+        await _form(out, into)
+        assert 10.0 <= trio.current_time() - t0 < 11.0  # DIRECT_NOISE_TIMEOUT_S, then the relay
+        for e in (out, into):
+            assert e.record.path == PathKind.RELAYED
+            assert e.record.reason.startswith("Noise over the direct path failed: the Noise handshake on the ring "
+                                              "link did not finish within 10 s"), e.record.reason
+        await _check_frames(out, into, "relayed after Noise timed out")
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_relayed_edge_is_reprobed_and_upgraded_make_before_break(clock, monkeypatch):
+    monkeypatch.setenv("KAFILA_REPROBE_S", "2")
+    firewall = {"checks": True}
+    async with trio.open_nursery() as nursery:
+        net, hub, p, roster = await _world(nursery, {"a": "O", "b": "C"}, drop=_drop_checks(firewall))
+        out, into = _edge_pair(p["a"], p["b"], roster)
+        await _form(out, into)
+        relay_out, relay_in = out.link, into.link
+        assert out.record.path == into.record.path == PathKind.RELAYED
+        firewall["checks"] = False  # the NAT state changed: a re-probe can now succeed
+
+        sender = RingMember(peer_id=p["a"].peer_id, name="a", runner=None, mlx_lock=trio.Lock(), head=True)
+        receiver = RingMember(peer_id=p["b"].peer_id, name="b", runner=None, mlx_lock=trio.Lock(), head=False)
+        sender.next_link = relay_out
+        nursery.start_soon(receiver.feed_from, relay_in)  # as stagehost.attach_ring does
+        reports = []
+        assert out.start_upgrades(sender, lambda: reports.append("a"))
+        assert into.start_upgrades(receiver, lambda: reports.append("b"))
+
+        got = []
+
+        async def consume():  # what RingMember.run reads: the inbox both links feed
+            async for frame in receiver._inbox_recv:
+                got.append(frame["seq"])
+        nursery.start_soon(consume)
+        switched_at = None
+        for seq in range(60):  # a frame every 0.1 s across the switch, as RingMember._send_next sends
+            await sender.next_link.send({"t": "act", "seq": seq})
+            if switched_at is None and sender.next_link is not relay_out:
+                switched_at = seq
+            await trio.sleep(0.1)
+        await trio.sleep(1)
+
+        assert switched_at is not None and 10 < switched_at < 50, switched_at
+        assert got == list(range(60))  # every frame once, in order, across the switch
+        assert not receiver.broken
+        for e in (out, into):
+            rec = e.record.to_json()
+            assert rec["path"] == "direct" and rec["upgraded_from"] == "relayed" and rec["tries"] >= 1, rec
+            assert "reason" not in rec and rec["rtt_ms"] == pytest.approx(20.0)
+        assert out.record.links == [relay_out, out.link] and out.link is sender.next_link
+        assert relay_out.bytes_sent > 0 and out.link.bytes_sent > 0
+        assert relay_out.closed_reason is not None and relay_in.closed_reason is not None  # drained, closed
+        assert sorted(reports) == ["a", "b"]
+        assert not receiver.broken
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_ring_forms_per_prediction_and_closing_a_session_ends_its_paths(clock, monkeypatch):
+    monkeypatch.setenv("KAFILA_REPROBE_S", "1")
+    async with trio.open_nursery() as nursery:
+        net, hub, p, roster = await _world(nursery, {"a": "O", "b": "C", "c": "S"})
+        ring = [p[n].peer_id for n in "abc"]
+        members = {n: RingMember(peer_id=p[n].peer_id, name=n, runner=None, mlx_lock=trio.Lock(), head=n == "a")
+                   for n in "abc"}
+        links = {}
+
+        async def connect(n):
+            links[n] = await stagehost.connect_ring(paths=p[n].paths, session_id="s1", ring=ring, roster=roster,
+                                                    incoming=p[n].rdv.incoming, member=members[n])
+        async with trio.open_nursery() as n:
+            for name in "abc":
+                n.start_soon(connect, name)
+        edges = {(e["from"], e["to"]): (e["path"], e["predicted_path"]) for e in p["b"].paths.edge_list()}
+        assert edges == {("b", "c"): ("relayed", "relayed"), ("a", "b"): ("direct", "direct")}
+        assert [e["path"] for e in stagehost.edges_of(p["c"].paths)] == ["direct", "relayed"]  # c -> a, b -> c
+        assert members["a"].next_link is links["a"][0]
+
+        await trio.sleep(8)  # b re-probes its relayed edge to c (C-S: the checks fail, 5 s each)
+        assert p["b"].paths.edge_from_me(p["c"].peer_id).tries >= 1
+        b_ep = p["b"].endpoint
+        p["b"].leave.set()
+        await p["b"].left.wait()
+        assert trio.current_time() == p["b"].left_at_s  # the scope ended at once: nothing waited
+        await trio.sleep(0.5)
+        with pytest.raises(LinkClosed, match=r"ended \(error 0: closed\)"):  # b's CONNECTION_CLOSE reached a
+            await links["a"][0].send({"t": "act"})
+        await trio.sleep(120)  # well past keepalive (15 s), PING (15 s) and re-probe periods
+
+        assert net.sent_by("b", after_s=p["b"].left_at_s) == []
+        assert b_ep._stun_handlers == [] and b_ep._by_cid == {}  # no agent, no QUIC connection routed
+        assert not [s for s in hub.clients[p["b"].peer_id].signals if s[0] > p["b"].left_at_s]
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_key_not_in_the_roster_is_refused_on_the_direct_path_not_relayed(clock):
+    async with trio.open_nursery() as nursery:
+        net, hub, p, roster = await _world(nursery, {"a": "O", "b": "O"})
+        wrong = {**roster, p["b"].peer_id: {"name": "b", "public_key": public_key(b"\x09" * 32)}}
+        out = RingEdge(p["a"].paths, peer_id=p["b"].peer_id, roster=wrong, sender=True, session_id="s1")
+        into = RingEdge(p["b"].paths, peer_id=p["a"].peer_id, roster=roster, sender=False, session_id="s1",
+                        incoming=p["b"].rdv.incoming)
+        nursery.start_soon(into.form)
+        with pytest.raises(HandshakeRefused, match="ring neighbour b presented a key not in the session roster"):
+            await out.form()
+        assert out.record.path == PathKind.DIRECT  # verified, then refused: no fallback
+        assert hub.clients[p["a"].peer_id].circuits == []
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_form_ring_names_a_refused_edge_and_a_lone_member_has_none(clock):
+    async with trio.open_nursery() as nursery:
+        net, hub, p, roster = await _world(nursery, {"a": "O", "b": "O"})
+        assert await form_ring(p["a"].paths, session_id="s1", ring=[p["a"].peer_id], roster=roster,
+                               incoming=p["a"].rdv.incoming) == (None, None)
+        wrong = {**roster, p["b"].peer_id: {"name": "b", "public_key": public_key(b"\x09" * 32)}}
+        ring = [p["a"].peer_id, p["b"].peer_id]
+        b_failed = trio.Event()
+
+        async def b_side():  # b's key is refused by a on both edges: b's formation fails too
+            with pytest.raises(SessionError, match="^ring edge refused: "):
+                await form_ring(p["b"].paths, session_id="s1", ring=ring, roster=roster, incoming=p["b"].rdv.incoming)
+            b_failed.set()
+        nursery.start_soon(b_side)
+        with pytest.raises(SessionError, match="^ring edge refused: ring neighbour b presented a key not in"):
+            await form_ring(p["a"].paths, session_id="s1", ring=ring, roster=wrong, incoming=p["a"].rdv.incoming)
+        with trio.fail_after(30):
+            await b_failed.wait()
+        assert all(c.circuits == [] for c in hub.clients.values())  # refused keys never fall back to the relay
+        nursery.cancel_scope.cancel()
