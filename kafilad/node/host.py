@@ -79,6 +79,8 @@ class HostSession:
         self.trace = None
         self.rdv = None
         self._t0 = time.perf_counter()
+        self._stage_scope: Optional[trio.CancelScope] = None
+        self._stage_links: tuple = ()
 
     # ---- the machine's view ----------------------------------------------------------------
     @property
@@ -158,7 +160,8 @@ class HostSession:
         elif isinstance(a, sm.MakePlan):
             self.nursery.start_soon(self._make_plan, a.order)
         elif isinstance(a, sm.DistributePlan):
-            self.nursery.start_soon(self._distribute, a.planned)
+            await self._drop_stage()
+            self.nursery.start_soon(self._distribute, a.planned, a.epoch)
         elif isinstance(a, sm.FailRequests):
             self._fail_requests(a.reason, a.member)
         elif isinstance(a, sm.Trace):
@@ -373,7 +376,17 @@ class HostSession:
         await self._handle(sm.Planned(plan=plan.to_json(), blocks=dict(plan.blocks), head=plan.head,
                                       order=tuple(plan.order)))
 
-    async def _distribute(self, planned: sm.Planned) -> None:
+    async def _drop_stage(self) -> None:
+        """End the host's stage of an earlier plan: its ring tasks and both of its ring links."""
+        if self._stage_scope is not None:
+            self._stage_scope.cancel()
+            self._stage_scope = None
+        for link in self._stage_links:
+            if link is not None:
+                await link.close("the session replanned")
+        self._stage_links = ()
+
+    async def _distribute(self, planned: sm.Planned, epoch: int) -> None:
         """Send each remote member its share (proto_spec 05 §2 `plan`), then load our own stage."""
         roster = {e.peer_id: {"name": e.name, "public_key": e.public_key} for e in self.members.values()}
         for pid in self.ring_order:
@@ -386,15 +399,21 @@ class HostSession:
             files = await trio.to_thread.run_sync(self.files.file_table) if head else []
             await self._perform(sm.Send(pid, cf.PlanFrame(plan=planned.plan, ring=list(self.ring_order),
                                                           roster=roster, start=start, end=end, head=head,
-                                                          tensors=tensors, files=files)))
-        try:
-            await self._load_own(roster)
-        except KafilaError as e:
-            log.warning("the host's own stage did not join the ring: %s", e)
-            if self.state == sm.HostState.LOADING:
-                await self._handle(sm.RingFailed(None, str(e)))
+                                                          tensors=tensors, files=files, epoch=epoch)))
+        self.nursery.start_soon(self._run_stage, roster, epoch)
 
-    async def _load_own(self, roster: dict) -> None:
+    async def _run_stage(self, roster: dict, epoch: int) -> None:
+        """The host's stage of plan `epoch`, in its own cancel scope (a replan ends it)."""
+        with trio.CancelScope() as scope:
+            self._stage_scope = scope
+            try:
+                async with trio.open_nursery() as stage_nursery:
+                    await self._load_own(roster, epoch, stage_nursery)
+            except KafilaError as e:
+                log.warning("the host's own stage did not join the ring: %s", e)
+                await self._handle(sm.RingFailed(None, str(e), epoch))
+
+    async def _load_own(self, roster: dict, epoch: int, stage_nursery) -> None:
         t0 = time.perf_counter()
         me = self.members[self.node.peer_id]
         start, end = self.machine.planned.blocks[me.name]
@@ -408,15 +427,19 @@ class HostSession:
 
         async with self.node.mlx_lock:
             stage, tok = await run_on_mlx_thread(build)
+        if epoch != self.machine.epoch:
+            return  # replanned while building
         self.ring = stagehost.make_ring_member(self.node, stage=stage, head=head, tokenizer=tok)
+        self.ring.epoch = epoch
         nxt, prv = await stagehost.connect_ring(node=self.node, rdv=self.rdv, session_id=self.session_id,
                                                 ring=self.ring_order, roster=roster, incoming=self._ring_incoming,
                                                 member=self.ring, on_edges=self._own_edges_changed)
-        stagehost.attach_ring(self.ring, nursery=self.nursery, me=self.node.peer_id, ring_order=self.ring_order,
+        self._stage_links = (nxt, prv)
+        stagehost.attach_ring(self.ring, nursery=stage_nursery, me=self.node.peer_id, ring_order=self.ring_order,
                               names={pid: e.name for pid, e in self.members.items()}, next_link=nxt, prev_link=prv,
                               watch=self._watch_ring)
         await self._handle(sm.OwnStageLoaded({"fetched_bytes": 0, "cached_bytes": 0,
-                                              "load_s": time.perf_counter() - t0}))
+                                              "load_s": time.perf_counter() - t0}, epoch))
 
     async def _own_edges_changed(self) -> None:
         self._write_trace("edges", edges=stagehost.session_edges(self), cause="upgrade", reporter=self.node.name)
@@ -424,7 +447,7 @@ class HostSession:
 
     async def _watch_ring(self, ring) -> None:
         await ring.broken_event.wait()
-        await self._handle(sm.RingFailed(ring.broken_member, ring.broken))
+        await self._handle(sm.RingFailed(ring.broken_member, ring.broken, getattr(ring, "epoch", None)))
 
     # ---- generation ---------------------------------------------------------------------------
     async def generate(self, prompt: str, *, max_tokens: int, temperature: float, emit) -> dict:
@@ -537,6 +560,12 @@ class HostSession:
                             "progress": "loading" if self.state == "loading" and not r.ready else None,
                             "capability": r.capability,
                             "nat_class": (r.capability or {}).get("nat_class")})
+        for r in self.machine.lost.values():
+            if r.peer_id not in self.members:
+                members.append({"name": r.name, "peer_id": r.peer_id, "blocks": None, "head": False,
+                                "predicted_stage_s": None, "measured_stage_s": None, "ready": False, "lost": r.lost,
+                                "control": "down", "progress": None, "capability": r.capability,
+                                "nat_class": (r.capability or {}).get("nat_class")})
         return {"role": "host", "session_id": self.session_id, "code": self.code, "state": self.state.value,
                 "error": self.error, "model_id": self.info.model_id, "expected_members": self.expected,
                 "rendezvous": "lost" if self.rendezvous_lost else ("connected" if self.rdv else None),

@@ -48,6 +48,8 @@ class MemberSession:
         self.fetcher: Optional[Fetcher] = None
         self.rdv = None
         self._admitted = trio.Event()
+        self._stage_scope: Optional[trio.CancelScope] = None
+        self._stage_links: tuple = ()
 
     # ---- the machine's view ----------------------------------------------------------------
     @property
@@ -86,7 +88,8 @@ class MemberSession:
             if self.link is not None:
                 await self.link.close(a.reason or "closed")
         elif isinstance(a, sm.StartLoad):
-            self.nursery.start_soon(self._load, a.plan)
+            await self._drop_stage()
+            self.nursery.start_soon(self._run_stage, a.plan)
         elif isinstance(a, sm.FailRequests):
             if self.ring is not None:
                 self.ring.fail_all(a.reason, member=self.host_name if a.member == "host" else (a.member or "?"))
@@ -210,10 +213,8 @@ class MemberSession:
                 stagehost.on_signal(self.node, ev)
             elif isinstance(ev, MemberLeft):
                 name = self.roster.get(ev.peer_id, {}).get("name", ev.peer_id)
-                if self.ring is not None:
+                if self.ring is not None and ev.peer_id in self.ring_order:  # the host replans without it
                     self.ring.fail_all(f"it left the session ({ev.reason})", member=name)
-                if self.state in (sm.MemberState.LOADING, sm.MemberState.READY):
-                    await self._handle(sm.SessionEnded(f"member {name} left the session: {ev.reason}", name))
             elif isinstance(ev, Disconnected):
                 await self._rendezvous_gone(ev.reason)
             elif isinstance(ev, SessionClosed):
@@ -246,8 +247,27 @@ class MemberSession:
             else:
                 await self._handle(f)
 
-    async def _load(self, f: cf.PlanFrame) -> None:
+    async def _drop_stage(self) -> None:
+        """End the stage of an earlier plan (a replan, DESIGN §3 healing): its ring tasks and links."""
+        if self._stage_scope is not None:
+            self._stage_scope.cancel()
+            self._stage_scope = None
+        for link in self._stage_links:
+            if link is not None:
+                await link.close("the session replanned")
+        self._stage_links = ()
+        if self.ring is not None:
+            self.ring.fail_all("the host replanned the session", member="host")
+
+    async def _run_stage(self, f: cf.PlanFrame) -> None:
+        with trio.CancelScope() as scope:
+            self._stage_scope = scope
+            async with trio.open_nursery() as stage_nursery:
+                await self._load(f, stage_nursery)
+
+    async def _load(self, f: cf.PlanFrame, stage_nursery) -> None:
         t0 = time.perf_counter()
+        epoch = f.epoch or 0
         try:
             self.ring_order = [str(p) for p in f.ring]
             self.roster = {pid: {"name": str(r["name"]), "public_key": bytes(r["public_key"])}
@@ -293,29 +313,32 @@ class MemberSession:
             self.load["progress"] = "joining the ring"
             self.node.changed()
             self.ring = stagehost.make_ring_member(self.node, stage=stage, head=f.head, tokenizer=tok)
+            self.ring.epoch = epoch
             nxt, prv = await stagehost.connect_ring(node=self.node, rdv=self.rdv, session_id=self.session_id,
                                                     ring=self.ring_order, roster=self.roster,
                                                     incoming=self._ring_incoming, member=self.ring,
                                                     on_edges=lambda: self.link.send(
                                                         cf.Edges(stagehost.edges_of(self.node)).to_wire()))
-            stagehost.attach_ring(self.ring, nursery=self.nursery, me=self.node.peer_id, ring_order=self.ring_order,
+            self._stage_links = (nxt, prv)
+            stagehost.attach_ring(self.ring, nursery=stage_nursery, me=self.node.peer_id, ring_order=self.ring_order,
                                   names={pid: r["name"] for pid, r in self.roster.items()}, next_link=nxt,
                                   prev_link=prv, watch=self._watch_ring)
             self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "load_s": time.perf_counter() - t0,
                          "edges": stagehost.edges_of(self.node)}
-            await self._handle(sm.StageLoaded(self.load))
+            await self._handle(sm.StageLoaded(self.load, epoch))
         except Exception as e:  # any failure to load is reported to the host with its reason
             reason = e.reason if isinstance(e, LinkClosed) else str(e) if isinstance(e, KafilaError) else \
                 f"{self.node.name} could not load its stage: {e!r}"
             if not isinstance(e, KafilaError):
                 log.exception("loading the stage failed")
-            if self.state == sm.MemberState.LOADING:
+            if self.state == sm.MemberState.LOADING and epoch == ((self.machine.plan.epoch or 0)
+                                                                  if self.machine.plan else 0):
                 await self._handle(sm.LoadFailed(reason))
 
     async def _watch_ring(self, ring) -> None:
         await ring.broken_event.wait()
         if self.state in (sm.MemberState.LOADING, sm.MemberState.READY):
-            await self._handle(sm.RingFailed(ring.broken_member, ring.broken))
+            await self._handle(sm.RingFailed(ring.broken_member, ring.broken, getattr(ring, "epoch", None)))
 
     async def _serve_generation(self, f: cf.Gen) -> None:
         req = f.req

@@ -139,6 +139,8 @@ class PlanFrame(ControlFrame):
     head: bool = _field(bool)
     tensors: list = _field(list)
     files: list = _field(list, default=attrs.Factory(list))
+    #: the plan generation (1 at formation, +1 per replan); stale ready/ring_broken frames are ignored
+    epoch: Optional[int] = _field(int, optional=True)
 
 
 @_frame("fetch")
@@ -167,6 +169,7 @@ class Ready(ControlFrame):
     cached_bytes: int = _field(int, minimum=0, default=0)
     load_s: float = _field(_NUM, minimum=0, default=0.0)
     edges: Optional[list] = _field(list, optional=True)
+    epoch: Optional[int] = _field(int, optional=True)
 
 
 @_frame("failed")
@@ -188,6 +191,7 @@ class Edges(ControlFrame):
 class RingBroken(ControlFrame):
     reason: str = _field(str)
     member: Optional[str] = _field(str, optional=True)
+    epoch: Optional[int] = _field(int, optional=True)
 
 
 @_frame("gen")

@@ -46,6 +46,10 @@ class HostState(str, enum.Enum):
     PLANNING = "planning"
     LOADING = "loading"
     READY = "ready"
+    #: a member was lost or the ring broke: requests failed, the host replans over the survivors
+    RECOVERING = "recovering"
+    #: the model no longer fits the members left; waits for a member to join (``error`` says what is missing)
+    DEGRADED = "degraded"
     FAILED = "failed"
     CLOSED = "closed"
 
@@ -131,6 +135,7 @@ class PlanFailed:
 @attrs.frozen
 class OwnStageLoaded:
     load: dict
+    epoch: int = 0
 
 
 @attrs.frozen
@@ -142,9 +147,10 @@ class MemberLost:
 
 @attrs.frozen
 class RingFailed:
-    """This daemon's ring stage broke; ``member`` is the one the failure names."""
+    """This daemon's ring stage broke; ``member`` is the one the failure names; ``epoch`` the plan it served."""
     member: Optional[str]
     reason: str
+    epoch: Optional[int] = None
 
 
 @attrs.frozen
@@ -182,6 +188,7 @@ class CapabilitySent:
 @attrs.frozen
 class StageLoaded:
     load: dict
+    epoch: int = 0
 
 
 @attrs.frozen
@@ -231,8 +238,11 @@ class MakePlan:
 
 @attrs.frozen
 class DistributePlan:
-    """Send each remote member its `plan` frame and load the host's own stage."""
+    """Send each remote member its `plan` frame (with ``epoch``) and load the host's own stage.
+    ``replan``: stages of an earlier plan exist and are replaced (DESIGN §3, healing)."""
     planned: Planned
+    epoch: int = 1
+    replan: bool = False
 
 
 @attrs.frozen
@@ -298,25 +308,51 @@ class PendingEntry:
 
 
 H = HostState
+#: rows every live state shares: admission stays open while the session is below its size
+_ADMISSION = {MemberJoined, Decision, PendingTimedOut}
+_LIVE = (H.FORMING, H.PLANNING, H.LOADING, H.READY, H.RECOVERING, H.DEGRADED)
+
+
+def _row(state, **rows) -> dict:
+    out = {ev: {state} for ev in _ADMISSION}
+    out.update({Abort: {H.FAILED}, Close: {H.CLOSED}})
+    for ev, targets in rows.items():
+        out[_EVENTS[ev]] = set(targets)
+    return out
+
+
+_EVENTS = {"Registered": Registered, "OwnCapability": OwnCapability, "Capability": cf.Capability,
+           "MemberLost": MemberLost, "Leaving": cf.Leaving, "Failed": cf.Failed, "RendezvousLost": RendezvousLost,
+           "Planned": Planned, "PlanFailed": PlanFailed, "Ready": cf.Ready, "OwnStageLoaded": OwnStageLoaded,
+           "Edges": cf.Edges, "RingBroken": cf.RingBroken, "RingFailed": RingFailed}
+
 HOST_TABLE: dict = {
     H.STARTING: {Registered: {H.FORMING}, Abort: {H.FAILED}, Close: {H.CLOSED}},
-    H.FORMING: {MemberJoined: {H.FORMING}, Decision: {H.FORMING}, PendingTimedOut: {H.FORMING},
-                OwnCapability: {H.FORMING, H.PLANNING}, cf.Capability: {H.FORMING, H.PLANNING},
-                MemberLost: {H.FORMING}, cf.Leaving: {H.FORMING}, RendezvousLost: {H.FAILED}, Abort: {H.FAILED}, Close: {H.CLOSED}},
-    H.PLANNING: {MemberJoined: {H.PLANNING}, Decision: {H.PLANNING}, PendingTimedOut: {H.PLANNING},
-                 Planned: {H.LOADING}, PlanFailed: {H.FAILED}, MemberLost: {H.FAILED}, cf.Leaving: {H.FAILED},
-                 RendezvousLost: {H.FAILED}, Abort: {H.FAILED}, Close: {H.CLOSED}},
-    H.LOADING: {MemberJoined: {H.LOADING}, Decision: {H.LOADING}, PendingTimedOut: {H.LOADING},
-                cf.Ready: {H.LOADING, H.READY}, OwnStageLoaded: {H.LOADING, H.READY}, cf.Edges: {H.LOADING},
-                cf.Failed: {H.FAILED}, cf.Leaving: {H.FAILED}, cf.RingBroken: {H.FAILED}, MemberLost: {H.FAILED},
-                RingFailed: {H.FAILED}, RendezvousLost: {H.FAILED}, Abort: {H.FAILED}, Close: {H.CLOSED}},
-    H.READY: {MemberJoined: {H.READY}, Decision: {H.READY}, PendingTimedOut: {H.READY},
-              cf.Edges: {H.READY}, cf.Failed: {H.FAILED}, cf.Leaving: {H.FAILED}, cf.RingBroken: {H.FAILED},
-              MemberLost: {H.READY, H.FAILED}, RingFailed: {H.FAILED}, RendezvousLost: {H.READY, H.FAILED},
-              Abort: {H.FAILED}, Close: {H.CLOSED}},
+    H.FORMING: _row(H.FORMING, OwnCapability={H.FORMING, H.PLANNING}, Capability={H.FORMING, H.PLANNING},
+                    MemberLost={H.FORMING}, Leaving={H.FORMING}, RendezvousLost={H.FAILED}),
+    H.PLANNING: _row(H.PLANNING, Planned={H.LOADING}, PlanFailed={H.FAILED}, Capability={H.PLANNING},
+                     MemberLost={H.RECOVERING}, Leaving={H.RECOVERING}, RendezvousLost={H.FAILED}),
+    H.LOADING: _row(H.LOADING, Ready={H.LOADING, H.READY, H.RECOVERING}, OwnStageLoaded={H.LOADING, H.READY, H.RECOVERING},
+                    Edges={H.LOADING}, Capability={H.LOADING}, Failed={H.RECOVERING, H.FAILED},
+                    Leaving={H.RECOVERING}, MemberLost={H.RECOVERING}, RingBroken={H.LOADING, H.RECOVERING, H.FAILED},
+                    RingFailed={H.LOADING, H.RECOVERING, H.FAILED}, RendezvousLost={H.FAILED}),
+    H.READY: _row(H.READY, Edges={H.READY}, Capability={H.RECOVERING}, Failed={H.RECOVERING, H.FAILED},
+                  Leaving={H.RECOVERING}, MemberLost={H.READY, H.RECOVERING},
+                  RingBroken={H.READY, H.RECOVERING, H.FAILED}, RingFailed={H.READY, H.RECOVERING, H.FAILED},
+                  RendezvousLost={H.READY, H.FAILED}),
+    H.RECOVERING: _row(H.RECOVERING, Planned={H.LOADING, H.RECOVERING}, PlanFailed={H.DEGRADED},
+                       Capability={H.RECOVERING}, Ready={H.RECOVERING}, OwnStageLoaded={H.RECOVERING},
+                       Edges={H.RECOVERING}, Failed={H.RECOVERING}, Leaving={H.RECOVERING},
+                       MemberLost={H.RECOVERING}, RingBroken={H.RECOVERING}, RingFailed={H.RECOVERING},
+                       RendezvousLost={H.FAILED}),
+    H.DEGRADED: _row(H.DEGRADED, Capability={H.RECOVERING}, MemberLost={H.DEGRADED}, Leaving={H.DEGRADED},
+                     Ready={H.DEGRADED}, OwnStageLoaded={H.DEGRADED}, Edges={H.DEGRADED}, Failed={H.DEGRADED},
+                     RingBroken={H.DEGRADED}, RingFailed={H.DEGRADED}, RendezvousLost={H.FAILED}),
     H.FAILED: {Close: {H.CLOSED}},
     H.CLOSED: {},
 }
+#: consecutive re-forms of the ring without reaching `ready` before the session gives up
+MAX_REFORMS = 3
 
 M = MemberState
 _MEMBER_FAILURES = {HostLinkLost: {M.FAILED}, cf.SessionFailed: {M.FAILED}, SessionEnded: {M.FAILED},
@@ -328,10 +364,10 @@ MEMBER_TABLE: dict = {
                 **_MEMBER_FAILURES},
     M.ADMITTED: {CapabilitySent: {M.MEASURED}, **_MEMBER_FAILURES},
     M.MEASURED: {cf.PlanFrame: {M.LOADING}, **_MEMBER_FAILURES},
-    M.LOADING: {StageLoaded: {M.READY}, LoadFailed: {M.FAILED}, RingFailed: {M.LOADING, M.FAILED},
-                **_MEMBER_FAILURES},
+    M.LOADING: {StageLoaded: {M.LOADING, M.READY}, LoadFailed: {M.FAILED}, RingFailed: {M.LOADING, M.FAILED},
+                cf.PlanFrame: {M.LOADING}, **_MEMBER_FAILURES},
     M.READY: {**_MEMBER_FAILURES, RendezvousLost: {M.READY, M.FAILED}, HostLinkLost: {M.READY, M.FAILED},
-              RingFailed: {M.READY, M.FAILED}},
+              RingFailed: {M.READY, M.FAILED}, cf.PlanFrame: {M.LOADING}},
     M.FAILED: {Close: {M.CLOSED}},
     M.CLOSED: {},
 }
@@ -394,6 +430,11 @@ class HostMachine(_Machine):
         self.ring_order: list[str] = []
         self.rendezvous_lost: Optional[str] = None
         self.culprit: Optional[str] = None
+        #: the plan generation; plan, ready and ring_broken frames of another epoch are stale
+        self.epoch = 0
+        #: members lost since formation, by peer id (shown in status until they return)
+        self.lost: dict[str, MemberEntry] = {}
+        self.reforms = 0
 
     # -- queries --
     def name_of(self, peer_id: str) -> str:
@@ -443,7 +484,7 @@ class HostMachine(_Machine):
                                          **{k: self.params.get(k) for k in ("model_id", "context", "concurrency")}})]
 
     def _full(self) -> bool:
-        return len(self.members) >= self.expected or self.state != HostState.FORMING
+        return len(self.members) >= self.expected
 
     def _on_MemberJoined(self, ev: MemberJoined, row) -> list:
         if ev.peer_id in self.members or ev.peer_id in self.pending:
@@ -491,7 +532,18 @@ class HostMachine(_Machine):
         if entry is None:
             return [CloseLink(peer_id, "a capability frame from a device that was not admitted")]
         entry.capability = frame.as_record()
-        return self._maybe_plan(row)
+        if self.state == HostState.FORMING:
+            return self._maybe_plan(row)
+        self.changed = True
+        if self.state in (HostState.READY, HostState.DEGRADED):  # a member (re)joined: plan it in
+            return [Trace("member_returned" if peer_id in self.lost else "member_joined", {"name": entry.name})] + \
+                self._replan(row)
+        return []  # planning, loading or recovering: planned in once the session is ready (_maybe_ready)
+
+    def _replan(self, row) -> list:
+        """Plan again over every live, measured member (RECOVERING; MakePlan)."""
+        self._enter(HostState.RECOVERING, row)
+        return [MakePlan(tuple(e for e in self.live() if e.capability))]
 
     def _maybe_plan(self, row) -> list:
         self.changed = True
@@ -502,19 +554,35 @@ class HostMachine(_Machine):
         return [MakePlan(tuple(live))]
 
     def _on_Planned(self, ev: Planned, row) -> list:
-        names = {e.name: e.peer_id for e in self.members.values()}
+        names = {e.name: e.peer_id for e in self.live()}
+        if any(n not in names for n in ev.order):  # a member was lost while the planner ran
+            return self._replan(row)
+        old = self.planned
         self.planned = ev
+        self.epoch += 1
         self.ring_order = [names[n] for n in ev.order]
         for e in self.members.values():
             e.ready = False
+        self.error = None
         self._enter(HostState.LOADING, row)
-        return [Trace("plan", {"plan": ev.plan}), DistributePlan(ev)]
+        fields = {"plan": ev.plan, "epoch": self.epoch}
+        if old is not None:
+            fields["old_plan"] = old.plan
+        return [Trace("plan" if old is None else "replanned", fields),
+                DistributePlan(ev, epoch=self.epoch, replan=old is not None)]
 
     def _on_PlanFailed(self, ev: PlanFailed, row) -> list:
-        return self._fail(f"no plan fits this fleet: {ev.reason.rstrip('.')}", None, row)
+        if self.state == HostState.PLANNING:
+            return self._fail(f"no plan fits this fleet: {ev.reason.rstrip('.')}", None, row)
+        self.error = (f"waiting for a member to join: the model no longer fits the {len(self.live())} member(s) "
+                      f"left ({ev.reason.rstrip('.')})")
+        self._enter(HostState.DEGRADED, row)
+        return [Trace("degraded", {"reason": self.error})]
 
     def _on_ready(self, peer_id: str, frame: cf.Ready, row) -> list:
         e = self.members[peer_id]
+        if self.state != HostState.LOADING or (frame.epoch is not None and frame.epoch != self.epoch):
+            return []  # a stage of an earlier plan
         e.ready = True
         e.load = {"fetched_bytes": frame.fetched_bytes, "cached_bytes": frame.cached_bytes, "load_s": frame.load_s,
                   "edges": frame.edges}
@@ -522,18 +590,25 @@ class HostMachine(_Machine):
 
     def _on_OwnStageLoaded(self, ev: OwnStageLoaded, row) -> list:
         e = self.members[self.host_peer_id]
+        if self.state != HostState.LOADING or ev.epoch != self.epoch:
+            return []
         e.ready = True
         e.load = dict(ev.load)
         return self._maybe_ready(row)
 
     def _maybe_ready(self, row) -> list:
         self.changed = True
-        if not all(e.ready for e in self.members.values()):
+        if not all(self.members[p].ready for p in self.ring_order if p in self.members):
             return []
         self._enter(HostState.READY, row)
-        return [Formed()]
+        self.reforms = 0
+        out = [Formed()]
+        waiting = [e for e in self.live() if e.capability and e.peer_id not in self.ring_order]
+        if waiting:  # members that joined while the ring formed: plan them in now
+            out += self._replan(row)
+        return out
 
-    def _on_edges(self, peer_id: str, frame: cf.Edges, row) -> list:
+    def _on_edges(self, peer_id: str, frame: cf.Edges, row) -> list:  # noqa: ARG002
         e = self.members[peer_id]
         e.load = {**e.load, "edges": frame.edges}
         self.changed = True
@@ -541,11 +616,10 @@ class HostMachine(_Machine):
 
     # -- losses --
     def _on_failed(self, peer_id: str, frame: cf.Failed, row) -> list:
-        return self._lose(peer_id, f"{self.name_of(peer_id)} failed to load its stage: {frame.reason}", row)
+        return self._lose(peer_id, f"it failed to load its stage: {frame.reason}", row)
 
     def _on_leaving(self, peer_id: str, frame: cf.Leaving, row) -> list:
-        return self._lose(peer_id, f"{self.name_of(peer_id)} is leaving: {frame.reason}", row) + \
-            [CloseLink(peer_id, "")]
+        return self._lose(peer_id, f"it is leaving: {frame.reason}", row) + [CloseLink(peer_id, "")]
 
     def _on_MemberLost(self, ev: MemberLost, row) -> list:
         if ev.peer_id in self.pending:
@@ -562,24 +636,45 @@ class HostMachine(_Machine):
         return self._lose(ev.peer_id, ev.reason, row)
 
     def _lose(self, peer_id: str, reason: str, row) -> list:
+        """A member is gone: requests in flight fail naming it, and the host replans over the survivors."""
         e = self.members.get(peer_id)
-        if e is None or e.lost is not None:
+        if e is None or e.lost is not None or e.is_host:
             return []
         e.lost = reason
         self.changed = True
+        del self.members[peer_id]
         if self.state == HostState.FORMING:
-            del self.members[peer_id]
             return []
-        return self._fail(f"member {e.name} ({peer_id}) left the session: {reason}", e.name, row)
+        self.lost[peer_id] = e
+        msg = f"member {e.name} ({peer_id}) left the session: {reason}"
+        self.culprit = e.name
+        out = [FailRequests(msg, e.name), Trace("member_lost", {"name": e.name, "peer_id": peer_id, "reason": reason}),
+               CloseLink(peer_id, "")]
+        if self.state == HostState.DEGRADED:
+            return out
+        self.error = msg
+        return out + self._replan(row)
 
-    def _on_ring_broken(self, peer_id: str, frame: cf.RingBroken, row) -> list:
-        return self._fail(f"{frame.reason} (reported by {self.name_of(peer_id)})", frame.member, row)
-
-    def _on_RingFailed(self, ev: RingFailed, row) -> list:
-        reason = ev.reason
+    def _ring_broke(self, member: Optional[str], reason: str, epoch: Optional[int], row) -> list:
+        """The ring of the current plan broke: fail its requests, then re-form it (up to MAX_REFORMS times)."""
+        if self.state not in (HostState.LOADING, HostState.READY) or (epoch is not None and epoch != self.epoch):
+            return []  # recovering already, or a ring of an earlier plan
         if self.rendezvous_lost is not None:
             reason += f" (the connection to the rendezvous was lost as well: {self.rendezvous_lost.rstrip('.')})"
-        return self._fail(reason, ev.member, row)
+        self.reforms += 1
+        if self.reforms > MAX_REFORMS:
+            return self._fail(f"{reason}; the ring broke {self.reforms} times in a row while re-forming", member, row)
+        self.culprit = member
+        self.error = reason
+        return [FailRequests(reason, member), Trace("ring_broken", {"reason": reason, "member": member})] + \
+            self._replan(row)
+
+    def _on_ring_broken(self, peer_id: str, frame: cf.RingBroken, row) -> list:
+        return self._ring_broke(frame.member, f"{frame.reason} (reported by {self.name_of(peer_id)})",
+                                frame.epoch, row)
+
+    def _on_RingFailed(self, ev: RingFailed, row) -> list:
+        return self._ring_broke(ev.member, ev.reason, ev.epoch, row)
 
     def _on_RendezvousLost(self, ev: RendezvousLost, row) -> list:
         if self.rendezvous_lost is not None:
@@ -685,14 +780,18 @@ class MemberMachine(_Machine):
         return []
 
     def _on_plan(self, ev: cf.PlanFrame, row) -> list:
+        """A plan; in loading or ready, a replan: the driver replaces the stage (cached tensors are re-used)."""
         self.plan = ev
+        self.ring_broken = None
         self._enter(MemberState.LOADING, row)
         return [StartLoad(ev)]
 
     def _on_StageLoaded(self, ev: StageLoaded, row) -> list:
+        if self.plan is None or ev.epoch != (self.plan.epoch or 0):
+            return []  # the stage of a plan the host has replaced since
         self._enter(MemberState.READY, row)
-        return [Send("", cf.Ready(**{k: ev.load[k] for k in ("fetched_bytes", "cached_bytes", "load_s", "edges")
-                                     if k in ev.load}))]
+        return [Send("", cf.Ready(epoch=ev.epoch, **{k: ev.load[k] for k in ("fetched_bytes", "cached_bytes",
+                                                                             "load_s", "edges") if k in ev.load}))]
 
     def _on_LoadFailed(self, ev: LoadFailed, row) -> list:
         return self._fail(ev.reason, None, row) + [Send("", cf.Failed(ev.reason))]
@@ -703,7 +802,10 @@ class MemberMachine(_Machine):
             return self._fail(f"{ev.reason} (the connection to the rendezvous was lost: "
                               f"{self.rendezvous_lost.rstrip('.')})", ev.member, row)
         self.changed = True
-        return [Send("", cf.RingBroken(reason=ev.reason, member=ev.member))]
+        epoch = self.plan.epoch if self.plan is not None else None
+        if ev.epoch is not None and epoch is not None and ev.epoch != epoch:
+            return []  # the ring of an earlier plan
+        return [Send("", cf.RingBroken(reason=ev.reason, member=ev.member, epoch=epoch))]
 
     def _on_HostLinkLost(self, ev: HostLinkLost, row) -> list:
         if self.state == MemberState.READY and self.keeps_serving and self.ring_broken is None:
