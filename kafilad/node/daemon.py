@@ -82,6 +82,8 @@ class Node:
                 # a port in use or out of range refuses the start with a sentence (KafilaError)
                 self.http_port = await nursery.start(serve_openai_api, self, *self.http)
             log.info("kafilad %s (peer %s) listening on %s", self.name, self.peer_id, self.state.socket_path)
+            if self.state.remembered_session() is not None:
+                nursery.start_soon(self._rejoin)
             task_status.started()
 
     async def _signals(self, scope: trio.CancelScope) -> None:
@@ -143,6 +145,29 @@ class Node:
         self.changed()
         return {"code": code, "session_id": session.session_id}
 
+    async def _rejoin(self) -> None:
+        """Rejoin the remembered session after a restart (issue 8 §2): retry with a capped, jittered
+        backoff while the host or rendezvous is unreachable; forget it when the host refuses."""
+        import random
+        delay_s = 1.0
+        while True:
+            record = self.state.remembered_session()
+            if record is None or (self.session is not None and self.session.state not in ("failed", "closed")):
+                return
+            log.info("rejoining the remembered session %s", record["code"])
+            try:
+                await self.op_join({"code": record["code"], "rendezvous": record["rendezvous"]}, _ignore)
+                return
+            except KafilaError as e:
+                if ("refused this device" in str(e) and "already in the session" not in str(e)) \
+                        or "Refusing to join" in str(e):
+                    log.warning("not rejoining %s: %s", record["code"], e)
+                    self.state.forget_session()
+                    return
+                log.warning("rejoining %s failed (%s); retrying in %.0f s", record["code"], e, delay_s)
+            await trio.sleep(delay_s * random.uniform(0.8, 1.2))
+            delay_s = min(delay_s * 2, 30.0)
+
     async def op_join(self, args: dict, emit) -> dict:
         from kafilad.node.member import MemberSession
         self._ensure_no_session()
@@ -161,6 +186,7 @@ class Node:
         except BaseException:
             self.changed()  # the machine says `failed` and why (the join's error is the caller's reply)
             raise
+        self.state.remember_session({"code": session.code, "rendezvous": session.rdv_url})
         self.changed()
         return {"session_id": session.session_id, "host": session.host_name, "state": str(session.state)}
 
@@ -249,6 +275,7 @@ class Node:
         if self.session is None:
             raise KafilaError("This daemon is not in a session.")
         sid = self.session.session_id
+        self.state.forget_session()
         await self.session.close()
         if self._session_scope is not None:
             self._session_scope.cancel()
@@ -262,3 +289,7 @@ class Node:
             self.nursery.cancel_scope.cancel()
         self.nursery.start_soon(stop_after_reply)
         return {"stopping": True}
+
+
+async def _ignore(_event: dict) -> None:
+    """An `emit` for joins nobody watches (the rejoin after a restart)."""

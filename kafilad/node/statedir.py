@@ -106,3 +106,33 @@ class StateDir:
         with os.fdopen(fd, "w") as f:
             json.dump(roster, f, indent=1, sort_keys=True)
         os.replace(tmp, self.roster_path)
+
+    @property
+    def session_path(self) -> Path:
+        return self.path / "session.json"
+
+    def remember_session(self, record: dict) -> None:
+        """Keep the session this daemon is a member of ({"code", "rendezvous"}), so a restarted daemon
+        rejoins it by itself (DESIGN §3, healing); written atomically, mode 0600."""
+        tmp = self.session_path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, self.session_path)
+
+    def remembered_session(self) -> dict | None:
+        """The remembered session record, or None (absent or unreadable: a warning, never a crash)."""
+        try:
+            record = json.loads(self.session_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        if not isinstance(record, dict) or not isinstance(record.get("code"), str) \
+                or not isinstance(record.get("rendezvous"), str):
+            return None
+        return record
+
+    def forget_session(self) -> None:
+        try:
+            self.session_path.unlink()
+        except FileNotFoundError:
+            pass
