@@ -18,7 +18,8 @@ ICE controlling, QUIC client, Noise initiator) or the *receiver* end. It lives o
 
 Everything an edge runs in the background (re-probes, the drain of an old path, reading an
 upgraded link) runs in the path manager's nursery, so it ends with the session's
-``open_session_paths`` block. :func:`form_ring` forms this member's two edges at once.
+``open_session_paths`` block, or earlier with :meth:`RingEdge.aclose`. :func:`form_ring` forms
+this member's two edges at once and closes those of the ring it formed before (a replan).
 
 The ring side of an upgrade is any object with ``next_link``, ``broken``, ``broken_event`` and
 ``async feed_from(link)``: :class:`kafilad.node.ring.RingMember`.
@@ -63,8 +64,8 @@ class RingEdge:
         incoming: receiver only: the channel of relayed circuits labelled "ring" (from the
             session's accept loop).
     Attributes:
-        record: the edge's EdgeRecord (registered with ``paths``).
-        link: the Link the edge uses now (None before it formed).
+        record: the edge's EdgeRecord (registered with ``paths``, replacing an earlier ring's).
+        link: the Link the edge uses now (None before it formed); links: every one it used.
     """
 
     def __init__(self, paths: PathManager, *, peer_id: str, roster: dict, sender: bool, session_id: str,
@@ -76,9 +77,12 @@ class RingEdge:
         self.sender = sender
         self.session_id = session_id
         self.incoming = incoming
-        self.record = paths.record(peer_id, self.peer_name, sender=sender)
+        self.record = paths.record(peer_id, self.peer_name, sender=sender, new=True)
         self.link: Optional[Link] = None
+        self.links: list[Link] = []  # every link the edge used, oldest first
+        self.closed = False
         self._hello = {"peer_id": paths.peer_id, "name": paths.name, "role": "ring"}
+        self._background = trio.CancelScope()  # the edge's one background task (start_upgrades)
 
     def __repr__(self) -> str:
         return f"<RingEdge {self.record.src} -> {self.record.dst} {self.record.path}>"
@@ -97,10 +101,14 @@ class RingEdge:
         link = await self._secure_direct(transport) if transport is not None else None
         if link is None:
             link = await self._relay()
+        self._use(link)
+        return link
+
+    def _use(self, link: Link) -> None:
         self.link = link
+        self.links.append(link)
         if self.sender:
             self.record.link = link
-        return link
 
     async def _relay(self) -> Link:
         if self.sender:
@@ -154,11 +162,26 @@ class RingEdge:
         Returns:
             True if re-probing started (the edge is relayed and direct paths are enabled).
         """
-        if self.record.path != PathKind.RELAYED or not direct_enabled():
+        if self.record.path != PathKind.RELAYED or not direct_enabled() or self.closed:
             return False
-        self.paths.nursery.start_soon(self._upgrade_sender if self.sender else self._upgrade_receiver,
-                                      ring, on_edges)
+        self.paths.nursery.start_soon(self._in_background, self._upgrade_sender if self.sender else
+                                      self._upgrade_receiver, ring, on_edges)
         return True
+
+    async def _in_background(self, fn, *args) -> None:
+        with self._background:
+            await fn(*args)
+
+    async def aclose(self, reason: str = "the ring re-formed") -> None:
+        """End this edge: stop its re-probes (or the reading of an upgraded link), close every link
+        it used, and forget its record (the edges of a new ring replace it in status)."""
+        self.closed = True
+        self._background.cancel()
+        for link in self.links:
+            await link.close(reason)
+        edge = self.paths.edge_id(self.peer_id, self.sender)
+        if self.paths.edges.get(edge) is self.record:
+            del self.paths.edges[edge]
 
     async def _upgrade_sender(self, ring, on_edges) -> None:
         """Re-probe, switch at a frame boundary, drain the old path (§7 steps 1-3, 5).
@@ -175,7 +198,7 @@ class RingEdge:
             await link.close()
             return
         ring.next_link = link  # the next frame goes on the direct path
-        self.link = link
+        self._use(link)
         self.record.upgraded(link)
         await _report(on_edges)
         try:
@@ -194,7 +217,7 @@ class RingEdge:
         link = await self._reprobe_while_serving(ring, self._confirming)
         if link is None:
             return
-        self.link = link
+        self._use(link)
         self.record.upgraded()
         await _report(on_edges)
         await ring.feed_from(_UpgradeLink(link))
@@ -315,10 +338,12 @@ async def form_ring(paths: PathManager, *, session_id: str, ring: list[str], ros
         roster: {peer_id: {"name": str, "public_key": bytes}} of the session.
         incoming: channel of incoming relayed circuits labelled "ring".
     Returns:
-        (next_edge, prev_edge), formed; both None when the ring is this member alone.
+        (next_edge, prev_edge), formed; both None when the ring is this member alone. The edges of
+        a ring formed earlier on ``paths`` (a replan) are closed first (:func:`close_ring`).
     Raises:
         SessionError: an edge did not form within ``timeout_s``, or a key did not match the roster.
     """
+    await close_ring(paths)
     me = paths.peer_id
     m = len(ring)
     if m == 1:
@@ -327,6 +352,7 @@ async def form_ring(paths: PathManager, *, session_id: str, ring: list[str], ros
     nxt, prv = ring[(i + 1) % m], ring[(i - 1) % m]
     out = RingEdge(paths, peer_id=nxt, roster=roster, sender=True, session_id=session_id)
     into = RingEdge(paths, peer_id=prv, roster=roster, sender=False, session_id=session_id, incoming=incoming)
+    paths.ring_edges = [out, into]
     try:
         with trio.fail_after(timeout_s), collapse_groups():
             async with trio.open_nursery() as n:
@@ -338,3 +364,10 @@ async def form_ring(paths: PathManager, *, session_id: str, ring: list[str], ros
     except HandshakeError as e:
         raise SessionError(f"ring edge refused: {e}") from None
     return out, into
+
+
+async def close_ring(paths: PathManager, reason: str = "the ring re-formed") -> None:
+    """Close the edges of the ring formed last on ``paths`` (:meth:`RingEdge.aclose`); a replan calls it."""
+    edges, paths.ring_edges = paths.ring_edges, []
+    for e in edges:
+        await e.aclose(reason)

@@ -272,6 +272,7 @@ class PathManager:
         self.nat_class: Optional[str] = None
         self.rendezvous_rtt_ms: Optional[float] = None
         self.edges: dict[str, EdgeRecord] = {}
+        self.ring_edges: list = []  # the RingEdges of the ring formed last (kafilad/node/edge.py form_ring)
         self.inbox = inbox if inbox is not None else OfferInbox()
         self.closed = False
         self._quic: weakref.WeakSet[QuicTransport] = weakref.WeakSet()
@@ -356,11 +357,12 @@ class PathManager:
         me = self.peer_id
         return f"{self.session_id}:{me}>{peer_id}" if sender else f"{self.session_id}:{peer_id}>{me}"
 
-    def record(self, peer_id: str, peer_name: str, *, sender: bool, me_name: Optional[str] = None) -> EdgeRecord:
-        """The record of our edge to (``sender``) or from ``peer_id``, made on first use."""
+    def record(self, peer_id: str, peer_name: str, *, sender: bool, me_name: Optional[str] = None,
+               new: bool = False) -> EdgeRecord:
+        """The record of our edge to (``sender``) or from ``peer_id``, made on first use (or anew if ``new``)."""
         edge = self.edge_id(peer_id, sender)
         rec = self.edges.get(edge)
-        if rec is None:
+        if rec is None or new:
             me = me_name or self.name
             rec = self.edges[edge] = EdgeRecord(me if sender else peer_name, peer_name if sender else me)
         return rec

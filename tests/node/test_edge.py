@@ -309,3 +309,38 @@ async def test_form_ring_names_a_refused_edge_and_a_lone_member_has_none(clock):
             await b_failed.wait()
         assert all(c.circuits == [] for c in hub.clients.values())  # refused keys never fall back to the relay
         nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_forming_a_new_ring_closes_the_edges_of_the_last_one(clock, monkeypatch):
+    monkeypatch.setenv("KAFILA_REPROBE_S", "1")
+    async with trio.open_nursery() as nursery:
+        net, hub, p, roster = await _world(nursery, {"a": "O", "b": "C", "c": "S"})
+
+        async def ring_of(names):
+            ring = [p[n].peer_id for n in names]
+            async with trio.open_nursery() as n:
+                for name in names:
+                    member = RingMember(peer_id=p[name].peer_id, name=name, runner=None, mlx_lock=trio.Lock(),
+                                        head=name == names[0])
+                    n.start_soon(lambda name=name, member=member: stagehost.connect_ring(
+                        paths=p[name].paths, session_id="s1", ring=ring, roster=roster, incoming=p[name].rdv.incoming,
+                        member=member))
+        await ring_of("abc")
+        old_c = list(p["c"].paths.ring_edges)  # c -> a (direct), b -> c (relayed, being re-probed)
+        assert [(e.record.src, e.record.dst, str(e.record.path)) for e in old_c] == [
+            ("c", "a", "direct"), ("b", "c", "relayed")]
+        await trio.sleep(3)
+        await ring_of("ac")  # the host replans a ring of a and c; b, left out, keeps re-probing its old edge to c
+
+        for me in "ac":
+            assert sorted((e["from"], e["to"], e["path"]) for e in p[me].paths.edge_list()) == [
+                ("a", "c", "direct"), ("c", "a", "direct")]
+        assert all(e.closed and e.links and all(lk.closed_reason is not None for lk in e.links) for e in old_c)
+        replanned_at = trio.current_time()
+        await trio.sleep(60)
+        old_edge = p["c"].paths.edge_id(p["b"].peer_id, False)
+        b_offers = [s for s in hub.clients[p["b"].peer_id].signals if s[0] > replanned_at and s[2]["edge"] == old_edge]
+        c_offers = [s for s in hub.clients[p["c"].peer_id].signals if s[0] > replanned_at and s[2]["edge"] == old_edge]
+        assert len(b_offers) >= 3 and c_offers == []  # c's end of the old edge no longer answers
+        nursery.cancel_scope.cancel()
