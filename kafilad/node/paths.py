@@ -291,6 +291,8 @@ class PathManager:
 
         Synchronous so it runs even while the session is being cancelled: each connection's
         CONNECTION_CLOSE is sent before this returns (RFC 9000 §10.2), the peer sees a clean end.
+        As with any nursery, cancelling it also cancels the body of the ``open_session_paths``
+        block; the block calls this on exit.
         """
         self.closed = True
         for t in list(self._quic):

@@ -239,6 +239,7 @@ class _CompatEntry:
 
 
 _COMPAT: "weakref.WeakKeyDictionary[object, _CompatEntry]" = weakref.WeakKeyDictionary()
+_COMPAT_LAST: "weakref.WeakKeyDictionary[object, PathManager]" = weakref.WeakKeyDictionary()  # node -> newest
 
 
 def _compat_entry(rdv) -> _CompatEntry:
@@ -274,5 +275,8 @@ async def _compat_paths(node, rdv) -> PathManager:
                     task_status.started(pm)
                     await trio.sleep_forever()
 
-            entry.paths = await nursery.start(serve)
+            previous = _COMPAT_LAST.get(node)
+            if previous is not None:  # a new rendezvous connection: the previous one's paths end (as before)
+                previous.close()
+            entry.paths = _COMPAT_LAST[node] = await nursery.start(serve)
     return entry.paths
