@@ -30,7 +30,8 @@ def test_ctl_says_plainly_when_no_daemon_answers(tmp_path):
 def daemon(tmp_path):
     state = tmp_path / "state"
     log = open(tmp_path / "daemon.log", "wb")
-    p = subprocess.Popen(DAEMON + ["--state-dir", str(state), "--name", "alpha"], stdout=log, stderr=log)
+    p = subprocess.Popen(DAEMON + ["--state-dir", str(state), "--name", "alpha", "--http", "127.0.0.1:0"],
+                         stdout=log, stderr=log)
     sock = state / "kafilad.sock"
     deadline = time.monotonic() + 20
     while not sock.exists():
@@ -55,7 +56,7 @@ def test_keys_files_modes_and_clean_sigterm(daemon):
     p.send_signal(signal.SIGTERM)
     assert p.wait(15) == 0
     assert not (state / "kafilad.sock").exists()
-    p2 = subprocess.Popen(DAEMON + ["--state-dir", str(state), "--name", "alpha"],
+    p2 = subprocess.Popen(DAEMON + ["--state-dir", str(state), "--name", "alpha", "--http", "127.0.0.1:0"],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
