@@ -1,0 +1,382 @@
+"""The pure session machines (kafilad/proto/session.py): every row of HOST_TABLE from ready on, part 2.
+
+The host serving, recovering (a member lost or the ring broken: it replans over the survivors),
+degraded (no plan fits the members left) and failed; the same kind of cases as
+test_session_machines.py (session_helpers.Rows), compared with the table's rows of these states.
+No trio, no sockets.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kafilad.proto import control as cf
+from kafilad.proto import session as sm
+from kafilad.proto.session import HOST_TABLE
+
+from proto.session_helpers import (
+    A, B, C, HOST, HOST_NAME, HOST_SERVING_STATES, LOAD, PARAMS, SESSION_ID, H, Rows, cap_frame, failure, key,
+    lost, order_of, planned, ready_frame, rejoin_after_loss, ring_broke, sends, traces, walk_host,
+)
+
+HOST_ROWS = Rows(HOST_TABLE, HOST_SERVING_STATES, walk_host)
+host_case = HOST_ROWS.case
+
+
+# ---- host: ready --------------------------------------------------------------------------------
+@host_case(H.READY, sm.MemberJoined, H.READY)
+def join_while_ready_and_full_is_denied(h, fire):
+    assert fire(sm.MemberJoined(C, "gamma", key(C), False)) == [
+        sm.Send(C, cf.Denied("the session is already complete")), sm.CloseLink(C, "")]
+    assert not h.pending
+
+
+@host_case(H.READY, sm.MemberJoined, H.READY)
+def join_below_the_declared_size_is_admitted(h, fire):
+    rejoin_after_loss(h)
+    out = fire(sm.MemberJoined(C, "gamma", key(C), True))
+    assert out == [sm.Remember(C, "gamma", key(C)), sm.Send(C, cf.Admitted(session_id=SESSION_ID, name="gamma",
+                                                                         **PARAMS))]
+
+
+@host_case(H.READY, sm.Decision, H.READY, pending=(C,))
+def admit_while_ready_and_full(h, fire):
+    assert fire(sm.Decision(C, True))[0] == sm.Send(C, cf.Denied("the session became complete while this device waited"))
+
+
+@host_case(H.READY, sm.PendingTimedOut, H.READY, pending=(C,))
+def pending_times_out_while_ready(h, fire):
+    assert len(fire(sm.PendingTimedOut(C, 3))) == 2 and not h.pending
+
+
+@host_case(H.READY, cf.Edges, H.READY)
+def edges_upgraded_while_ready(h, fire):
+    assert fire(sm.FrameFrom(B, cf.Edges([{"to": "host", "path": "direct"}]))) == [sm.EdgesChanged("beta")]
+    assert h.members[B].load["fetched_bytes"] == 1000  # the rest of its load record is kept
+
+
+@host_case(H.READY, cf.Capability, H.RECOVERING)
+def a_lost_member_returns(h, fire):
+    rejoin_after_loss(h)
+    h.handle(sm.MemberJoined(B, "beta", key(B), True))
+    out = fire(sm.FrameFrom(B, cap_frame()))
+    assert out[0] == sm.Trace("member_returned", {"name": "beta"}) and order_of(out[1]) == [HOST, A, B]
+
+
+@host_case(H.READY, cf.Capability, H.RECOVERING)
+def a_new_member_is_planned_in(h, fire):
+    rejoin_after_loss(h)
+    h.handle(sm.MemberJoined(C, "gamma", key(C), True))
+    out = fire(sm.FrameFrom(C, cap_frame()))
+    assert out[0] == sm.Trace("member_joined", {"name": "gamma"}) and order_of(out[1]) == [HOST, A, C]
+
+
+@host_case(H.READY, cf.Failed, H.RECOVERING)
+def member_failed_while_ready(h, fire):
+    lost(fire(sm.FrameFrom(B, cf.Failed("internal"))), h, B, "beta", "it failed to load its stage: internal",
+         [HOST, A])
+
+
+@host_case(H.READY, cf.Leaving, H.RECOVERING)
+def leaving_while_ready(h, fire):
+    out = fire(sm.FrameFrom(A, cf.Leaving("its user ran `kafila-ctl leave`")))
+    lost(out, h, A, "alpha", "it is leaving: its user ran `kafila-ctl leave`", [HOST, B])
+
+
+@host_case(H.READY, cf.RingBroken, H.RECOVERING)
+def ring_broken_while_ready(h, fire):
+    ring_broke(fire(sm.FrameFrom(B, cf.RingBroken("ring broke", None))), "ring broke (reported by beta)", None,
+               [HOST, A, B])
+
+
+@host_case(H.READY, cf.RingBroken, H.READY)
+def ring_broken_of_an_earlier_plan_while_ready(h, fire):
+    assert fire(sm.FrameFrom(B, cf.RingBroken("old", None, epoch=7))) == [] and h.error is None
+
+
+@host_case(H.READY, sm.MemberLost, H.RECOVERING)
+def member_lost_while_ready(h, fire):
+    lost(fire(sm.MemberLost(A, "timed out")), h, A, "alpha", "timed out", [HOST, B])
+
+
+@host_case(H.READY, sm.MemberLost, H.READY)
+def member_ctl_lost_with_the_rendezvous_keeps_serving(h, fire):
+    h.handle(sm.RendezvousLost("eof"))
+    assert h.state == H.READY
+    assert fire(sm.MemberLost(A, "circuit closed")) == []
+    assert h.members[A].control_down and h.members[A].lost is None
+
+
+@host_case(H.READY, sm.RingFailed, H.RECOVERING)
+def ring_failed_while_ready(h, fire):
+    ring_broke(fire(sm.RingFailed("beta", "beta stopped answering", 1)), "beta stopped answering", "beta",
+               [HOST, A, B])
+
+
+@host_case(H.READY, sm.RingFailed, H.RECOVERING)
+def ring_failed_after_the_rendezvous_went(h, fire):
+    h.handle(sm.RendezvousLost("eof."))
+    out = fire(sm.RingFailed("alpha", "alpha stopped answering", 1))
+    ring_broke(out, "alpha stopped answering (the connection to the rendezvous was lost as well: eof)", "alpha",
+               [HOST, A, B])
+
+
+@host_case(H.READY, sm.RingFailed, H.READY)
+def own_ring_failure_of_an_earlier_plan_while_ready(h, fire):
+    assert fire(sm.RingFailed("beta", "old", 0)) == []
+
+
+@host_case(H.READY, sm.RendezvousLost, H.READY)
+def rendezvous_lost_direct_ring_serves_on(h, fire):
+    assert fire(sm.RendezvousLost("eof")) == [sm.Trace("rendezvous_lost", {"reason": "eof"})]
+    assert all(e.control_down for e in h.members.values() if not e.is_host) and h.error is None
+    assert fire.again(sm.RendezvousLost("eof again")) == []  # reported once
+
+
+@host_case(H.READY, sm.RendezvousLost, H.FAILED)
+def rendezvous_lost_with_relayed_edges(h, fire):
+    out = fire(sm.RendezvousLost("eof", relayed_edges=("alpha -> beta",)))
+    failure(out[1:], "the connection to the rendezvous was lost (eof), and the ring edge(s) alpha -> beta were "
+            "relayed through it, so the ring is broken", None)
+
+
+@host_case(H.READY, sm.RendezvousLost, H.FAILED, ring=("alpha", HOST_NAME, "beta"), head="alpha")
+def rendezvous_lost_with_a_remote_head(h, fire):
+    out = fire(sm.RendezvousLost("eof"))
+    assert out[1] == sm.FailRequests(h.error, "alpha") and "the control link to the head alpha went down" in h.error
+    assert not sends(out, cf.SessionFailed)
+
+
+@host_case(H.READY, sm.Abort, H.FAILED)
+def abort_while_ready(h, fire):
+    failure(fire(sm.Abort("x")), "internal error: x", None, told=(A, B))
+
+
+@host_case(H.READY, sm.Close, H.CLOSED)
+def close_while_ready(h, fire):
+    r = "the host closed the session"
+    assert fire(sm.Close(r)) == [sm.Trace("session_closed", {"reason": r}), sm.FailRequests(r, None),
+                                 sm.CloseLink(A, r), sm.CloseLink(B, r)]
+    assert h.error is None
+
+
+# ---- host: recovering (ready, then the host's own stage broke naming beta) -----------------------
+@host_case(H.RECOVERING, sm.MemberJoined, H.RECOVERING)
+def join_while_recovering_a_full_session(h, fire):
+    assert fire(sm.MemberJoined(C, "gamma", key(C), True))[0] == sm.Send(C, cf.Denied("the session is already complete"))
+
+
+@host_case(H.RECOVERING, sm.Decision, H.RECOVERING, pending=(C,))
+def deny_while_recovering(h, fire):
+    assert fire(sm.Decision(C, False, "no")) == [sm.Send(C, cf.Denied("no")), sm.CloseLink(C, "")]
+
+
+@host_case(H.RECOVERING, sm.PendingTimedOut, H.RECOVERING, pending=(C,))
+def pending_times_out_while_recovering(h, fire):
+    assert fire(sm.PendingTimedOut(C, 9))[0] == sm.Send(C, cf.Denied("the host did not admit this device within 9 s"))
+
+
+@host_case(H.RECOVERING, sm.Planned, H.LOADING)
+def replanned(h, fire):
+    old = h.planned
+    ev = planned((HOST_NAME, "beta", "alpha"), HOST_NAME)
+    out = fire(ev)
+    assert out == [sm.Trace("replanned", {"plan": ev.plan, "epoch": 2, "old_plan": old.plan}),
+                   sm.DistributePlan(ev, epoch=2, replan=True)]
+    assert h.epoch == 2 and h.ring_order == [HOST, B, A] and h.error is None
+
+
+@host_case(H.RECOVERING, sm.Planned, H.RECOVERING)
+def plan_naming_a_member_lost_meanwhile_is_redone(h, fire):
+    h.handle(sm.MemberLost(B, "gone"))
+    out = fire(planned((HOST_NAME, "alpha", "beta"), HOST_NAME))
+    assert len(out) == 1 and order_of(out[0]) == [HOST, A] and h.epoch == 1
+
+
+@host_case(H.RECOVERING, sm.PlanFailed, H.DEGRADED)
+def the_model_no_longer_fits(h, fire):
+    out = fire(sm.PlanFailed("Device 'alpha' cannot hold 3 blocks."))
+    err = "waiting for a member to join: the model no longer fits the 3 member(s) left (Device 'alpha' cannot " \
+          "hold 3 blocks)"
+    assert out == [sm.Trace("degraded", {"reason": err})] and h.error == err
+
+
+@host_case(H.RECOVERING, cf.Capability, H.RECOVERING)
+def capability_while_recovering_waits(h, fire):
+    assert fire(sm.FrameFrom(A, cap_frame())) == []
+
+
+@host_case(H.RECOVERING, cf.Ready, H.RECOVERING)
+def ready_while_recovering_is_stale(h, fire):
+    assert fire(sm.FrameFrom(A, ready_frame(1))) == []
+
+
+@host_case(H.RECOVERING, sm.OwnStageLoaded, H.RECOVERING)
+def own_stage_while_recovering_is_stale(h, fire):
+    assert fire(sm.OwnStageLoaded(dict(LOAD), 1)) == []
+
+
+@host_case(H.RECOVERING, cf.Edges, H.RECOVERING)
+def edges_while_recovering(h, fire):
+    assert fire(sm.FrameFrom(A, cf.Edges([]))) == [sm.EdgesChanged("alpha")]
+
+
+@host_case(H.RECOVERING, cf.Failed, H.RECOVERING)
+def member_failed_while_recovering(h, fire):
+    lost(fire(sm.FrameFrom(B, cf.Failed("oom"))), h, B, "beta", "it failed to load its stage: oom", [HOST, A])
+
+
+@host_case(H.RECOVERING, cf.Leaving, H.RECOVERING)
+def leaving_while_recovering(h, fire):
+    lost(fire(sm.FrameFrom(B, cf.Leaving("bye"))), h, B, "beta", "it is leaving: bye", [HOST, A])
+
+
+@host_case(H.RECOVERING, sm.MemberLost, H.RECOVERING)
+def member_lost_while_recovering(h, fire):
+    lost(fire(sm.MemberLost(B, "gone")), h, B, "beta", "gone", [HOST, A])
+
+
+@host_case(H.RECOVERING, cf.RingBroken, H.RECOVERING)
+def ring_broken_while_recovering_is_ignored(h, fire):
+    assert fire(sm.FrameFrom(A, cf.RingBroken("edge broke", "beta", 1))) == [] and h.reforms == 1
+
+
+@host_case(H.RECOVERING, sm.RingFailed, H.RECOVERING)
+def own_ring_failed_while_recovering_is_ignored(h, fire):
+    assert fire(sm.RingFailed("beta", "again", 1)) == [] and h.reforms == 1
+
+
+@host_case(H.RECOVERING, sm.RendezvousLost, H.FAILED)
+def rendezvous_lost_while_recovering(h, fire):
+    failure(fire(sm.RendezvousLost("eof"))[1:], "the connection to the rendezvous was lost (eof) while the session "
+            "was recovering", None)
+
+
+@host_case(H.RECOVERING, sm.Abort, H.FAILED)
+def abort_while_recovering(h, fire):
+    failure(fire(sm.Abort("x")), "internal error: x", None, told=(A, B))
+
+
+@host_case(H.RECOVERING, sm.Close, H.CLOSED)
+def close_while_recovering(h, fire):
+    out = fire(sm.Close("bye"))
+    assert out[:2] == [sm.Trace("session_closed", {"reason": "bye"}), sm.FailRequests("bye", None)]
+
+
+# ---- host: degraded (recovering, then no plan fits the members left) -----------------------------
+@host_case(H.DEGRADED, sm.MemberJoined, H.DEGRADED)
+def join_while_degraded_and_full(h, fire):
+    assert fire(sm.MemberJoined(C, "gamma", key(C), True))[0] == sm.Send(C, cf.Denied("the session is already complete"))
+
+
+@host_case(H.DEGRADED, sm.Decision, H.DEGRADED, pending=(C,))
+def decision_while_degraded(h, fire):
+    assert fire(sm.Decision(C, True))[1] == sm.CloseLink(C, "")
+
+
+@host_case(H.DEGRADED, sm.PendingTimedOut, H.DEGRADED, pending=(C,))
+def pending_times_out_while_degraded(h, fire):
+    assert fire(sm.PendingTimedOut(C, 1))[1] == sm.CloseLink(C, "")
+
+
+@host_case(H.DEGRADED, cf.Capability, H.RECOVERING)
+def a_member_joins_a_degraded_session(h, fire):
+    h.handle(sm.MemberLost(B, "gone"))
+    h.handle(sm.MemberJoined(C, "gamma", key(C), True))
+    out = fire(sm.FrameFrom(C, cap_frame(64 << 30)))
+    assert out[0] == sm.Trace("member_joined", {"name": "gamma"}) and order_of(out[1]) == [HOST, A, C]
+
+
+@host_case(H.DEGRADED, sm.MemberLost, H.DEGRADED)
+def member_lost_while_degraded_waits(h, fire):
+    out = fire(sm.MemberLost(B, "gone"))
+    msg = "member beta (B) left the session: gone"
+    assert out == [sm.FailRequests(msg, "beta"), sm.Trace("member_lost", {"name": "beta", "peer_id": B,
+                                                                         "reason": "gone"}), sm.CloseLink(B, "")]
+    assert h.error.startswith("waiting for a member to join")  # the degraded reason stays
+
+
+@host_case(H.DEGRADED, cf.Leaving, H.DEGRADED)
+def leaving_while_degraded(h, fire):
+    out = fire(sm.FrameFrom(A, cf.Leaving("bye")))
+    assert out[0] == sm.FailRequests("member alpha (A) left the session: it is leaving: bye", "alpha")
+    assert not any(isinstance(a, sm.MakePlan) for a in out)
+
+
+@host_case(H.DEGRADED, cf.Ready, H.DEGRADED)
+def ready_while_degraded(h, fire):
+    assert fire(sm.FrameFrom(A, ready_frame(1))) == []
+
+
+@host_case(H.DEGRADED, sm.OwnStageLoaded, H.DEGRADED)
+def own_stage_while_degraded(h, fire):
+    assert fire(sm.OwnStageLoaded(dict(LOAD), 1)) == []
+
+
+@host_case(H.DEGRADED, cf.Edges, H.DEGRADED)
+def edges_while_degraded(h, fire):
+    assert fire(sm.FrameFrom(B, cf.Edges([]))) == [sm.EdgesChanged("beta")]
+
+
+@host_case(H.DEGRADED, cf.Failed, H.DEGRADED)
+def failed_while_degraded(h, fire):
+    assert fire(sm.FrameFrom(B, cf.Failed("x")))[0] == sm.FailRequests(
+        "member beta (B) left the session: it failed to load its stage: x", "beta")
+
+
+@host_case(H.DEGRADED, cf.RingBroken, H.DEGRADED)
+def ring_broken_while_degraded(h, fire):
+    assert fire(sm.FrameFrom(B, cf.RingBroken("x", None, 1))) == []
+
+
+@host_case(H.DEGRADED, sm.RingFailed, H.DEGRADED)
+def own_ring_failed_while_degraded(h, fire):
+    assert fire(sm.RingFailed(None, "x", None)) == []
+
+
+@host_case(H.DEGRADED, sm.RendezvousLost, H.FAILED)
+def rendezvous_lost_while_degraded(h, fire):
+    failure(fire(sm.RendezvousLost("eof"))[1:], "the connection to the rendezvous was lost (eof) while the session "
+            "was degraded", None)
+
+
+@host_case(H.DEGRADED, sm.Abort, H.FAILED)
+def abort_while_degraded(h, fire):
+    failure(fire(sm.Abort("x")), "internal error: x", None, told=(A, B))
+
+
+@host_case(H.DEGRADED, sm.Close, H.CLOSED)
+def close_while_degraded(h, fire):
+    assert not traces(fire(sm.Close("bye")), "session_failed")
+
+
+# ---- host: failed -------------------------------------------------------------------------------
+@host_case(H.FAILED, sm.Close, H.CLOSED)
+def close_after_failure(h, fire):
+    err = h.error
+    out = fire(sm.Close("bye"))
+    assert out == [sm.Trace("session_closed", {"reason": "bye"}), sm.CloseLink(A, "bye"), sm.CloseLink(B, "bye")]
+    assert h.error == err  # the failure stays the session's error
+
+
+# ---- the row tests ------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", HOST_ROWS.cases, ids=lambda c: c.id)
+def test_host_row(case):
+    HOST_ROWS.run(case)
+
+
+#: Allowed by the table but never taken by the machine: a `failed` frame is always a loss (the host
+#: replans), and the reform counter restarts at `ready`, so a break while ready always re-forms.
+HOST_UNREACHABLE = {(H.READY, cf.Failed, H.FAILED), (H.READY, cf.RingBroken, H.FAILED),
+                    (H.READY, sm.RingFailed, H.FAILED)}
+
+
+def test_every_row_has_a_case():
+    cases, table = HOST_ROWS.pairs()
+    assert cases == table
+
+
+def test_every_allowed_transition_is_reached_by_a_case():
+    cases, table = HOST_ROWS.triples()
+    assert HOST_UNREACHABLE <= table and not HOST_UNREACHABLE & cases
+    assert cases == table - HOST_UNREACHABLE
