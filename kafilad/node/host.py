@@ -158,7 +158,7 @@ class HostSession:
             if ev is not None:
                 ev.set()
         elif isinstance(a, sm.MakePlan):
-            self.nursery.start_soon(self._make_plan, a.order)
+            self.nursery.start_soon(self._make_plan, a.order, a.seq)
         elif isinstance(a, sm.DistributePlan):
             await self._drop_stage()
             self.nursery.start_soon(self._distribute, a.planned, a.epoch)
@@ -359,7 +359,7 @@ class HostSession:
         await link.send(cf.Data(f.id, data).to_wire())
 
     # ---- formation --------------------------------------------------------------------------
-    async def _make_plan(self, order: tuple) -> None:
+    async def _make_plan(self, order: tuple, seq: int) -> None:
         self.fleet_devices = [Device(name=e.name, memory_bytes=int(e.capability["memory_bytes"]),
                                      bandwidth_Bps=e.capability.get("bandwidth_Bps"),
                                      step_overhead_s=float(e.capability.get("step_overhead_s") or 0.0),
@@ -370,11 +370,11 @@ class HostSession:
             plan = make_plan(self.fleet_devices, self.info.profile(float_dtype_bytes=HOLD_DTYPE_BYTES),
                              context=self.context, concurrency=self.concurrency)
         except KafilaError as e:
-            await self._handle(sm.PlanFailed(str(e)))
+            await self._handle(sm.PlanFailed(str(e), seq))
             return
         self.plan = plan
         await self._handle(sm.Planned(plan=plan.to_json(), blocks=dict(plan.blocks), head=plan.head,
-                                      order=tuple(plan.order)))
+                                      order=tuple(plan.order), seq=seq))
 
     async def _drop_stage(self) -> None:
         """End the host's stage of an earlier plan: its ring tasks and both of its ring links."""

@@ -31,280 +31,21 @@ place are our bug: :class:`LocalProtocolError`. In ``failed`` and ``closed`` eve
 
 from __future__ import annotations
 
-import enum
 from typing import Optional
-
-import attrs
 
 from kafilad.errors import LocalProtocolError
 from kafilad.proto import control as cf
-
-
-class HostState(str, enum.Enum):
-    STARTING = "starting"
-    FORMING = "forming"
-    PLANNING = "planning"
-    LOADING = "loading"
-    READY = "ready"
-    #: a member was lost or the ring broke: requests failed, the host replans over the survivors
-    RECOVERING = "recovering"
-    #: the model no longer fits the members left; waits for a member to join (``error`` says what is missing)
-    DEGRADED = "degraded"
-    FAILED = "failed"
-    CLOSED = "closed"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class MemberState(str, enum.Enum):
-    JOINING = "joining"
-    PENDING = "pending"
-    ADMITTED = "admitted"
-    MEASURED = "measured"
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-    CLOSED = "closed"
-
-    def __str__(self) -> str:
-        return self.value
-
+from kafilad.proto.session_events import (  # noqa: F401 - re-exported: the machines' vocabulary
+    Registered, MemberJoined, Decision, PendingTimedOut, OwnCapability, FrameFrom,
+    Planned, PlanFailed, OwnStageLoaded, MemberLost, RingFailed, RendezvousLost,
+    JoinFailed, Abort, Close, CapabilitySent, StageLoaded, LoadFailed,
+    HostLinkLost, SessionEnded, Send, CloseLink, Remember, MakePlan,
+    DistributePlan, StartLoad, FailRequests, Trace, Formed, EdgesChanged,
+    Refused, JoinAccepted, MemberEntry, PendingEntry, HostState, MemberState,
+)
 
 #: States in which a session is over: only Close is handled.
 _OVER = (HostState.FAILED, HostState.CLOSED, MemberState.FAILED, MemberState.CLOSED)
-
-
-# ---- events -----------------------------------------------------------------------------------
-@attrs.frozen
-class Registered:
-    """The rendezvous created the session (proto_spec 03 `registered`)."""
-    session_id: str
-
-
-@attrs.frozen
-class MemberJoined:
-    """A member finished the Noise handshake on its ctl link (DESIGN §4). ``trusted``: its key is in the roster."""
-    peer_id: str
-    name: str
-    public_key: bytes
-    trusted: bool
-
-
-@attrs.frozen
-class Decision:
-    """`kafila-ctl admit|deny` for a pending member."""
-    peer_id: str
-    admit: bool
-    reason: str = ""
-
-
-@attrs.frozen
-class PendingTimedOut:
-    peer_id: str
-    timeout_s: float
-
-
-@attrs.frozen
-class OwnCapability:
-    """The host measured itself (DESIGN §5.1)."""
-    capability: dict
-
-
-@attrs.frozen
-class FrameFrom:
-    """A control frame (kafilad/proto/control.py) from member ``peer_id``."""
-    peer_id: str
-    frame: object
-
-
-@attrs.frozen
-class Planned:
-    """The planner's result: ``blocks`` name -> (start, end), ``head`` name, ``order`` names in ring order."""
-    plan: dict
-    blocks: dict
-    head: str
-    order: tuple
-
-
-@attrs.frozen
-class PlanFailed:
-    reason: str
-
-
-@attrs.frozen
-class OwnStageLoaded:
-    load: dict
-    epoch: int = 0
-
-
-@attrs.frozen
-class MemberLost:
-    """A member's ctl link ended, or the rendezvous said it left."""
-    peer_id: str
-    reason: str
-
-
-@attrs.frozen
-class RingFailed:
-    """This daemon's ring stage broke; ``member`` is the one the failure names; ``epoch`` the plan it served."""
-    member: Optional[str]
-    reason: str
-    epoch: Optional[int] = None
-
-
-@attrs.frozen
-class RendezvousLost:
-    """The rendezvous connection ended (DESIGN §2). Host: ``relayed_edges`` lists "a -> b" of edges
-    still relayed; member: ``edges_direct`` says both of its ring edges are direct."""
-    reason: str
-    relayed_edges: tuple = ()
-    edges_direct: bool = False
-
-
-@attrs.frozen
-class JoinFailed:
-    """Member: the join ended before admission (rendezvous unreachable, wrong host key...); ``message`` says why."""
-    message: str
-
-
-@attrs.frozen
-class Abort:
-    """The driver hit an internal error; the session fails with ``reason`` (the daemon lives on)."""
-    reason: str
-
-
-@attrs.frozen
-class Close:
-    """The user closes the session (`kafila-ctl leave`), or the daemon stops."""
-    reason: str
-
-
-@attrs.frozen
-class CapabilitySent:
-    capability: dict
-
-
-@attrs.frozen
-class StageLoaded:
-    load: dict
-    epoch: int = 0
-
-
-@attrs.frozen
-class LoadFailed:
-    reason: str
-
-
-@attrs.frozen
-class HostLinkLost:
-    reason: str
-
-
-@attrs.frozen
-class SessionEnded:
-    """The rendezvous says the session is gone, or another member left it (member side)."""
-    reason: str
-    member: Optional[str] = None
-
-
-# ---- actions ----------------------------------------------------------------------------------
-@attrs.frozen
-class Send:
-    """Send ``frame`` on the ctl link of ``peer_id`` (member side: the host; peer_id "")."""
-    peer_id: str
-    frame: object
-
-
-@attrs.frozen
-class CloseLink:
-    peer_id: str
-    reason: str
-
-
-@attrs.frozen
-class Remember:
-    """Store the member's key in the trusted roster (DESIGN §4)."""
-    peer_id: str
-    name: str
-    public_key: bytes
-
-
-@attrs.frozen
-class MakePlan:
-    """Run the planner over ``order`` (MemberEntry, the host first)."""
-    order: tuple
-
-
-@attrs.frozen
-class DistributePlan:
-    """Send each remote member its `plan` frame (with ``epoch``) and load the host's own stage.
-    ``replan``: stages of an earlier plan exist and are replaced (DESIGN §3, healing)."""
-    planned: Planned
-    epoch: int = 1
-    replan: bool = False
-
-
-@attrs.frozen
-class StartLoad:
-    """Member: fetch, verify and build the stage of this plan frame."""
-    plan: object
-
-
-@attrs.frozen
-class FailRequests:
-    """Fail every request in flight with ``reason`` naming ``member``."""
-    reason: str
-    member: Optional[str]
-
-
-@attrs.frozen
-class Trace:
-    kind: str
-    fields: dict = attrs.field(factory=dict)
-
-
-@attrs.frozen
-class Formed:
-    """Every stage is ready: the driver writes `edges` and `session_formed` trace records."""
-
-
-@attrs.frozen
-class EdgesChanged:
-    reporter: str
-
-
-@attrs.frozen
-class Refused:
-    """Member: the join ends before admission with this sentence."""
-    message: str
-
-
-@attrs.frozen
-class JoinAccepted:
-    """Member: admitted; the `join` command returns."""
-
-
-# ---- records ----------------------------------------------------------------------------------
-@attrs.define
-class MemberEntry:
-    """One member as the host sees it. The host's own entry has ``is_host``."""
-    peer_id: str
-    name: str
-    public_key: bytes
-    is_host: bool = False
-    capability: Optional[dict] = None
-    ready: bool = False
-    lost: Optional[str] = None
-    control_down: bool = False
-    load: dict = attrs.field(factory=dict)
-
-
-@attrs.define
-class PendingEntry:
-    peer_id: str
-    name: str
-    public_key: bytes
 
 
 H = HostState
@@ -329,9 +70,10 @@ _EVENTS = {"Registered": Registered, "OwnCapability": OwnCapability, "Capability
 HOST_TABLE: dict = {
     H.STARTING: {Registered: {H.FORMING}, Abort: {H.FAILED}, Close: {H.CLOSED}},
     H.FORMING: _row(H.FORMING, OwnCapability={H.FORMING, H.PLANNING}, Capability={H.FORMING, H.PLANNING},
-                    MemberLost={H.FORMING}, Leaving={H.FORMING}, RendezvousLost={H.FAILED}),
+                    MemberLost={H.FORMING}, Leaving={H.FORMING}, Failed={H.FORMING}, RendezvousLost={H.FAILED}),
     H.PLANNING: _row(H.PLANNING, Planned={H.LOADING}, PlanFailed={H.FAILED}, Capability={H.PLANNING},
-                     MemberLost={H.RECOVERING}, Leaving={H.RECOVERING}, RendezvousLost={H.FAILED}),
+                     MemberLost={H.RECOVERING}, Leaving={H.RECOVERING}, Failed={H.RECOVERING},
+                     RendezvousLost={H.FAILED}),
     H.LOADING: _row(H.LOADING, Ready={H.LOADING, H.READY, H.RECOVERING}, OwnStageLoaded={H.LOADING, H.READY, H.RECOVERING},
                     Edges={H.LOADING}, Capability={H.LOADING}, Failed={H.RECOVERING, H.FAILED},
                     Leaving={H.RECOVERING}, MemberLost={H.RECOVERING}, RingBroken={H.LOADING, H.RECOVERING, H.FAILED},
@@ -435,6 +177,8 @@ class HostMachine(_Machine):
         #: members lost since formation, by peer id (shown in status until they return)
         self.lost: dict[str, MemberEntry] = {}
         self.reforms = 0
+        #: the latest MakePlan's sequence number
+        self.plan_seq = 0
 
     # -- queries --
     def name_of(self, peer_id: str) -> str:
@@ -464,6 +208,8 @@ class HostMachine(_Machine):
         Raises:
             LocalProtocolError: a local event this state does not take (a driver bug).
         """
+        if isinstance(event, (Planned, PlanFailed)) and event.seq is not None and event.seq != self.plan_seq:
+            return []  # the answer to a plan request made before a later loss
         row = self._row(event)
         if row is None:
             return []
@@ -473,6 +219,8 @@ class HostMachine(_Machine):
                                              f"{getattr(frame, 'T', type(frame).__name__)} frame while the "
                                              f"session was {self.state}")]
         if isinstance(event, FrameFrom):
+            if event.peer_id not in self.members:
+                return []  # a frame already in flight from a member lost meanwhile
             return getattr(self, "_on_" + event.frame.T)(event.peer_id, event.frame, row)
         return getattr(self, "_on_" + type(event).__name__)(event, row)
 
@@ -540,10 +288,14 @@ class HostMachine(_Machine):
                 self._replan(row)
         return []  # planning, loading or recovering: planned in once the session is ready (_maybe_ready)
 
+    def _make_plan(self, entries) -> MakePlan:
+        self.plan_seq += 1
+        return MakePlan(tuple(entries), self.plan_seq)
+
     def _replan(self, row) -> list:
         """Plan again over every live, measured member (RECOVERING; MakePlan)."""
         self._enter(HostState.RECOVERING, row)
-        return [MakePlan(tuple(e for e in self.live() if e.capability))]
+        return [self._make_plan(e for e in self.live() if e.capability)]
 
     def _maybe_plan(self, row) -> list:
         self.changed = True
@@ -551,7 +303,7 @@ class HostMachine(_Machine):
         if len(live) < self.expected or not all(e.capability for e in live):
             return []
         self._enter(HostState.PLANNING, row)
-        return [MakePlan(tuple(live))]
+        return [self._make_plan(live)]
 
     def _on_Planned(self, ev: Planned, row) -> list:
         names = {e.name: e.peer_id for e in self.live()}
@@ -705,6 +457,9 @@ class HostMachine(_Machine):
         self.culprit = culprit
         self._enter(HostState.FAILED, row)
         out = [FailRequests(reason, culprit), Trace("session_failed", {"reason": reason})]
+        for p in list(self.pending):  # a device still waiting for `admit` is answered, not left hanging
+            out += [Send(p, cf.Denied(f"the session failed: {reason}")), CloseLink(p, "")]
+        self.pending.clear()
         if tell:
             out += [Send(e.peer_id, cf.SessionFailed(reason)) for e in self.members.values()
                     if not e.is_host and e.lost is None and not e.control_down]
@@ -797,14 +552,14 @@ class MemberMachine(_Machine):
         return self._fail(ev.reason, None, row) + [Send("", cf.Failed(ev.reason))]
 
     def _on_RingFailed(self, ev: RingFailed, row) -> list:
+        epoch = self.plan.epoch if self.plan is not None else None
+        if ev.epoch is not None and epoch is not None and ev.epoch != epoch:
+            return []  # the ring of an earlier plan
         self.ring_broken = ev
         if self.rendezvous_lost is not None and self.state == MemberState.READY:
             return self._fail(f"{ev.reason} (the connection to the rendezvous was lost: "
                               f"{self.rendezvous_lost.rstrip('.')})", ev.member, row)
         self.changed = True
-        epoch = self.plan.epoch if self.plan is not None else None
-        if ev.epoch is not None and epoch is not None and ev.epoch != epoch:
-            return []  # the ring of an earlier plan
         return [Send("", cf.RingBroken(reason=ev.reason, member=ev.member, epoch=epoch))]
 
     def _on_HostLinkLost(self, ev: HostLinkLost, row) -> list:

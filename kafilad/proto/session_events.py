@@ -1,0 +1,286 @@
+"""Events, actions and records of the session machines (kafilad/proto/session.py; proto_spec 05).
+
+Events go into :meth:`HostMachine.handle` / :meth:`MemberMachine.handle`; actions come out for the
+drivers (kafilad/node/host.py, member.py) to perform. All frozen attrs classes; pure.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import attrs
+
+
+class HostState(str, enum.Enum):
+    STARTING = "starting"
+    FORMING = "forming"
+    PLANNING = "planning"
+    LOADING = "loading"
+    READY = "ready"
+    #: a member was lost or the ring broke: requests failed, the host replans over the survivors
+    RECOVERING = "recovering"
+    #: the model no longer fits the members left; waits for a member to join (``error`` says what is missing)
+    DEGRADED = "degraded"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class MemberState(str, enum.Enum):
+    JOINING = "joining"
+    PENDING = "pending"
+    ADMITTED = "admitted"
+    MEASURED = "measured"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: States in which a session is over: only Close is handled.
+_OVER = (HostState.FAILED, HostState.CLOSED, MemberState.FAILED, MemberState.CLOSED)
+
+
+
+# ---- events -----------------------------------------------------------------------------------
+@attrs.frozen
+class Registered:
+    """The rendezvous created the session (proto_spec 03 `registered`)."""
+    session_id: str
+
+
+@attrs.frozen
+class MemberJoined:
+    """A member finished the Noise handshake on its ctl link (DESIGN §4). ``trusted``: its key is in the roster."""
+    peer_id: str
+    name: str
+    public_key: bytes
+    trusted: bool
+
+
+@attrs.frozen
+class Decision:
+    """`kafila-ctl admit|deny` for a pending member."""
+    peer_id: str
+    admit: bool
+    reason: str = ""
+
+
+@attrs.frozen
+class PendingTimedOut:
+    peer_id: str
+    timeout_s: float
+
+
+@attrs.frozen
+class OwnCapability:
+    """The host measured itself (DESIGN §5.1)."""
+    capability: dict
+
+
+@attrs.frozen
+class FrameFrom:
+    """A control frame (kafilad/proto/control.py) from member ``peer_id``."""
+    peer_id: str
+    frame: object
+
+
+@attrs.frozen
+class Planned:
+    """The planner's result: ``blocks`` name -> (start, end), ``head`` name, ``order`` names in ring order."""
+    plan: dict
+    blocks: dict
+    head: str
+    order: tuple
+    #: the MakePlan this answers (None: the latest); an answer to an earlier request is stale
+    seq: Optional[int] = None
+
+
+@attrs.frozen
+class PlanFailed:
+    reason: str
+    seq: Optional[int] = None
+
+
+@attrs.frozen
+class OwnStageLoaded:
+    load: dict
+    epoch: int = 0
+
+
+@attrs.frozen
+class MemberLost:
+    """A member's ctl link ended, or the rendezvous said it left."""
+    peer_id: str
+    reason: str
+
+
+@attrs.frozen
+class RingFailed:
+    """This daemon's ring stage broke; ``member`` is the one the failure names; ``epoch`` the plan it served."""
+    member: Optional[str]
+    reason: str
+    epoch: Optional[int] = None
+
+
+@attrs.frozen
+class RendezvousLost:
+    """The rendezvous connection ended (DESIGN §2). Host: ``relayed_edges`` lists "a -> b" of edges
+    still relayed; member: ``edges_direct`` says both of its ring edges are direct."""
+    reason: str
+    relayed_edges: tuple = ()
+    edges_direct: bool = False
+
+
+@attrs.frozen
+class JoinFailed:
+    """Member: the join ended before admission (rendezvous unreachable, wrong host key...); ``message`` says why."""
+    message: str
+
+
+@attrs.frozen
+class Abort:
+    """The driver hit an internal error; the session fails with ``reason`` (the daemon lives on)."""
+    reason: str
+
+
+@attrs.frozen
+class Close:
+    """The user closes the session (`kafila-ctl leave`), or the daemon stops."""
+    reason: str
+
+
+@attrs.frozen
+class CapabilitySent:
+    capability: dict
+
+
+@attrs.frozen
+class StageLoaded:
+    load: dict
+    epoch: int = 0
+
+
+@attrs.frozen
+class LoadFailed:
+    reason: str
+
+
+@attrs.frozen
+class HostLinkLost:
+    reason: str
+
+
+@attrs.frozen
+class SessionEnded:
+    """The rendezvous says the session is gone, or another member left it (member side)."""
+    reason: str
+    member: Optional[str] = None
+
+
+# ---- actions ----------------------------------------------------------------------------------
+@attrs.frozen
+class Send:
+    """Send ``frame`` on the ctl link of ``peer_id`` (member side: the host; peer_id "")."""
+    peer_id: str
+    frame: object
+
+
+@attrs.frozen
+class CloseLink:
+    peer_id: str
+    reason: str
+
+
+@attrs.frozen
+class Remember:
+    """Store the member's key in the trusted roster (DESIGN §4)."""
+    peer_id: str
+    name: str
+    public_key: bytes
+
+
+@attrs.frozen
+class MakePlan:
+    """Run the planner over ``order`` (MemberEntry, the host first); answer with Planned/PlanFailed(seq=seq)."""
+    order: tuple
+    seq: int = 0
+
+
+@attrs.frozen
+class DistributePlan:
+    """Send each remote member its `plan` frame (with ``epoch``) and load the host's own stage.
+    ``replan``: stages of an earlier plan exist and are replaced (DESIGN §3, healing)."""
+    planned: Planned
+    epoch: int = 1
+    replan: bool = False
+
+
+@attrs.frozen
+class StartLoad:
+    """Member: fetch, verify and build the stage of this plan frame."""
+    plan: object
+
+
+@attrs.frozen
+class FailRequests:
+    """Fail every request in flight with ``reason`` naming ``member``."""
+    reason: str
+    member: Optional[str]
+
+
+@attrs.frozen
+class Trace:
+    kind: str
+    fields: dict = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Formed:
+    """Every stage is ready: the driver writes `edges` and `session_formed` trace records."""
+
+
+@attrs.frozen
+class EdgesChanged:
+    reporter: str
+
+
+@attrs.frozen
+class Refused:
+    """Member: the join ends before admission with this sentence."""
+    message: str
+
+
+@attrs.frozen
+class JoinAccepted:
+    """Member: admitted; the `join` command returns."""
+
+
+# ---- records ----------------------------------------------------------------------------------
+@attrs.define
+class MemberEntry:
+    """One member as the host sees it. The host's own entry has ``is_host``."""
+    peer_id: str
+    name: str
+    public_key: bytes
+    is_host: bool = False
+    capability: Optional[dict] = None
+    ready: bool = False
+    lost: Optional[str] = None
+    control_down: bool = False
+    load: dict = attrs.field(factory=dict)
+
+
+@attrs.define
+class PendingEntry:
+    peer_id: str
+    name: str
+    public_key: bytes
+
+
