@@ -57,7 +57,20 @@ class HttpError(Exception):
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
 
 
-async def serve_openai_api(node, host: str, port: int, *, limits: HttpLimits = HttpLimits(),
+def default_limits() -> HttpLimits:
+    """HttpLimits whose connection limit leaves 3/4 of this process's file handles to the rest of the
+    daemon (control socket, ring links, model files): at most 256, at least 16."""
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 20
+    except (ImportError, ValueError, OSError):
+        soft = 1024
+    return HttpLimits(max_connections=max(16, min(256, soft // 4)))
+
+
+async def serve_openai_api(node, host: str, port: int, *, limits: Optional[HttpLimits] = None,
                            task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the API for `node` on host:port until cancelled; `task_status.started(actual_port)`.
 
@@ -73,7 +86,7 @@ async def serve_openai_api(node, host: str, port: int, *, limits: HttpLimits = H
                           "pick another with --http HOST:PORT, or --http off.") from None
     actual = listeners[0].socket.getsockname()[1]
     log.info("OpenAI-compatible API on http://%s:%s/v1", host, actual)
-    server = HttpServer(partial(handle, node), limits)
+    server = HttpServer(partial(handle, node), limits or default_limits())
     task_status.started(actual)
     await server.serve(listeners)
 
