@@ -46,11 +46,12 @@ def ready_frame(epoch=1) -> cf.Ready:
                     epoch=epoch)
 
 
-def planned(order: tuple, head: str) -> sm.Planned:
-    """A Planned event over member names ``order`` (ring order, head first): two blocks each."""
+def planned(order: tuple, head: str, seq=None) -> sm.Planned:
+    """A Planned event over member names ``order`` (ring order, head first): two blocks each.
+    ``seq``: the MakePlan it answers (host.py passes it; None: the latest)."""
     blocks = {name: (2 * i, 2 * i + 2) for i, name in enumerate(order)}
     return sm.Planned(plan={"blocks": {n: list(b) for n, b in blocks.items()}, "head": head},
-                      blocks=blocks, head=head, order=tuple(order))
+                      blocks=blocks, head=head, order=tuple(order), seq=seq)
 
 
 def plan_frame(start: int = 2, end: int = 4, head: bool = False, epoch=1) -> cf.PlanFrame:
@@ -101,7 +102,7 @@ def walk_host(to: sm.HostState, *, expected: int = 3, members=(A, B), pending=()
     if to == H.PLANNING:
         return h
     names = ring or tuple([HOST_NAME] + [NAMES[p] for p in members])
-    h.handle(planned(names, head))
+    h.handle(planned(names, head, h.plan_seq))
     assert h.state == H.LOADING and h.epoch == 1
     if to == H.LOADING:
         return h
@@ -113,7 +114,7 @@ def walk_host(to: sm.HostState, *, expected: int = 3, members=(A, B), pending=()
         h.handle(sm.RingFailed("beta", "beta stopped answering", h.epoch))
         assert h.state == H.RECOVERING
         if to == H.DEGRADED:
-            h.handle(sm.PlanFailed("Device 'alpha' cannot hold 3 blocks."))
+            h.handle(sm.PlanFailed("Device 'alpha' cannot hold 3 blocks.", h.plan_seq))
     elif to == H.FAILED:
         h.handle(sm.Abort("walked into failed"))
     else:
@@ -132,10 +133,10 @@ def load_all(h: sm.HostMachine) -> list:
 
 
 def replan(h: sm.HostMachine, head: str = HOST_NAME) -> list:
-    """Answer the host's last MakePlan with a plan over the same members (``head`` first)."""
+    """Answer the host's last MakePlan (h.plan_seq) with a plan over the same members (``head`` first)."""
     names = [e.name for e in h.live() if e.capability]
     order = [head] + [n for n in names if n != head]
-    return h.handle(planned(tuple(order), head))
+    return h.handle(planned(tuple(order), head, h.plan_seq))
 
 
 def walk_member(to: sm.MemberState, *, epoch=1) -> sm.MemberMachine:
@@ -222,7 +223,7 @@ class SessionPair:
         """What host.py's planner task does with the last MakePlan: a Planned over its members."""
         make = [a for a in self.host_log if isinstance(a, sm.MakePlan)][-1]
         names = [e.name for e in make.order]
-        ev = planned(tuple([head] + [n for n in names if n != head]), head)
+        ev = planned(tuple([head] + [n for n in names if n != head]), head, make.seq)
         self.to_host(ev)
         return ev
 

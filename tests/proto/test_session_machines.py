@@ -128,6 +128,12 @@ def member_leaving_while_forming_is_dropped(h, fire):
     assert A not in h.members and h.error is None
 
 
+@host_case(H.FORMING, cf.Failed, H.FORMING)
+def member_failed_while_forming_is_dropped(h, fire):
+    assert fire(sm.FrameFrom(A, cf.Failed("internal error: RuntimeError()"))) == []  # its daemon aborted
+    assert A not in h.members and h.error is None
+
+
 @host_case(H.FORMING, sm.RendezvousLost, H.FAILED)
 def rendezvous_lost_while_forming(h, fire):
     out = fire(sm.RendezvousLost("socket closed."))
@@ -174,7 +180,7 @@ def pending_times_out_while_planning(h, fire):
 
 @host_case(H.PLANNING, sm.Planned, H.LOADING)
 def planned_distributes_epoch_1(h, fire):
-    ev = planned(("beta", HOST_NAME, "alpha"), head="beta")
+    ev = planned(("beta", HOST_NAME, "alpha"), head="beta", seq=h.plan_seq)
     out = fire(ev)
     assert out == [sm.Trace("plan", {"plan": ev.plan, "epoch": 1}), sm.DistributePlan(ev, epoch=1, replan=False)]
     assert h.ring_order == [B, HOST, A] and h.head().peer_id == B and h.planned == ev and h.epoch == 1
@@ -206,6 +212,11 @@ def leaving_while_planning(h, fire):
     out = fire(sm.FrameFrom(B, cf.Leaving("its daemon is shutting down")))
     lost(out, h, B, "beta", "it is leaving: its daemon is shutting down", [HOST, A])
     assert out[-1] == sm.CloseLink(B, "")
+
+
+@host_case(H.PLANNING, cf.Failed, H.RECOVERING)
+def member_failed_while_planning(h, fire):
+    lost(fire(sm.FrameFrom(A, cf.Failed("oom"))), h, A, "alpha", "it failed to load its stage: oom", [HOST, B])
 
 
 @host_case(H.PLANNING, sm.RendezvousLost, H.FAILED)

@@ -179,7 +179,7 @@ def pending_times_out_while_recovering(h, fire):
 @host_case(H.RECOVERING, sm.Planned, H.LOADING)
 def replanned(h, fire):
     old = h.planned
-    ev = planned((HOST_NAME, "beta", "alpha"), HOST_NAME)
+    ev = planned((HOST_NAME, "beta", "alpha"), HOST_NAME, h.plan_seq)
     out = fire(ev)
     assert out == [sm.Trace("replanned", {"plan": ev.plan, "epoch": 2, "old_plan": old.plan}),
                    sm.DistributePlan(ev, epoch=2, replan=True)]
@@ -189,7 +189,7 @@ def replanned(h, fire):
 @host_case(H.RECOVERING, sm.Planned, H.RECOVERING)
 def plan_naming_a_member_lost_meanwhile_is_redone(h, fire):
     h.handle(sm.MemberLost(B, "gone"))
-    out = fire(planned((HOST_NAME, "alpha", "beta"), HOST_NAME))
+    out = fire(planned((HOST_NAME, "alpha", "beta"), HOST_NAME))  # seq None: "the latest request"
     assert len(out) == 1 and order_of(out[0]) == [HOST, A] and h.epoch == 1
 
 
