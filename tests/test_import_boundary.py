@@ -34,6 +34,16 @@ def test_pure_packages_import_no_io(sub):
         assert not bad, f"{path.relative_to(PKG.parent)} imports {sorted(bad)}"
 
 
+#: pure modules outside proto/ and planner/ (sans-IO machines driven by trio code next to them)
+PURE_MODULES = ["node/scheduler.py"]
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_pure_modules_import_no_io(module):
+    bad = imported_roots(PKG / module) & {"trio", "socket", "mlx", "mlx_lm", "asyncio", "trio_websocket"}
+    assert not bad, f"kafilad/{module} imports {sorted(bad)}"
+
+
 def test_aioice_only_pure_modules():
     for path in sorted(PKG.rglob("*.py")):
         mods = {m for m in imported_modules(path) if m.split(".")[0] == "aioice"}

@@ -1,0 +1,510 @@
+"""The head's serving policy on the ring, with no I/O (DESIGN §6 "Batched decode"; proto_spec 05 §3).
+
+`HeadScheduler` decides what the head sends round the ring, when a request's token streams, and
+when a request ends and finishes. It imports no trio, MLX or sockets: its driver
+(kafilad/node/ring.py `RingMember`) feeds it typed events and executes the actions it returns, in
+order (h11 / aioquic style, STYLE.md)::
+
+    driver                                     HeadScheduler
+    generate() ───────── RequestArrived ─────▶ SendPrefillChunk
+    an act returns ───── PassReturned ───────▶ SendPrefillChunk | EndRequest* SampleTokens | SendDecodeStep
+    rows sampled ─────── TokensSampled ──────▶ (EmitToken | EndRequest | SendDecodeStep)* SendDecodeStep
+    an end returns ───── EndReturned ────────▶ FinishRequest
+    client gone ──────── RequestCancelled ───▶ EndRequest now, or when its pass returns
+    stage error ──────── PassFailed ─────────▶ FinishRequest* SendDecodeStep
+    ring broken ──────── RingBroken ─────────▶ FinishRequest for every request
+
+A request's life (`Phase`; `_TRANSITIONS` is the whole table)::
+
+    PREFILLING ─(last chunk back)─▶ SAMPLING ─▶ DECODE_READY ─(step sent)─▶ DECODING ─(back)─▶ SAMPLING ...
+      └─(chunk back: next chunk)       └──(EOS, max tokens, cancelled)──▶ ENDING ─(end back)─▶ DONE
+    (any phase ─▶ DONE when its pass fails or the ring breaks)
+
+Policy (DESIGN §6, §9 item 4: a batch of 4 costs about one of 1 on a CPU):
+- Prefill is split exactly as mlx-lm's `generate_step` splits it: prompt[:-1] in chunks of
+  PREFILL_STEP_TOKENS, then the last prompt token alone, the first *sampled* pass, so greedy
+  output is token-identical to single-process mlx-lm. Prefill stays per request: each request's
+  chunks go round alone, as soon as it arrives, and may overlap the decode step in flight.
+- Decode runs in lockstep: at most one decode step is in flight. A request whose token was just
+  sampled is *decode-ready*. When no decode step is in flight, the head sends one step carrying
+  every decode-ready request (the previous step's order kept, newcomers appended in the order
+  they became ready, so the stages' `BatchKVCache` rows need no permutation). When it returns,
+  the head samples every row, streams each request's token, ends the finished ones (EOS or
+  max tokens; their `end` frames go before the next step) and at once sends the next step with
+  every decode-ready request, including those whose prefill finished while the step was out.
+  A step of one request is sent in the single form, so a lone request decodes as generate_step.
+- With batching off (`KAFILA_BATCH=0`), every request decodes in its own one-request passes,
+  pipelined round the ring; they are not counted as decode steps.
+- A request is never in two acts at once. A request cancelled (its client went away or read too
+  slowly) while one of its passes is out ends when that pass returns; its row is not sampled.
+
+Statistics: per request, `circuit_s` holds one entry per pass (from the pass's start, or for a
+decode step from the sampling of the previous token, to its return: the token interval the
+client sees), `hop_compute_s` every stage's `dt` of its decode steps, `batch_rows` the B of
+every lockstep step it took part in; `StageStats` keeps each member's rows of the `end` frame
+(proto_spec 05 §3 "Statistics of a batched step": `dt / B` and bytes / B shares).
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+from typing import Iterable, Optional, Union
+
+import attrs
+
+from kafilad.errors import LocalProtocolError, RemoteProtocolError
+
+#: mlx-lm's generate_step default prefill chunk (tokens); the head splits prompts by it.
+PREFILL_STEP_TOKENS = 2048
+
+
+def prefill_chunks(ids: Iterable[int], step_tokens: int = PREFILL_STEP_TOKENS) -> list[tuple[int, ...]]:
+    """Split a prompt as mlx-lm's generate_step does: prompt[:-1] by `step_tokens`, then (last,).
+
+    Args:
+        ids: the prompt's token ids. step_tokens: the largest chunk (tokens).
+    Returns:
+        Non-empty chunks whose concatenation is `ids`; the last is the one token to be sampled.
+    Raises:
+        ValueError: an empty prompt or a non-positive chunk size.
+    """
+    ids = tuple(ids)
+    if not ids:
+        raise ValueError("A prompt needs at least one token.")
+    if step_tokens < 1:
+        raise ValueError("step_tokens must be at least 1.")
+    body = ids[:-1]
+    return [body[i:i + step_tokens] for i in range(0, len(body), step_tokens)] + [ids[-1:]]
+
+
+class Phase(enum.Enum):
+    """Where a request is at the head."""
+
+    PREFILLING = "prefilling"  # one of its prefill chunks is round the ring
+    SAMPLING = "sampling"  # its sampled pass returned; the driver is sampling its row
+    DECODE_READY = "decode_ready"  # its token is sampled; it waits for the next lockstep step
+    DECODING = "decoding"  # it is in the decode step (or, batching off, its own pass) in flight
+    ENDING = "ending"  # its `end` frame is round the ring, freeing caches and gathering statistics
+    DONE = "done"  # finished, with or without an error; the scheduler forgets it
+
+
+_TRANSITIONS: dict[Optional[Phase], frozenset[Phase]] = {
+    None: frozenset({Phase.PREFILLING, Phase.DONE}),
+    Phase.PREFILLING: frozenset({Phase.PREFILLING, Phase.SAMPLING, Phase.ENDING, Phase.DONE}),
+    Phase.SAMPLING: frozenset({Phase.DECODE_READY, Phase.DECODING, Phase.ENDING, Phase.DONE}),
+    Phase.DECODE_READY: frozenset({Phase.DECODING, Phase.ENDING, Phase.DONE}),
+    Phase.DECODING: frozenset({Phase.SAMPLING, Phase.ENDING, Phase.DONE}),
+    Phase.ENDING: frozenset({Phase.DONE}),
+    Phase.DONE: frozenset(),
+}
+
+
+# ---- events (driver → scheduler) -------------------------------------------------------------
+@attrs.frozen
+class RequestArrived:
+    """A generation starts at the head. `now_s`: the driver's monotonic clock (s)."""
+
+    req: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float
+    now_s: float
+
+
+@attrs.frozen
+class PassReturned:
+    """An `act` came back to the head: `reqs` its rows in order, `hops` its [peer_id, compute_s]."""
+
+    reqs: tuple[str, ...]
+    sample: bool
+    hops: tuple[tuple[str, float], ...]
+    now_s: float
+
+
+@attrs.frozen
+class TokensSampled:
+    """The driver sampled the rows a `SampleTokens` asked for: tokens[i] belongs to reqs[i]."""
+
+    reqs: tuple[str, ...]
+    tokens: tuple[int, ...]
+    now_s: float
+
+
+@attrs.frozen
+class EndReturned:
+    """A request's `end` frame came back with every member's statistics row (proto_spec 05 §3)."""
+
+    req: str
+    stats: tuple[tuple, ...]
+
+
+@attrs.frozen
+class RequestCancelled:
+    """The request's consumer failed or fell behind; `reason` is the user's sentence."""
+
+    req: str
+    reason: str
+
+
+@attrs.frozen
+class PassFailed:
+    """The pass carrying `reqs` failed at the head for these requests only."""
+
+    reqs: tuple[str, ...]
+    reason: str
+
+
+@attrs.frozen
+class RingBroken:
+    """The ring cannot serve (a link or member was lost); `reason` names the member."""
+
+    reason: str
+
+
+Event = Union[RequestArrived, PassReturned, TokensSampled, EndReturned, RequestCancelled, PassFailed, RingBroken]
+
+
+# ---- actions (scheduler → driver), executed in order ----------------------------------------
+@attrs.frozen
+class SendPrefillChunk:
+    """Embed `ids` for `req`, run the head's blocks, send a single-form act with `sample`."""
+
+    req: str
+    ids: tuple[int, ...]
+    sample: bool
+
+
+@attrs.frozen
+class SendDecodeStep:
+    """Embed one token per request and send the step: the single form when len(reqs) == 1."""
+
+    reqs: tuple[str, ...]
+    tokens: tuple[int, ...]
+
+
+@attrs.frozen
+class SampleTokens:
+    """Sample every row of the act that just returned (temperatures[i] for reqs[i]); then feed
+    TokensSampled. Rows of requests that ended meanwhile are sampled too and ignored."""
+
+    reqs: tuple[str, ...]
+    temperatures: tuple[float, ...]
+
+
+@attrs.frozen
+class EmitToken:
+    """Stream `token_id` (never an EOS) to the request's client."""
+
+    req: str
+    token_id: int
+
+
+@attrs.frozen
+class EndRequest:
+    """Flush the request's text, drop its KV rows here, send its `end` frame with our stats row."""
+
+    req: str
+
+
+@attrs.frozen
+class FinishRequest:
+    """The request is over (`error` None: it completed); `request` is its final record."""
+
+    req: str
+    error: Optional[str]
+    request: "Request" = attrs.field(eq=False, repr=False)
+
+
+Action = Union[SendPrefillChunk, SendDecodeStep, SampleTokens, EmitToken, EndRequest, FinishRequest]
+
+
+@attrs.define(eq=False)
+class Request:
+    """The scheduler's record of one request; its statistics are read by the host's result."""
+
+    req: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float
+    started_s: float
+    phase: Optional[Phase] = None
+    pending_prefill: list = attrs.field(factory=list)  # chunks still to send, the sampled one last
+    generated: list = attrs.field(factory=list)  # token ids streamed (EOS excluded)
+    first_token_s: Optional[float] = None
+    pass_started_s: float = 0.0
+    circuit_s: list = attrs.field(factory=list)  # one per pass: its start (or last sample) to its return
+    hop_compute_s: dict = attrs.field(factory=dict)  # peer_id -> [decode compute_s]
+    batch_rows: list = attrs.field(factory=list)  # B of every lockstep step it took part in
+    error: Optional[str] = None
+    end_stats: list = attrs.field(factory=list)  # the `end` frame's rows, head first
+
+
+@attrs.define
+class StageStats:
+    """One member's statistics per request, for its row of the `end` frame (proto_spec 05 §3).
+
+    `steps_s[req]` is the stage time `dt` of every pass the request took part in; `share_s[req]`
+    and `sent_bytes[req]` are its shares (dt / B, frame bytes / B) of the member's compute and of
+    the act bytes sent to the next member.
+    """
+
+    steps_s: dict = attrs.field(factory=dict)
+    share_s: dict = attrs.field(factory=dict)
+    sent_bytes: dict = attrs.field(factory=dict)
+    steps_total: int = 0
+
+    def note_step(self, reqs: list[str], dt_s: float) -> None:
+        """One pass of `dt_s` seconds carrying `reqs` (B = len(reqs) rows)."""
+        for req in reqs:
+            self.steps_s.setdefault(req, []).append(dt_s)
+            self.share_s[req] = self.share_s.get(req, 0.0) + dt_s / len(reqs)
+        self.steps_total += 1
+
+    def note_sent(self, reqs: list[str], n_bytes: int) -> None:
+        """An act of `n_bytes` carrying `reqs` went to the next member."""
+        for req in reqs:
+            self.sent_bytes[req] = self.sent_bytes.get(req, 0) + n_bytes / len(reqs)
+
+    def take_row(self, peer_id: str, req: str) -> list:
+        """Pop the request's row: [peer_id, steps, compute_s_total, decode_stage_s_median, bytes_sent].
+
+        The median skips the first step (the sampled prefill pass) when there are decode steps.
+        """
+        steps = self.steps_s.pop(req, [])
+        median = statistics.median(steps[1:]) if len(steps) > 1 else (steps[0] if steps else 0.0)
+        return [peer_id, len(steps), self.share_s.pop(req, 0.0), median, int(round(self.sent_bytes.pop(req, 0)))]
+
+    def clear(self) -> None:
+        """Forget every request (the ring broke)."""
+        self.steps_s.clear()
+        self.share_s.clear()
+        self.sent_bytes.clear()
+
+
+class HeadScheduler:
+    """The head's prefill queue, lockstep decode order, ending and statistics (module docstring).
+
+    Args:
+        eos_token_ids: the tokenizer's end-of-sequence ids (never streamed; they end a request).
+        batching: lockstep batched decode (default) or per-request passes (`KAFILA_BATCH=0`).
+        prefill_step_tokens: the prefill chunk size (tokens).
+    Attributes:
+        requests: req -> Request, every request not yet DONE, in arrival order.
+        decode_steps: lockstep steps sent; decode_rows: rows they carried in all;
+        max_batch_rows: the largest step sent. stats: the head's own StageStats.
+        broken: the reason the ring broke, or None.
+    """
+
+    def __init__(self, *, eos_token_ids: Iterable[int] = (), batching: bool = True,
+                 prefill_step_tokens: int = PREFILL_STEP_TOKENS):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.batching = batching
+        self.prefill_step_tokens = prefill_step_tokens
+        self.requests: dict[str, Request] = {}
+        self.stats = StageStats()
+        self.broken: Optional[str] = None
+        self.decode_steps = 0
+        self.decode_rows = 0
+        self.max_batch_rows = 0
+        self._ready: dict[str, int] = {}  # decode-ready request -> its last token, in the order they became ready
+        self._in_flight: Optional[tuple[str, ...]] = None  # the lockstep step round the ring
+        self._last_order: tuple[str, ...] = ()
+
+    @property
+    def decode_in_flight(self) -> Optional[tuple[str, ...]]:
+        """The rows of the lockstep decode step in flight (until its tokens are sampled), or None."""
+        return self._in_flight
+
+    @property
+    def decode_ready(self) -> tuple[str, ...]:
+        """Requests waiting for the next lockstep step, in the order they became ready."""
+        return tuple(self._ready)
+
+    def handle(self, event: Event) -> list[Action]:
+        """Feed one event; return the actions to execute, in order.
+
+        Raises:
+            RemoteProtocolError: a returned frame that the head's own schedule cannot explain (a
+                member sent a pass or an `end` for a request that has none in flight); nothing changed.
+            LocalProtocolError: the driver broke the protocol (a request id already in flight,
+                tokens that do not match their rows, an unknown event); nothing changed.
+        """
+        handler = _HANDLERS.get(type(event))
+        if handler is None:
+            raise LocalProtocolError(f"HeadScheduler cannot handle {type(event).__name__}.")
+        return handler(self, event)
+
+    # ---- transitions ---------------------------------------------------------------------
+    def _enter(self, rec: Request, phase: Phase) -> None:
+        if phase not in _TRANSITIONS[rec.phase]:
+            raise LocalProtocolError(f"Request {rec.req} cannot go from {rec.phase} to {phase}.")
+        rec.phase = phase
+
+    def _on_arrived(self, ev: RequestArrived) -> list[Action]:
+        if ev.req in self.requests:
+            raise LocalProtocolError(f"Request {ev.req!r} is already in flight at the head.")
+        chunks = prefill_chunks(ev.prompt_ids, self.prefill_step_tokens)
+        rec = Request(req=ev.req, prompt_ids=tuple(ev.prompt_ids), max_tokens=ev.max_tokens,
+                      temperature=ev.temperature, started_s=ev.now_s, pending_prefill=chunks)
+        if self.broken is not None:
+            return [self._finish(rec, self.broken)]
+        self.requests[ev.req] = rec
+        self._enter(rec, Phase.PREFILLING)
+        return [self._next_chunk(rec, ev.now_s)]
+
+    def _next_chunk(self, rec: Request, now_s: float) -> SendPrefillChunk:
+        ids = rec.pending_prefill.pop(0)
+        self._enter(rec, Phase.PREFILLING)
+        rec.pass_started_s = now_s
+        return SendPrefillChunk(rec.req, tuple(ids), sample=not rec.pending_prefill)
+
+    def _on_returned(self, ev: PassReturned) -> list[Action]:
+        if len(set(ev.reqs)) != len(ev.reqs):
+            raise RemoteProtocolError(f"An act returned to the head listing a request twice: {list(ev.reqs)}.")
+        rows = [(r, self.requests.get(r)) for r in ev.reqs]
+        for r, rec in rows:  # check first: a frame we cannot explain changes nothing
+            if rec is None or rec.phase in (Phase.ENDING, Phase.DONE):
+                continue  # it ended or finished while this pass was out: its row is dropped
+            if rec.phase not in (Phase.PREFILLING, Phase.DECODING):
+                raise RemoteProtocolError(
+                    f"An act for request {r} returned to the head while none of its passes was out.")
+            if rec.error is None and ev.sample != (rec.phase is Phase.DECODING or len(rec.pending_prefill) == 0):
+                raise RemoteProtocolError(f"An act for request {r} returned with sample={ev.sample}, which the head "
+                                          "did not send.")
+        step = self._in_flight is not None and ev.reqs == self._in_flight
+        actions: list[Action] = []
+        live: list[Request] = []
+        for r, rec in rows:
+            if rec is None or rec.phase in (Phase.ENDING, Phase.DONE):
+                continue
+            if rec.error is not None:  # cancelled while its pass was out: end it now, before any next step
+                actions.append(self._end(rec))
+                continue
+            rec.circuit_s.append(ev.now_s - rec.pass_started_s)
+            if rec.generated:  # decode passes only: a prefill pass carries more tokens
+                for pid, dt in ev.hops:
+                    rec.hop_compute_s.setdefault(pid, []).append(dt)
+            live.append(rec)
+        if not ev.sample:  # an unsampled prefill chunk filled the caches: send the next one
+            return actions + [self._next_chunk(rec, ev.now_s) for rec in live]
+        if live:
+            for rec in live:
+                self._enter(rec, Phase.SAMPLING)
+            temps = tuple(self.requests[r].temperature if r in self.requests else 0.0 for r in ev.reqs)
+            return actions + [SampleTokens(ev.reqs, temps)]
+        if step:
+            self._in_flight = None
+        return actions + self._next_step()
+
+    def _on_sampled(self, ev: TokensSampled) -> list[Action]:
+        if len(ev.tokens) != len(ev.reqs):
+            raise LocalProtocolError(f"{len(ev.tokens)} tokens were sampled for {len(ev.reqs)} rows.")
+        actions: list[Action] = []
+        for r, token in zip(ev.reqs, ev.tokens):
+            rec = self.requests.get(r)
+            if rec is None or rec.phase is not Phase.SAMPLING:
+                continue
+            if rec.error is not None:  # cancelled while it was being sampled: its token is not streamed
+                actions.append(self._end(rec))
+            else:
+                actions += self._take_token(rec, int(token), ev.now_s)
+        if self._in_flight is not None and ev.reqs == self._in_flight:
+            self._in_flight = None
+        return actions + self._next_step()
+
+    def _take_token(self, rec: Request, token: int, now_s: float) -> list[Action]:
+        """Stream a sampled token; end the request, or queue its next decode pass."""
+        if rec.first_token_s is None:
+            rec.first_token_s = now_s
+        eos = token in self.eos_token_ids
+        out: list[Action] = []
+        if not eos:
+            rec.generated.append(token)
+            out.append(EmitToken(rec.req, token))
+        if eos or len(rec.generated) >= rec.max_tokens:
+            out.append(self._end(rec))
+        elif self.batching:
+            self._enter(rec, Phase.DECODE_READY)
+            self._ready[rec.req] = token
+            rec.pass_started_s = now_s
+        else:
+            self._enter(rec, Phase.DECODING)
+            rec.pass_started_s = now_s
+            out.append(SendDecodeStep((rec.req,), (token,)))
+        return out
+
+    def _next_step(self) -> list[Action]:
+        """One lockstep step with every decode-ready request, unless one is in flight."""
+        if not self.batching or self._in_flight is not None or not self._ready or self.broken is not None:
+            return []
+        kept = [r for r in self._last_order if r in self._ready]
+        rids = tuple(kept + [r for r in self._ready if r not in self._last_order])
+        tokens = tuple(self._ready.pop(r) for r in rids)
+        self._in_flight = self._last_order = rids
+        self.decode_steps += 1
+        self.decode_rows += len(rids)
+        self.max_batch_rows = max(self.max_batch_rows, len(rids))
+        for r in rids:
+            rec = self.requests[r]
+            rec.batch_rows.append(len(rids))
+            self._enter(rec, Phase.DECODING)
+        return [SendDecodeStep(rids, tokens)]
+
+    def _end(self, rec: Request) -> EndRequest:
+        self._enter(rec, Phase.ENDING)
+        self._ready.pop(rec.req, None)
+        return EndRequest(rec.req)
+
+    def _finish(self, rec: Request, error: Optional[str]) -> FinishRequest:
+        rec.error = rec.error or error
+        self._enter(rec, Phase.DONE)
+        self.requests.pop(rec.req, None)
+        self._ready.pop(rec.req, None)
+        return FinishRequest(rec.req, rec.error, rec)
+
+    def _on_end_returned(self, ev: EndReturned) -> list[Action]:
+        rec = self.requests.get(ev.req)
+        if rec is None:
+            return []
+        if rec.phase is not Phase.ENDING:
+            raise RemoteProtocolError(
+                f"An end frame for request {ev.req} returned to the head, which had not ended it.")
+        rec.end_stats = [list(row) for row in ev.stats]
+        return [self._finish(rec, None)]
+
+    def _on_cancelled(self, ev: RequestCancelled) -> list[Action]:
+        rec = self.requests.get(ev.req)
+        if rec is None:
+            return []
+        rec.error = rec.error or ev.reason
+        if rec.phase is Phase.DECODE_READY:
+            return [self._end(rec)]
+        return []  # ENDING: it finishes with the error; otherwise it ends when its pass returns
+
+    def _on_failed(self, ev: PassFailed) -> list[Action]:
+        actions: list[Action] = [self._finish(self.requests[r], ev.reason) for r in ev.reqs if r in self.requests]
+        if self._in_flight is not None and ev.reqs == self._in_flight:
+            self._in_flight = None
+            actions += self._next_step()
+        return actions
+
+    def _on_broken(self, ev: RingBroken) -> list[Action]:
+        if self.broken is None:
+            self.broken = ev.reason
+        actions: list[Action] = [self._finish(rec, ev.reason) for rec in list(self.requests.values())]
+        self._ready.clear()
+        self._in_flight = None
+        self.stats.clear()
+        return actions
+
+
+_HANDLERS = {
+    RequestArrived: HeadScheduler._on_arrived,
+    PassReturned: HeadScheduler._on_returned,
+    TokensSampled: HeadScheduler._on_sampled,
+    EndReturned: HeadScheduler._on_end_returned,
+    RequestCancelled: HeadScheduler._on_cancelled,
+    PassFailed: HeadScheduler._on_failed,
+    RingBroken: HeadScheduler._on_broken,
+}
