@@ -17,40 +17,35 @@ one) and forwards; when the act returns to the head, the head samples if `sample
 prefill chunk and every decode step), or starts the next prefill chunk. `end` frees every member's
 KV cache for the request and gathers per-member statistics on its way round.
 
-Prefill is split exactly as mlx-lm's `generate_step` splits it (DESIGN §6): prompt[:-1] in chunks
-of PREFILL_STEP_TOKENS, then the last prompt token as the first sampled step, so greedy output is
-token-identical to single-process mlx-lm.
-
-Scheduling at the head (DESIGN §6, §9 item 4: a batch of 4 costs about one of 1 on a CPU):
-- Prefill stays per request: each request's chunks go round alone, as soon as it arrives, and may
-  overlap the decode step in flight.
-- Decode runs in lockstep: at most one decode step is in flight. A request whose token was just
-  sampled is *decode-ready*. When no decode step is in flight, the head sends one step carrying
-  every decode-ready request (the previous step's order kept, newcomers appended, so the stages'
-  `BatchKVCache` rows need no permutation). When it returns, the head samples every row, streams
-  each request's token, ends the finished ones (EOS or max tokens: their `end` frames as for a
-  lone request) and at once sends the next step with every decode-ready request, including those
-  whose prefill finished while the step was out. A step of one request uses the single form
-  (`req`, `run`), so a lone request decodes exactly as mlx-lm's generate_step does.
-- `KAFILA_BATCH=0` in the daemon's environment turns batching off: every request then decodes in
-  its own passes, pipelined round the ring (the behaviour before batching; for comparisons, see
-  scripts/bench_batching.py).
+The head's serving policy (prefill chunks, the lockstep decode order, `KAFILA_BATCH=0`, when a
+request ends, its statistics) is the pure `kafilad.node.scheduler.HeadScheduler`, whose docstring
+states it. `RingMember` is its driver: it feeds it what happened (a request added, an act or an
+`end` returned, rows sampled, a client gone, a link lost) and executes its actions (run the head's
+blocks and send an act, sample, stream a token, drop caches and send `end`, finish a request).
 
 Statistics of a batched step (proto_spec 05 §3): a stage's step time `dt` for a batch of B rows is
 what each of its requests waited at that stage, so `hops` carry `dt` and the per-request step list
 (its count and its decode median, `decode_compute_s_median`, which is the measured stage time the
 host reports against the planner's) holds `dt` for every row. `compute_s_total` and `bytes_sent`
 are shares: `dt / B` and the frame's bytes / B per row, so that over all requests they add up to
-the member's busy time and the link's bytes. A request's `circuit_s` entry for a decode step runs
-from the sampling of its previous token to the return of the step, so it includes any wait for the
-step in flight (the token interval the client sees).
+the member's busy time and the link's bytes (`scheduler.StageStats`). A request's `circuit_s` entry
+for a decode step runs from the sampling of its previous token to the return of the step, so it
+includes any wait for the step in flight (the token interval the client sees).
+
+Streaming: the ring loop never waits for a client. Each request's events go into its own bounded
+memory channel (`stream_events`, default STREAM_EVENTS) that `generate()` drains into the caller's
+`on_event` in the caller's task. A request whose channel is full ends alone ("The client did not
+read its stream fast enough; ..."), as does one whose `on_event` raises or whose caller stopped
+reading; the other requests go on.
+
+A broken ring (`fail_all`) finishes every request with a message naming the member, and drops every
+request's KV rows from this member's runner, on the MLX thread.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
 from typing import Awaitable, Callable, Optional
 
@@ -61,13 +56,22 @@ import trio
 
 from kafilad.errors import GenerationError, RemoteProtocolError
 from kafilad.node.link import Link, LinkClosed
+from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, EmitToken, EndRequest, EndReturned, FinishRequest,
+                                    HeadScheduler, PassFailed, PassReturned, Request, RequestArrived,
+                                    RequestCancelled, RingBroken, SampleTokens, SendDecodeStep, SendPrefillChunk,
+                                    StageStats, TokensSampled)
 
 log = logging.getLogger("kafilad.ring")
 
-PREFILL_STEP_TOKENS = 2048
+__all__ = ["PREFILL_STEP_TOKENS", "RequestState", "RingMember", "batching_enabled", "run_on_mlx_thread"]
+
 INBOX_FRAMES = 256
+#: events a request's stream holds for its client before the request is ended (backpressure).
+STREAM_EVENTS = 256
 #: environment switch: "0" decodes every request in its own passes (no batching).
 BATCH_ENV = "KAFILA_BATCH"
+#: put in the inbox by `fail_all` to wake the ring loop, which then drops every KV cache.
+_WAKE: dict = {"t": "wake"}
 
 
 def batching_enabled(environ=os.environ) -> bool:
@@ -75,33 +79,40 @@ def batching_enabled(environ=os.environ) -> bool:
     return environ.get(BATCH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-@attrs.define
+def _record_view(name: str) -> property:
+    return property(lambda self: getattr(self.record, name), doc=f"The scheduler record's `{name}`.")
+
+
+@attrs.define(eq=False)
 class RequestState:
-    """A generation in flight at the head."""
+    """A generation at the head, as `RingMember.generate` returns it.
+
+    `text` is what was streamed (the detokenized `generated`); the statistics (`circuit_s`,
+    `end_stats`, ...) are read from the scheduler's record (kafilad/node/scheduler.py `Request`).
+    """
 
     req: str
-    prompt_ids: list
-    max_tokens: int
-    temperature: float
-    on_event: Callable[[dict], Awaitable[None]]
-    pending_prefill: list = attrs.field(factory=list)  # chunks still to send, the sampled one last
-    generated: list = attrs.field(factory=list)
+    detok: object
+    events: trio.MemorySendChannel
+    record: Optional[Request] = None
     text: str = ""
-    started_s: float = attrs.field(factory=time.perf_counter)
-    first_token_s: Optional[float] = None
-    pass_started_s: float = 0.0
-    circuit_s: list = attrs.field(factory=list)
-    hop_compute_s: dict = attrs.field(factory=dict)  # peer_id -> [decode compute_s]
     done: trio.Event = attrs.field(factory=trio.Event)
-    error: Optional[str] = None
-    finishing: bool = False
-    detok: object = None
-    end_stats: list = attrs.field(factory=list)
-    batch_rows: list = attrs.field(factory=list)  # B of every decode step this request took part in
+
+    prompt_ids = _record_view("prompt_ids")
+    max_tokens = _record_view("max_tokens")
+    temperature = _record_view("temperature")
+    generated = _record_view("generated")
+    started_s = _record_view("started_s")
+    first_token_s = _record_view("first_token_s")
+    circuit_s = _record_view("circuit_s")
+    hop_compute_s = _record_view("hop_compute_s")
+    batch_rows = _record_view("batch_rows")
+    end_stats = _record_view("end_stats")
+    error = _record_view("error")
 
 
 class RingMember:
-    """Drives this member's stage on the ring.
+    """Drives this member's stage on the ring (and, on the head, the HeadScheduler).
 
     Args:
         peer_id: this member's peer id.
@@ -109,13 +120,15 @@ class RingMember:
         mlx_lock: serialises MLX work of this process (one thread at a time).
         tokenizer: mlx-lm TokenizerWrapper, on the head only.
         batching: batch decode steps (module docstring); None reads `KAFILA_BATCH` (default on).
+        stream_events: events a request's stream may hold unread before that request is ended.
     Attributes (head, for status and tests):
+        scheduler: the HeadScheduler (None on other members);
         decode_steps: decode steps sent; decode_rows: requests they carried in all;
         max_batch_rows: the largest step sent.
     """
 
     def __init__(self, *, peer_id: str, name: str, runner, mlx_lock: trio.Lock, head: bool,
-                 tokenizer=None, executor=None, batching: Optional[bool] = None):
+                 tokenizer=None, executor=None, batching: Optional[bool] = None, stream_events: int = STREAM_EVENTS):
         self.peer_id = peer_id
         self.name = name
         self.runner = runner
@@ -124,26 +137,54 @@ class RingMember:
         self.tokenizer = tokenizer
         self.ex = executor
         self.batching = batching_enabled() if batching is None else batching
+        self.stream_events = stream_events
         self.next_link: Optional[Link] = None  # None: the ring is this member alone
         self.next_is_head = head
         self.prev_name: str = "?"
         self.next_name: str = "?"
         self._inbox_send, self._inbox_recv = trio.open_memory_channel(INBOX_FRAMES)
-        self.requests: dict[str, RequestState] = {}
-        self.req_steps: dict[str, list] = {}   # req -> step time (s) of every pass, on every member
-        self.req_share_s: dict[str, float] = {}  # req -> its share of this member's compute (s)
-        self.req_bytes: dict[str, float] = {}  # req -> its share of the bytes sent to the next member
+        self.scheduler: Optional[HeadScheduler] = None
+        if head:
+            eos = tokenizer.eos_token_ids if tokenizer is not None else ()
+            self.scheduler = HeadScheduler(eos_token_ids=eos, batching=self.batching)
+        self.stats = self.scheduler.stats if self.scheduler is not None else StageStats()
+        self._streams: dict[str, RequestState] = {}  # head: requests not yet finished
         self.broken: Optional[str] = None
         self.broken_member: Optional[str] = None
         self.broken_event = trio.Event()  # set once the ring cannot serve; sessions report it
-        self.steps_total = 0
-        # head: the decode scheduler (module docstring)
-        self._ready: dict[str, int] = {}  # decode-ready request -> its last sampled token, in arrival order
-        self._decode_in_flight: Optional[list[str]] = None
-        self._last_order: list[str] = []
-        self.decode_steps = 0
-        self.decode_rows = 0
-        self.max_batch_rows = 0
+        self._drop_caches = False  # fail_all asked the ring loop to drop every KV cache
+
+    # ---- views for status and tests --------------------------------------------------------
+    @property
+    def decode_steps(self) -> int:
+        return self.scheduler.decode_steps if self.scheduler is not None else 0
+
+    @property
+    def decode_rows(self) -> int:
+        return self.scheduler.decode_rows if self.scheduler is not None else 0
+
+    @property
+    def max_batch_rows(self) -> int:
+        return self.scheduler.max_batch_rows if self.scheduler is not None else 0
+
+    @property
+    def steps_total(self) -> int:
+        return self.stats.steps_total
+
+    @property
+    def req_steps(self) -> dict:
+        """req -> step time (s) of every pass, on this member."""
+        return self.stats.steps_s
+
+    @property
+    def req_share_s(self) -> dict:
+        """req -> its share of this member's compute (s)."""
+        return self.stats.share_s
+
+    @property
+    def req_bytes(self) -> dict:
+        """req -> its share of the bytes sent to the next member."""
+        return self.stats.sent_bytes
 
     # ---- plumbing -----------------------------------------------------------------------
     async def feed_from(self, link: Link) -> None:
@@ -168,9 +209,7 @@ class RingMember:
             self.fail_all(f"{e.reason}", member=self.next_name)
             return
         if frame.get("t") == "act":  # an `end` goes after its request's statistics were taken
-            rids = _frame_reqs(frame)
-            for req in rids:
-                self.req_bytes[req] = self.req_bytes.get(req, 0) + n / len(rids)
+            self.stats.note_sent(_frame_reqs(frame), n)
 
     async def _compute(self, fn, *args):
         """Run `fn(*args)` on the MLX thread; return (result, seconds `fn` itself took).
@@ -186,41 +225,32 @@ class RingMember:
         async with self.mlx_lock:
             return await run_on_mlx_thread(timed)
 
-    def _note_step(self, rids: list[str], dt: float) -> None:
-        for req in rids:
-            self.req_steps.setdefault(req, []).append(dt)
-            self.req_share_s[req] = self.req_share_s.get(req, 0.0) + dt / len(rids)
-        self.steps_total += 1
-
-    def _stats_row(self, req: str) -> list:
-        steps = self.req_steps.pop(req, [])
-        median = statistics.median(steps[1:]) if len(steps) > 1 else (steps[0] if steps else 0.0)
-        return [self.peer_id, len(steps), self.req_share_s.pop(req, 0.0), median, int(round(self.req_bytes.pop(req, 0)))]
-
     async def run(self) -> None:
         """Process the inbox until cancelled."""
         async for frame in self._inbox_recv:
-            t = frame.get("t")
-            try:
-                if t == "act":
-                    await self._on_act(frame)
-                elif t == "end":
-                    await self._on_end(frame)
-                else:
-                    log.warning("ring: ignoring unknown frame type %r", t)
-            except (KeyError, TypeError, ValueError, IndexError, RemoteProtocolError) as e:
-                # a malformed frame (or activations our stage cannot take) from the previous member:
-                # the ring cannot be trusted to carry this request on; it breaks, naming the sender
-                log.warning("ring: malformed %r frame from %s: %r", t, self.prev_name, e)
-                self.fail_all(f"it sent a malformed ring frame ({type(e).__name__}: {e})", member=self.prev_name)
-            except GenerationError as e:
-                rids = _frame_reqs(frame)
-                for req in rids:
-                    if req in self.requests:
-                        self._finish(self.requests[req], error=str(e))
-                if self.head and self._decode_in_flight == rids:
-                    self._decode_in_flight = None
-                    await self._send_decode_step()
+            if frame is not _WAKE:
+                await self._on_frame(frame)
+            if self._drop_caches:
+                self._drop_caches = False
+                await self.runner_drop_all()
+
+    async def _on_frame(self, frame: dict) -> None:
+        t = frame.get("t")
+        try:
+            if t == "act":
+                await self._on_act(frame)
+            elif t == "end":
+                await self._on_end(frame)
+            else:
+                log.warning("ring: ignoring unknown frame type %r", t)
+        except (KeyError, TypeError, ValueError, IndexError, RemoteProtocolError) as e:
+            # a malformed frame (or activations our stage cannot take) from the previous member:
+            # the ring cannot be trusted to carry this request on; it breaks, naming the sender
+            log.warning("ring: malformed %r frame from %s: %r", t, self.prev_name, e)
+            self.fail_all(f"it sent a malformed ring frame ({type(e).__name__}: {e})", member=self.prev_name)
+        except GenerationError as e:
+            if self.scheduler is not None:
+                await self._execute(self.scheduler.handle(PassFailed(tuple(_frame_reqs(frame)), str(e))))
 
     # ---- every member ---------------------------------------------------------------------
     async def _on_act(self, frame: dict) -> None:
@@ -234,13 +264,13 @@ class RingMember:
         if "reqs" in frame:
             rids = [str(r) for r in frame["reqs"]]
             out, dt = await self._compute(self._run_batch_wire, rids, h_wire)
-            self._note_step(rids, dt)
+            self.stats.note_step(rids, dt)
             await self._send_next({"t": "act", "reqs": rids, "sample": True, "h": out,
                                    "hops": hops + [[self.peer_id, dt]]})
             return
         req = frame["req"]
         out, dt = await self._compute(self._run_blocks_wire, req, h_wire)
-        self._note_step([req], dt)
+        self.stats.note_step([req], dt)
         sample = bool(frame.get("sample"))
         if self.next_is_head and not sample:
             out = None  # an unsampled prefill chunk only fills caches: its output is not needed
@@ -257,67 +287,99 @@ class RingMember:
     async def _on_end(self, frame: dict) -> None:
         req = frame["req"]
         if self.head:
-            st = self.requests.get(req)
-            if st is not None:
-                st.end_stats = frame.get("stats", [])
-                self._finish(st)
+            stats = tuple(tuple(row) for row in frame.get("stats", []))
+            await self._execute(self.scheduler.handle(EndReturned(req, stats)))
             return
         await self._compute(self.runner.drop, req)
-        stats = list(frame.get("stats", [])) + [self._stats_row(req)]
+        stats = list(frame.get("stats", [])) + [self.stats.take_row(self.peer_id, req)]
         await self._send_next({"t": "end", "req": req, "stats": stats})
 
     # ---- head -------------------------------------------------------------------------------
     async def generate(self, req: str, prompt: str, *, max_tokens: int, temperature: float,
                        on_event: Callable[[dict], Awaitable[None]]) -> RequestState:
-        """Start a generation; events {"t": "token", ...} go to `on_event`; returns at the end.
+        """Start a generation; stream its events {"t": "token", ...} to `on_event`; return at the end.
+
+        `on_event` runs in the caller's task, fed from the request's own bounded stream, so a slow
+        or failing consumer ends only its own request (`RequestState.error` says why).
 
         Raises:
-            GenerationError: the ring broke (the message names the member).
+            GenerationError: the ring broke (the message names the member), or an empty prompt.
         """
         if self.broken:
             raise GenerationError(self.broken)
         ids = list(self.tokenizer.encode(prompt))
         if not ids:
             raise GenerationError("The prompt encodes to no tokens.")
-        st = RequestState(req=req, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, on_event=on_event)
-        st.detok = self.tokenizer.detokenizer
+        actions = self.scheduler.handle(RequestArrived(req, tuple(ids), max_tokens, temperature,
+                                                       now_s=time.perf_counter()))
+        send, recv = trio.open_memory_channel(self.stream_events)
+        st = RequestState(req=req, detok=self.tokenizer.detokenizer, events=send,
+                          record=self.scheduler.requests.get(req))
         st.detok.reset()
-        st.pending_prefill = self.ex.prefill_chunks(ids, PREFILL_STEP_TOKENS)
-        self.requests[req] = st
-        await self._start_pass(st)
-        await st.done.wait()
+        self._streams[req] = st
+        async with recv:  # closed on the way out: an abandoned stream ends its request at the next event
+            with trio.CancelScope(shield=True):  # the first chunk goes whole, or the request would never return
+                await self._execute(actions)
+            failed = False
+            async for event in recv:  # until the request finishes (FinishRequest closes `send`)
+                if failed:
+                    continue
+                try:
+                    await on_event(event)
+                except Exception as e:  # noqa: BLE001 - e.g. the client went away; the other requests go on
+                    failed = True
+                    log.warning("ring: request %s could not stream its output (%r); ending it", req, e)
+                    with trio.CancelScope(shield=True):  # its `end` frame goes whole
+                        await self._execute(self.scheduler.handle(
+                            RequestCancelled(req, f"The request's output stream failed: {e or type(e).__name__}.")))
         return st
 
-    async def _start_pass(self, st: RequestState) -> None:
-        """Send one single-request pass: the next prefill chunk, or (unbatched) a decode step."""
-        ids = st.pending_prefill.pop(0)
-        sample = not st.pending_prefill
-        st.pass_started_s = time.perf_counter()
-        out, dt = await self._compute(self._head_embed_wire, st.req, ids)
-        self._note_step([st.req], dt)
-        await self._send_next({"t": "act", "req": st.req, "sample": sample, "h": out, "hops": [[self.peer_id, dt]]})
+    async def _execute(self, actions: list, *, h_wire: Optional[dict] = None, batched: bool = False) -> None:
+        """Carry out the scheduler's actions in order. `h_wire`, `batched`: the act being sampled."""
+        for a in actions:
+            if isinstance(a, SendPrefillChunk):
+                if not self.broken:
+                    out, dt = await self._compute(self._head_embed_wire, a.req, list(a.ids))
+                    self.stats.note_step([a.req], dt)
+                    await self._send_next({"t": "act", "req": a.req, "sample": a.sample, "h": out,
+                                           "hops": [[self.peer_id, dt]]})
+            elif isinstance(a, SendDecodeStep):
+                if not self.broken:
+                    await self._send_decode_step(list(a.reqs), list(a.tokens))
+            elif isinstance(a, SampleTokens):
+                await self._sample(a, h_wire, batched)
+            elif isinstance(a, EmitToken):
+                st = self._streams.get(a.req)
+                if st is not None:
+                    st.detok.add_token(a.token_id)
+                    segment = st.detok.last_segment
+                    st.text += segment
+                    await self._deliver(st, {"t": "token", "req": a.req, "token_id": a.token_id, "text": segment})
+            elif isinstance(a, EndRequest):
+                await self._end_request(a.req)
+            elif isinstance(a, FinishRequest):
+                self._finish(a)
+            else:
+                raise AssertionError(f"unknown scheduler action {a!r}")
 
-    async def _send_decode_step(self) -> None:
-        """Send one decode step with every decode-ready request, unless one is in flight."""
-        if not self.batching or self._decode_in_flight is not None or not self._ready or self.broken:
-            return
-        rids = [r for r in self._last_order if r in self._ready] + [r for r in self._ready if r not in self._last_order]
-        tokens = [self._ready.pop(r) for r in rids]
-        self._decode_in_flight = self._last_order = rids
-        self.decode_steps += 1
-        self.decode_rows += len(rids)
-        self.max_batch_rows = max(self.max_batch_rows, len(rids))
-        for r in rids:
-            self.requests[r].batch_rows.append(len(rids))
-        if len(rids) == 1:
+    async def _send_decode_step(self, rids: list[str], tokens: list[int]) -> None:
+        if len(rids) == 1:  # the single form: a lone request decodes exactly as generate_step
             out, dt = await self._compute(self._head_embed_wire, rids[0], tokens)
             frame = {"t": "act", "req": rids[0], "sample": True, "h": out}
         else:
             out, dt = await self._compute(self._head_embed_batch_wire, rids, tokens)
             frame = {"t": "act", "reqs": rids, "sample": True, "h": out}
-        self._note_step(rids, dt)
+        self.stats.note_step(rids, dt)
         frame["hops"] = [[self.peer_id, dt]]
         await self._send_next(frame)
+
+    async def _sample(self, a: SampleTokens, h_wire: Optional[dict], batched: bool) -> None:
+        if batched:
+            tokens, _ = await self._compute(self._head_sample_batch_wire, list(a.reqs), h_wire, list(a.temperatures))
+        else:
+            token, _ = await self._compute(self._head_sample_wire, a.reqs[0], h_wire, a.temperatures[0])
+            tokens = [token]
+        await self._execute(self.scheduler.handle(TokensSampled(a.reqs, tuple(tokens), now_s=time.perf_counter())))
 
     def _head_embed_wire(self, req: str, ids: list) -> dict:
         return self.ex.array_to_wire(self.runner.head_embed_and_run(req, ids))
@@ -332,109 +394,77 @@ class RingMember:
         return self.runner.head_sample_batch(rids, self.ex.array_from_wire(h_wire), temperatures)
 
     async def _head_on_return(self, frame: dict) -> None:
-        rids = _frame_reqs(frame)
-        decode_step = self._decode_in_flight is not None and rids == self._decode_in_flight
-        now = time.perf_counter()
-        live = []
-        for r in rids:
-            st = self.requests.get(r)
-            if st is None or st.finishing:
-                continue
-            live.append(st)
-            st.circuit_s.append(now - st.pass_started_s)
-            if st.generated:  # decode steps only: prefill passes carry more tokens
-                for pid, dt in frame.get("hops", []):
-                    st.hop_compute_s.setdefault(pid, []).append(dt)
-        if not frame.get("sample"):
-            for st in live:  # an unsampled prefill chunk: send the next one
-                await self._start_pass(st)
-            return
-        if live:
-            if "reqs" in frame:
-                tokens, _ = await self._compute(self._head_sample_batch_wire, rids, frame["h"],
-                                                [self._temperature(r) for r in rids])
-                by_req = dict(zip(rids, tokens))
-                tokens = [by_req[st.req] for st in live]
-            else:
-                token, _ = await self._compute(self._head_sample_wire, rids[0], frame["h"], live[0].temperature)
-                tokens = [token]
-            for st, token in zip(live, tokens):
-                await self._take_token(st, token)
-        if decode_step:
-            self._decode_in_flight = None
-        await self._send_decode_step()
+        rids = tuple(_frame_reqs(frame))
+        hops = tuple((pid, dt) for pid, dt in frame.get("hops", []))
+        actions = self.scheduler.handle(PassReturned(rids, bool(frame.get("sample")), hops, now_s=time.perf_counter()))
+        await self._execute(actions, h_wire=frame.get("h"), batched="reqs" in frame)
 
-    def _temperature(self, req: str) -> float:
-        st = self.requests.get(req)
-        return st.temperature if st is not None else 0.0
-
-    async def _take_token(self, st: RequestState, token: int) -> None:
-        """Stream a sampled token; end the request, or queue its next decode step."""
-        if st.first_token_s is None:
-            st.first_token_s = time.perf_counter()
-        eos = token in self.tokenizer.eos_token_ids
-        if not eos:
-            st.generated.append(token)
-            st.detok.add_token(token)
-            segment = st.detok.last_segment
-            st.text += segment
-            await self._emit(st, {"t": "token", "req": st.req, "token_id": token, "text": segment})
-        if eos or len(st.generated) >= st.max_tokens or st.error:
-            await self._end_request(st)
-        elif self.batching:
-            self._ready[st.req] = token
-            st.pass_started_s = time.perf_counter()
-        else:
-            st.pending_prefill = [[token]]
-            await self._start_pass(st)
-
-    async def _emit(self, st: RequestState, event: dict) -> None:
-        """Stream one event; a consumer that fails ends only its own request."""
+    async def _deliver(self, st: RequestState, event: dict) -> None:
+        """Queue one event on the request's stream; a full or abandoned stream ends that request only."""
         try:
-            await st.on_event(event)
-        except Exception as e:  # noqa: BLE001 - e.g. the client went away; the other requests go on
-            log.warning("ring: request %s could not stream its output (%r); ending it", st.req, e)
-            st.error = st.error or f"The request's output stream failed: {e or type(e).__name__}."
-
-    async def _end_request(self, st: RequestState) -> None:
-        st.detok.finalize()
-        tail = st.detok.last_segment
-        if tail:
-            st.text += tail
-            await self._emit(st, {"t": "token", "req": st.req, "token_id": None, "text": tail})
-        st.finishing = True
-        log.info("ring: request %s ended after %d tokens; its decode steps carried up to %d requests",
-                 st.req, len(st.generated), max(st.batch_rows, default=1))
-        self._ready.pop(st.req, None)
-        await self._compute(self.runner.drop, st.req)  # off the trio thread: a prefill may hold the runner
-        await self._send_next({"t": "end", "req": st.req, "stats": [self._stats_row(st.req)]})
-
-    def _finish(self, st: RequestState, error: Optional[str] = None) -> None:
-        if st.done.is_set():
+            st.events.send_nowait(event)
             return
-        st.error = st.error or error
-        self.requests.pop(st.req, None)
-        self._ready.pop(st.req, None)
-        st.done.set()
+        except trio.WouldBlock:
+            reason = (f"The client did not read its stream fast enough; the request was ended with "
+                      f"{self.stream_events} events waiting unread, so that the other requests could go on.")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            reason = "The client stopped reading the request's stream."
+        log.warning("ring: request %s: %s", st.req, reason)
+        await self._execute(self.scheduler.handle(RequestCancelled(st.req, reason)))
+
+    async def _end_request(self, req: str) -> None:
+        """Flush the request's last text, drop its KV rows here, send its `end` with our stats row."""
+        st = self._streams.get(req)
+        if st is not None:
+            st.detok.finalize()
+            tail = st.detok.last_segment
+            if tail:
+                st.text += tail
+                await self._deliver(st, {"t": "token", "req": req, "token_id": None, "text": tail})
+        rec = self.scheduler.requests.get(req)
+        if rec is not None:
+            log.info("ring: request %s ended after %d tokens; its decode steps carried up to %d requests",
+                     req, len(rec.generated), max(rec.batch_rows, default=1))
+        await self._compute(self.runner.drop, req)  # off the trio thread: a prefill may hold the runner
+        row = self.stats.take_row(self.peer_id, req)
+        if not self.broken:
+            await self._send_next({"t": "end", "req": req, "stats": [row]})
+
+    def _finish(self, a: FinishRequest) -> None:
+        st = self._streams.pop(a.req, None)
+        if st is not None:
+            st.record = a.request
+            st.done.set()
+            st.events.close()
 
     def fail_all(self, reason: str, *, member: str) -> None:
-        """Fail every request in flight (every row of a batch) with `reason` naming `member`; the ring is then broken."""
+        """Fail every request in flight (every row of a batch) with `reason` naming `member`; the ring
+        is then broken, and the ring loop drops every request's KV rows from the runner."""
         msg = f"member {member} is unreachable: {reason}"
         if self.broken is None:
             self.broken = msg
             self.broken_member = member
             self.broken_event.set()
             log.warning("ring broken: %s", msg)
-        for st in list(self.requests.values()):
-            self._finish(st, error=msg)
-        self._ready.clear()
-        self._decode_in_flight = None
-        self.runner_drop_all()
+        if self.scheduler is not None:
+            for a in self.scheduler.handle(RingBroken(msg)):
+                self._finish(a)
+        self.stats.clear()
+        self._drop_caches = True
+        try:
+            self._inbox_send.send_nowait(_WAKE)
+        except trio.WouldBlock:
+            pass  # the inbox is full: the ring loop sees `_drop_caches` after its next frame
 
-    def runner_drop_all(self) -> None:
-        for req in list(self.req_steps):
-            self.req_steps.pop(req, None)
-        self.req_share_s.clear()
+    async def runner_drop_all(self) -> None:
+        """Drop every request's KV rows (single and batched) from the runner, on the MLX thread, and
+        forget their statistics."""
+        self.stats.clear()
+        await self._compute(self._drop_every_request)
+
+    def _drop_every_request(self) -> None:
+        for req in self.runner.active_requests:
+            self.runner.drop(req)
 
 
 _mlx_pool: Optional[ThreadPoolExecutor] = None

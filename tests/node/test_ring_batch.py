@@ -3,7 +3,8 @@
 Real stages (MLX) on a ring of RingMembers in one trio process; the ring edges are Links over
 trio's in-memory streams, so the real frame codec runs on every hop. Concurrent requests decode
 in lockstep batches and get exactly the tokens each gets alone (greedy); requests of different
-lengths join and leave the batch; one request whose consumer fails ends alone.
+lengths join and leave the batch; one request whose consumer fails, or does not read, ends alone;
+a broken ring drops every member's KV caches.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import trio
 from trio.testing import memory_stream_pair, trio_test
 
 from kafila_testing import STORIES_PROMPT, STORIES_REFERENCE_IDS
+from kafilad.errors import GenerationError
 from kafilad.executor import runner as runner_mod
 from kafilad.executor.stage import load_stage_from_dir
 from kafilad.executor.synth import load_tokenizer, synthesize_model
 from kafilad.node.link import Link
-from kafilad.node.ring import RingMember, batching_enabled
+from kafilad.node.ring import STREAM_EVENTS, RingMember, batching_enabled
 
 
 @pytest.fixture(scope="module")
@@ -28,21 +30,21 @@ def synth_model(tmp_path_factory):
                             num_hidden_layers=5, hidden_size=64)
 
 
-def make_members(model_dir, bounds, *, batching):
+def make_members(model_dir, bounds, *, batching, stream_events=STREAM_EVENTS):
     tok = load_tokenizer(model_dir)
     members = []
     for i, (a, b) in enumerate(bounds):
         stage = load_stage_from_dir(model_dir, a, b, head=(i == 0))
         members.append(RingMember(peer_id=f"p{i}", name=f"m{i}", runner=runner_mod.StageRunner(stage),
                                   mlx_lock=trio.Lock(), head=(i == 0), tokenizer=tok if i == 0 else None,
-                                  executor=runner_mod, batching=batching))
+                                  executor=runner_mod, batching=batching, stream_events=stream_events))
     return members
 
 
 @asynccontextmanager
-async def ring_of(model_dir, bounds, *, batching=True):
+async def ring_of(model_dir, bounds, *, batching=True, stream_events=STREAM_EVENTS):
     """Members wired in ring order over in-memory streams, each running as in a daemon."""
-    members = make_members(model_dir, bounds, batching=batching)
+    members = make_members(model_dir, bounds, batching=batching, stream_events=stream_events)
     async with trio.open_nursery() as nursery:
         n = len(members)
         if n > 1:
@@ -222,5 +224,87 @@ async def test_malformed_ring_frame_breaks_the_ring_naming_the_sender(synth_mode
         assert tail.broken_member == "m0" and "malformed ring frame" in tail.broken
 
 
-async def _ignore(ev):
-    return None
+@trio_test
+async def test_a_client_that_does_not_read_ends_only_its_request(synth_model):
+    """The ring never waits for a client: a stream left unread fills its buffer and ends alone."""
+    release, seen, states = trio.Event(), [], {}
+
+    async def stuck(e):  # a client that reads one event, then stops reading
+        seen.append(e)
+        await release.wait()
+
+    with trio.fail_after(120):
+        expected = await alone(synth_model, BOUNDS, {"slow": ("Once upon a time", 18, None),
+                                                     "c": ("Kafila serves a model", 11, None)})
+        async with ring_of(synth_model, BOUNDS, stream_events=4) as ring:
+            head = ring[0]
+            async with trio.open_nursery() as nursery:
+                async def slow():
+                    states["slow"] = await head.generate("slow", "Once upon a time", max_tokens=18, temperature=0.0,
+                                                         on_event=stuck)
+                nursery.start_soon(slow)
+                await trio.sleep(0)
+                # the other request completes while the slow client still has not read on
+                states["c"] = await head.generate("c", "Kafila serves a model", max_tokens=11, temperature=0.0,
+                                                  on_event=_ignore)
+                assert states["c"].error is None and states["c"].generated == expected["c"]
+                assert "slow" not in head.scheduler.requests and "slow" not in states  # ended; its client is behind
+                assert len(seen) == 1
+                release.set()
+            st = states["slow"]
+            assert st.error == ("The client did not read its stream fast enough; the request was ended with 4 "
+                                "events waiting unread, so that the other requests could go on.")
+            # the client gets what was buffered: the first event, then the 4 that waited
+            assert [e["token_id"] for e in seen] == expected["slow"][:5]
+            assert 5 <= len(st.generated) < 18 and st.generated == expected["slow"][:len(st.generated)]
+            assert [r[0] for r in st.end_stats] == ["p0", "p1", "p2"]  # it ended round the ring as any request
+            assert all(m.runner.active_requests == [] for m in ring)
+
+
+@trio_test
+async def test_a_client_that_goes_away_ends_its_request(synth_model):
+    """A caller cancelled mid-stream (its HTTP client left) closes its stream; the ring ends the request."""
+    with trio.fail_after(120):
+        async with ring_of(synth_model, BOUNDS) as ring:
+            head = ring[0]
+            with trio.move_on_after(0) as scope:  # cancelled at its first checkpoint: no event is ever read
+                await head.generate("gone", "Once upon a time", max_tokens=18, temperature=0.0, on_event=_ignore)
+            assert scope.cancelled_caught
+            done = await head.generate("next", "The cat", max_tokens=6, temperature=0.0, on_event=_ignore)
+            assert done.error is None and len(done.generated) == 6
+            with trio.fail_after(10):
+                while "gone" in head.scheduler.requests:
+                    await trio.sleep(0.01)
+            assert all(m.runner.active_requests == [] for m in ring)
+
+
+@trio_test
+async def test_a_broken_ring_drops_every_kv_cache(synth_model):
+    """fail_all (a member lost) fails every request and frees every request's KV rows on every member."""
+    reason = "it left the session (test)"
+    held, streamed = {}, {"a": 0, "b": 0}
+
+    async def on_event(e):  # once both requests have streamed 2 tokens, the session loses m1
+        streamed[e["req"]] += e["token_id"] is not None
+        if min(streamed.values()) >= 2 and not held:
+            held.update({m.name: sorted(m.runner.active_requests) for m in ring})
+            for m in ring:
+                m.fail_all(reason, member="m1")
+
+    with trio.fail_after(120):
+        async with ring_of(synth_model, BOUNDS) as ring:
+            states = {}
+            async with trio.open_nursery() as nursery:
+                for req, prompt in (("a", "Once upon a time"), ("b", "The cat")):
+                    async def go(req=req, prompt=prompt):
+                        states[req] = await ring[0].generate(req, prompt, max_tokens=40, temperature=0.0,
+                                                             on_event=on_event)
+                    nursery.start_soon(go)
+            assert {r: st.error for r, st in states.items()} == {r: f"member m1 is unreachable: {reason}" for r in "ab"}
+            assert held == {"m0": ["a", "b"], "m1": ["a", "b"], "m2": ["a", "b"]}  # every stage held both
+            with trio.fail_after(10):  # each member's ring loop drops them on the MLX thread
+                while any(m.runner.active_requests for m in ring):
+                    await trio.sleep(0.01)
+            assert all(m.req_steps == {} and m.req_share_s == {} and m.req_bytes == {} for m in ring)
+            with pytest.raises(GenerationError, match="member m1 is unreachable"):
+                await ring[0].generate("c", "x", max_tokens=2, temperature=0.0, on_event=_ignore)
