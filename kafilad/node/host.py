@@ -147,6 +147,9 @@ class HostSession:
             link = self.links.pop(a.peer_id, None)
             if link is not None:
                 await link.close(a.reason or "closed")
+                entry = self.members.get(a.peer_id)
+                if entry is not None and entry.lost is None and a.reason:  # closed for a protocol error: a loss
+                    self.nursery.start_soon(self._handle, sm.MemberLost(a.peer_id, a.reason))
             ev = self._decided.pop(a.peer_id, None)
             if ev is not None:
                 ev.set()

@@ -371,7 +371,8 @@ class HostMachine(_Machine):
         return self._lose(peer_id, f"it failed to load its stage: {frame.reason}", row)
 
     def _on_leaving(self, peer_id: str, frame: cf.Leaving, row) -> list:
-        return self._lose(peer_id, f"it is leaving: {frame.reason}", row) + [CloseLink(peer_id, "")]
+        out = self._lose(peer_id, f"it is leaving: {frame.reason}", row)
+        return out if CloseLink(peer_id, "") in out else out + [CloseLink(peer_id, "")]
 
     def _on_MemberLost(self, ev: MemberLost, row) -> list:
         if ev.peer_id in self.pending:
@@ -396,7 +397,7 @@ class HostMachine(_Machine):
         self.changed = True
         del self.members[peer_id]
         if self.state == HostState.FORMING:
-            return []
+            return [CloseLink(peer_id, "")]  # so the same device can join again
         self.lost[peer_id] = e
         msg = f"member {e.name} ({peer_id}) left the session: {reason}"
         self.culprit = e.name

@@ -7,8 +7,8 @@ import hashlib
 import pytest
 
 from kafilad.modelinfo import read_model_info
-from kafilad.node.host import _checked_capability
-from kafilad.node.link import LinkClosed
+from kafilad.errors import RemoteProtocolError
+from kafilad.proto.control import decode_control
 from kafilad.node.modelfiles import FETCH_MAX_BYTES, ModelFiles
 
 
@@ -43,12 +43,12 @@ def test_tables_hash_exactly_the_stage_tensors(model):
 
 
 def test_capability_frames_are_type_checked():
-    ok = _checked_capability({"memory_bytes": 10**9, "bandwidth_Bps": 5e9, "step_overhead_s": 1e-4,
-                              "nat_class": "C", "rendezvous_rtt_ms": 12.5}, "m1")
+    ok = decode_control({"t": "capability", "memory_bytes": 10**9, "bandwidth_Bps": 5e9, "step_overhead_s": 1e-4,
+                         "nat_class": "C", "rendezvous_rtt_ms": 12.5}).as_record()
     assert ok == {"memory_bytes": 10**9, "bandwidth_Bps": 5e9, "step_overhead_s": 1e-4,
-                  "rendezvous_rtt_ms": 12.5, "nat_class": "C"}
+                  "rendezvous_rtt_ms": 12.5, "nat_class": "C", "dtype": None, "bandwidth_source": None}
     for bad in ({"memory_bytes": "lots"}, {"memory_bytes": 0}, {"memory_bytes": True},
                 {"memory_bytes": 1, "bandwidth_Bps": float("nan")}, {"memory_bytes": 1, "nat_class": "X"},
                 {"memory_bytes": 1, "step_overhead_s": -1}):
-        with pytest.raises(LinkClosed, match="malformed capability from m1"):
-            _checked_capability(bad, "m1")
+        with pytest.raises(RemoteProtocolError, match="malformed capability frame"):
+            decode_control({"t": "capability", **bad})

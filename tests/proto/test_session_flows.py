@@ -74,7 +74,7 @@ def test_a_member_lost_fails_its_requests_and_the_host_replans_over_the_survivor
 def test_a_member_lost_while_forming_is_only_dropped_from_the_roster():
     h = walk_host(H.FORMING)
     h.handle(sm.FrameFrom(A, cap_frame()))
-    assert h.handle(sm.MemberLost(A, "gone")) == []
+    assert h.handle(sm.MemberLost(A, "gone")) == [sm.CloseLink(A, "")]
     assert h.state == H.FORMING and list(h.members) == [HOST, B] and not h.lost and h.error is None
     # its seat is free: another device completes the session, and planning starts without alpha
     h.handle(sm.MemberJoined(C, "gamma", key(C), True))

@@ -118,7 +118,7 @@ def last_capability_starts_planning(h, fire):
 @host_case(H.FORMING, sm.MemberLost, H.FORMING)
 def member_lost_while_forming_is_dropped(h, fire):
     h.handle(sm.FrameFrom(A, cap_frame()))
-    assert fire(sm.MemberLost(A, "its link broke")) == []
+    assert fire(sm.MemberLost(A, "its link broke")) == [sm.CloseLink(A, "")]  # it may join again
     assert A not in h.members and B in h.members and h.error is None and not h.lost
 
 
@@ -130,7 +130,7 @@ def member_leaving_while_forming_is_dropped(h, fire):
 
 @host_case(H.FORMING, cf.Failed, H.FORMING)
 def member_failed_while_forming_is_dropped(h, fire):
-    assert fire(sm.FrameFrom(A, cf.Failed("internal error: RuntimeError()"))) == []  # its daemon aborted
+    assert fire(sm.FrameFrom(A, cf.Failed("internal error: RuntimeError()"))) == [sm.CloseLink(A, "")]  # aborted
     assert A not in h.members and h.error is None
 
 
@@ -211,7 +211,7 @@ def member_lost_while_planning(h, fire):
 def leaving_while_planning(h, fire):
     out = fire(sm.FrameFrom(B, cf.Leaving("its daemon is shutting down")))
     lost(out, h, B, "beta", "it is leaving: its daemon is shutting down", [HOST, A])
-    assert out[-1] == sm.CloseLink(B, "")
+    assert sm.CloseLink(B, "") in out
 
 
 @host_case(H.PLANNING, cf.Failed, H.RECOVERING)
