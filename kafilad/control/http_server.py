@@ -30,7 +30,8 @@ discards what the client still sends for up to `linger_s` (RFC 9112 §9.6 "linge
 the client reads the answer instead of a connection reset.
 
 While the handler runs, the driver watches the connection: the client closing it cancels the
-handler (a client gone is a request gone). Every connection runs inside a guard: an error in a
+handler (a client gone is a request gone), or, for a handler that must not be interrupted
+mid-await, sets `Responder.client_gone` for it to end its work at a safe point. Every connection runs inside a guard: an error in a
 handler or in the driver ends that connection (500 when nothing was answered yet) and is logged;
 it never reaches the caller's nursery.
 """
@@ -135,6 +136,11 @@ class Responder:
         self.started = False
         self.finished = False
         self.close_after = False
+        #: set when the client closes its side while the handler runs
+        self.client_gone = trio.Event()
+        #: True: the server cancels the handler when the client leaves. A handler whose work must
+        #: not be interrupted mid-await (a session's generate) sets False and watches `client_gone`.
+        self.cancel_on_disconnect = True
 
     async def _send(self, event) -> None:
         await send_event(self._conn, self._stream, event, self._send_timeout_s)
@@ -453,7 +459,9 @@ class HttpServer:
                 conn.receive_data(data)  # a pipelined request: kept for the next cycle
                 return
             gone = True
-            scope.cancel()
+            responder.client_gone.set()
+            if responder.cancel_on_disconnect:
+                scope.cancel()
 
         try:
             async with trio.open_nursery() as nursery:

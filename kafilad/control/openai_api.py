@@ -318,11 +318,22 @@ async def _complete(node, res: Responder, req: dict, *, chat: bool) -> None:
             return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish}
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
+    # The session ends a request whose `emit` raises at that event (ring.py), so a client that left
+    # or reads too slowly ends its request there; trio-cancelling generate mid-send could break a link.
+    res.cancel_on_disconnect = False
     if not req.get("stream"):
+        async def on_event(ev: dict) -> None:
+            if res.client_gone.is_set():
+                raise ClientGone("the client closed its connection")
+
         try:
-            result = await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=_ignore)
+            result = await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=on_event)
         except KafilaError as e:
+            if res.client_gone.is_set():
+                raise ClientGone("the client closed its connection") from None
             raise _generation_error(e, s) from None
+        if res.client_gone.is_set():
+            raise ClientGone("the client closed its connection")
         finish = "length" if len(result["token_ids"]) >= max_tokens else "stop"
         await res.send(200, json.dumps({
             "id": rid, "object": obj, "created": created, "model": model,
@@ -344,6 +355,7 @@ async def _stream(s, res: Responder, prompt: str, max_tokens: int, temperature: 
     await res.start(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache")])
     send, recv = trio.open_memory_channel(SSE_BUFFER_EVENTS)
     slow = False
+    gone = False
 
     def push(payload) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload)
@@ -351,37 +363,47 @@ async def _stream(s, res: Responder, prompt: str, max_tokens: int, temperature: 
             send.send_nowait(f"data: {data}\n\n".encode())
         except trio.WouldBlock:  # only an end event can find the buffer full: tokens stop 2 short
             pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):  # the writer ended: the client is gone
+            pass
 
     async def writer() -> None:
+        nonlocal gone
         async with recv:
-            async for data in recv:
-                await res.write(data)
+            try:
+                async for data in recv:
+                    await res.write(data)
+            except ClientGone:
+                gone = True
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(writer)
         with send:
-            with trio.CancelScope() as gen_scope:
-                async def on_token(ev: dict) -> None:
-                    nonlocal slow
-                    if not ev.get("text"):
-                        return
-                    if send.statistics().current_buffer_used >= SSE_BUFFER_EVENTS - 2:  # 2 kept for the end
-                        slow = True
-                        gen_scope.cancel()
-                        return
-                    push(chunk(ev["text"], None))
+            async def on_token(ev: dict) -> None:
+                nonlocal slow
+                if gone or res.client_gone.is_set():
+                    raise ClientGone("the client closed its connection")
+                if not ev.get("text"):
+                    return
+                if send.statistics().current_buffer_used >= SSE_BUFFER_EVENTS - 2:  # 2 kept for the end
+                    slow = True
+                    raise ClientGone(f"the client fell {SSE_BUFFER_EVENTS} events behind")
+                push(chunk(ev["text"], None))
 
-                try:
-                    result = await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=on_token)
+            try:
+                result = await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=on_token)
+                if not slow:
                     finish = "length" if len(result["token_ids"]) >= max_tokens else "stop"
                     push(chunk("", finish))
-                except KafilaError as e:
+            except KafilaError as e:
+                if not slow:
                     push({"error": {"message": _generation_error(e, s).message, "type": "server_error"}})
             if slow:
                 log.info("http: ended a streaming request: its client fell %d events behind", SSE_BUFFER_EVENTS)
                 push({"error": {"message": f"The client read the stream too slowly ({SSE_BUFFER_EVENTS} events "
                                            "behind); the request was ended.", "type": "server_error"}})
             push("[DONE]")
+    if gone or res.client_gone.is_set():
+        raise ClientGone("the client closed its connection")
     await res.end()
 
 

@@ -12,7 +12,9 @@ Nothing a client does can stop the daemon or starve the other clients (issue 9):
 - `emit` never waits for the client: events queue (at most `max_queued_events`); a client that
   falls further behind has its operation ended with an error reply, so a stopped `kafila-ctl`
   never stalls the ring that produces its tokens;
-- the client closing its connection cancels its operation;
+- the client closing its connection ends its operation: `wait` and `watch` are cancelled; any
+  other op's next `emit` raises (a session ends a request whose emit raises at that event, where
+  a trio cancellation mid-send could break a link) and its reply is dropped;
 - every connection runs inside a guard: an error in a handler or in this driver ends that
   connection (logged), never the server or the daemon's root nursery.
 """
@@ -36,6 +38,12 @@ log = logging.getLogger("kafilad.control")
 Handler = Callable[[dict, Callable[[dict], Awaitable[None]]], Awaitable[object]]
 
 RECEIVE_BYTES = 65_536
+#: ops that only wait, so a client leaving cancels them outright
+CANCEL_ON_DISCONNECT = frozenset({"wait", "watch"})
+
+
+class ClientGone(Exception):
+    """Raised by `emit` once the control client closed its connection."""
 
 
 @attrs.frozen
@@ -51,6 +59,7 @@ class ControlLimits:
 
 
 async def serve_control(socket_path: Path, handlers: dict[str, Handler], *, limits: ControlLimits = ControlLimits(),
+                        cancel_on_disconnect: frozenset[str] = CANCEL_ON_DISCONNECT,
                         task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Listen on `socket_path` (mode 0600) and dispatch requests to `handlers` until cancelled.
 
@@ -75,7 +84,7 @@ async def serve_control(socket_path: Path, handlers: dict[str, Handler], *, limi
     os.chmod(socket_path, 0o600)
     sock.listen(64)
     listener = trio.SocketListener(sock)
-    server = ControlServer(handlers, limits)
+    server = ControlServer(handlers, limits, cancel_on_disconnect)
     try:
         async with trio.open_nursery() as nursery:
             task_status.started(socket_path)
@@ -90,9 +99,11 @@ async def serve_control(socket_path: Path, handlers: dict[str, Handler], *, limi
 class ControlServer:
     """Serves control connections (see the module docstring); one instance per socket."""
 
-    def __init__(self, handlers: dict[str, Handler], limits: ControlLimits = ControlLimits()):
+    def __init__(self, handlers: dict[str, Handler], limits: ControlLimits = ControlLimits(),
+                 cancel_on_disconnect: frozenset[str] = CANCEL_ON_DISCONNECT):
         self.handlers = handlers
         self.limits = limits
+        self.cancel_on_disconnect = cancel_on_disconnect
         self.connections = 0
         self.held_request_bytes = 0
 
@@ -162,7 +173,10 @@ class ControlServer:
         try:
             req, held, refusal = await self._read_request(stream)
             if refusal is not None:
+                self.held_request_bytes -= held  # released before lingering
+                held = 0
                 await self._send(stream, _error(refusal), timeout_s=1.0)
+                await _linger(stream)  # so the client reads the refusal rather than a reset
                 return
             if req is None:
                 return
@@ -208,7 +222,8 @@ class ControlServer:
                                     scope.cancel()
                             if scope.cancelled_caught:
                                 gone = True
-                                nursery.cancel_scope.cancel()
+                                if op in self.cancel_on_disconnect:
+                                    nursery.cancel_scope.cancel()
                                 return
                 finally:
                     writer_done.set()
@@ -223,13 +238,16 @@ class ControlServer:
                         data = b""
                     if not data:
                         gone = True
-                        nursery.cancel_scope.cancel()
+                        if op in self.cancel_on_disconnect:
+                            nursery.cancel_scope.cancel()
                         return
                     seen += len(data)  # bytes after the one request are ignored (one request per connection)
 
             with trio.CancelScope() as op_scope:
                 async def emit(event: dict) -> None:
                     nonlocal overflow
+                    if gone:
+                        raise ClientGone("The control client closed its connection.")
                     frame = encode_frame({**event, "t": "event", "kind": event.get("t")})
                     try:
                         send_q.send_nowait(frame)
@@ -256,7 +274,7 @@ class ControlServer:
             result = await handler(args, emit)
         except KafilaError as e:
             return _error(str(e))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone):
             return None  # the client went away mid-stream
         except Exception as e:  # noqa: BLE001 - a bug in a handler must not take the daemon down
             known = find_kafila_error(e)  # a refusal wrapped by a nursery is not a bug
@@ -265,6 +283,21 @@ class ControlServer:
             log.exception("control: handler %s failed", op)
             return _error(f"Internal error in '{op}': {e!r}.")
         return {"t": "reply", "ok": True, "result": result}
+
+
+async def _linger(stream: trio.abc.Stream, timeout_s: float = 1.0, max_bytes: int = 64 * 1024 * 1024) -> None:
+    """Shut down our side, then discard what the client still sends for a while."""
+    with trio.move_on_after(timeout_s):
+        try:
+            await stream.send_eof()
+            seen = 0
+            while seen < max_bytes:
+                data = await stream.receive_some(RECEIVE_BYTES)
+                if not data:
+                    return
+                seen += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError, AttributeError):
+            return
 
 
 def _error(message: str) -> dict:

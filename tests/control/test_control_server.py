@@ -72,9 +72,9 @@ async def call(path, op, **args):
 def with_server(test, limits=ControlLimits(), log=None):
     async def main(tmp):
         async with trio.open_nursery() as nursery:
-            path = await nursery.start(lambda task_status: serve_control(tmp / "k.sock", table(log if log is not None
-                                                                                               else []),
-                                                                         limits=limits, task_status=task_status))
+            path = await nursery.start(lambda task_status: serve_control(
+                tmp / "k.sock", table(log if log is not None else []), limits=limits,
+                cancel_on_disconnect=frozenset({"hold"}), task_status=task_status))
             with trio.fail_after(30):
                 await test(path)
             nursery.cancel_scope.cancel()
@@ -144,7 +144,7 @@ def test_unfinished_request_frames_are_bounded_in_total(tmp_path):
         await trio.sleep(0.2)
         b = await trio.open_unix_socket(str(path))
         with trio.move_on_after(5):
-            await b.send_all(big[:600_000])  # the server stops reading once it refused
+            await b.send_all(big[:600_000])  # the server discards the rest once it refused
         data = await b.receive_some(65536)
         reply = msgpack.unpackb(data[4:])
         assert reply["ok"] is False and "unfinished control requests, its limit" in reply["error"]
@@ -201,3 +201,33 @@ def test_a_client_that_does_not_read_its_events_has_its_operation_ended(tmp_path
         reply, events = await call(path, "flood", n=5)
         assert reply["result"] == "done" and [e["i"] for e in events] == list(range(5))
     trio.run(with_server(test, ControlLimits(max_queued_events=64, send_timeout_s=5.0)), tmp_path)
+
+
+def test_a_client_leaving_makes_the_next_emit_raise_instead_of_cancelling(tmp_path):
+    """Ops not in cancel_on_disconnect (e.g. generate) end at their next emit, never mid-await."""
+    log = []
+
+    async def test(path):
+        s = FramedStream(await trio.open_unix_socket(str(path)))
+        await s.send(request("careful"))
+        await trio.sleep(0.2)
+        await s.aclose()
+        await trio.sleep(0.5)
+        assert log == ["emit raised ClientGone"]
+
+    async def careful(args, emit):
+        await trio.sleep(0.4)  # not cancelled although the client left meanwhile
+        try:
+            await emit({"t": "token"})
+        except Exception as e:
+            log.append(f"emit raised {type(e).__name__}")
+            raise
+
+    async def main(tmp):
+        async with trio.open_nursery() as nursery:
+            path = await nursery.start(lambda task_status: serve_control(
+                tmp / "k.sock", {"careful": careful}, task_status=task_status))
+            with trio.fail_after(30):
+                await test(path)
+            nursery.cancel_scope.cancel()
+    trio.run(main, tmp_path)

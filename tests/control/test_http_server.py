@@ -352,3 +352,24 @@ def test_idle_connections_past_the_limit_make_room_and_busy_ones_get_503():
         for c in idle:
             c.close()
         stop()
+
+
+def test_a_handler_that_must_not_be_cancelled_sees_client_gone_instead():
+    seen = []
+
+    async def careful(request: Request, res: Responder) -> None:
+        res.cancel_on_disconnect = False
+        await trio.sleep(5)  # e.g. a session's generate: not interrupted mid-await
+        seen.append(res.client_gone.is_set())
+        await echo(request, res)
+
+    async def main():
+        server = HttpServer(careful)
+        client, srv = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve_stream, srv)
+            await client.send_all(b"GET /gen HTTP/1.1\r\nhost: x\r\n\r\n")
+            await trio.sleep(1)
+            await client.aclose()
+        assert seen == [True] and server.open_connections == 0
+    run(main)
