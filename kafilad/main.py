@@ -93,6 +93,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `kafilad` command. Exits the process itself once a daemon has run (see :func:`_exit_now`)."""
+    code = _main(argv)
+    if "mlx.core" in sys.modules:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End the process with `code` without running C++ static destructors.
+
+    MLX used from a worker thread (kafilad/node/ring.py run_on_mlx_thread) can abort at process
+    teardown with "terminate called without an active exception" (exit 134; cf. ml-explore/mlx
+    issue #3126), turning a clean stop into a crash. By the time this runs, the trio run is over:
+    sessions told their peers, sockets closed, the MLX thread drained; logs and stdio are flushed
+    here, then the process exits with the code the daemon chose.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)

@@ -43,6 +43,22 @@ def _arg(args: dict, key: str, kind: type, default):
     return value
 
 
+def _required(args: dict, key: str, kind: type):
+    """A control argument that must be present, of the given type.
+
+    Raises:
+        KafilaError: it is missing or of another type.
+    """
+    value = _arg(args, key, kind, None)
+    if value is None:
+        raise KafilaError(f"Control argument '{key}' is required.")
+    return value
+
+
+#: every state `wait` can wait for (host and member machines, kafilad/proto/session.py), plus idle
+WAIT_STATES = sorted({s.value for s in sm.HostState} | {s.value for s in sm.MemberState} | {"idle"})
+
+
 class Node:
     """One kafilad process.
 
@@ -95,7 +111,7 @@ class Node:
 
     # ---- sessions ------------------------------------------------------------------------------
     def _rdv(self, args: dict) -> str:
-        url = args.get("rendezvous") or self.rendezvous
+        url = _arg(args, "rendezvous", str, None) or self.rendezvous
         if not url:
             raise KafilaError("No rendezvous given: pass --rendezvous ws://HOST:PORT to this command or to kafilad.")
         return url
@@ -134,12 +150,10 @@ class Node:
     async def op_host(self, args: dict, emit) -> dict:
         from kafilad.node.host import HostSession
         self._ensure_no_session()
-        ctx = args.get("context")
-        session = HostSession(self, model_dir=args["model_dir"], members=int(args.get("members", 1)),
-                              context=None if ctx is None else int(ctx),
-                              concurrency=int(args.get("concurrency") if args.get("concurrency") is not None else 1),
-                              rendezvous=self._rdv(args), open_=bool(args.get("open")),
-                              admit_timeout_s=float(args.get("admit_timeout_s") or DEFAULT_ADMIT_TIMEOUT_S))
+        session = HostSession(self, model_dir=_required(args, "model_dir", str), members=_arg(args, "members", int, 1),
+                              context=_arg(args, "context", int, None), concurrency=_arg(args, "concurrency", int, 1),
+                              rendezvous=self._rdv(args), open_=_arg(args, "open", bool, False),
+                              admit_timeout_s=_arg(args, "admit_timeout_s", float, DEFAULT_ADMIT_TIMEOUT_S))
         code = await self.nursery.start(self._run_session, session)
         self.session = session
         self.changed()
@@ -171,7 +185,7 @@ class Node:
     async def op_join(self, args: dict, emit) -> dict:
         from kafilad.node.member import MemberSession
         self._ensure_no_session()
-        session = MemberSession(self, code=str(args["code"]).strip(), rendezvous=self._rdv(args))
+        session = MemberSession(self, code=_required(args, "code", str).strip(), rendezvous=self._rdv(args))
         self.session = session
 
         async def progress(ev: dict) -> None:
@@ -206,10 +220,11 @@ class Node:
                 for p in getattr(s, "pending", {}).values()]
 
     async def op_admit(self, args: dict, emit) -> dict:
-        return self._host_session().decide(str(args["peer"]), "admit")
+        return self._host_session().decide(_required(args, "peer", str), "admit")
 
     async def op_deny(self, args: dict, emit) -> dict:
-        return self._host_session().decide(str(args["peer"]), "deny")
+        return self._host_session().decide(_required(args, "peer", str), "deny",
+                                           _arg(args, "reason", str, ""))
 
     async def op_keys(self, args: dict, emit) -> dict:
         return {"name": self.name, "peer_id": self.peer_id, "fingerprint": fingerprint(self.public_key),
@@ -229,7 +244,11 @@ class Node:
 
     async def op_wait(self, args: dict, emit) -> dict:
         """Wait until the session state is in args["states"]; error if it fails or times out."""
-        states = set(_arg(args, "states", list, ["ready"]))
+        states = _arg(args, "states", list, ["ready"])
+        unknown = [s for s in states if not isinstance(s, str) or s not in WAIT_STATES]
+        if unknown:
+            raise KafilaError(f"Unknown state {unknown[0]!r} to wait for; the states are {', '.join(WAIT_STATES)}.")
+        states = set(states)
         timeout_s = _arg(args, "timeout_s", float, 300.0)
         if timeout_s < 0:
             raise KafilaError(f"--timeout must be 0 or more seconds (got {timeout_s:g}).")
@@ -258,9 +277,9 @@ class Node:
             raise KafilaError(f"--max-tokens must be at least 1 (got {max_tokens}).")
         if not (temperature >= 0.0 and math.isfinite(temperature)):
             raise KafilaError(f"--temperature must be 0 (greedy) or a finite positive number (got {temperature:g}).")
-        prompt = args.get("prompt")
+        prompt = _arg(args, "prompt", str, None)
         if args.get("messages") is not None:
-            prompt = s.chat_prompt(args["messages"])
+            prompt = s.chat_prompt(_arg(args, "messages", list, None))
         if not isinstance(prompt, str) or not prompt:
             raise KafilaError("The prompt is empty.")
         return await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=emit)

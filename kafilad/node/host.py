@@ -20,7 +20,7 @@ import trio
 from kafilad.errors import (ContextTooLongError, GenerationError, HandshakeError, KafilaError, LinkClosed,
                             RemoteProtocolError, SessionError, SessionNotReadyError, collapse_groups)
 from kafilad.modelinfo import read_model_info
-from kafilad.node import stagehost
+from kafilad.node import paths, stagehost
 from kafilad.node.link import Link, secure_link
 from kafilad.node.modelfiles import ModelFiles
 from kafilad.node.ring import run_on_mlx_thread
@@ -78,6 +78,7 @@ class HostSession:
         self._ring_incoming_send, self._ring_incoming = trio.open_memory_channel(8)
         self.trace = None
         self.rdv = None
+        self.paths = None  # the session's PathManager (kafilad/node/paths.py), open while it runs
         self._t0 = time.perf_counter()
         self._stage_scope: Optional[trio.CancelScope] = None
         self._stage_links: tuple = ()
@@ -218,14 +219,15 @@ class HostSession:
                 self.session_id = session_id
                 self.code = compose_session_code(session_id, self.node.public_key)
                 self.trace = Trace(self.node.state.trace_path(session_id))
-                with collapse_groups():
-                    async with trio.open_nursery() as nursery:
-                        self.nursery = nursery
-                        await self._handle(sm.Registered(session_id))
-                        task_status.started(self.code)
-                        nursery.start_soon(self._accept_loop, rdv)
-                        nursery.start_soon(self._events_loop, rdv)
-                        nursery.start_soon(self._measure_self)
+                async with paths.open_session_paths(self.node, rdv, session_id=session_id) as self.paths:
+                    with collapse_groups():
+                        async with trio.open_nursery() as nursery:
+                            self.nursery = nursery
+                            await self._handle(sm.Registered(session_id))
+                            task_status.started(self.code)
+                            nursery.start_soon(self._accept_loop, rdv)
+                            nursery.start_soon(self._events_loop, rdv)
+                            nursery.start_soon(self._measure_self)
         except trio.Cancelled:  # the daemon stops: members are told the session ended
             with trio.CancelScope(shield=True), trio.move_on_after(2):
                 await self._handle(sm.Close("the host's daemon stopped"))
@@ -241,7 +243,7 @@ class HostSession:
 
     async def _measure_self(self) -> None:
         cap = await run_on_mlx_thread(stagehost.measure_capability, self.model_dir)
-        cap.update(await stagehost.nat_capability(self.node, self.rdv))
+        cap.update(await self.paths.capability())
         await self._handle(sm.OwnCapability(cap))
 
     # ---- membership -------------------------------------------------------------------------
@@ -254,7 +256,7 @@ class HostSession:
         from kafilad.node.rdv_client import Disconnected, MemberLeft, Signal
         async for ev in rdv.events:
             if isinstance(ev, Signal):  # candidate offers (proto_spec 07 §2)
-                stagehost.on_signal(self.node, ev)
+                self.paths.on_signal(ev.from_peer_id, ev.body)
             elif isinstance(ev, MemberLeft):
                 await self._handle(sm.MemberLost(ev.peer_id, ev.reason or "it left the rendezvous"))
             elif isinstance(ev, Disconnected):
@@ -434,7 +436,7 @@ class HostSession:
             return  # replanned while building
         self.ring = stagehost.make_ring_member(self.node, stage=stage, head=head, tokenizer=tok)
         self.ring.epoch = epoch
-        nxt, prv = await stagehost.connect_ring(node=self.node, rdv=self.rdv, session_id=self.session_id,
+        nxt, prv = await stagehost.connect_ring(paths=self.paths, session_id=self.session_id,
                                                 ring=self.ring_order, roster=roster, incoming=self._ring_incoming,
                                                 member=self.ring, on_edges=self._own_edges_changed)
         self._stage_links = (nxt, prv)

@@ -15,7 +15,7 @@ import trio
 
 from kafilad.errors import (HandshakeError, KafilaError, LinkClosed, RemoteProtocolError, SessionError,
                             collapse_groups)
-from kafilad.node import stagehost
+from kafilad.node import paths, stagehost
 from kafilad.node.fetcher import Fetcher, checked_file_name
 from kafilad.node.host import result_of
 from kafilad.node.link import Link, secure_link
@@ -47,6 +47,7 @@ class MemberSession:
         self._ring_incoming_send, self._ring_incoming = trio.open_memory_channel(8)
         self.fetcher: Optional[Fetcher] = None
         self.rdv = None
+        self.paths = None  # the session's PathManager (kafilad/node/paths.py), open once admitted
         self._admitted = trio.Event()
         self._stage_scope: Optional[trio.CancelScope] = None
         self._stage_links: tuple = ()
@@ -123,13 +124,14 @@ class MemberSession:
                 task_status.started()
                 started = True
                 try:
-                    with collapse_groups():
-                        async with trio.open_nursery() as nursery:
-                            self.nursery = nursery
-                            nursery.start_soon(self._accept_loop, rdv)
-                            nursery.start_soon(self._events_loop, rdv)
-                            await self._control_loop()
-                            nursery.cancel_scope.cancel()
+                    async with paths.open_session_paths(self.node, rdv, session_id=self.session_id) as self.paths:
+                        with collapse_groups():
+                            async with trio.open_nursery() as nursery:
+                                self.nursery = nursery
+                                nursery.start_soon(self._accept_loop, rdv)
+                                nursery.start_soon(self._events_loop, rdv)
+                                await self._control_loop()
+                                nursery.cancel_scope.cancel()
                 except trio.Cancelled:
                     with trio.CancelScope(shield=True), trio.move_on_after(2):
                         await self._handle(sm.Close("its daemon is shutting down"))
@@ -210,7 +212,7 @@ class MemberSession:
         from kafilad.node.rdv_client import Disconnected, MemberLeft, SessionClosed, Signal
         async for ev in rdv.events:
             if isinstance(ev, Signal):  # candidate offers (proto_spec 07 §2)
-                stagehost.on_signal(self.node, ev)
+                self.paths.on_signal(ev.from_peer_id, ev.body)
             elif isinstance(ev, MemberLeft):
                 name = self.roster.get(ev.peer_id, {}).get("name", ev.peer_id)
                 if self.ring is not None and ev.peer_id in self.ring_order:  # the host replans without it
@@ -221,8 +223,8 @@ class MemberSession:
                 await self._handle(sm.SessionEnded(f"the session ended: {ev.reason}"))
 
     async def _rendezvous_gone(self, reason: str) -> None:
-        paths = [e.get("path") for e in stagehost.edges_of(self.node)]
-        direct = len(paths) >= 2 and all(p == "direct" for p in paths)
+        kinds = [e.get("path") for e in self.paths.edge_list()] if self.paths is not None else []
+        direct = len(kinds) >= 2 and all(p == "direct" for p in kinds)
         await self._handle(sm.RendezvousLost(reason, edges_direct=direct))
         if self.machine.keeps_serving:
             log.warning("session %s: the rendezvous is gone (%s); both ring edges are direct, so this stage "
@@ -231,7 +233,7 @@ class MemberSession:
     # ---- control loop ----------------------------------------------------------------------
     async def _control_loop(self) -> None:
         cap = await run_on_mlx_thread(stagehost.measure_capability, self.machine.admitted.config)
-        cap.update(await stagehost.nat_capability(self.node, self.rdv))
+        cap.update(await self.paths.capability())
         await self.link.send(cf.Capability.from_measurement(cap).to_wire())
         await self._handle(sm.CapabilitySent(cap))
         while self.state not in (sm.MemberState.FAILED, sm.MemberState.CLOSED):
@@ -314,17 +316,17 @@ class MemberSession:
             self.node.changed()
             self.ring = stagehost.make_ring_member(self.node, stage=stage, head=f.head, tokenizer=tok)
             self.ring.epoch = epoch
-            nxt, prv = await stagehost.connect_ring(node=self.node, rdv=self.rdv, session_id=self.session_id,
+            nxt, prv = await stagehost.connect_ring(paths=self.paths, session_id=self.session_id,
                                                     ring=self.ring_order, roster=self.roster,
                                                     incoming=self._ring_incoming, member=self.ring,
                                                     on_edges=lambda: self.link.send(
-                                                        cf.Edges(stagehost.edges_of(self.node)).to_wire()))
+                                                        cf.Edges(self.paths.edge_list()).to_wire()))
             self._stage_links = (nxt, prv)
             stagehost.attach_ring(self.ring, nursery=stage_nursery, me=self.node.peer_id, ring_order=self.ring_order,
                                   names={pid: r["name"] for pid, r in self.roster.items()}, next_link=nxt,
                                   prev_link=prv, watch=self._watch_ring)
             self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "load_s": time.perf_counter() - t0,
-                         "edges": stagehost.edges_of(self.node)}
+                         "edges": self.paths.edge_list()}
             await self._handle(sm.StageLoaded(self.load, epoch))
         except Exception as e:  # any failure to load is reported to the host with its reason
             reason = e.reason if isinstance(e, LinkClosed) else str(e) if isinstance(e, KafilaError) else \

@@ -115,8 +115,12 @@ def test_corrupted_frame_closes_only_that_link(tmp_path, synth_llama):
         logs = "".join((c.root / f"m{i}.log").read_text() for i in range(3))
         assert "undecryptable message from m2" in logs or "malformed frame from m2" in logs
         all_alive(c)
-        snap = c.call(0, "status")
-        assert snap["state"] == "failed" and "m2" in snap["error"]
+        # the ring re-forms by itself (issue 8): the break is traced naming m2, and it serves again
+        snap = c.call(0, "wait", states=["ready"], timeout_s=60)
+        assert len([m for m in snap["members"] if m["blocks"]]) == 3
+        broken = [r for r in c.call(0, "trace") if r["event"] in ("ring_broken", "member_lost")]
+        assert broken and any("m2" in str(r) for r in broken)
+        assert c.generate("Kafila", 8)["token_ids"]
 
 
 def test_killed_member_fails_request_with_its_name(tmp_path, synth_llama):
@@ -139,7 +143,9 @@ def test_killed_member_fails_request_with_its_name(tmp_path, synth_llama):
         assert victim in str(err.value)
         c.daemons[vi].wait(10)
         all_alive(c, skip={vi})
-        snap = c.call(0, "status")
-        assert snap["state"] == "failed" and victim in snap["error"]
-        with pytest.raises(KafilaError, match="not ready"):
-            c.generate("again", 4)
+        # the host replans over the two survivors by itself (issue 8); the lost member is named
+        snap = c.call(0, "wait", states=["ready"], timeout_s=30)
+        lost = [m for m in snap["members"] if m["name"] == victim]
+        assert lost and lost[0]["lost"] and not lost[0]["ready"]
+        assert len([m for m in snap["members"] if m["blocks"]]) == 2
+        assert c.generate("again", 4)["token_ids"]

@@ -164,8 +164,6 @@ msgpack_values = st.recursive(
 #: argument checks missing in kafilad/node/daemon.py handlers, found by this fuzzing and reported to
 #: its owner; the control server turns them into error replies (the daemon stays up). Any other
 #: internal error fails the test; remove these once daemon.py checks its arguments.
-HANDLER_BUGS_REPORTED = ("Internal error in 'admit': KeyError('peer')", "Internal error in 'deny': KeyError('peer')",
-                         "Internal error in 'wait': TypeError(\"unhashable type")
 
 #: ops that end the daemon or its session on purpose are left out; every other op is fair game
 SAFE_OPS = ["keys", "host", "join", "pending", "admit", "deny", "status", "wait", "generate", "watch", "trace"]
@@ -248,4 +246,4 @@ def test_fuzzed_http_and_control_bytes_leave_the_host_serving(tmp_path, synth_ll
         assert c.call(0, "status")["state"] == "ready"
         log = (c.root / "m0.log").read_text(errors="replace")
         assert "kafilad.http ERROR" not in log, log[log.find("kafilad.http ERROR"):][:3000]
-        assert not [e for e in control_errors if not e.startswith(HANDLER_BUGS_REPORTED)], control_errors[:5]
+        assert not [e for e in control_errors if "Internal error" in e], control_errors[:5]
