@@ -70,7 +70,7 @@ def new_host(*, expected: int = 3, open_: bool = False, host_name: str = HOST_NA
 
 
 def walk_host(to: sm.HostState, *, expected: int = 3, members=(A, B), pending=(), head: str = HOST_NAME,
-              ring=None) -> sm.HostMachine:
+              ring=None, control_down=()) -> sm.HostMachine:
     """A HostMachine driven through its public events into state ``to`` (the happy path).
 
     ``recovering``: ready, then the host's own ring stage broke naming beta (every member still
@@ -81,23 +81,35 @@ def walk_host(to: sm.HostState, *, expected: int = 3, members=(A, B), pending=()
         pending: peer ids that join untrusted right after the first member (so they wait in
             ``pending`` while the session fills).
         head, ring: the plan's head and ring order (names); default: the host heads, then members.
+        control_down: members whose join the host handled just after the rendezvous went (a race), and
+            whose ctl circuit closed while it was down: measured, they stay in the roster with
+            ``control_down`` (the rendezvous is back before the walk goes on).
     """
     h = new_host(expected=expected)
     assert h.state == H.STARTING
     if to == H.STARTING:
         return h
     h.handle(sm.Registered(SESSION_ID))
+    if control_down:
+        h.handle(sm.RendezvousLost("eof"))
     for i, pid in enumerate(members):
         h.handle(sm.MemberJoined(pid, NAMES[pid], key(pid), trusted=True))
+        if pid in control_down:
+            h.handle(sm.FrameFrom(pid, cap_frame()))
+            h.handle(sm.MemberLost(pid, "circuit closed"))
         if i == 0:
             for p in pending:
                 h.handle(sm.MemberJoined(p, NAMES[p], key(p), trusted=False))
+    if control_down:
+        h.handle(sm.RendezvousBack(1))
+        assert [p for p, e in h.members.items() if e.control_down] == list(control_down)
     assert h.state == H.FORMING and set(h.pending) == set(pending)
     if to == H.FORMING:
         return h
     h.handle(sm.OwnCapability(dict(CAPABILITY)))
     for pid in members:
-        h.handle(sm.FrameFrom(pid, cap_frame()))
+        if pid not in control_down:
+            h.handle(sm.FrameFrom(pid, cap_frame()))
     assert h.state == H.PLANNING, h.state
     if to == H.PLANNING:
         return h
@@ -287,7 +299,7 @@ class SessionPair:
             if pid in self.links:  # the member closed its end: the host's member loop gets LinkClosed
                 self.links.discard(pid)
                 self._queue.append((HOST, sm.MemberLost(pid, a.reason or "closed")))
-        # StartLoad, JoinAccepted, Refused, FailRequests, Trace: the test reads member_log
+        # StartLoad, JoinAccepted, Refused, FailRequests, Trace, ForgetSession: the test reads member_log
 
 
 def traces(actions, kind: str) -> list:
@@ -319,7 +331,10 @@ def sample_frames() -> dict:
         cf.Gen(req="r1", prompt="Once", max_tokens=8, temperature=0.7),
         cf.GenEvent(req="r1", event={"t": "token", "token_id": 5, "text": " upon"}),
         cf.GenDone(req="r1", result=result), cf.GenError(req="r1", message="member beta is unreachable"),
+        cf.Cancel(req="r1", reason="The request's caller stopped waiting."), cf.Ping(n=3),
+        cf.Cancel(req="r1", reason="The client went away."),
         cf.SessionFailed("member beta (B) left the session: gone"),
+        cf.SessionClosed("the host closed the session"),
     ]
     return {type(f).T: f for f in frames}
 
@@ -427,6 +442,75 @@ def lost(actions, h, pid: str, name: str, reason: str, survivors) -> None:
 def ring_broke(actions, reason: str, member, survivors) -> None:
     assert actions[:2] == [sm.FailRequests(reason, member), sm.Trace("ring_broken", {"reason": reason, "member": member})]
     assert order_of(actions[2]) == list(survivors) and len(actions) == 3
+
+
+def rdv_lost(reason: str) -> str:
+    """How the host names a lost rendezvous connection (HostMachine._on_RendezvousLost)."""
+    return f"the connection to the rendezvous was lost ({reason.rstrip('.')})"
+
+
+def lost_with_the_rendezvous(actions, h, reason: str, members, survivors=None, pending=()) -> None:
+    """The rendezvous went and every remote member's ctl circuit with it (HostMachine._on_RendezvousLost):
+    one rendezvous_lost trace, each pending device's link and each member's link closed; past forming
+    the members are moved to ``lost``, their requests fail naming nobody, one member_lost trace names
+    them all, and (``survivors`` given) a replan over them. Never a session failure.
+
+    Args:
+        members: the remote members' peer ids, in roster order.
+        survivors: the peer ids the MakePlan must hold; None: no MakePlan (forming, degraded).
+        pending: devices that were waiting for `admit`.
+    """
+    msg = f"{rdv_lost(reason)}; the members rejoin once it is back"
+    names = [NAMES[p] for p in members]
+    expected = [sm.Trace("rendezvous_lost", {"reason": reason})]
+    expected += [sm.CloseLink(p, "") for p in pending] + [sm.CloseLink(p, "") for p in members]
+    forming = h.state == H.FORMING
+    if not forming:
+        expected += [sm.FailRequests(msg, None), sm.Trace("member_lost", {"names": names, "reason": rdv_lost(reason)})]
+    assert actions[:len(expected)] == expected
+    rest = actions[len(expected):]
+    if survivors is None:
+        assert rest == []
+    else:
+        assert len(rest) == 1 and order_of(rest[0]) == list(survivors) and rest[0].seq == h.plan_seq
+    assert not traces(actions, "session_failed") and not sends(actions, cf.SessionFailed)
+    assert list(h.members) == [HOST] and not h.pending and h.rendezvous_lost == reason
+    if forming:
+        assert not h.lost and h.error is None
+    else:
+        assert all(h.lost[p].lost == rdv_lost(reason) for p in members) and h.error == msg
+
+
+def through_an_outage(h: sm.HostMachine, attempts: int = 2) -> sm.HostMachine:
+    """A ready host with a direct ring serves through a rendezvous outage and reconnects: every remote
+    member is still in the roster with ``control_down`` (its ctl circuit died with the rendezvous)."""
+    assert h.state == H.READY
+    h.handle(sm.RendezvousLost("eof"))
+    for pid in list(h.members):
+        h.handle(sm.MemberLost(pid, "circuit closed"))  # each member's ctl circuit ends as well
+    h.handle(sm.RendezvousBack(attempts))
+    assert h.state == H.READY and h.rendezvous_lost is None
+    assert all(e.control_down and e.lost is None for e in h.members.values() if not e.is_host)
+    return h
+
+
+def rejoined(actions, h, pid: str, survivors, remembered: bool = True) -> None:
+    """``pid`` came back after the outage while its old entry was ``control_down``: the old entry is
+    lost (requests fail naming it, a member_lost trace, a replan over ``survivors``: None for none),
+    its new link is NOT closed, and the device is admitted again at once (its key was admitted in this
+    session), put in the roster only when ``remembered`` (it joined with a trusted key)."""
+    name, reason = NAMES[pid], "it rejoined after the rendezvous outage"
+    msg = f"member {name} ({pid}) left the session: {reason}"
+    head = [sm.FailRequests(msg, name), sm.Trace("member_lost", {"name": name, "peer_id": pid, "reason": reason})]
+    assert actions[:2] == head
+    rest = actions[2:]
+    if survivors is not None:
+        assert order_of(rest[0]) == list(survivors)
+        rest = rest[1:]
+    assert rest == [sm.Remember(pid, name, key(pid))] * remembered + [sm.Send(pid, admitted_frame(name))]
+    assert pid in h.members and not h.members[pid].control_down and h.members[pid].capability is None
+    assert sm.CloseLink(pid, "") not in actions  # that would close the link it just rejoined on
+    assert h.lost[pid].lost == reason and h.culprit == name and not h.pending
 
 
 def member_failure(actions, reason: str, member=None) -> None:

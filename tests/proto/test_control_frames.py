@@ -66,6 +66,19 @@ def test_unknown_keys_are_ignored(t):
     assert cf.decode_control(wire(t, future_field=[1, 2], another={"x": b"y"})) == SAMPLES[t]
 
 
+def test_session_closed_round_trips():
+    """host -> member `session_closed` (proto_spec 05 §2): the session ended for good, the member forgets it."""
+    f = cf.SessionClosed("the host closed the session")
+    assert cf.SessionClosed.T == "session_closed" and cf._TYPES["session_closed"] is cf.SessionClosed
+    assert f.to_wire() == {"t": "session_closed", "reason": "the host closed the session"}
+    assert cf.decode_control({"t": "session_closed", "reason": "the host closed the session"}) == f
+    assert cf.decode_control(msgpack_trip(f.to_wire())) == f and over_the_wire(f) == f
+    assert cf.decode_control({"t": "session_closed", "reason": ""}) == cf.SessionClosed("")
+    assert f != cf.SessionFailed("the host closed the session")  # a different frame, not a failure
+    rejects({"t": "session_closed"}, "malformed session_closed frame: 'reason' is missing")
+    rejects({"t": "session_closed", "reason": 5}, "malformed session_closed frame: 'reason' is 5")
+
+
 def test_an_unknown_type_is_reported_for_the_driver_to_ignore():
     assert cf.decode_control({"t": "hello_v9", "x": 1}) == cf.UnknownFrame("hello_v9")
 

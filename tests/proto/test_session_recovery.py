@@ -16,7 +16,8 @@ from kafilad.proto.session import HOST_TABLE
 
 from proto.session_helpers import (
     A, B, C, HOST, HOST_NAME, HOST_SERVING_STATES, LOAD, PARAMS, SESSION_ID, H, Rows, cap_frame, failure, key,
-    lost, order_of, planned, ready_frame, rejoin_after_loss, ring_broke, sends, traces, walk_host,
+    load_all, lost, lost_with_the_rendezvous, order_of, planned, ready_frame, rejoin_after_loss, rejoined, replan,
+    ring_broke, through_an_outage, traces, walk_host,
 )
 
 HOST_ROWS = Rows(HOST_TABLE, HOST_SERVING_STATES, walk_host)
@@ -133,18 +134,47 @@ def rendezvous_lost_direct_ring_serves_on(h, fire):
     assert fire.again(sm.RendezvousLost("eof again")) == []  # reported once
 
 
-@host_case(H.READY, sm.RendezvousLost, H.FAILED)
+@host_case(H.READY, sm.RendezvousLost, H.RECOVERING, pending=(C,))
 def rendezvous_lost_with_relayed_edges(h, fire):
-    out = fire(sm.RendezvousLost("eof", relayed_edges=("alpha -> beta",)))
-    failure(out[1:], "the connection to the rendezvous was lost (eof), and the ring edge(s) alpha -> beta were "
-            "relayed through it, so the ring is broken", None)
+    out = fire(sm.RendezvousLost("eof.", relayed_edges=("alpha -> beta",)))
+    lost_with_the_rendezvous(out, h, "eof.", [A, B], survivors=[HOST], pending=(C,))
+    assert not any(e.control_down for e in h.lost.values())  # lost, not serving on
 
 
-@host_case(H.READY, sm.RendezvousLost, H.FAILED, ring=("alpha", HOST_NAME, "beta"), head="alpha")
+@host_case(H.READY, sm.RendezvousLost, H.RECOVERING, ring=("alpha", HOST_NAME, "beta"), head="alpha")
 def rendezvous_lost_with_a_remote_head(h, fire):
-    out = fire(sm.RendezvousLost("eof"))
-    assert out[1] == sm.FailRequests(h.error, "alpha") and "the control link to the head alpha went down" in h.error
-    assert not sends(out, cf.SessionFailed)
+    # the ring is direct, but requests start through the head's ctl link, which went with the rendezvous
+    lost_with_the_rendezvous(fire(sm.RendezvousLost("eof")), h, "eof", [A, B], survivors=[HOST])
+    assert h.head() is None  # the host re-forms alone and heads its own plan
+
+
+@host_case(H.READY, sm.RendezvousBack, H.READY)
+def rendezvous_back_after_serving_through_the_outage(h, fire):
+    h.handle(sm.RendezvousLost("eof"))
+    assert fire(sm.RendezvousBack(5)) == [sm.Trace("rendezvous_reconnected", {"attempts": 5})]
+    assert h.rendezvous_lost is None and h.error is None and h.epoch == 1
+    # the members' ctl circuits stay down until they rejoin
+    assert [e.control_down for e in h.members.values()] == [False, True, True]
+    # a later loss of a member is a loss again, and a later outage is reported again
+    assert h.handle(sm.RendezvousLost("eof again"))[0] == sm.Trace("rendezvous_lost", {"reason": "eof again"})
+
+
+@host_case(H.READY, sm.MemberJoined, H.RECOVERING)
+def member_back_after_serving_through_the_outage(h, fire):
+    through_an_outage(h)
+    rejoined(fire(sm.MemberJoined(A, "alpha", key(A), True)), h, A, survivors=[HOST, B])
+    assert h.error == "member alpha (A) left the session: it rejoined after the rendezvous outage"
+    # beta comes back too, while the host re-forms without alpha
+    rejoined(h.handle(sm.MemberJoined(B, "beta", key(B), True)), h, B, survivors=[HOST])
+    assert h.state == H.RECOVERING and set(h.lost) == {A, B} and not any(e.control_down for e in h.members.values())
+
+
+@host_case(H.READY, sm.MemberJoined, H.READY)
+def member_back_with_another_key_is_refused(h, fire):
+    through_an_outage(h)
+    assert fire(sm.MemberJoined(A, "alpha", key("someone else"), True)) == [
+        sm.Send(A, cf.Denied("this device is already in the session")), sm.CloseLink(A, "")]
+    assert h.members[A].control_down and not h.lost  # the old entry stays
 
 
 @host_case(H.READY, sm.Abort, H.FAILED)
@@ -156,8 +186,23 @@ def abort_while_ready(h, fire):
 def close_while_ready(h, fire):
     r = "the host closed the session"
     assert fire(sm.Close(r)) == [sm.Trace("session_closed", {"reason": r}), sm.FailRequests(r, None),
+                                 sm.Send(A, cf.SessionClosed(r)), sm.Send(B, cf.SessionClosed(r)),
                                  sm.CloseLink(A, r), sm.CloseLink(B, r)]
     assert h.error is None
+
+
+@host_case(H.READY, sm.Close, H.CLOSED)
+def daemon_stops_while_ready(h, fire):
+    r = "the host's daemon stopped"  # a restarted host re-hosts the session: members are not told to forget it
+    assert fire(sm.Close(r, final=False)) == [sm.Trace("session_closed", {"reason": r}), sm.FailRequests(r, None),
+                                              sm.CloseLink(A, r), sm.CloseLink(B, r)]
+
+
+@host_case(H.READY, sm.Close, H.CLOSED)
+def close_while_serving_through_the_outage_tells_nobody(h, fire):
+    h.handle(sm.RendezvousLost("eof"))  # the members' ctl circuits are down: no frame can reach them
+    assert fire(sm.Close("bye")) == [sm.Trace("session_closed", {"reason": "bye"}), sm.FailRequests("bye", None),
+                                     sm.CloseLink(A, "bye"), sm.CloseLink(B, "bye")]
 
 
 # ---- host: recovering (ready, then the host's own stage broke naming beta) -----------------------
@@ -246,10 +291,54 @@ def own_ring_failed_while_recovering_is_ignored(h, fire):
     assert fire(sm.RingFailed("beta", "again", 1)) == [] and h.reforms == 1
 
 
-@host_case(H.RECOVERING, sm.RendezvousLost, H.FAILED)
+@host_case(H.RECOVERING, sm.RendezvousLost, H.RECOVERING)
 def rendezvous_lost_while_recovering(h, fire):
-    failure(fire(sm.RendezvousLost("eof"))[1:], "the connection to the rendezvous was lost (eof) while the session "
-            "was recovering", None)
+    first = h.plan_seq
+    lost_with_the_rendezvous(fire(sm.RendezvousLost("eof")), h, "eof", [A, B], survivors=[HOST])
+    assert h.plan_seq == first + 1 and h.reforms == 1
+
+
+@host_case(H.RECOVERING, sm.RendezvousLost, H.RECOVERING)
+def rendezvous_lost_with_no_member_left(h, fire):
+    h.handle(sm.MemberLost(A, "gone"))
+    h.handle(sm.MemberLost(B, "gone"))
+    seq, err = h.plan_seq, h.error
+    assert fire(sm.RendezvousLost("eof")) == [sm.Trace("rendezvous_lost", {"reason": "eof"})]
+    assert h.plan_seq == seq and h.error == err  # the plan over the host alone is still coming
+
+
+@host_case(H.RECOVERING, sm.RendezvousBack, H.RECOVERING)
+def rendezvous_back_while_recovering(h, fire):
+    h.handle(sm.RendezvousLost("eof"))
+    assert fire(sm.RendezvousBack(2)) == [sm.Trace("rendezvous_reconnected", {"attempts": 2})]
+    assert h.rendezvous_lost is None and set(h.lost) == {A, B}
+    # alpha rejoins: admitted below the declared size, planned in once the ring is ready
+    assert h.handle(sm.MemberJoined(A, "alpha", key(A), True))[1].frame.name == "alpha"
+
+
+def _re_formed(h):
+    """Recovering (walk_host): the replan over the same members loads, ready again at epoch 2."""
+    replan(h)
+    load_all(h)
+    assert h.state == H.READY and h.epoch == 2
+    return h
+
+
+@host_case(H.RECOVERING, sm.MemberJoined, H.RECOVERING)
+def member_back_after_an_outage_while_recovering(h, fire):
+    through_an_outage(_re_formed(h))
+    h.handle(sm.RingFailed(None, "alpha stopped", 2))
+    assert h.state == H.RECOVERING
+    rejoined(fire(sm.MemberJoined(A, "alpha", key(A), True)), h, A, survivors=[HOST, B])
+
+
+@host_case(H.RECOVERING, sm.Close, H.CLOSED)
+def close_tells_only_members_whose_control_is_up(h, fire):
+    through_an_outage(_re_formed(h))
+    h.handle(sm.MemberJoined(B, "beta", key(B), True))  # beta is back on a new ctl link, alpha is not yet
+    assert h.state == H.RECOVERING
+    out = fire(sm.Close("bye"))
+    assert out[2:] == [sm.Send(B, cf.SessionClosed("bye")), sm.CloseLink(A, "bye"), sm.CloseLink(B, "bye")]
 
 
 @host_case(H.RECOVERING, sm.Abort, H.FAILED)
@@ -334,10 +423,18 @@ def own_ring_failed_while_degraded(h, fire):
     assert fire(sm.RingFailed(None, "x", None)) == []
 
 
-@host_case(H.DEGRADED, sm.RendezvousLost, H.FAILED)
+@host_case(H.DEGRADED, sm.RendezvousLost, H.DEGRADED)
 def rendezvous_lost_while_degraded(h, fire):
-    failure(fire(sm.RendezvousLost("eof"))[1:], "the connection to the rendezvous was lost (eof) while the session "
-            "was degraded", None)
+    seq = h.plan_seq
+    lost_with_the_rendezvous(fire(sm.RendezvousLost("eof")), h, "eof", [A, B])  # no replan: it waits
+    assert h.plan_seq == seq
+
+
+@host_case(H.DEGRADED, sm.RendezvousBack, H.DEGRADED)
+def rendezvous_back_while_degraded(h, fire):
+    err = h.error
+    assert fire(sm.RendezvousBack(1)) == [sm.Trace("rendezvous_reconnected", {"attempts": 1})]
+    assert h.error == err and h.rendezvous_lost is None
 
 
 @host_case(H.DEGRADED, sm.Abort, H.FAILED)
@@ -355,8 +452,15 @@ def close_while_degraded(h, fire):
 def close_after_failure(h, fire):
     err = h.error
     out = fire(sm.Close("bye"))
-    assert out == [sm.Trace("session_closed", {"reason": "bye"}), sm.CloseLink(A, "bye"), sm.CloseLink(B, "bye")]
+    assert out == [sm.Trace("session_closed", {"reason": "bye"}), sm.Send(A, cf.SessionClosed("bye")),
+                   sm.Send(B, cf.SessionClosed("bye")), sm.CloseLink(A, "bye"), sm.CloseLink(B, "bye")]
     assert h.error == err  # the failure stays the session's error
+
+
+@host_case(H.FAILED, sm.Close, H.CLOSED)
+def daemon_stops_after_failure(h, fire):
+    out = fire(sm.Close("bye", final=False))
+    assert out == [sm.Trace("session_closed", {"reason": "bye"}), sm.CloseLink(A, "bye"), sm.CloseLink(B, "bye")]
 
 
 # ---- the row tests ------------------------------------------------------------------------------

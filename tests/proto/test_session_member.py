@@ -1,0 +1,230 @@
+"""The pure session machines (kafilad/proto/session.py): every row of MEMBER_TABLE, part 3.
+
+A member's side of a session: joining and waiting for `admit`, measured, loading, serving, and
+every way it ends (a failure, a leave, the host closing the session for good). The same kind of
+cases as test_session_machines.py (session_helpers.Rows: walk_member into the row's state, fire
+one event, check the new state and the actions), compared with the table. No trio, no sockets.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kafilad.proto import control as cf
+from kafilad.proto import session as sm
+from kafilad.proto.session import MEMBER_TABLE
+
+from proto.session_helpers import CAPABILITY, LOAD, M, Rows, admitted_frame, member_failure, plan_frame, walk_member
+
+MEMBER_ROWS = Rows(MEMBER_TABLE, list(sm.MemberState), walk_member)
+member_case = MEMBER_ROWS.case
+
+
+# ---- member -------------------------------------------------------------------------------------
+BEFORE_ADMISSION = (M.JOINING, M.PENDING)
+AFTER_ADMISSION = (M.ADMITTED, M.MEASURED, M.LOADING, M.READY)
+
+for _s in BEFORE_ADMISSION:
+    @member_case(_s, cf.Pending, M.PENDING)
+    def pending(m, fire):
+        assert fire(cf.Pending()) == []
+
+    @member_case(_s, cf.Admitted, M.ADMITTED)
+    def admitted(m, fire):
+        f = admitted_frame("alpha-2")
+        assert fire(f) == [sm.JoinAccepted()]
+        assert m.admitted == f
+
+    @member_case(_s, cf.Denied, M.FAILED)
+    def denied(m, fire):
+        assert fire(cf.Denied("the session is already complete")) == [
+            sm.Refused("The host refused this device: the session is already complete.")]
+        assert m.error == "The host refused this device: the session is already complete."
+
+    @member_case(_s, sm.JoinFailed, M.FAILED)
+    def join_failed(m, fire):
+        assert fire(sm.JoinFailed("Cannot join: no such session.")) == []
+        assert m.error == "Cannot join: no such session."
+
+    @member_case(_s, sm.HostLinkLost, M.FAILED)
+    def host_closed_before_admission(m, fire):
+        msg = "The host closed the link before admitting this device: eof."
+        assert fire(sm.HostLinkLost("eof")) == [sm.Refused(msg)]
+        assert m.error == msg
+
+    @member_case(_s, sm.SessionEnded, M.FAILED)
+    def session_ended_before_admission(m, fire):
+        assert fire(sm.SessionEnded("the host left")) == [sm.Refused("Cannot join: the host left.")]
+
+    @member_case(_s, sm.RendezvousLost, M.FAILED)
+    def rendezvous_lost_before_admission(m, fire):
+        assert fire(sm.RendezvousLost("eof.")) == [
+            sm.Refused("Cannot join: the connection to the rendezvous was lost (eof).")]
+
+for _s in BEFORE_ADMISSION + AFTER_ADMISSION:
+    @member_case(_s, cf.SessionFailed, M.FAILED)
+    def host_reports_failure(m, fire):
+        member_failure(fire(cf.SessionFailed("internal error: x")), "internal error: x", "host")
+
+    @member_case(_s, sm.Abort, M.FAILED)
+    def abort(m, fire):
+        out = fire(sm.Abort("RuntimeError()"))
+        member_failure(out, "internal error: RuntimeError()")
+        assert out[2:] == [sm.Send("", cf.Failed("RuntimeError()"))]
+
+    @member_case(_s, sm.Close, M.CLOSED)
+    def leave(m, fire):
+        r = "its user ran `kafila-ctl leave`"
+        assert fire(sm.Close(r)) == [sm.Send("", cf.Leaving(r)), sm.FailRequests(r, None), sm.CloseLink("", r)]
+
+    @member_case(_s, cf.SessionClosed, M.CLOSED)
+    def host_closed_the_session(m, fire):
+        r = "the host closed the session"
+        assert fire(cf.SessionClosed(r)) == [sm.FailRequests(r, "host"), sm.ForgetSession(), sm.CloseLink("", "")]
+        assert m.error == r and m.state == M.CLOSED  # closed, not failed: the daemon does not rejoin it
+
+for _s in AFTER_ADMISSION:
+    @member_case(_s, sm.HostLinkLost, M.FAILED)
+    def host_link_lost(m, fire):
+        member_failure(fire(sm.HostLinkLost("eof")), "the link to the host closed: eof")
+
+    @member_case(_s, sm.SessionEnded, M.FAILED)
+    def session_ended(m, fire):
+        member_failure(fire(sm.SessionEnded("the session ended: the host left", "beta")),
+                       "the session ended: the host left", "beta")
+
+for _s in (M.ADMITTED, M.MEASURED, M.LOADING):
+    @member_case(_s, sm.RendezvousLost, M.FAILED)
+    def rendezvous_lost(m, fire):
+        state = m.state
+        member_failure(fire(sm.RendezvousLost("eof", edges_direct=True)),
+                       f"the connection to the rendezvous was lost (eof) while this device was {state}")
+
+
+@member_case(M.ADMITTED, sm.CapabilitySent, M.MEASURED)
+def capability_sent(m, fire):
+    assert fire(sm.CapabilitySent(dict(CAPABILITY))) == []
+    assert m.capability == CAPABILITY
+
+
+@member_case(M.MEASURED, cf.PlanFrame, M.LOADING)
+def plan_received(m, fire):
+    f = plan_frame(head=True)
+    assert fire(f) == [sm.StartLoad(f)] and m.plan == f
+
+
+@member_case(M.LOADING, cf.PlanFrame, M.LOADING)
+def replanned_while_loading(m, fire):
+    m.handle(sm.RingFailed("beta", "no path", 1))
+    f = plan_frame(start=0, end=3, epoch=2)
+    assert fire(f) == [sm.StartLoad(f)] and m.plan == f and m.ring_broken is None
+
+
+@member_case(M.LOADING, sm.StageLoaded, M.READY)
+def stage_loaded(m, fire):
+    assert fire(sm.StageLoaded({**LOAD, "progress": "done"}, 1)) == [sm.Send("", cf.Ready(epoch=1, **LOAD))]
+
+
+@member_case(M.LOADING, sm.StageLoaded, M.READY, epoch=None)
+def stage_loaded_of_a_plan_without_epoch(m, fire):
+    assert fire(sm.StageLoaded(dict(LOAD))) == [sm.Send("", cf.Ready(epoch=0, **LOAD))]
+
+
+@member_case(M.LOADING, sm.StageLoaded, M.LOADING)
+def stage_of_a_replaced_plan_is_ignored(m, fire):
+    m.handle(plan_frame(epoch=2))
+    assert fire(sm.StageLoaded(dict(LOAD), 1)) == []
+
+
+@member_case(M.LOADING, sm.LoadFailed, M.FAILED)
+def load_failed(m, fire):
+    out = fire(sm.LoadFailed("sha256 mismatch for layers.2"))
+    member_failure(out, "sha256 mismatch for layers.2")
+    assert out[2:] == [sm.Send("", cf.Failed("sha256 mismatch for layers.2"))]
+
+
+@member_case(M.LOADING, sm.RingFailed, M.LOADING)
+def ring_failed_while_loading_is_reported(m, fire):
+    assert fire(sm.RingFailed("beta", "no path to beta", 1)) == [
+        sm.Send("", cf.RingBroken(reason="no path to beta", member="beta", epoch=1))]
+    assert m.ring_broken == sm.RingFailed("beta", "no path to beta", 1) and m.error is None
+
+
+@member_case(M.READY, cf.PlanFrame, M.LOADING)
+def replanned_while_ready(m, fire):
+    f = plan_frame(start=4, end=6, epoch=2)
+    assert fire(f) == [sm.StartLoad(f)]
+
+
+@member_case(M.READY, sm.RingFailed, M.READY)
+def ring_failed_while_ready_is_reported(m, fire):
+    assert fire(sm.RingFailed(None, "the previous stage closed")) == [
+        sm.Send("", cf.RingBroken(reason="the previous stage closed", member=None, epoch=1))]
+
+
+@member_case(M.READY, sm.RingFailed, M.FAILED)
+def ring_failed_without_rendezvous_fails(m, fire):
+    m.handle(sm.RendezvousLost("eof", edges_direct=True))
+    member_failure(fire(sm.RingFailed("beta", "beta stopped", 1)),
+                   "beta stopped (the connection to the rendezvous was lost: eof)", "beta")
+
+
+@member_case(M.READY, sm.RendezvousLost, M.READY)
+def rendezvous_lost_with_direct_edges(m, fire):
+    assert fire(sm.RendezvousLost("eof", edges_direct=True)) == [
+        sm.Trace("rendezvous_lost", {"reason": "eof", "serving": True})]
+    assert m.keeps_serving and m.error is None
+    assert fire.again(sm.RendezvousLost("eof", edges_direct=True)) == []  # traced once
+
+
+@member_case(M.READY, sm.RendezvousLost, M.FAILED)
+def rendezvous_lost_with_relayed_edges_fails(m, fire):
+    member_failure(fire(sm.RendezvousLost("eof", edges_direct=False)),
+                   "the connection to the rendezvous was lost (eof), and this device's ring edges were relayed "
+                   "through it")
+
+
+@member_case(M.READY, sm.HostLinkLost, M.READY)
+def host_link_lost_while_serving_without_rendezvous(m, fire):
+    m.handle(sm.RendezvousLost("eof", edges_direct=True))
+    assert fire(sm.HostLinkLost("circuit closed")) == [] and m.error is None
+
+
+@member_case(M.READY, sm.HostLinkLost, M.FAILED)
+def host_link_lost_after_ring_broke_names_the_ring(m, fire):
+    m.handle(sm.RingFailed("beta", "beta stopped", 1))
+    member_failure(fire(sm.HostLinkLost("eof")), "beta stopped", "beta")
+
+
+@member_case(M.READY, cf.SessionClosed, M.CLOSED)
+def host_closed_the_session_while_serving_without_rendezvous(m, fire):
+    m.handle(sm.RendezvousLost("eof", edges_direct=True))
+    assert fire(cf.SessionClosed("")) == [sm.FailRequests("the host closed the session", "host"),
+                                          sm.ForgetSession(), sm.CloseLink("", "")]  # an empty reason is filled
+
+
+@member_case(M.FAILED, sm.Close, M.CLOSED)
+def close_after_failure_sends_no_leaving(m, fire):
+    assert fire(sm.Close("bye")) == [sm.FailRequests("bye", None), sm.CloseLink("", "bye")]
+
+
+# ---- the row tests ------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", MEMBER_ROWS.cases, ids=lambda c: c.id)
+def test_member_row(case):
+    MEMBER_ROWS.run(case)
+
+
+#: Allowed by the table but never taken by the machine: a member's ring failure while loading is
+#: only reported to the host. Listed so that the table and this file change together.
+MEMBER_UNREACHABLE = {(M.LOADING, sm.RingFailed, M.FAILED)}
+
+
+def test_every_row_has_a_case():
+    cases, table = MEMBER_ROWS.pairs()
+    assert cases == table
+
+
+def test_every_allowed_transition_is_reached_by_a_case():
+    cases, table = MEMBER_ROWS.triples()
+    assert MEMBER_UNREACHABLE <= table and not MEMBER_UNREACHABLE & cases
+    assert cases == table - MEMBER_UNREACHABLE
