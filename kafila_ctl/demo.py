@@ -67,9 +67,9 @@ class LoopbackCluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def rendezvous_argv(self) -> list[str]:
+    def rendezvous_argv(self, listen: str = "127.0.0.1:0") -> list[str]:
         """The rendezvous command; it prints `rendezvous listening on ws://IP:PORT` when bound."""
-        cmd = [sys.executable, "-m", "kafilad.main", "rendezvous", "--listen", "127.0.0.1:0"]
+        cmd = [sys.executable, "-m", "kafilad.main", "rendezvous", "--listen", listen]
         for host, port in self.stun:
             cmd += ["--stun", f"{host}:{port}"]
         if self.record_path:
@@ -84,17 +84,30 @@ class LoopbackCluster:
         return self.env
 
     def start(self) -> None:
-        log = open(self.root / "rendezvous.log", "wb")
-        self.rdv = subprocess.Popen(self.rendezvous_argv(), stdout=subprocess.PIPE, stderr=log, env=self.env)
+        self.start_rendezvous()
+        for i in range(self.n):
+            self.daemons.append(self.start_daemon(i))
+        for i in range(self.n):
+            self.wait_daemon(i)
+
+    def start_rendezvous(self, listen: str = "127.0.0.1:0") -> None:
+        """Start the rendezvous (again, on the same address when `listen` names it: a restart)."""
+        log = open(self.root / "rendezvous.log", "ab")
+        self.rdv = subprocess.Popen(self.rendezvous_argv(listen), stdout=subprocess.PIPE, stderr=log, env=self.env)
         line = self.rdv.stdout.readline().decode()
         m = re.search(r"ws://([\d.]+):(\d+)", line)
         if not m:
             raise KafilaError(f"The rendezvous did not start: {line!r}; see {self.root / 'rendezvous.log'}.")
         self.rdv_url = f"ws://{m.group(1)}:{m.group(2)}"
-        for i in range(self.n):
-            self.daemons.append(self.start_daemon(i))
-        for i in range(self.n):
-            self.wait_daemon(i)
+
+    def restart_rendezvous(self) -> None:
+        """Kill the rendezvous and start a new one on the same address (its state is gone)."""
+        if self.rdv is not None and self.rdv.poll() is None:
+            self.rdv.kill()
+            self.rdv.wait(timeout=10)
+        if self.rdv is not None and self.rdv.stdout:
+            self.rdv.stdout.close()
+        self.start_rendezvous(self.rdv_url.removeprefix("ws://"))
 
     def start_daemon(self, i: int) -> subprocess.Popen:
         self.state_dir(i).mkdir(parents=True, exist_ok=True)

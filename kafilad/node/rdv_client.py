@@ -188,6 +188,9 @@ class _Pending:
     label: str = ""
 
 
+#: seconds between WebSocket pings of a daemon's rendezvous connection (issue 8 §3: at most 30 s)
+PING_INTERVAL_S = 20.0
+
 class RendezvousClient:
     """One daemon's connection to the rendezvous; make it with `open_rendezvous`.
 
@@ -227,20 +230,23 @@ class RendezvousClient:
         """Why the connection to the rendezvous ended, or None while it is up."""
         return self._lost
 
-    async def register(self, model_id: str, members: int, capability: dict) -> str:
-        """Open a session as its host (DESIGN §3 step 1; proto_spec §2.1 `register`).
+    async def register(self, model_id: str, members: int, capability: dict, *, session_id: str | None = None) -> str:
+        """Open a session as its host (DESIGN §3 step 1; proto_spec §2.1 `register`, §2.5 re-registration).
 
         Args:
             model_id: the model the host serves.
             members: expected member count, host included.
             capability: the host's capability map (msgpack-serialisable).
+            session_id: re-create this session (after a rendezvous or host restart), proven with the
+                same key; None opens a new one.
         Returns:
             the session id (8 lowercase base32 characters).
         Raises:
             SessionError: the rendezvous refused, with its reason, or the connection was lost.
         """
+        extra = {"session_id": session_id} if session_id else {}
         reply = await self._request("register", model_id=model_id, members=members, capability=capability,
-                                    **self._identity("register", ""))
+                                    **extra, **self._identity("register", session_id or ""))
         self.session_id = reply["session_id"]
         self.stun_servers = list(reply.get("stun") or [])  # [paths] proto_spec 07 §1
         return self.session_id
@@ -340,6 +346,22 @@ class RendezvousClient:
         if reply["t"] == "error":
             raise SessionError(str(reply.get("reason", "The rendezvous refused without a reason.")))
         return reply
+
+    async def _keepalive(self, interval_s: float) -> None:
+        """A WebSocket ping every `interval_s` (≤ 30 s), so idle-timeout proxies (commonly 60-100 s) keep
+        the connection; a ping unanswered for another interval closes it as lost (issue 8 §3)."""
+        while self._lost is None:
+            await trio.sleep(interval_s)
+            try:
+                with trio.move_on_after(interval_s) as scope:
+                    await self._ws.ping()
+            except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if scope.cancelled_caught:
+                self._lost = self._lost or f"the rendezvous did not answer a ping within {interval_s:g} s"
+                with trio.move_on_after(2):
+                    await self._ws.aclose(1001, "no pong")
+                return
 
     async def _reader(self) -> None:
         reason = "the connection closed"
@@ -444,6 +466,7 @@ async def open_rendezvous(
     circuit_buffer: int = 64,
     event_buffer: int = 256,
     connect_timeout_s: float = 10.0,
+    ping_interval_s: float = PING_INTERVAL_S,
 ) -> AsyncIterator[RendezvousClient]:
     """Connect to the rendezvous at `url` (ws:// or wss://) for the duration of the block.
 
@@ -456,6 +479,7 @@ async def open_rendezvous(
         circuit_buffer: messages buffered per circuit before the reader waits (backpressure).
         event_buffer: events and incoming circuits buffered before the reader waits.
         connect_timeout_s: give up connecting, or waiting for the `challenge`, after this many seconds.
+        ping_interval_s: seconds between WebSocket pings (a ping unanswered this long ends the connection).
     Raises:
         SessionError: the rendezvous cannot be reached, refused the WebSocket, or sent no challenge.
         LocalProtocolError: ``static_private`` is not 32 bytes.
@@ -475,6 +499,7 @@ async def open_rendezvous(
         with collapse_groups():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(client._reader)
+                nursery.start_soon(client._keepalive, ping_interval_s)
                 try:
                     with trio.move_on_after(connect_timeout_s):
                         await client._challenged.wait()

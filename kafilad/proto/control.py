@@ -19,7 +19,9 @@ member -> host  Ready(fetched_bytes, cached_bytes, load_s, edges) | Failed(reaso
 member -> host  Edges(edges) | RingBroken(reason, member)
 host -> head    Gen(req, prompt, max_tokens, temperature)
 head -> host    GenEvent(req, event) | GenDone(req, result: GenResult) | GenError(req, message)
-host -> member  SessionFailed(reason)
+host -> head    Cancel(req, reason?)             the request's client went away: end it now
+host -> member  SessionFailed(reason) | SessionClosed(reason)      the latter: ended for good, forget it
+either way      Ping(n)                                            every 2 s; 8 s without a frame = lost
 ```
 Pure: no trio, sockets or mlx (tests/test_import_boundary.py).
 """
@@ -269,8 +271,31 @@ class GenError(ControlFrame):
     message: str = _field(str)
 
 
+@_frame("cancel")
+class Cancel(ControlFrame):
+    """host -> head: end request `req` early, its client went away (proto_spec 05 §2.4). Once the
+    request's `end` came round, the head answers `gen_done` with what was produced (`gen_error`
+    if the request had not started)."""
+
+    req: str = _field(str)
+    reason: Optional[str] = _field(str, optional=True)
+
+
+@_frame("ping")
+class Ping(ControlFrame):
+    """Either side, every KEEPALIVE interval: proof of life on a ctl link (issue 8 §1; proto_spec 05 §2.3).
+    Any frame counts as life; a ping is sent so that an idle link carries one. Never answered."""
+    n: int = _field(int, minimum=0)
+
+
 @_frame("session_failed")
 class SessionFailed(ControlFrame):
+    reason: str = _field(str)
+
+
+@_frame("session_closed")
+class SessionClosed(ControlFrame):
+    """host -> member: the host ended the session for good (`kafila-ctl leave`); do not rejoin it."""
     reason: str = _field(str)
 
 

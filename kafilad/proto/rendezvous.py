@@ -433,9 +433,9 @@ class RendezvousState:
             _Refusal: `proof_required`, `peer_id_mismatch` or `bad_proof`.
         """
         state = self._conns[conn]
+        sid = f.get("session_id") if request_type == "join" or isinstance(f.get("session_id"), str) else ""
         problem = check_proof(state.server_private, state.challenge, f["peer_id"], f.get("static_public"),
-                              f.get("proof"), request_type,
-                              f["session_id"] if request_type == "join" else "", f["name"])
+                              f.get("proof"), request_type, sid or "", f["name"])
         if problem is not None:
             raise _Refusal(*problem)
         return f["static_public"]
@@ -461,12 +461,41 @@ class RendezvousState:
         if len(self._sessions) >= lim.max_sessions:
             raise _Refusal("too_many_sessions", "The rendezvous is full; try again later.")
         state.static_public = self._prove(conn, "register", f)
-        sid = self._new_id(5, self._sessions)
+        sid = self._reregistered_id(conn, f, state.static_public)
+        if sid is None:
+            sid = self._new_id(5, self._sessions)
         self._sessions[sid] = _Session(
             sid, f["model_id"], f["members"], f["capability"], conn, {f["peer_id"]: conn},
             TokenBucket(lim.session_rate_Bps, lim.session_burst_bytes, self._now))
         state.session_id, state.peer_id, state.name = sid, f["peer_id"], f["name"]
         self._send(conn, t="registered", session_id=sid, **({"stun": self.stun} if self.stun else {}), **_req(f))
+
+    def _reregistered_id(self, conn: int, f: dict, static_public: bytes) -> "str | None":
+        """The session id a `register` re-creates (§2.5), or None for a new session.
+
+        A host that lost its connection (or whose rendezvous restarted) registers again with its
+        session's id, proven with the same key: the id is free, or still held by a connection of
+        that same key (then superseded, as a member's rejoin is, and its session ends first).
+
+        Raises:
+            _Refusal: `invalid_request` (not an id of the §2.2 form) or `duplicate_peer` (the id is
+                held by a session of another host key).
+        """
+        sid = f.get("session_id")
+        if sid is None:
+            return None
+        if not isinstance(sid, str) or len(sid) != 8 or not all(c in "abcdefghijklmnopqrstuvwxyz234567" for c in sid):
+            raise _Refusal("invalid_request", "A re-registered session id is 8 characters of lowercase base32.")
+        old = self._sessions.get(sid)
+        if old is not None:
+            holder = self._conns.get(old.host_conn)
+            if holder is None or holder.static_public != static_public:
+                raise _Refusal("duplicate_peer", f"Session {sid!r} is held by another host key.")
+            reason = f"The host of session {sid!r} registered it again from a newer connection."
+            self._send(old.host_conn, t="error", code="superseded", reason=reason, fatal=True)
+            self._actions.append(CloseConn(old.host_conn, CLOSE_SUPERSEDED, reason[:120]))
+            self.connection_lost(old.host_conn, "the host reconnected")
+        return sid
 
     def _on_join(self, conn: int, f: dict) -> None:
         state = self._conns[conn]

@@ -41,7 +41,7 @@ from kafilad.proto.session_events import (  # noqa: F401 - re-exported: the mach
     JoinFailed, Abort, Close, CapabilitySent, StageLoaded, LoadFailed,
     HostLinkLost, SessionEnded, Send, CloseLink, Remember, MakePlan,
     DistributePlan, StartLoad, FailRequests, Trace, Formed, EdgesChanged,
-    Refused, JoinAccepted, MemberEntry, PendingEntry, HostState, MemberState,
+    Refused, JoinAccepted, MemberEntry, PendingEntry, HostState, MemberState, RendezvousBack, ForgetSession,
 )
 
 #: States in which a session is over: only Close is handled.
@@ -56,7 +56,9 @@ _LIVE = (H.FORMING, H.PLANNING, H.LOADING, H.READY, H.RECOVERING, H.DEGRADED)
 
 def _row(state, **rows) -> dict:
     out = {ev: {state} for ev in _ADMISSION}
-    out.update({Abort: {H.FAILED}, Close: {H.CLOSED}})
+    if state in (H.PLANNING, H.LOADING, H.READY, H.RECOVERING):
+        out[MemberJoined] = {state, H.RECOVERING}  # a member back after an outage replaces its old entry
+    out.update({Abort: {H.FAILED}, Close: {H.CLOSED}, RendezvousBack: {state}})
     for ev, targets in rows.items():
         out[_EVENTS[ev]] = set(targets)
     return out
@@ -70,26 +72,26 @@ _EVENTS = {"Registered": Registered, "OwnCapability": OwnCapability, "Capability
 HOST_TABLE: dict = {
     H.STARTING: {Registered: {H.FORMING}, Abort: {H.FAILED}, Close: {H.CLOSED}},
     H.FORMING: _row(H.FORMING, OwnCapability={H.FORMING, H.PLANNING}, Capability={H.FORMING, H.PLANNING},
-                    MemberLost={H.FORMING}, Leaving={H.FORMING}, Failed={H.FORMING}, RendezvousLost={H.FAILED}),
+                    MemberLost={H.FORMING}, Leaving={H.FORMING}, Failed={H.FORMING}, RendezvousLost={H.FORMING}),
     H.PLANNING: _row(H.PLANNING, Planned={H.LOADING}, PlanFailed={H.FAILED}, Capability={H.PLANNING},
                      MemberLost={H.RECOVERING}, Leaving={H.RECOVERING}, Failed={H.RECOVERING},
-                     RendezvousLost={H.FAILED}),
+                     RendezvousLost={H.PLANNING, H.RECOVERING}),
     H.LOADING: _row(H.LOADING, Ready={H.LOADING, H.READY, H.RECOVERING}, OwnStageLoaded={H.LOADING, H.READY, H.RECOVERING},
                     Edges={H.LOADING}, Capability={H.LOADING}, Failed={H.RECOVERING, H.FAILED},
                     Leaving={H.RECOVERING}, MemberLost={H.RECOVERING}, RingBroken={H.LOADING, H.RECOVERING, H.FAILED},
-                    RingFailed={H.LOADING, H.RECOVERING, H.FAILED}, RendezvousLost={H.FAILED}),
+                    RingFailed={H.LOADING, H.RECOVERING, H.FAILED}, RendezvousLost={H.LOADING, H.RECOVERING}),
     H.READY: _row(H.READY, Edges={H.READY}, Capability={H.RECOVERING}, Failed={H.RECOVERING, H.FAILED},
                   Leaving={H.RECOVERING}, MemberLost={H.READY, H.RECOVERING},
                   RingBroken={H.READY, H.RECOVERING, H.FAILED}, RingFailed={H.READY, H.RECOVERING, H.FAILED},
-                  RendezvousLost={H.READY, H.FAILED}),
+                  RendezvousLost={H.READY, H.RECOVERING}),
     H.RECOVERING: _row(H.RECOVERING, Planned={H.LOADING, H.RECOVERING}, PlanFailed={H.DEGRADED},
                        Capability={H.RECOVERING}, Ready={H.RECOVERING}, OwnStageLoaded={H.RECOVERING},
                        Edges={H.RECOVERING}, Failed={H.RECOVERING}, Leaving={H.RECOVERING},
                        MemberLost={H.RECOVERING}, RingBroken={H.RECOVERING}, RingFailed={H.RECOVERING},
-                       RendezvousLost={H.FAILED}),
+                       RendezvousLost={H.RECOVERING}),
     H.DEGRADED: _row(H.DEGRADED, Capability={H.RECOVERING}, MemberLost={H.DEGRADED}, Leaving={H.DEGRADED},
                      Ready={H.DEGRADED}, OwnStageLoaded={H.DEGRADED}, Edges={H.DEGRADED}, Failed={H.DEGRADED},
-                     RingBroken={H.DEGRADED}, RingFailed={H.DEGRADED}, RendezvousLost={H.FAILED}),
+                     RingBroken={H.DEGRADED}, RingFailed={H.DEGRADED}, RendezvousLost={H.DEGRADED}),
     H.FAILED: {Close: {H.CLOSED}},
     H.CLOSED: {},
 }
@@ -98,6 +100,7 @@ MAX_REFORMS = 3
 
 M = MemberState
 _MEMBER_FAILURES = {HostLinkLost: {M.FAILED}, cf.SessionFailed: {M.FAILED}, SessionEnded: {M.FAILED},
+                    cf.SessionClosed: {M.CLOSED},
                     RendezvousLost: {M.FAILED}, Abort: {M.FAILED}, Close: {M.CLOSED}}
 MEMBER_TABLE: dict = {
     M.JOINING: {cf.Pending: {M.PENDING}, cf.Admitted: {M.ADMITTED}, cf.Denied: {M.FAILED}, JoinFailed: {M.FAILED},
@@ -179,6 +182,8 @@ class HostMachine(_Machine):
         self.reforms = 0
         #: the latest MakePlan's sequence number
         self.plan_seq = 0
+        #: keys admitted in this session (`--open` ones included): they may rejoin it, not later sessions
+        self.session_keys: dict[str, bytes] = {}
 
     # -- queries --
     def name_of(self, peer_id: str) -> str:
@@ -235,19 +240,26 @@ class HostMachine(_Machine):
         return len(self.members) >= self.expected
 
     def _on_MemberJoined(self, ev: MemberJoined, row) -> list:
+        out = []
+        old = self.members.get(ev.peer_id)
+        if old is not None and old.control_down and old.public_key == ev.public_key:
+            # it served on without its ctl link (rendezvous outage) and rejoins now: its old stage goes
+            out = self._lose(ev.peer_id, "it rejoined after the rendezvous outage", row)
+            out = [a for a in out if a != CloseLink(ev.peer_id, "")]
         if ev.peer_id in self.members or ev.peer_id in self.pending:
             return [Send(ev.peer_id, cf.Denied("this device is already in the session")), CloseLink(ev.peer_id, "")]
         if self._full():
             return [Send(ev.peer_id, cf.Denied("the session is already complete")), CloseLink(ev.peer_id, "")]
         name = self._unique_name(ev.name, ev.peer_id)
-        if self.open or ev.trusted:
-            return self._admit(ev.peer_id, name, ev.public_key, remember=True)
+        if self.open or ev.trusted or self.session_keys.get(ev.peer_id) == ev.public_key:
+            return out + self._admit(ev.peer_id, name, ev.public_key, remember=ev.trusted)  # --open: this session only
         self.pending[ev.peer_id] = PendingEntry(ev.peer_id, name, ev.public_key)
         self.changed = True
-        return [Send(ev.peer_id, cf.Pending())]
+        return out + [Send(ev.peer_id, cf.Pending())]
 
     def _admit(self, peer_id: str, name: str, key: bytes, *, remember: bool) -> list:
         self.members[peer_id] = MemberEntry(peer_id=peer_id, name=name, public_key=key)
+        self.session_keys[peer_id] = key
         self.changed = True
         out = [Remember(peer_id, name, key)] if remember else []
         return out + [Send(peer_id, cf.Admitted(session_id=self.session_id, name=name, **self.params))]
@@ -430,28 +442,48 @@ class HostMachine(_Machine):
         return self._ring_broke(ev.member, ev.reason, ev.epoch, row)
 
     def _on_RendezvousLost(self, ev: RendezvousLost, row) -> list:
+        """The rendezvous connection ended (DESIGN §2: signalling and a last-resort relay).
+
+        A ready session whose ring edges are all direct and whose head is this host serves on (the
+        members' ctl circuits are down meanwhile). Otherwise every remote member's ctl circuit is
+        gone with it: they are lost, requests fail, the host replans over what is left and waits
+        for the rendezvous and the members to come back (they rejoin by themselves).
+        """
         if self.rendezvous_lost is not None:
             return []
         self.rendezvous_lost = ev.reason
-        for e in self.members.values():
-            if not e.is_host:
-                e.control_down = True
         self.changed = True
         out = [Trace("rendezvous_lost", {"reason": ev.reason})]
         lost = f"the connection to the rendezvous was lost ({ev.reason.rstrip('.')})"
-        if self.state != HostState.READY:
-            return out + self._fail(f"{lost} while the session was {self.state}", None, row)
-        if ev.relayed_edges:
-            return out + self._fail(f"{lost}, and the ring edge(s) {', '.join(ev.relayed_edges)} were relayed "
-                                    "through it, so the ring is broken", None, row)
         head = self.head()
-        if head is not None and not head.is_host:
-            return out + self._fail(
-                f"the control link to the head {head.name} went down with the rendezvous; {lost}. The ring is "
-                f"direct and still runs, but this host can only start requests through the head: leave and form "
-                f"the session again once the rendezvous is back", head.name, row, tell=False)
-        self._enter(HostState.READY, row)
-        return out
+        if self.state == HostState.READY and not ev.relayed_edges and (head is None or head.is_host):
+            for e in self.members.values():
+                if not e.is_host:
+                    e.control_down = True
+            return out  # the direct ring serves on
+        for p in list(self.pending):
+            out.append(CloseLink(p, ""))
+        self.pending.clear()
+        remote = [e for e in self.members.values() if not e.is_host]
+        for e in remote:
+            e.lost = lost
+            del self.members[e.peer_id]
+            if self.state != HostState.FORMING:
+                self.lost[e.peer_id] = e
+            out.append(CloseLink(e.peer_id, ""))
+        if self.state == HostState.FORMING or not remote:
+            return out
+        self.error = f"{lost}; the members rejoin once it is back"
+        out += [FailRequests(self.error, None), Trace("member_lost", {"names": [e.name for e in remote],
+                                                                       "reason": lost})]
+        if self.state == HostState.DEGRADED:
+            return out
+        return out + self._replan(row)
+
+    def _on_RendezvousBack(self, ev: RendezvousBack, row) -> list:
+        self.rendezvous_lost = None
+        self.changed = True
+        return [Trace("rendezvous_reconnected", {"attempts": ev.attempts})]
 
     def _fail(self, reason: str, culprit: Optional[str], row, *, tell: bool = True) -> list:
         self.error = reason
@@ -476,7 +508,10 @@ class HostMachine(_Machine):
         if was != HostState.FAILED:
             out.append(FailRequests(ev.reason, None))
         out += [CloseLink(p, ev.reason) for p in list(self.pending)]
-        out += [CloseLink(e.peer_id, ev.reason) for e in self.members.values() if not e.is_host]
+        remote = [e for e in self.members.values() if not e.is_host]
+        if ev.final:  # members are told it ended for good: they forget it instead of rejoining
+            out += [Send(e.peer_id, cf.SessionClosed(ev.reason)) for e in remote if not e.control_down]
+        out += [CloseLink(e.peer_id, ev.reason) for e in remote]
         self.pending.clear()
         return out
 
@@ -609,6 +644,11 @@ class MemberMachine(_Machine):
 
     def _on_Abort(self, ev: Abort, row) -> list:
         return self._fail(f"internal error: {ev.reason}", None, row) + [Send("", cf.Failed(ev.reason))]
+
+    def _on_session_closed(self, ev: cf.SessionClosed, row) -> list:
+        self.error = ev.reason or "the host closed the session"
+        self._enter(MemberState.CLOSED, row)
+        return [FailRequests(self.error, "host"), ForgetSession(), CloseLink("", "")]
 
     def _on_Close(self, ev: Close, row) -> list:
         was = self.state

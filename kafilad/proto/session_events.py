@@ -152,8 +152,19 @@ class Abort:
 
 @attrs.frozen
 class Close:
-    """The user closes the session (`kafila-ctl leave`), or the daemon stops."""
+    """The user closes the session (`kafila-ctl leave`), or the daemon stops.
+
+    ``final``: the session ends for good (`leave` on the host: members are told and forget it);
+    False when the daemon merely stops (a restarted host re-hosts it, members rejoin).
+    """
     reason: str
+    final: bool = True
+
+
+@attrs.frozen
+class RendezvousBack:
+    """The host reconnected to the rendezvous and re-registered its session (proto_spec 03 §2.5)."""
+    attempts: int = 1
 
 
 @attrs.frozen
@@ -255,6 +266,11 @@ class EdgesChanged:
 class Refused:
     """Member: the join ends before admission with this sentence."""
     message: str
+
+
+@attrs.frozen
+class ForgetSession:
+    """Member: the host ended the session for good; stop remembering it (no rejoin after a restart)."""
 
 
 @attrs.frozen

@@ -429,9 +429,6 @@ def test_a_rendezvous_outage_never_fails_the_session(state, relayed):
     assert h.state == state and h.rendezvous_lost is None
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: HOST_TABLE's PLANNING and LOADING rows list only RECOVERING for "
-                   "RendezvousLost, but a host with no remote member (a one-device session, or every member "
-                   "lost) stays in PLANNING/LOADING without _enter, outside its own table")
 @pytest.mark.parametrize("state", [H.PLANNING, H.LOADING])
 def test_a_rendezvous_outage_of_a_host_alone_stays_within_the_table(state):
     h = walk_host(state, expected=1, members=())

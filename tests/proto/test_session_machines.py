@@ -242,6 +242,11 @@ def rendezvous_lost_while_planning(h, fire):
     assert h.handle(planned((HOST_NAME, "alpha", "beta"), HOST_NAME, first)) == [] and h.state == H.RECOVERING
 
 
+@host_case(H.PLANNING, sm.RendezvousLost, H.PLANNING, expected=1, members=())
+def rendezvous_lost_while_planning_alone(h, fire):
+    assert fire(sm.RendezvousLost("eof")) == [sm.Trace("rendezvous_lost", {"reason": "eof"})]  # nothing to re-form
+
+
 @host_case(H.PLANNING, sm.RendezvousBack, H.PLANNING)
 def rendezvous_back_while_planning(h, fire):
     assert fire(sm.RendezvousBack(1)) == [sm.Trace("rendezvous_reconnected", {"attempts": 1})]
@@ -418,6 +423,11 @@ def rendezvous_lost_while_loading(h, fire):
     lost_with_the_rendezvous(fire(sm.RendezvousLost("eof", relayed_edges=("alpha -> beta",))), h, "eof", [A, B],
                              survivors=[HOST])
     assert set(h.lost) == {A, B} and h.culprit is None
+
+
+@host_case(H.LOADING, sm.RendezvousLost, H.LOADING, expected=1, members=())
+def rendezvous_lost_while_loading_alone(h, fire):
+    assert fire(sm.RendezvousLost("eof")) == [sm.Trace("rendezvous_lost", {"reason": "eof"})]  # nothing to re-form
 
 
 @host_case(H.LOADING, sm.RendezvousBack, H.LOADING)

@@ -1,0 +1,55 @@
+"""Keepalives with a deadline on a ctl link (kafilad/node/liveness.py), under a mock clock."""
+
+import pytest
+import trio
+import trio.testing
+
+from kafilad.errors import LinkBroken
+from kafilad.node.link import Link
+from kafilad.node.liveness import Liveness
+from kafilad.proto import control as cf
+
+
+def pair():
+    a, b = trio.testing.memory_stream_pair()
+    return Link(a, peer_id="pb", peer_name="beta", label="ctl"), Link(b, peer_id="pa", peer_name="alpha", label="ctl")
+
+
+def test_a_silent_peer_is_closed_as_broken_within_the_deadline():
+    async def main():
+        a, b = pair()
+        live = Liveness(a, interval_s=2.0, deadline_s=8.0)
+        async with trio.open_nursery() as n:
+            n.start_soon(live.run)
+            t0 = trio.current_time()
+            with pytest.raises(LinkBroken, match="beta sent nothing for .* s \\(frozen, asleep or cut off\\)"):
+                while True:  # beta reads its pings (b receives) but never sends: "frozen"
+                    await a.receive()
+            assert 8.0 < trio.current_time() - t0 <= 10.0 + 1e-6
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_two_live_ends_keep_the_link_up_while_idle():
+    async def main():
+        a, b = pair()
+        la, lb = Liveness(a), Liveness(b)
+
+        async def reader(link, live, seen):
+            while True:
+                f = cf.decode_control(await link.receive())
+                live.saw_frame()
+                seen.append(f)
+
+        seen_a, seen_b = [], []
+        async with trio.open_nursery() as n:
+            for args in ((a, la, seen_a), (b, lb, seen_b)):
+                n.start_soon(reader, *args)
+            n.start_soon(la.run)
+            n.start_soon(lb.run)
+            await trio.sleep(120)  # an idle minute or two: only pings cross
+            assert a.closed_reason is None and b.closed_reason is None
+            assert len(seen_a) >= 55 and all(isinstance(f, cf.Ping) for f in seen_a)
+            n.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
