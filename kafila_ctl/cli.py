@@ -38,7 +38,7 @@ def cmd_keys(args) -> int:
 def cmd_host(args) -> int:
     from pathlib import Path
     r = _call(args, "host", model_dir=str(Path(args.model).resolve()), members=args.members, context=args.context,
-              concurrency=args.concurrency, rendezvous=args.rendezvous, open=args.open,
+              concurrency=args.concurrency, queue=args.queue, rendezvous=args.rendezvous, open=args.open,
               admit_timeout_s=args.admit_timeout)
     if args.json:
         _print_json(r)
@@ -79,6 +79,24 @@ def cmd_admit(args) -> int:
 def cmd_deny(args) -> int:
     r = _call(args, "deny", peer=args.peer)
     print(f"denied {r['name']} ({r['peer_id']})")
+    return 0
+
+
+def cmd_trust_list(args) -> int:
+    r = _call(args, "trust_list")
+    if args.json:
+        _print_json(r)
+    elif not r:
+        print("no keys are trusted")
+    else:
+        for k in r:
+            print(f"{k['peer_id']}  {k['name']}  fingerprint {k['fingerprint']}  ({k['scope']})")
+    return 0
+
+
+def cmd_trust_revoke(args) -> int:
+    r = _call(args, "trust_revoke", peer=args.peer)
+    print(f"revoked {r['name']} ({r['peer_id']}); it waits for `kafila-ctl admit` when it joins again")
     return 0
 
 
@@ -217,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--context", type=int, default=None,
                    help="tokens of context to admit (default 4096, capped at the model's max_position_embeddings)")
     s.add_argument("--concurrency", type=int, default=1, help="concurrent requests to admit (default 1)")
+    s.add_argument("--queue", type=int, default=None,
+                   help="requests that may wait for a turn beyond --concurrency (default 4 x --concurrency); "
+                        "past it requests are refused as busy (HTTP 429)")
     s.add_argument("--rendezvous", help="rendezvous URL (default: the daemon's)")
     s.add_argument("--open", action="store_true", help="admit any holder of the code without approval")
     s.add_argument("--admit-timeout", type=float, default=120.0, help="seconds a pending key waits (default 120)")
@@ -235,6 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=f"{name} a pending peer (peer id or name)")
         s.add_argument("peer")
         s.set_defaults(func=fn)
+
+    s = sub.add_parser("trust", help="the host's trusted keys: list, or revoke one")
+    trust = s.add_subparsers(dest="trust_command", required=True)
+    t = trust.add_parser("list", help="trusted keys (the roster, and this session's own admissions)")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=cmd_trust_list)
+    t = trust.add_parser("revoke", help="forget a trusted key (peer id or name)")
+    t.add_argument("peer")
+    t.set_defaults(func=cmd_trust_revoke)
 
     s = sub.add_parser("status", help="the session: members, blocks, stage times")
     s.add_argument("--json", action="store_true")

@@ -106,6 +106,34 @@ class SessionNotReadyError(GenerationError):
         self.state = state
 
 
+class HostBusyError(GenerationError):
+    """The host already serves as many requests as its plan holds memory for, and its queue is full
+    (kafilad/node/admission.py). The HTTP API answers 429 with ``Retry-After``.
+
+    Attributes:
+        running, queued: requests being served and waiting when this one was refused.
+        retry_after_s: seconds the client should wait before retrying (>= 1).
+    """
+
+    def __init__(self, message: str, *, running: int, queued: int, retry_after_s: int):
+        super().__init__(message)
+        self.running = running
+        self.queued = queued
+        self.retry_after_s = retry_after_s
+
+
+class GenerationCancelled(GenerationError):
+    """A request was ended before its last token because its client went away (or read too slowly).
+
+    Attributes:
+        tokens: tokens it produced before it ended.
+    """
+
+    def __init__(self, message: str, *, tokens: int = 0):
+        super().__init__(message)
+        self.tokens = tokens
+
+
 def find_kafila_error(exc: BaseException) -> "KafilaError | None":
     """The first KafilaError inside `exc` or inside (nested) exception groups, else None.
 

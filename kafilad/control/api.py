@@ -26,11 +26,13 @@ API_VERSION = 1
 #: Operations and what they do; the daemon's handler table must cover exactly these.
 OPS = {
     "keys": "this daemon's peer id, key fingerprint and public key",
-    "host": "open a session as host: model_dir, members, context, concurrency, rendezvous, open",
+    "host": "open a session as host: model_dir, members, context, concurrency, queue, rendezvous, open",
     "join": "join a session by code (streams progress events)",
     "pending": "unknown keys waiting for admission",
     "admit": "admit a pending peer (by peer id or name)",
-    "deny": "deny a pending peer (by peer id or name)",
+    "deny": "deny a pending peer (by peer id or name); a denied key is dropped from the roster",
+    "trust_list": "the trusted keys: the roster, and keys the hosted session admitted for itself only",
+    "trust_revoke": "forget a trusted key (by peer id or name): it waits for admission when it joins again",
     "status": "snapshot of the daemon and its session",
     "wait": "wait until the session state is one of `states` (or timeout_s passes)",
     "generate": "generate from a prompt (streams tokens)",

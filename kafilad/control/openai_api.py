@@ -12,7 +12,11 @@ POST /v1/chat/completions   {"messages": [{"role", "content"}], "max_tokens": 25
 With `"stream": true` the reply is Server-Sent Events: one `data: {chunk}` per token, then
 `data: [DONE]`. Errors are `{"error": {"message": str, "type": str}}` with a 4xx/5xx status and a
 sentence that names API fields, never command-line flags. While the session is forming, loading
-or failed, the 503 says which (with `Retry-After` while it is still coming up).
+or failed, the 503 says which (with `Retry-After` while it is still coming up). The host runs at
+most the session's concurrency of requests at once and queues a bounded number more (first in,
+first out; kafilad/node/admission.py); past the queue the answer is 429 with `Retry-After`. A
+client that disconnects, streaming or not, queued or running, ends its request on the ring within
+one decode step (the session's cancel API, never a trio cancellation of a link send).
 
 Every input is checked before it reaches the session: the body must be UTF-8 JSON (nesting
 deeper than Python's parser goes is a 400, not a RecursionError), strings must be valid Unicode
@@ -37,7 +41,7 @@ from typing import Optional
 import trio
 
 from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
-from kafilad.errors import GenerationError, KafilaError
+from kafilad.errors import GenerationError, HostBusyError, KafilaError
 
 log = logging.getLogger("kafilad.http")
 
@@ -277,7 +281,10 @@ def _params(req: dict, default_max: int) -> tuple[int, float]:
 
 
 def _generation_error(e: KafilaError, session) -> HttpError:
-    """The answer for an error of `session.generate` (ContextTooLongError: 400; not ready: 503)."""
+    """The answer for an error of `session.generate` (ContextTooLongError: 400; busy: 429; not ready: 503)."""
+    if isinstance(e, HostBusyError):
+        return HttpError(429, _api_text(str(e)), "rate_limit_exceeded",
+                         headers=[("retry-after", str(max(1, int(e.retry_after_s))))])
     numbers = [getattr(e, k, None) for k in ("prompt_tokens", "max_tokens", "context")]
     if all(isinstance(n, int) for n in numbers):  # ContextTooLongError
         return HttpError(400, f"The prompt ({numbers[0]} tokens) plus 'max_tokens' {numbers[1]} exceeds the "
@@ -327,7 +334,8 @@ async def _complete(node, res: Responder, req: dict, *, chat: bool) -> None:
                 raise ClientGone("the client closed its connection")
 
         try:
-            result = await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=on_event)
+            result = await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=on_event,
+                                      gone=res.client_gone)
         except KafilaError as e:
             if res.client_gone.is_set():
                 raise ClientGone("the client closed its connection") from None
@@ -351,11 +359,15 @@ async def _complete(node, res: Responder, req: dict, *, chat: bool) -> None:
 
 
 async def _stream(s, res: Responder, prompt: str, max_tokens: int, temperature: float, chunk) -> None:
-    """Stream one generation as SSE; the generation never waits for the client (module docstring)."""
-    await res.start(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache")])
+    """Stream one generation as SSE; the generation never waits for the client (module docstring).
+
+    The 200 and its headers go with the first event, so a request refused because the host is busy
+    (its queue is full) still gets a 429; a request waiting in the queue sends nothing meanwhile.
+    """
     send, recv = trio.open_memory_channel(SSE_BUFFER_EVENTS)
     slow = False
     gone = False
+    busy: Optional[HostBusyError] = None
 
     def push(payload) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload)
@@ -371,6 +383,8 @@ async def _stream(s, res: Responder, prompt: str, max_tokens: int, temperature: 
         async with recv:
             try:
                 async for data in recv:
+                    if not res.started:
+                        await res.start(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache")])
                     await res.write(data)
             except ClientGone:
                 gone = True
@@ -390,10 +404,13 @@ async def _stream(s, res: Responder, prompt: str, max_tokens: int, temperature: 
                 push(chunk(ev["text"], None))
 
             try:
-                result = await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=on_token)
+                result = await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=on_token,
+                                          gone=res.client_gone)
                 if not slow:
                     finish = "length" if len(result["token_ids"]) >= max_tokens else "stop"
                     push(chunk("", finish))
+            except HostBusyError as e:  # nothing was sent: answered 429 below
+                busy = e
             except KafilaError as e:
                 if not slow:
                     push({"error": {"message": _generation_error(e, s).message, "type": "server_error"}})
@@ -401,9 +418,12 @@ async def _stream(s, res: Responder, prompt: str, max_tokens: int, temperature: 
                 log.info("http: ended a streaming request: its client fell %d events behind", SSE_BUFFER_EVENTS)
                 push({"error": {"message": f"The client read the stream too slowly ({SSE_BUFFER_EVENTS} events "
                                            "behind); the request was ended.", "type": "server_error"}})
-            push("[DONE]")
+            if busy is None:
+                push("[DONE]")
     if gone or res.client_gone.is_set():
         raise ClientGone("the client closed its connection")
+    if busy is not None:
+        raise _generation_error(busy, s)
     await res.end()
 
 

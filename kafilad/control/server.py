@@ -206,6 +206,7 @@ class ControlServer:
         lim = self.limits
         send_q, recv_q = trio.open_memory_channel(lim.max_queued_events)
         writer_done = trio.Event()
+        gone_event = trio.Event()  # `emit.client_gone`: a handler may watch it (a session's generate does)
         gone = overflow = False
         reply: dict | None = None
 
@@ -222,6 +223,7 @@ class ControlServer:
                                     scope.cancel()
                             if scope.cancelled_caught:
                                 gone = True
+                                gone_event.set()
                                 if op in self.cancel_on_disconnect:
                                     nursery.cancel_scope.cancel()
                                 return
@@ -238,6 +240,7 @@ class ControlServer:
                         data = b""
                     if not data:
                         gone = True
+                        gone_event.set()
                         if op in self.cancel_on_disconnect:
                             nursery.cancel_scope.cancel()
                         return
@@ -256,6 +259,7 @@ class ControlServer:
                         op_scope.cancel()
                     await trio.lowlevel.checkpoint()  # let the writer run; never wait for the client
 
+                emit.client_gone = gone_event
                 nursery.start_soon(writer)
                 nursery.start_soon(watch)
                 reply = await self._run_handler(op, args, emit)

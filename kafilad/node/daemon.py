@@ -153,7 +153,8 @@ class Node:
         session = HostSession(self, model_dir=_required(args, "model_dir", str), members=_arg(args, "members", int, 1),
                               context=_arg(args, "context", int, None), concurrency=_arg(args, "concurrency", int, 1),
                               rendezvous=self._rdv(args), open_=_arg(args, "open", bool, False),
-                              admit_timeout_s=_arg(args, "admit_timeout_s", float, DEFAULT_ADMIT_TIMEOUT_S))
+                              admit_timeout_s=_arg(args, "admit_timeout_s", float, DEFAULT_ADMIT_TIMEOUT_S),
+                              queue_limit=_queue_limit(args))
         code = await self.nursery.start(self._run_session, session)
         self.session = session
         self.changed()
@@ -223,8 +224,51 @@ class Node:
         return self._host_session().decide(_required(args, "peer", str), "admit")
 
     async def op_deny(self, args: dict, emit) -> dict:
-        return self._host_session().decide(_required(args, "peer", str), "deny",
-                                           _arg(args, "reason", str, ""))
+        out = self._host_session().decide(_required(args, "peer", str), "deny", _arg(args, "reason", str, ""))
+        self._untrust(out["peer_id"])  # a denied key is never trusted
+        return out
+
+    def _untrust(self, peer_id: str) -> bool:
+        """Drop `peer_id` from the roster and from the hosted session's own admissions; True if it was there."""
+        roster = self.state.load_roster()
+        found = roster.pop(peer_id, None) is not None
+        if found:
+            self.state.save_roster(roster)
+        keys = getattr(getattr(self.session, "machine", None), "session_keys", None)
+        if isinstance(keys, dict):
+            found = keys.pop(peer_id, None) is not None or found
+        return found
+
+    async def op_trust_list(self, args: dict, emit) -> list:
+        """The trusted keys: the roster (admitted with `kafila-ctl admit`, held across sessions), then
+        keys the hosted session admitted for itself only (`host --open`)."""
+        roster = self.state.load_roster()
+        out = [{"peer_id": pid, "name": r.get("name"), "fingerprint": _fingerprint_hex(r.get("public_key")),
+                "scope": "roster"} for pid, r in sorted(roster.items(), key=lambda kv: str(kv[1].get("name")))]
+        machine = getattr(self.session, "machine", None)
+        for pid, key in sorted(getattr(machine, "session_keys", {}).items()):
+            if pid not in roster:
+                out.append({"peer_id": pid, "name": machine.name_of(pid), "fingerprint": fingerprint(key),
+                            "scope": "this session"})
+        return out
+
+    async def op_trust_revoke(self, args: dict, emit) -> dict:
+        """Forget a trusted key (by peer id or name): it waits for `kafila-ctl admit` when it joins again.
+
+        Raises:
+            KafilaError: no trusted key, or several, match.
+        """
+        who = _required(args, "peer", str)
+        listed = await self.op_trust_list({}, emit)
+        matches = {e["peer_id"]: e for e in listed if who in (e["peer_id"], e["name"])}
+        if not matches:
+            raise KafilaError(f"No trusted key named '{who[:80]}'; `kafila-ctl trust list` lists them.")
+        if len(matches) > 1:
+            raise KafilaError(f"Several trusted keys are named '{who[:80]}' ({', '.join(sorted(matches))}); "
+                              "revoke one by its peer id.")
+        (pid, entry), = matches.items()
+        self._untrust(pid)
+        return {"peer_id": pid, "name": entry["name"], "revoked": True}
 
     async def op_keys(self, args: dict, emit) -> dict:
         return {"name": self.name, "peer_id": self.peer_id, "fingerprint": fingerprint(self.public_key),
@@ -271,6 +315,8 @@ class Node:
             await ev.wait()
 
     async def op_generate(self, args: dict, emit) -> dict:
+        """Generate through the hosted session; the client closing its connection (Ctrl-C) ends the
+        request (`emit.client_gone`, kafilad/control/server.py)."""
         s = self._host_session()
         max_tokens, temperature = _arg(args, "max_tokens", int, 64), _arg(args, "temperature", float, 0.0)
         if max_tokens < 1:
@@ -282,7 +328,8 @@ class Node:
             prompt = s.chat_prompt(_arg(args, "messages", list, None))
         if not isinstance(prompt, str) or not prompt:
             raise KafilaError("The prompt is empty.")
-        return await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=emit)
+        return await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=emit,
+                                gone=getattr(emit, "client_gone", None))
 
     async def op_trace(self, args: dict, emit) -> list:
         from kafilad.node.trace import Trace
@@ -308,6 +355,25 @@ class Node:
             self.nursery.cancel_scope.cancel()
         self.nursery.start_soon(stop_after_reply)
         return {"stopping": True}
+
+
+def _queue_limit(args: dict) -> Optional[int]:
+    """The `queue` argument of `host` (requests that may wait for a turn), or None for the default.
+
+    Raises:
+        KafilaError: a negative number.
+    """
+    queue = _arg(args, "queue", int, None)
+    if queue is not None and queue < 0:
+        raise KafilaError(f"--queue must be 0 or more requests (got {queue}).")
+    return queue
+
+
+def _fingerprint_hex(public_key_hex) -> Optional[str]:
+    try:
+        return fingerprint(bytes.fromhex(str(public_key_hex)))
+    except ValueError:
+        return None
 
 
 async def _ignore(_event: dict) -> None:

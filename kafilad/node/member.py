@@ -246,6 +246,9 @@ class MemberSession:
                 self.fetcher.deliver(f)
             elif isinstance(f, cf.Gen):
                 self.nursery.start_soon(self._serve_generation, f)
+            elif isinstance(f, cf.Cancel):  # the request's client went away (proto_spec 05 §2.4)
+                if self.ring is not None and self.ring.head:
+                    self.ring.cancel(f.req, f.reason or "The host cancelled the request.", before_start=True)
             else:
                 await self._handle(f)
 
@@ -351,7 +354,10 @@ class MemberSession:
         try:
             st = await self.ring.generate(req, f.prompt, max_tokens=f.max_tokens, temperature=float(f.temperature),
                                           on_event=on_event)
-            if st.error:
+            if st.cancel_requested and st.error != self.ring.broken:  # the host's `cancel`: what was produced,
+                # with every member's `end` row (its KV rows were freed on every stage)
+                await self.link.send(cf.GenDone(req=req, result=cf.GenResult.from_wire(result_of(st))).to_wire())
+            elif st.error:
                 await self.link.send(cf.GenError(req=req, message=st.error).to_wire())
             else:
                 await self.link.send(cf.GenDone(req=req, result=cf.GenResult.from_wire(result_of(st))).to_wire())

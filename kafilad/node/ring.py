@@ -36,7 +36,11 @@ Streaming: the ring loop never waits for a client. Each request's events go into
 memory channel (`stream_events`, default STREAM_EVENTS) that `generate()` drains into the caller's
 `on_event` in the caller's task. A request whose channel is full ends alone ("The client did not
 read its stream fast enough; ..."), as does one whose `on_event` raises or whose caller stopped
-reading; the other requests go on.
+reading; the other requests go on. `cancel(req, reason)` ends a request whose client went away
+without waiting or interrupting anything: the ring loop feeds the scheduler a `RequestCancelled`
+after the frame it is handling, so the request ends within one pass and its `end` frees its KV
+rows on every member (the host calls it, or a remote head on the host's `cancel` frame, proto_spec
+05 §2.4; never a trio cancellation, which could cut a link send mid-frame and break the ring).
 
 A broken ring (`fail_all`) finishes every request with a message naming the member, and drops every
 request's KV rows from this member's runner, on the MLX thread.
@@ -54,7 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 import attrs
 import trio
 
-from kafilad.errors import GenerationError, RemoteProtocolError
+from kafilad.errors import GenerationCancelled, GenerationError, RemoteProtocolError
 from kafilad.node.link import Link, LinkClosed
 from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, EmitToken, EndRequest, EndReturned, FinishRequest,
                                     HeadScheduler, PassFailed, PassReturned, Request, RequestArrived,
@@ -70,6 +74,8 @@ INBOX_FRAMES = 256
 STREAM_EVENTS = 256
 #: environment switch: "0" decodes every request in its own passes (no batching).
 BATCH_ENV = "KAFILA_BATCH"
+#: cancels remembered for requests not yet started (a remote head's race, `cancel(before_start=True)`)
+EARLY_CANCELS = 64
 #: put in the inbox by `fail_all` to wake the ring loop, which then drops every KV cache.
 _WAKE: dict = {"t": "wake"}
 
@@ -97,6 +103,12 @@ class RequestState:
     record: Optional[Request] = None
     text: str = ""
     done: trio.Event = attrs.field(factory=trio.Event)
+    #: why the request was ended early (its client left or read too slowly), else None
+    cancelled: Optional[str] = None
+    #: tokens it had produced when it was ended early
+    cancelled_at_tokens: Optional[int] = None
+    #: it was ended through `RingMember.cancel` (its caller asked), not for a failing stream
+    cancel_requested: bool = False
 
     prompt_ids = _record_view("prompt_ids")
     max_tokens = _record_view("max_tokens")
@@ -153,6 +165,8 @@ class RingMember:
         self.broken_member: Optional[str] = None
         self.broken_event = trio.Event()  # set once the ring cannot serve; sessions report it
         self._drop_caches = False  # fail_all asked the ring loop to drop every KV cache
+        self._cancels: dict[str, str] = {}  # head: req -> reason, for the ring loop (`cancel`)
+        self._early_cancels: dict[str, str] = {}  # head: cancelled before `generate` started (bounded)
 
     # ---- views for status and tests --------------------------------------------------------
     @property
@@ -230,6 +244,9 @@ class RingMember:
         async for frame in self._inbox_recv:
             if frame is not _WAKE:
                 await self._on_frame(frame)
+            while self._cancels and self.scheduler is not None:
+                req, reason = self._cancels.popitem()
+                await self._execute(self.scheduler.handle(RequestCancelled(req, reason)))
             if self._drop_caches:
                 self._drop_caches = False
                 await self.runner_drop_all()
@@ -307,6 +324,9 @@ class RingMember:
         """
         if self.broken:
             raise GenerationError(self.broken)
+        early = self._early_cancels.pop(req, None)
+        if early is not None:
+            raise GenerationCancelled(early)
         ids = list(self.tokenizer.encode(prompt))
         if not ids:
             raise GenerationError("The prompt encodes to no tokens.")
@@ -329,6 +349,7 @@ class RingMember:
                 except Exception as e:  # noqa: BLE001 - e.g. the client went away; the other requests go on
                     failed = True
                     log.warning("ring: request %s could not stream its output (%r); ending it", req, e)
+                    self._note_cancel(st, f"The request's output stream failed: {e or type(e).__name__}.")
                     with trio.CancelScope(shield=True):  # its `end` frame goes whole
                         await self._execute(self.scheduler.handle(
                             RequestCancelled(req, f"The request's output stream failed: {e or type(e).__name__}.")))
@@ -410,7 +431,41 @@ class RingMember:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             reason = "The client stopped reading the request's stream."
         log.warning("ring: request %s: %s", st.req, reason)
+        self._note_cancel(st, reason)
         await self._execute(self.scheduler.handle(RequestCancelled(st.req, reason)))
+
+    def cancel(self, req: str, reason: str, *, before_start: bool = False) -> bool:
+        """End request `req` early (its client went away); returns False if it is not in flight here.
+
+        Never waits and never interrupts a send: the request is marked, and the ring loop feeds
+        `RequestCancelled` to the scheduler after the frame it is handling, so the request ends at
+        once if it waits for a decode step, else when its pass in flight returns (within one
+        step); its `end` frame frees its KV rows on every member, and `generate` returns with
+        `RequestState.cancelled` set. With `before_start`, a request not yet started here is
+        remembered (the last EARLY_CANCELS of them), and `generate` for it raises GenerationCancelled
+        (a remote head may read the host's `cancel` before its `gen` task has started).
+        """
+        st = self._streams.get(req)
+        if st is None or self.scheduler is None or req not in self.scheduler.requests:
+            if before_start and st is None:
+                self._early_cancels[req] = reason
+                while len(self._early_cancels) > EARLY_CANCELS:
+                    self._early_cancels.pop(next(iter(self._early_cancels)))
+            return False
+        self._note_cancel(st, reason)
+        st.cancel_requested = True
+        self._cancels.setdefault(req, reason)
+        try:
+            self._inbox_send.send_nowait(_WAKE)
+        except trio.WouldBlock:
+            pass  # the inbox is full: the ring loop sees the cancel after its next frame
+        return True
+
+    def _note_cancel(self, st: RequestState, reason: str) -> None:
+        if st.cancelled is None:
+            st.cancelled = reason
+            st.cancelled_at_tokens = len(st.generated) if st.record is not None else 0
+            log.info("ring: request %s cancelled after %d tokens: %s", st.req, st.cancelled_at_tokens, reason)
 
     async def _end_request(self, req: str) -> None:
         """Flush the request's last text, drop its KV rows here, send its `end` with our stats row."""

@@ -31,10 +31,21 @@ def executor():
     return ex
 
 
+#: test hook: a JSON object merged into this daemon's measured capability (e.g. {"bandwidth_Bps": 1e6}),
+#: so an end-to-end test can make the planner put the head on, or off, the host (README "Environment switches")
+TEST_CAPABILITY_ENV = "KAFILA_TEST_CAPABILITY"
+
+
 def measure_capability(model_dir: Optional[str]) -> dict:
     """This device's capability report (DESIGN §5.1): memory_bytes, bandwidth_Bps, step_overhead_s."""
+    import json
+    import os
     ex = executor()
-    return ex.probe.measure_capability(model_dir)
+    cap = ex.probe.measure_capability(model_dir)
+    override = os.environ.get(TEST_CAPABILITY_ENV)
+    if override:
+        cap.update(json.loads(override))
+    return cap
 
 
 async def connect_ring(*, paths: Optional[PathManager] = None, session_id: str, ring: list[str], roster: dict,
