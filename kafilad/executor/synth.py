@@ -247,8 +247,9 @@ def default_synth_model_dir(cache_dir: Optional[str | Path] = None, **params) ->
 
 
 def load_tokenizer(model_dir: str | Path):
-    """mlx-lm's TokenizerWrapper for a local model dir (`encode`, `decode`, `eos_token_ids`,
-    streaming `detokenizer`). Reads only local files."""
-    from mlx_lm.utils import load_tokenizer as _load
+    """The serving tokenizer of a local model dir (`encode`, `decode`, `eos_token_ids` with every
+    id config.json and generation_config.json declare, `continuation_detokenizer`); see
+    kafilad/executor/tokenizer.py. Reads only local files."""
+    from kafilad.executor.tokenizer import load_tokenizer as _load
 
-    return _load(Path(model_dir))
+    return _load(model_dir)

@@ -1,0 +1,226 @@
+"""Tokenizers for serving: every end-of-sequence id the model declares, and text that is the decode.
+
+`load_tokenizer` wraps mlx-lm's `TokenizerWrapper` (mlx_lm/tokenizer_utils.py) with two fixes
+(issue 10 "Generation correctness first"):
+
+* End-of-sequence ids. `mlx_lm.load` passes `eos_token_id` of config.json / generation_config.json
+  (an int or a list: chat models end turns with ids such as Llama 3's `<|eot_id|>`) to the
+  tokenizer; `mlx_lm.utils.load_tokenizer` alone does not. Here the set is the union of
+  config.json's, generation_config.json's and the tokenizer's own `eos_token`.
+* Streamed text. mlx-lm's streaming detokenizers drop the first space of a continuation (the SPM
+  and BPE ones trim a leading space because they do not know a prompt came before) and the BPE one
+  turns byte 0x00 into "Ā" (its byte table lookup treats the byte value 0 as "absent").
+  `ContinuationDetokenizer` streams exactly
+
+      decode(prompt_ids + generated_ids)[len(decode(prompt_ids)):]
+
+  i.e. the generated text as it continues the prompt, computed with the tokenizer's own `decode`
+  over a short window of context, so each token costs O(CONTEXT_TOKENS + COMMIT_TOKENS).
+
+Window argument: a decoder (byte-level, SentencePiece byte fallback + Strip, WordPiece) is local:
+the decode of `ctx + pending` begins with the decode of `ctx` whenever `decode(ctx)` does not end
+inside something a later token may still change, which is exactly when this module commits. Such
+text is held back until the next token or `finalize`:
+  * an incomplete UTF-8 character (U+FFFD at the end);
+  * a trailing run of byte-fallback tokens (`<0xNN>`): the `tokenizers` ByteFallback decoder turns
+    a whole run into one U+FFFD per byte when the run is not valid UTF-8, so a later byte can
+    rewrite the run (decoders/byte_fallback.rs);
+  * with `clean_up_tokenization_spaces`, a trailing " " or " '" that " ," or " 's" would rewrite.
+
+This module imports no mlx: `ContinuationDetokenizer` needs only a `decode(ids) -> str`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+#: prompt or committed tokens kept as left context for the next decode
+CONTEXT_TOKENS = 16
+#: pending tokens decoded together before the window moves on (when nothing is held back)
+COMMIT_TOKENS = 16
+#: transformers' `clean_up_tokenization` rewrites (tokenization_utils_base.py): a trailing proper
+#: prefix of one of these may still be rewritten by the next token.
+CLEANUP_PATTERNS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
+
+
+def _held_back(text: str, clean_spaces: bool) -> int:
+    """How many trailing characters of `text` a later token may still change."""
+    n = len(text) - len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes to U+FFFD
+    if n or not clean_spaces:
+        return n
+    for k in range(min(len(text), max(map(len, CLEANUP_PATTERNS)) - 1), 0, -1):
+        tail = text[-k:]
+        if any(p.startswith(tail) and p != tail for p in CLEANUP_PATTERNS):
+            return k
+    return 0
+
+
+class ContinuationDetokenizer:
+    """A streaming detokenizer whose text is the decode of the generated ids after the prompt.
+
+    The interface of mlx-lm's `StreamingDetokenizer`: `reset()`, `add_token(id)`, `finalize()`,
+    `text` (everything so far that no later token can change), `tokens`, `last_segment` (the text
+    since the last read). After `finalize()`, `text == decode(prefix + tokens)[len(decode(prefix)):]`
+    for any prefix-stable `decode` (see the module docstring).
+
+    Args:
+        decode: the tokenizer's `decode(ids) -> str` (special tokens kept, as `decode` does).
+        prefix_ids: the prompt's ids (only the last CONTEXT_TOKENS are used); empty gives
+            `decode(tokens)` itself.
+        clean_spaces: the tokenizer's decode applies transformers' cleanup rules (" ," -> ",").
+        byte_ids: ids of byte-fallback tokens (`<0xNN>`), whose runs decode as a whole.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], prefix_ids: Sequence[int] = (), *,
+                 clean_spaces: bool = False, byte_ids: frozenset[int] = frozenset()):
+        self._decode = decode
+        self._prefix = [int(t) for t in prefix_ids][-CONTEXT_TOKENS:]
+        self._clean_spaces = clean_spaces
+        self._byte_ids = byte_ids
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the generated tokens (the prompt context stays)."""
+        self.offset = 0
+        self.tokens: list[int] = []
+        self._ctx = list(self._prefix)
+        self._ctx_text = self._decode(self._ctx) if self._ctx else ""
+        self._pending: list[int] = []
+        self._committed = ""  # text of every token before `_pending`
+        self._shown = ""  # the part of `_pending`'s text no later token can change
+
+    def _pending_text(self, pending: list[int]) -> str:
+        full = self._decode(self._ctx + pending)
+        if full.startswith(self._ctx_text):
+            return full[len(self._ctx_text):]
+        # A decoder that rewrote the context (not seen with byte-level or SentencePiece ones):
+        # keep what was already streamed and continue after the longest common prefix.
+        i = 0
+        while i < min(len(full), len(self._ctx_text)) and full[i] == self._ctx_text[i]:
+            i += 1
+        return full[i:]
+
+    def add_token(self, token: int) -> None:
+        """Consume one generated id."""
+        self.tokens.append(int(token))
+        self._pending.append(int(token))
+        run = 0  # the trailing run of byte-fallback tokens: a later byte may still rewrite it
+        while run < len(self._pending) and self._pending[-1 - run] in self._byte_ids:
+            run += 1
+        if run == len(self._pending):
+            return
+        text = self._pending_text(self._pending[:len(self._pending) - run])
+        held = _held_back(text, self._clean_spaces)
+        shown = text[:len(text) - held]
+        if shown.startswith(self._shown):  # never take back streamed text
+            self._shown = shown
+        if not held and not run and len(self._pending) >= COMMIT_TOKENS:
+            self._commit()
+
+    def _commit(self) -> None:
+        self._committed += self._shown
+        self._ctx = (self._ctx + self._pending)[-CONTEXT_TOKENS:]
+        self._ctx_text = self._decode(self._ctx)
+        self._pending, self._shown = [], ""
+
+    def finalize(self) -> None:
+        """Flush text held back for a token that will not come."""
+        if self._pending:
+            text = self._pending_text(self._pending)
+            self._shown = text if text.startswith(self._shown) else self._shown
+            self._committed += self._shown
+            self._ctx = (self._ctx + self._pending)[-CONTEXT_TOKENS:]
+            self._ctx_text = self._decode(self._ctx)
+            self._pending, self._shown = [], ""
+
+    @property
+    def text(self) -> str:
+        return self._committed + self._shown
+
+    @property
+    def last_segment(self) -> str:
+        """The text added since this property was last read."""
+        text = self.text
+        segment = text[self.offset:]
+        self.offset = len(text)
+        return segment
+
+
+def declared_eos_token_ids(model_dir: str | Path) -> Optional[set[int]]:
+    """The `eos_token_id` values of config.json and generation_config.json (int or list), or None
+    when neither names one.
+
+    Raises:
+        ValueError: an `eos_token_id` that is not an int or a list of ints.
+    """
+    ids: set[int] = set()
+    found = False
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        value = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"{path}: eos_token_id must be an integer or a list of integers, not {value!r}.")
+        ids.update(values)
+        found = True
+    return ids if found else None
+
+
+class Tokenizer:
+    """mlx-lm's TokenizerWrapper with every declared EOS id and text that equals the decode.
+
+    Every attribute not defined here (`encode`, `decode`, `apply_chat_template`, ...) is the
+    wrapper's. `detokenizer` gives `decode(generated)`; `continuation_detokenizer(prompt_ids)`
+    gives the text as it continues the prompt (a leading space kept), which is what serving streams.
+    """
+
+    def __init__(self, wrapper):
+        self._wrapper = wrapper
+        probe = wrapper.encode("a ,b", add_special_tokens=False)
+        self.clean_spaces = " ," not in wrapper.decode(probe)
+        pieces = wrapper.convert_ids_to_tokens(list(range(len(wrapper))))
+        self.byte_ids = frozenset(i for i, p in enumerate(pieces)
+                                  if isinstance(p, str) and len(p) == 6 and p.startswith("<0x") and p.endswith(">"))
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._wrapper, name)
+
+    def __len__(self) -> int:
+        return len(self._wrapper)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self._wrapper.eos_token_ids
+
+    @property
+    def detokenizer(self) -> ContinuationDetokenizer:
+        """A fresh streaming detokenizer for `decode(generated)` (no prompt context)."""
+        return ContinuationDetokenizer(self._wrapper.decode, (), clean_spaces=self.clean_spaces,
+                                       byte_ids=self.byte_ids)
+
+    def continuation_detokenizer(self, prompt_ids: Iterable[int]) -> ContinuationDetokenizer:
+        """A fresh streaming detokenizer for the text generated after `prompt_ids`."""
+        return ContinuationDetokenizer(self._wrapper.decode, list(prompt_ids), clean_spaces=self.clean_spaces,
+                                       byte_ids=self.byte_ids)
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """The tokenizer of a local model dir (reads only local files).
+
+    Raises:
+        ValueError: a malformed `eos_token_id` in config.json or generation_config.json.
+        OSError: the directory has no tokenizer files.
+    """
+    from mlx_lm.utils import load_tokenizer as _load
+
+    return Tokenizer(_load(Path(model_dir), eos_token_ids=declared_eos_token_ids(model_dir)))
