@@ -333,7 +333,7 @@ class RingMember:
         actions = self.scheduler.handle(RequestArrived(req, tuple(ids), max_tokens, temperature,
                                                        now_s=time.perf_counter()))
         send, recv = trio.open_memory_channel(self.stream_events)
-        st = RequestState(req=req, detok=self.tokenizer.detokenizer, events=send,
+        st = RequestState(req=req, detok=self.tokenizer.continuation_detokenizer(ids), events=send,
                           record=self.scheduler.requests.get(req))
         st.detok.reset()
         self._streams[req] = st
