@@ -1,0 +1,150 @@
+"""Models by name: `kafila-ctl host --model ORG/NAME[@REVISION]` (issue 10 "Models by name").
+
+The host's daemon resolves a Hugging Face repo id to a local directory with `huggingface_hub`
+(the daemon, not kafila-ctl: the two may run as different users, and the files must be where the
+daemon reads them):
+
+1. A local path (absolute, `~`, `.`-relative, or any path that exists) is returned as given;
+   HostSession then checks it holds a model.
+2. A repo id is looked up in the daemon's Hugging Face cache (`HF_HUB_CACHE`, default
+   ~/.cache/huggingface/hub; layout `models--ORG--NAME/{refs/REV, snapshots/COMMIT/FILE}`) and used
+   from there when the snapshot holds every file serving needs.
+3. Otherwise, when online, only those files are downloaded (MODEL_FILE_PATTERNS: configs,
+   safetensors weights, tokenizer files; no code, no other weight formats) into that cache.
+4. Offline (`HF_HUB_OFFLINE=1`) and absent: a sentence saying so and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+import trio
+
+from kafilad.errors import KafilaError
+
+#: Hugging Face repo ids: ORG/NAME, each 1-96 of [A-Za-z0-9._-], not starting with '.' or '-'
+#: (huggingface_hub utils/_validators.py), optionally @REVISION (branch, tag or commit).
+REPO_ID_RE = re.compile(r"(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95})"
+                        r"(?:@(?P<revision>[A-Za-z0-9][A-Za-z0-9._/-]{0,199}))?")
+#: what serving reads (mlx-lm's own download list, without *.py: no remote code)
+MODEL_FILE_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "*.tiktoken", "tiktoken.model",
+                       "*.txt", "*.jsonl", "*.jinja"]
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def is_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, read now (huggingface_hub reads it at import)."""
+    return _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache this process uses, read from the environment now."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "huggingface" / "hub"
+
+
+def parse_repo_id(ref: str) -> Optional[tuple[str, Optional[str]]]:
+    """(repo id, revision or None) when `ref` names a Hugging Face repo rather than a local path.
+
+    A string that exists as a path, starts with '/', '~' or '.', or does not have the ORG/NAME
+    form is a path (None).
+    """
+    if not ref or ref[0] in "/~." or os.path.exists(ref):
+        return None
+    m = REPO_ID_RE.fullmatch(ref)
+    if m is None:
+        return None
+    return m.group("repo"), m.group("revision")
+
+
+def missing_model_files(model_dir: Path) -> list[str]:
+    """Files serving needs that `model_dir` lacks: config.json, a tokenizer, the safetensors weights
+    (every shard the index names, or at least one *.safetensors)."""
+    missing = [] if (model_dir / "config.json").is_file() else ["config.json"]
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tiktoken.model")) \
+            and not list(model_dir.glob("*.tiktoken")):
+        missing.append("tokenizer.json")
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return missing + ["model.safetensors.index.json (unreadable)"]
+        missing += [s for s in shards if not (model_dir / s).is_file()]
+    elif not list(model_dir.glob("*.safetensors")):
+        missing.append("model.safetensors")
+    return missing
+
+
+def resolve_model_ref(ref: str) -> str:
+    """The local model directory for `ref`: a path as given, or a repo id resolved as the module
+    docstring says. Blocking (it may download); `resolve_model_dir` runs it off the trio thread.
+
+    Raises:
+        KafilaError: a repo id that is neither cached nor downloadable, with the reason.
+    """
+    parsed = parse_repo_id(ref)
+    if parsed is None:
+        return ref
+    repo_id, revision = parsed
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    cache = hub_cache_dir()
+    name = repo_id + (f"@{revision}" if revision else "")
+    kw = dict(repo_id=repo_id, revision=revision, cache_dir=str(cache), allow_patterns=MODEL_FILE_PATTERNS)
+    cached_missing: list[str] = []
+    try:
+        path = Path(snapshot_download(local_files_only=True, **kw))
+        cached_missing = missing_model_files(path)
+        if not cached_missing:
+            return str(path)
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        pass
+    if is_offline():
+        held = f" (its snapshot there lacks {', '.join(cached_missing)})" if cached_missing else ""
+        raise KafilaError(
+            f"The model {name} is not in this daemon's Hugging Face cache at {cache}{held}, and HF_HUB_OFFLINE "
+            f"is set, so it cannot be downloaded: download it where there is a network (`hf download {repo_id}`) "
+            f"into that cache, or pass a model directory.")
+    try:
+        path = Path(snapshot_download(**kw))
+    except GatedRepoError as e:
+        raise KafilaError(f"The model {name} is gated on Hugging Face: accept its terms on huggingface.co and give "
+                          f"this daemon a token (HF_TOKEN) ({e.__class__.__name__}).") from e
+    except RepositoryNotFoundError as e:
+        raise KafilaError(f"There is no model {repo_id} on Hugging Face, or it is private (a private repo needs "
+                          f"HF_TOKEN in this daemon's environment).") from e
+    except RevisionNotFoundError as e:
+        raise KafilaError(f"The model {repo_id} has no revision {revision!r} on Hugging Face.") from e
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise KafilaError(f"The model {name} is not in this daemon's Hugging Face cache at {cache} and could not "
+                          f"be downloaded: {e}") from e
+    missing = missing_model_files(path)
+    if missing:
+        raise KafilaError(f"The Hugging Face repo {name} lacks files serving needs: {', '.join(missing)} "
+                          f"(kafila serves safetensors models in the Hugging Face / mlx-community layout).")
+    return str(path)
+
+
+async def resolve_model_dir(ref: str) -> str:
+    """`resolve_model_ref` on a worker thread, so a download does not stall the daemon.
+
+    Raises:
+        KafilaError: as `resolve_model_ref`.
+    """
+    if parse_repo_id(ref) is None:
+        return ref
+    return await trio.to_thread.run_sync(resolve_model_ref, ref, abandon_on_cancel=True)
