@@ -6,10 +6,13 @@ import argparse
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
 import trio
 
 from kafilad.errors import KafilaError
+from kafilad.proto import session_events as sm
 from kafila_ctl.client import ControlClient
 
 
@@ -35,9 +38,16 @@ def cmd_keys(args) -> int:
     return 0
 
 
-def cmd_host(args) -> int:
+def _model_ref(model: str) -> str:
+    """A Hugging Face repo id (ORG/NAME[@REV]) as given, for the daemon to resolve
+    (kafilad/modelref.py); a local path made absolute, as the daemon's working directory differs."""
     from pathlib import Path
-    r = _call(args, "host", model_dir=str(Path(args.model).resolve()), members=args.members, context=args.context,
+    from kafilad.modelref import parse_repo_id
+    return model if parse_repo_id(model) is not None else str(Path(model).expanduser().resolve())
+
+
+def cmd_host(args) -> int:
+    r = _call(args, "host", model_dir=_model_ref(args.model), members=args.members, context=args.context,
               concurrency=args.concurrency, queue=args.queue, rendezvous=args.rendezvous, open=args.open,
               admit_timeout_s=args.admit_timeout)
     if args.json:
@@ -100,10 +110,53 @@ def cmd_trust_revoke(args) -> int:
     return 0
 
 
+def status_line(snap: dict) -> str:
+    """One line for `status --watch` into a pipe or file: state, members and their stages, the plan,
+    the last generation's speed (a pure function of the snapshot)."""
+    if not snap.get("session"):
+        return f"{snap.get('name')}: not in a session"
+    parts = [f"{snap.get('name')}: session {snap.get('session')} ({snap.get('role')}) {snap.get('state')}"]
+    if snap.get("error"):
+        parts.append(f"error: {snap['error']}")
+    load = snap.get("load") or {}
+    if load.get("progress") and snap.get("state") == "loading":
+        parts.append(f"{load['progress']} {load.get('done_bytes', 0) / 1e6:.1f}/{load.get('total_bytes', 0) / 1e6:.1f} MB")
+    members = []
+    for m in snap.get("members") or []:
+        b = m.get("blocks")
+        state = "lost" if m.get("lost") else ("ready" if m.get("ready") else (m.get("progress") or "joining"))
+        members.append(f"{m.get('name')}{'*' if m.get('head') else ''}{f' [{b[0]},{b[1]})' if b else ''} {state}")
+    if members:
+        parts.append("members " + ", ".join(members))
+    plan = snap.get("plan") or {}
+    if plan.get("bottleneck_s") is not None:
+        parts.append(f"bottleneck {plan['bottleneck_s'] * 1e3:.2f} ms")
+    lg = snap.get("last_generation") or {}
+    if lg.get("decode_tokens_per_s"):
+        parts.append(f"last {lg['decode_tokens_per_s']:.1f} tokens/s")
+    if snap.get("pending"):
+        parts.append("pending " + ", ".join(p.get("name", "?") for p in snap["pending"]))
+    return "; ".join(parts)
+
+
 def cmd_status(args) -> int:
     from rich.console import Console
     from rich.live import Live
     from kafila_ctl.render import status_json, status_renderable
+    if args.watch and not sys.stdout.isatty():  # a pipe or a file: one timestamped line per change
+        async def run_lines():
+            last = None
+            async for kind, body in _client(args).stream("watch"):
+                if kind == "event":
+                    line = status_line(body["snapshot"])
+                    if line != last:
+                        print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
+                        last = line
+        try:
+            trio.run(run_lines)
+        except KeyboardInterrupt:
+            pass
+        return 0
     if args.watch:
         async def run():
             console = Console()
@@ -217,20 +270,64 @@ def cmd_stop(args) -> int:
 
 def cmd_demo(args) -> int:
     from kafila_ctl.demo import run_demo
-    return run_demo(model=args.model, members=args.members, prompt=args.prompt, max_tokens=args.max_tokens)
+    return run_demo(model=args.model, members=args.members, prompt=args.prompt, max_tokens=args.max_tokens,
+                    synth=args.synth)
+
+
+def cmd_service_install(args) -> int:
+    from kafila_ctl import service
+    kind = args.manager or service.default_kind()
+    state_dir = args.state_dir or os.environ.get("KAFILA_STATE_DIR") or None
+    argv = service.daemon_argv(state_dir=state_dir and str(Path(state_dir).expanduser().resolve()),
+                               name=args.name, rendezvous=args.rendezvous, http=args.http)
+    if args.print:
+        print(service.render(kind, argv), end="")
+        return 0
+    path = service.install(kind, argv, path=Path(args.path).expanduser() if args.path else None, force=args.force)
+    print(f"wrote {path}\nExecStart: {' '.join(argv)}\nenable and start it with:")
+    for c in service.enable_commands(kind, path):
+        print(f"  {c}")
+    return 0
+
+
+#: every state `wait --state` accepts (kafilad/node/daemon.py WAIT_STATES)
+WAIT_STATES = sorted({s.value for s in sm.HostState} | {s.value for s in sm.MemberState} | {"idle"})
+
+
+def _version() -> str:
+    from kafilad.main import package_version
+    return f"kafila-ctl {package_version()}"
+
+
+STATE_DIR_HELP = ("the daemon's state directory (default: $KAFILA_STATE_DIR, else the platform's user state dir, "
+                  "e.g. ~/.local/state/kafila)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Subcommand parsers that also take the global options after the subcommand
+    (`kafila-ctl status --state-dir D` as well as `kafila-ctl --state-dir D status`)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        if kw.get("prog", "").startswith("kafila-ctl "):
+            self.add_argument("--state-dir", default=argparse.SUPPRESS, help=STATE_DIR_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kafila-ctl", description="Control a local kafilad.")
-    p.add_argument("--state-dir", help="the daemon's state directory (default: the platform's user state dir)")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=_version())
+    p.add_argument("--state-dir", help=STATE_DIR_HELP)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     s = sub.add_parser("keys", help="this daemon's peer id and key fingerprint")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_keys)
 
     s = sub.add_parser("host", help="open a session and print its code")
-    s.add_argument("--model", required=True, help="model directory (config.json + *.safetensors + tokenizer)")
+    s.add_argument("--model", required=True,
+                   help="model directory (config.json + *.safetensors + tokenizer), or a Hugging Face repo id "
+                        "ORG/NAME[@REVISION]: the daemon takes it from its Hugging Face cache, else downloads "
+                        "only the files it needs")
     s.add_argument("--members", type=int, required=True, help="machines in the session, the host included")
     s.add_argument("--context", type=int, default=None,
                    help="tokens of context to admit (default 4096, capped at the model's max_position_embeddings)")
@@ -268,25 +365,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="the session: members, blocks, stage times")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--watch", action="store_true", help="live view, pushed by the daemon")
+    s.add_argument("--watch", action="store_true",
+                   help="live view pushed by the daemon; into a pipe or file, one timestamped line per change")
     s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("wait", help="wait until the session reaches a state (default: ready)")
-    s.add_argument("--state", action="append", default=None)
-    s.add_argument("--timeout", type=float, default=300.0)
+    s.add_argument("--state", action="append", default=None, choices=WAIT_STATES, metavar="STATE",
+                   help=f"a state to wait for, repeatable (default ready); one of {', '.join(WAIT_STATES)}")
+    s.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="seconds to wait before giving up (default 300)")
     s.set_defaults(func=cmd_wait)
 
     s = sub.add_parser("generate", help="generate from a prompt (host only)")
     s.add_argument("prompt")
-    s.add_argument("--max-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
+    s.add_argument("--json", action="store_true", help="print {text, token_ids, ...} as JSON at the end")
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("chat", help="chat with the served model (host only); /exit or EOF ends")
     s.add_argument("--system", help="a system message")
-    s.add_argument("--max-tokens", type=int, default=256)
-    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most (default 256)")
+    s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
     s.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("trace", help="print the session trace (JSONL)")
@@ -297,11 +397,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_stop)
 
     s = sub.add_parser("demo", help="rendezvous + daemons on loopback: form a session, generate, stop")
-    s.add_argument("--model", help="model directory (default: a synthesised model)")
-    s.add_argument("--members", type=int, default=3)
-    s.add_argument("--prompt", default="Once upon a time")
-    s.add_argument("--max-tokens", type=int, default=32)
+    which = s.add_mutually_exclusive_group()
+    which.add_argument("--model", help="model directory (default: stories260K, a tiny English model shipped "
+                                       "with kafila)")
+    which.add_argument("--synth", action="store_true",
+                       help="serve a synthesised random-weight model instead (its text is noise; for shapes)")
+    s.add_argument("--members", type=int, default=3, help="daemons on the ring (default 3)")
+    s.add_argument("--prompt", default="Once upon a time", help="the prompt (default: %(default)r)")
+    s.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("service", help="run kafilad as a user service (systemd or launchd)")
+    svc = s.add_subparsers(dest="service_command", required=True, parser_class=_Parser)
+    t = svc.add_parser("install", help="write a systemd user unit (Linux) or launchd agent (macOS) that runs "
+                                       "kafilad with this Python (sys.executable -m kafilad.main)")
+    t.add_argument("--rendezvous", help="the daemon's default rendezvous URL")
+    t.add_argument("--name", help="this member's name (default: the host name)")
+    t.add_argument("--http", help="the daemon's --http (default 127.0.0.1:8400)")
+    t.add_argument("--manager", choices=("systemd", "launchd"),
+                   help="service manager (default: launchd on macOS, systemd elsewhere)")
+    t.add_argument("--path", help="file to write (default ~/.config/systemd/user/kafilad.service or "
+                                  "~/Library/LaunchAgents/org.kafila.kafilad.plist)")
+    t.add_argument("--force", action="store_true", help="replace a different existing file")
+    t.add_argument("--print", action="store_true", help="print the file instead of writing it")
+    t.set_defaults(func=cmd_service_install)
 
     try:
         from kafila_ctl import plan_cmd

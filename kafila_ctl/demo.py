@@ -169,15 +169,48 @@ class LoopbackCluster:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def run_demo(*, model: Optional[str], members: int, prompt: str, max_tokens: int) -> int:
-    """The `kafila-ctl demo` command."""
+#: the model `kafila-ctl demo` serves by default: karpathy's stories260K, shipped in the package
+#: (kafila_ctl/models/stories260K: MIT licence, README and LICENSE beside the weights)
+DEMO_MODEL = "stories260K"
+
+
+def packaged_model_dir(name: str = DEMO_MODEL) -> Path:
+    """The directory of a model shipped inside the kafila_ctl package.
+
+    Raises:
+        KafilaError: the package was installed without its model files.
+    """
+    from importlib.resources import files
+    path = Path(str(files("kafila_ctl") / "models" / name))
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise KafilaError(f"The packaged model {name} is missing from {path}; reinstall kafila "
+                          "(its package data holds the model) or pass --model DIR or --synth.")
+    return path
+
+
+def printable(text: str) -> str:
+    """`text` with control characters other than newline and tab shown as escapes (random-weight
+    models emit any byte)."""
+    return "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in text)
+
+
+def run_demo(*, model: Optional[str], members: int, prompt: str, max_tokens: int, synth: bool = False) -> int:
+    """The `kafila-ctl demo` command: serve `model` (default: the packaged stories260K; `synth`:
+    the synthesised random-weight model) on a loopback ring and print a generation."""
     from rich.console import Console
+    from rich.markup import escape
     from kafila_ctl.render import members_table
     console = Console()
-    if model is None:
+    if synth:
         from kafilad.executor.synth import default_synth_model_dir
         model = str(default_synth_model_dir())
-        console.print(f"model: synthesised (random weights, byte-level tokenizer) at {model}")
+        console.print(f"model: synthesised at {escape(model)}: random weights and a byte-level tokenizer, so its "
+                      "text is noise; it shows the ring's shapes and timings (`kafila-ctl demo` alone serves a "
+                      "real tiny model)")
+    elif model is None:
+        model = str(packaged_model_dir())
+        console.print(f"model: {DEMO_MODEL}, Andrej Karpathy's 260K-parameter TinyStories Llama (MIT licence), "
+                      f"shipped with kafila at {escape(model)}")
     with LoopbackCluster(members) as cluster:
         console.print(f"rendezvous {cluster.rdv_url}; {members} daemons started")
         formed = cluster.form(model, members=members)
@@ -187,7 +220,7 @@ def run_demo(*, model: Optional[str], members: int, prompt: str, max_tokens: int
         console.print(f"plan: bottleneck {plan.get('bottleneck_s', 0) * 1e3:.3f} ms, "
                       f"utilisation {plan.get('utilization', 0):.0%}, tier {plan.get('tier')}")
         result = cluster.generate(prompt, max_tokens)
-        console.print(f"[bold]{prompt}[/bold]{result['text']}")
+        console.print(f"[bold]{escape(printable(prompt))}[/bold]{escape(printable(result['text']))}")
         tps = result.get("decode_tokens_per_s")
         console.print(f"{len(result['token_ids'])} tokens; decode {tps:.1f} tokens/s" if tps else
                       f"{len(result['token_ids'])} tokens")

@@ -1,12 +1,12 @@
 """`kafilad` command line: the daemon (foreground) and `kafilad rendezvous`.
 
-    kafilad [--state-dir DIR] [--name NAME] [--rendezvous ws://HOST:PORT] [--http HOST:PORT|PORT|off] [-v]
+    kafilad [--version] [--state-dir DIR] [--name NAME] [--rendezvous ws://HOST:PORT] [--http HOST:PORT|PORT|off] [-v]
     kafilad rendezvous --listen HOST:PORT [--stun ADDR:PORT ...] [--record-relay FILE] [--register-timeout S]
 
 `--http` takes HOST:PORT, a bare PORT (meaning 127.0.0.1:PORT, the API stays local), or `off`.
 A port outside 0..65535 is refused by the parser, and a port that cannot be bound (in use, not a
 local address) refuses the start with a sentence: the daemon never runs without the API it was
-asked to serve.
+asked to serve. Without `--state-dir`, `KAFILA_STATE_DIR` names the state directory (as for kafila-ctl).
 """
 
 from __future__ import annotations
@@ -70,15 +70,26 @@ def _raise_open_files_limit(want: int = WANT_OPEN_FILES) -> None:
         pass
 
 
+def package_version() -> str:
+    """The installed kafila distribution's version (both tools print it for --version)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("kafila")
+    except PackageNotFoundError:
+        return "unknown (kafila is not installed; running from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kafilad", description="Kafila daemon (runs in the foreground).")
-    p.add_argument("--state-dir", help="state directory (default: the platform's user state dir)")
+    p.add_argument("--version", action="version", version=f"kafilad {package_version()}")
+    p.add_argument("--state-dir", help="state directory (default: $KAFILA_STATE_DIR, else the platform's user "
+                                       "state dir, e.g. ~/.local/state/kafila)")
     p.add_argument("--name", help="this member's name (default: the host name)")
     p.add_argument("--rendezvous", default=os.environ.get("KAFILA_RENDEZVOUS") or None,
                    help="default rendezvous URL, e.g. ws://rdv.example:7400 (env KAFILA_RENDEZVOUS)")
     p.add_argument("--http", type=_http_address, default="127.0.0.1:8400",
                    help="serve the OpenAI-compatible API of a hosted session on HOST:PORT, or on "
-                        "127.0.0.1:PORT for a bare PORT ('off' disables)")
+                        "127.0.0.1:PORT for a bare PORT ('off' disables; default 127.0.0.1:8400)")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command")
     r = sub.add_parser("rendezvous", help="run the rendezvous / relay / STUN service")

@@ -28,8 +28,15 @@ from kafilad.proto.noise import generate_keypair, public_key
 KEY_BYTES = 32
 
 
+#: environment variable naming the state directory when --state-dir is not given (both tools)
+STATE_DIR_ENV = "KAFILA_STATE_DIR"
+
+
 def default_state_dir() -> Path:
-    """The platform's user state directory for kafilad (e.g. ~/.local/state/kafila on Linux)."""
+    """$KAFILA_STATE_DIR when set, else the platform's user state directory for kafilad
+    (e.g. ~/.local/state/kafila on Linux)."""
+    if os.environ.get(STATE_DIR_ENV, "").strip():
+        return Path(os.environ[STATE_DIR_ENV].strip()).expanduser()
     return Path(platformdirs.user_state_dir("kafila", appauthor=False))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -86,10 +87,122 @@ def test_ctl_errors_are_sentences(daemon, tmp_path):
     assert r.returncode == 1 and "not hosting a session" in r.stderr
 
 
+def test_versions():
+    from importlib.metadata import version
+    v = version("kafila")
+    for argv, name in ((CTL, "kafila-ctl"), (DAEMON, "kafilad")):
+        r = subprocess.run(argv + ["--version"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout == f"{name} {v}\n", r.stderr
+
+
+def test_state_dir_from_the_environment_and_options_after_the_subcommand(tmp_path):
+    """KAFILA_STATE_DIR names the state dir of both tools; --state-dir also goes after the subcommand."""
+    state = tmp_path / "from-env"
+    env = {**os.environ, "KAFILA_STATE_DIR": str(state)}
+    log = open(tmp_path / "daemon.log", "wb")
+    p = subprocess.Popen(DAEMON + ["--name", "envy", "--http", "off"], stdout=log, stderr=log, env=env)
+    try:
+        deadline = time.monotonic() + 20
+        while not (state / "kafilad.sock").exists():
+            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
+            time.sleep(0.05)
+        assert (state / "static_key").exists()
+        r = subprocess.run(CTL + ["keys", "--json"], capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode == 0 and '"name": "envy"' in r.stdout, r.stderr
+        r = subprocess.run(CTL + ["keys", "--json", "--state-dir", str(state)], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0 and '"name": "envy"' in r.stdout, r.stderr
+        r = subprocess.run(CTL + ["keys", "--state-dir", str(tmp_path / "other")], capture_output=True, text=True,
+                           timeout=60, env=env)  # the option wins over the environment
+        assert r.returncode == 1 and f"kafilad is not running at {tmp_path / 'other' / 'kafilad.sock'}" in r.stderr
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(15)
+
+
+def test_help_texts_show_defaults_and_wait_checks_state_names(tmp_path):
+    def help_of(*args):
+        r = subprocess.run(CTL + [*args, "--help"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "200"})
+        assert r.returncode == 0, r.stderr
+        return " ".join(r.stdout.split())
+    assert "tokens to generate at most (default 64)" in help_of("generate")
+    assert "tokens per reply at most (default 256)" in help_of("chat")
+    wait = help_of("wait")
+    assert "(default ready); one of admitted, closed, degraded, failed" in wait and "ready, recovering" in wait
+    assert "seconds to wait before giving up (default 300)" in wait
+    assert "$KAFILA_STATE_DIR" in help_of() and "default 120" in help_of("host")
+    assert "ORG/NAME[@REVISION]" in help_of("host")
+    r = ctl(tmp_path, "wait", "--state", "redy")
+    assert r.returncode == 2 and "invalid choice: 'redy'" in r.stderr
+
+
+def test_watch_into_a_pipe_prints_lines(daemon):
+    _, state = daemon
+    p = subprocess.Popen(CTL + ["--state-dir", str(state), "status", "--watch"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert re.fullmatch(r"\d\d:\d\d:\d\d alpha: not in a session\n", line), line
+        assert "\x1b" not in line  # no terminal control sequences into a pipe
+    finally:
+        p.terminate()
+        p.wait(15)
+
+
+def test_service_install_runs_this_install(tmp_path):
+    """The unit's ExecStart and the plist's ProgramArguments start this very install of kafilad."""
+    import plistlib
+    import shlex
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    env.pop("KAFILA_STATE_DIR", None)
+    r = subprocess.run(CTL + ["service", "install", "--manager", "systemd", "--rendezvous", "ws://rdv.example:7400"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    unit_path = tmp_path / "cfg" / "systemd" / "user" / "kafilad.service"
+    assert r.returncode == 0 and f"wrote {unit_path}" in r.stdout and "systemctl --user enable --now kafilad" in r.stdout
+    exec_line = next(x for x in unit_path.read_text().splitlines() if x.startswith("ExecStart="))
+    argv = shlex.split(exec_line.removeprefix("ExecStart="))
+    assert argv == [sys.executable, "-m", "kafilad.main", "--rendezvous", "ws://rdv.example:7400"]
+    from importlib.metadata import version
+    run = subprocess.run(argv + ["--version"], capture_output=True, text=True, timeout=60, env=env)
+    assert run.stdout == f"kafilad {version('kafila')}\n"
+    r = subprocess.run(CTL + ["service", "install", "--manager", "systemd", "--rendezvous", "ws://other:1"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 1 and "already exists with other contents; pass --force" in r.stderr
+
+    r = subprocess.run(CTL + ["--state-dir", str(tmp_path / "st"), "service", "install", "--manager", "launchd"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    plist = tmp_path / "Library" / "LaunchAgents" / "org.kafila.kafilad.plist"
+    assert r.returncode == 0, r.stderr
+    args = plistlib.loads(plist.read_bytes())["ProgramArguments"]
+    assert args == [sys.executable, "-m", "kafilad.main", "--state-dir", str(tmp_path / "st")]
+    r = subprocess.run(CTL + ["service", "install", "--manager", "systemd", "--print"], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert r.returncode == 0 and f"\nExecStart={sys.executable} -m kafilad.main\n" in r.stdout, r.stderr
+
+
+STORIES_12 = "Once upon a time, there was a little girl named Lily. She"
+
+
 @pytest.mark.slow
-def test_readme_demo_command(tmp_path):
-    """The README's first command (after install): `kafila-ctl demo` on the synthesised default."""
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    r = subprocess.run(CTL + ["demo", "--max-tokens", "12"], capture_output=True, text=True, timeout=300, env=env)
+def test_readme_demo_command():
+    """The README's first command (after install): `kafila-ctl demo` serves the packaged stories260K."""
+    r = subprocess.run(CTL + ["demo", "--max-tokens", "12"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "formed in" in r.stdout and "plan: bottleneck" in r.stdout and "12 tokens" in r.stdout
+    assert "model: stories260K, Andrej Karpathy's 260K-parameter TinyStories Llama (MIT licence)" in r.stdout
+    assert STORIES_12 in r.stdout  # readable English, greedy, through a 3-member ring
+
+
+@pytest.mark.slow
+def test_demo_synth_says_its_text_is_noise(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "COLUMNS": "200"}
+    r = subprocess.run(CTL + ["demo", "--synth", "--max-tokens", "12"], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "random weights and a byte-level tokenizer, so its text is noise" in r.stdout
+    assert "12 tokens" in r.stdout and STORIES_12 not in r.stdout
+    r = subprocess.run(CTL + ["demo", "--synth", "--model", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr

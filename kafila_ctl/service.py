@@ -1,0 +1,140 @@
+"""`kafila-ctl service install`: run kafilad as a user service (systemd user unit or launchd agent).
+
+The unit starts the daemon with the interpreter kafila-ctl itself runs under
+(`sys.executable -m kafilad.main`), so a virtual environment or a pipx install is served as
+installed; `/usr/bin/env kafilad` (scripts/service/ before) finds no kafilad outside PATH, and
+systemd's PATH seldom holds a venv. `sys.executable` is kept as given, not resolved: a venv's
+`bin/python` is a symlink whose target would lose the venv.
+
+Pure renderers (`systemd_unit`, `launchd_plist`) plus `install`, which writes the file and
+returns the commands that enable it (it runs none of them).
+"""
+
+from __future__ import annotations
+
+import os
+import plistlib
+import sys
+from pathlib import Path
+from typing import Optional
+
+from kafilad.errors import KafilaError
+
+SYSTEMD_UNIT = "kafilad.service"
+LAUNCHD_LABEL = "org.kafila.kafilad"
+KINDS = ("systemd", "launchd")
+
+
+def default_kind(platform: str = sys.platform) -> str:
+    """launchd on macOS, systemd elsewhere."""
+    return "launchd" if platform == "darwin" else "systemd"
+
+
+def daemon_argv(*, python: Optional[str] = None, state_dir: Optional[str] = None, name: Optional[str] = None,
+                rendezvous: Optional[str] = None, http: Optional[str] = None) -> list[str]:
+    """The daemon's command line: this interpreter running kafilad.main, with the given options."""
+    argv = [python or sys.executable, "-m", "kafilad.main"]
+    for flag, value in (("--state-dir", state_dir), ("--name", name), ("--rendezvous", rendezvous), ("--http", http)):
+        if value:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _systemd_quote(arg: str) -> str:
+    """One ExecStart word (systemd.service(5) "Command lines", systemd.unit(5) "Specifiers"):
+    '%' doubled (specifiers), '$' doubled (variable expansion), quoted when it holds a space,
+    quote, backslash or ';'."""
+    arg = arg.replace("%", "%%").replace("$", "$$")
+    if arg and not any(c in arg for c in " \t\n\"'\\;"):
+        return arg
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def systemd_unit(argv: list[str]) -> str:
+    """A systemd user unit running `argv` (restarted on failure; SIGTERM stops it cleanly)."""
+    return "\n".join([
+        "# kafilad as a systemd user service, written by `kafila-ctl service install`.",
+        "#   systemctl --user daemon-reload && systemctl --user enable --now kafilad",
+        "#   journalctl --user -u kafilad -f",
+        "[Unit]",
+        "Description=Kafila daemon: serve one LLM across a trusted group's machines",
+        "After=network-online.target",
+        "Wants=network-online.target",
+        "",
+        "[Service]",
+        "Type=simple",
+        "ExecStart=" + " ".join(_systemd_quote(a) for a in argv),
+        "Restart=on-failure",
+        "RestartSec=5",
+        "KillSignal=SIGTERM",
+        "TimeoutStopSec=20",
+        "",
+        "[Install]",
+        "WantedBy=default.target",
+        "",
+    ])
+
+
+def launchd_plist(argv: list[str], log_path: str) -> str:
+    """A launchd agent running `argv` at login, restarted when it exits with an error."""
+    return plistlib.dumps({
+        "Label": LAUNCHD_LABEL,
+        "ProgramArguments": list(argv),
+        "RunAtLoad": True,
+        "KeepAlive": {"SuccessfulExit": False},
+        "StandardErrorPath": log_path,
+        "StandardOutPath": log_path,
+        "EnvironmentVariables": {"PYTHONUNBUFFERED": "1"},
+    }, sort_keys=False).decode()
+
+
+def default_path(kind: str, home: Optional[Path] = None) -> Path:
+    """Where the user's service manager looks: ~/.config/systemd/user/ (XDG_CONFIG_HOME) or
+    ~/Library/LaunchAgents/."""
+    home = home or Path.home()
+    if kind == "launchd":
+        return home / "Library" / "LaunchAgents" / f"{LAUNCHD_LABEL}.plist"
+    config = Path(os.environ["XDG_CONFIG_HOME"]) if os.environ.get("XDG_CONFIG_HOME") else home / ".config"
+    return config / "systemd" / "user" / SYSTEMD_UNIT
+
+
+def render(kind: str, argv: list[str], home: Optional[Path] = None) -> str:
+    """The service file of `kind` for `argv`.
+
+    Raises:
+        KafilaError: an unknown kind.
+    """
+    if kind == "systemd":
+        return systemd_unit(argv)
+    if kind == "launchd":
+        return launchd_plist(argv, str((home or Path.home()) / "Library" / "Logs" / "kafilad.log"))
+    raise KafilaError(f"Unknown service manager {kind!r}; choose one of {', '.join(KINDS)}.")
+
+
+def enable_commands(kind: str, path: Path) -> list[str]:
+    """The commands that load and start the installed service."""
+    if kind == "launchd":
+        return [f"launchctl bootstrap gui/{os.getuid()} {path}", "tail -f ~/Library/Logs/kafilad.log"]
+    return ["systemctl --user daemon-reload", "systemctl --user enable --now kafilad",
+            "journalctl --user -u kafilad -f"]
+
+
+def install(kind: str, argv: list[str], *, path: Optional[Path] = None, force: bool = False) -> Path:
+    """Write the service file; return its path. An identical file is left as it is.
+
+    Raises:
+        KafilaError: a different file is already there (and not `force`), or it cannot be written.
+    """
+    path = Path(path) if path is not None else default_path(kind)
+    text = render(kind, argv)
+    if path.exists() and not force and path.read_text() != text:
+        raise KafilaError(f"{path} already exists with other contents; pass --force to replace it "
+                          f"(or --print to see the new one).")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise KafilaError(f"Could not write {path}: {e.strerror or e}.") from e
+    return path
