@@ -227,7 +227,7 @@ class Load:
         with trio.fail_after(90):
             stream = await trio.open_tcp_stream("127.0.0.1", self.port)
             async with stream:
-                with trio.move_on_after(rng.uniform(5, 20)):
+                with trio.move_on_at(min(self.end_s, trio.current_time() + rng.uniform(5, 20))):
                     data = await stream.receive_some(1024)
                     return "closed by the server" if not data else f"status {status_of(data)}"
                 return "held"
