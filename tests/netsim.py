@@ -2,7 +2,8 @@
 
 - :class:`Nat`: a NAT box with one public IP, full cone ("O"), port-restricted cone ("C") or
   symmetric ("S") (DESIGN §3 step 4). Pure; tests/proto/test_ice.py pumps ICE agents through it.
-- :class:`SimNet`: hosts behind :class:`Nat` boxes exchanging datagrams with a one-way delay on
+- :class:`SimNet`: hosts behind :class:`Nat` boxes (several hosts may share one box: a LAN,
+  where they reach each other's local addresses directly) exchanging datagrams with a one-way delay on
   trio's clock (so ``trio.testing.MockClock(autojump_threshold=0)`` runs ICE and QUIC timeouts
   instantly), STUN responders (the sans-IO :class:`kafilad.proto.stun.StunResponder`, so the
   real RFC 5780 classifier runs against the NAT model), a ``drop`` hook (a firewall) and a log
@@ -112,6 +113,10 @@ class SimEndpoint(UdpEndpoint):
         self.net, self.name, self.local, self.nat = net, name, local, nat
         super().__init__(SimSocket(self))
 
+    def interfaces(self) -> list[tuple[str, int]]:
+        """The host's one interface address, on a /24 (its LAN behind the NAT)."""
+        return [(self.local[0], 24)]
+
     def send_nowait(self, data: bytes, addr) -> bool:
         self.net.send(self, bytes(data), (str(addr[0]), int(addr[1])))
         return True
@@ -147,13 +152,22 @@ class SimNet:
         self._wake = trio.Event()
 
     def host(self, name: str, nat_class: Optional[str], public_ip: str, local_ip: Optional[str] = None,
-             port: int = 5000) -> SimEndpoint:
-        """A host at ``local_ip`` behind a NAT of ``nat_class`` (None: no NAT, the host owns ``public_ip``)."""
-        if nat_class is None:
-            local = (public_ip, port)
+             port: int = 5000, *, behind: Optional[SimEndpoint] = None) -> SimEndpoint:
+        """A host at ``local_ip`` behind a NAT of ``nat_class`` (None: no NAT, the host owns ``public_ip``).
+
+        ``behind``: put the new host behind that host's NAT box, on the same LAN (``nat_class`` and
+        ``public_ip`` are then the box's; ``local_ip`` defaults to the next address of the LAN).
+        """
+        if behind is not None:
+            nat = behind.nat
+            lan = behind.local[0].rsplit(".", 1)[0]
+            taken = {h.local[0] for h in self.hosts if h.nat is nat}
+            local = (local_ip or next(f"{lan}.{i}" for i in range(2, 255) if f"{lan}.{i}" not in taken), port)
+        elif nat_class is None:
+            nat, local = Nat(None, public_ip), (public_ip, port)
         else:
-            local = (local_ip or f"10.0.{len(self.hosts) + 1}.2", port)
-        ep = SimEndpoint(self, name, local, Nat(nat_class, public_ip))
+            nat, local = Nat(nat_class, public_ip), (local_ip or f"10.0.{len(self.hosts) + 1}.2", port)
+        ep = SimEndpoint(self, name, local, nat)
         self.hosts.append(ep)
         return ep
 
@@ -171,6 +185,14 @@ class SimNet:
     def send(self, ep: SimEndpoint, data: bytes, dst: Address) -> None:
         now = trio.current_time()
         self.sent.append(Sent(now, ep.name, dst, protocol_of(data), data))
+        if ep.nat.cls is not None:
+            neighbour = next((h for h in self.hosts if h.nat is ep.nat and h.local == dst and h is not ep), None)
+            if neighbour is not None:  # the same LAN: straight to it, no NAT on the way
+                if self.drop is None or not self.drop(data, ep.local, dst):
+                    self._later(now + self.one_way_s, neighbour.dispatch, data, ep.local)
+                return
+            if dst[0].startswith(ep.local[0].rsplit(".", 1)[0] + ".") or dst[0] == ep.nat.public_ip:
+                return  # an address of our LAN where nobody is, or our own NAT (no hairpinning): lost
         src = ep.nat.outbound(ep.local, dst)
         if self.drop is not None and self.drop(data, src, dst):
             return
@@ -187,9 +209,8 @@ class SimNet:
             return
         for ep in self.hosts:
             owner = ep.nat.public_ip if ep.nat.cls is not None else ep.local[0]
-            if owner == dst[0]:
-                if ep.nat.inbound(src, dst) == ep.local:
-                    ep.dispatch(data, src)
+            if owner == dst[0] and ep.nat.inbound(src, dst) == ep.local:
+                ep.dispatch(data, src)
                 return
 
     def _later(self, at_s: float, fn, *args) -> None:

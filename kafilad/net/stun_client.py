@@ -88,6 +88,7 @@ async def classify_nat(
     timeout_s: float = 10.0,
     max_wait_s: float = 1.5,
     local_address: Address | None = None,
+    contacted: Sequence[Address] = (),
 ) -> NatReport:
     """Classify this host's NAT with RFC 5780 probes from the bound UDP socket ``sock``.
 
@@ -95,13 +96,17 @@ async def classify_nat(
         sock: a bound trio UDP socket (the daemon's one socket, DESIGN §4).
         stun_servers: (host, port) of the rendezvous STUN addresses, primary first.
         timeout_s: overall bound; on expiry the report says what was learnt, with unknown
-            mapping (class S). A normal run takes about ``max_wait_s`` behind a filtering NAT.
+            mapping (class "unknown", and a reason). A normal run takes about ``max_wait_s``
+            behind a filtering NAT.
         max_wait_s: per-transaction cap (proto_spec §4.4).
         local_address: our (ip, port) toward the servers, if known; found from the routing table
             otherwise (used to recognise "no NAT").
+        contacted: server addresses an earlier run sent to recently (``NatReport.probed``), whose
+            answers cannot prove a filtering behaviour (proto_spec §4.4).
 
     Returns:
-        NatReport with ``nat_class`` "O" | "C" | "S" and ``rtt_ms`` to the first server.
+        NatReport with ``nat_class`` "O" | "C" | "S" | "unknown" (``reason`` then says why) and
+        ``rtt_ms`` to the first server.
 
     Raises:
         KafilaError: no server given, or a server name does not resolve.
@@ -111,7 +116,7 @@ async def classify_nat(
     servers = await resolve(stun_servers, sock.family)
     if local_address is None:
         local_address = await local_address_toward(sock, servers[0])
-    machine = NatClassifier(servers, local_address=local_address, max_wait_s=max_wait_s)
+    machine = NatClassifier(servers, local_address=local_address, max_wait_s=max_wait_s, contacted=contacted)
 
     async def flush() -> None:
         for data, addr in machine.datagrams_to_send(trio.current_time()):
@@ -135,7 +140,7 @@ async def classify_nat(
                 machine.handle_timer(now)
             await flush()
     if not machine.done:
-        machine.abort()
+        machine.abort(f"the classification did not finish within {timeout_s:g} s")
     return machine.report
 
 

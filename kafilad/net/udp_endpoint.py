@@ -23,6 +23,7 @@ demultiplexer owns it.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket as _socket
 from collections import OrderedDict
@@ -48,6 +49,47 @@ STASH_PER_ADDRESS = 8
 STASH_ADDRESSES = 32
 #: Requested kernel socket buffer size (the kernel may cap it at net.core.rmem_max).
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+#: Most interface addresses :meth:`UdpEndpoint.interfaces` returns (host candidates are bounded,
+#: RFC 8445 §5.1.1.1 "limit the number of candidates").
+MAX_INTERFACES = 8
+
+
+def usable_interface_ip(ip: str) -> bool:
+    """True for an address worth offering as a host candidate (RFC 8445 §5.1.1.1): not loopback,
+    link-local, unspecified or multicast (nor IPv4-mapped / deprecated site-local IPv6)."""
+    try:
+        a = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return False
+    if a.is_loopback or a.is_link_local or a.is_unspecified or a.is_multicast or a.is_reserved:
+        return False
+    if a.version == 6 and (a.ipv4_mapped is not None or a.is_site_local):
+        return False
+    return True
+
+
+def interface_addresses(family: int = _socket.AF_INET) -> list[tuple[str, int]]:
+    """This host's interface addresses of ``family`` as (ip, network prefix length), usable ones
+    only (:func:`usable_interface_ip`), in the operating system's order, at most MAX_INTERFACES.
+
+    Uses ``ifaddr`` (a dependency of aioice); sends nothing.
+    """
+    try:
+        import ifaddr  # noqa: PLC0415 - aioice's own dependency; imported when first needed
+        adapters = ifaddr.get_adapters()
+    except Exception as e:  # noqa: BLE001 - enumeration is best effort: the routed address remains
+        log.warning("udp: could not list the interface addresses: %s", e)
+        return []
+    out: list[tuple[str, int]] = []
+    for adapter in adapters:
+        for ip in adapter.ips:
+            v4 = bool(ip.is_IPv4)
+            if v4 != (family == _socket.AF_INET):
+                continue
+            text = ip.ip if v4 else ip.ip[0]
+            if usable_interface_ip(text) and (text, ip.network_prefix) not in out:
+                out.append((text, int(ip.network_prefix)))
+    return out[:MAX_INTERFACES]
 
 
 def _norm(addr) -> Address:
@@ -131,6 +173,23 @@ class UdpEndpoint:
     def local_address(self) -> Address:
         """(ip, port) the socket is bound to (ip may be 0.0.0.0)."""
         return _norm(self.sock.getsockname())
+
+    def interfaces(self) -> list[tuple[str, int]]:
+        """The addresses this socket can be reached at on its own networks, as (ip, prefix length).
+
+        A socket bound to one address has only that one (with its interface's prefix when found,
+        else a host prefix); one bound to the unspecified address has every usable interface
+        address of its family (:func:`interface_addresses`). Host candidates come from here
+        (proto_spec 07 §2).
+        """
+        ip = self.local_address[0]
+        found = interface_addresses(self.sock.family)
+        if ipaddress.ip_address(ip.split("%")[0]).is_unspecified:
+            return found
+        for addr, prefix in found:
+            if addr == ip:
+                return [(addr, prefix)]
+        return [(ip, 32 if self.sock.family == _socket.AF_INET else 128)] if usable_interface_ip(ip) else []
 
     def _raw_socket(self) -> _socket.socket:
         """A non-blocking stdlib duplicate of ``sock`` (same kernel socket) for calls without a

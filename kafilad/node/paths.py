@@ -13,9 +13,15 @@ driver and re-probe of the session runs there. Leaving the block closes every QU
 the manager opened (their CONNECTION_CLOSE leaves at once, even while the session is being
 cancelled) and cancels that nursery, so nothing of the session's paths outlives it.
 
+Classification (§1): :meth:`PathManager.capability` classifies once; an "unknown" class (no STUN
+answer; proto_spec 04 §4.6) is reported with its reason, noted as an event and retried in the
+background with backoff. Records and events: kafilad/node/pathrecords.py, ``PathManager.events``.
+
 What lives here is the machinery of one *attempt* (:meth:`PathManager.try_direct`): an offer
-exchange over rendezvous signals (§2), both classes predicting relay skips the checks at
-attempt 0, else an :class:`kafilad.proto.ice.IceAgent` runs (bounded, paced, §3) and on success
+exchange over rendezvous signals (§2) carrying host candidates (the interface addresses, RFC 8445
+§5.1.1.1) and the server-reflexive one; both classes predicting relay skips the checks at
+attempt 0 unless the ends share a NAT or a LAN (then the host candidates connect), else an
+:class:`kafilad.proto.ice.IceAgent` runs (bounded, paced, §3) and on success
 the edge's sender opens QUIC to the verified address and the receiver accepts it (§4). The
 outcome is noted on the edge's :class:`EdgeRecord` (§6). The life of one edge (securing with
 Noise, falling back to the relay, re-probing, the make-before-break switch) is
@@ -35,40 +41,46 @@ Environment (read when used, so each daemon can differ):
 
 from __future__ import annotations
 
-import enum
+import collections
 import ipaddress
 import logging
 import os
 import time
 import weakref
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 from urllib.parse import urlparse
 
-import attrs
 import trio
 
 from kafilad.errors import collapse_groups
 from kafilad.net.quic_transport import QuicTransport, quic_accept, quic_connect
 from kafilad.net.stun_client import classify_nat, local_address_toward, parse_host_port
 from kafilad.net.udp_endpoint import UdpEndpoint
-from kafilad.planner.ring import predict_path
+from kafilad.node.pathrecords import INBOX_OFFERS, OFFER_TIMEOUT_S, EdgeRecord, OfferInbox, PathKind  # noqa: F401 - re-exported
+from kafilad.planner.ring import class_known, predict_path
 from kafilad.proto import ice
+from kafilad.proto.natclass import CLASSES, UNKNOWN_CLASS
 
 log = logging.getLogger("kafilad.paths")
 
-#: How long to wait for the peer's offer signal before relaying (proto_spec 07 §2); also how long
-#: a receiver holds a re-probe offer before it is stale (§7 step 2).
-OFFER_TIMEOUT_S = 5.0
 #: Bound on the QUIC handshake after a verified pair.
 QUIC_TIMEOUT_S = 8.0
 #: Bound on NAT classification at session start.
 CLASSIFY_TIMEOUT_S = 6.0
+#: An "unknown" class is classified again after this wait, doubling up to the cap (proto_spec 07 §1).
+CLASSIFY_RETRY_S = 5.0
+CLASSIFY_RETRY_MAX_S = 300.0
+#: How long a STUN address we sent to may keep a NAT filter open for it (Linux conntrack keeps a
+#: replied UDP flow 120 s): a rerun within it does not trust that address's filtering answers.
+STUN_CONTACT_MEMORY_S = 120.0
+#: Host candidates offered from the interface list, beside the routed one (RFC 8445 §5.1.1.1).
+MAX_HOST_CANDIDATES = 4
+#: Path events kept for status and tests (PathManager.events).
+EVENTS_KEPT = 64
 #: Default first re-probe delay of a relayed edge, and the cap of its doubling (DESIGN §3 step 6).
 REPROBE_INITIAL_S = 10.0
 REPROBE_MAX_S = 300.0
-#: Offers kept in a session's inbox (the oldest are dropped beyond it).
-INBOX_OFFERS = 64
 
 
 def direct_enabled() -> bool:
@@ -92,157 +104,6 @@ def dropped_check_attempts() -> int:
         return 0
 
 
-class PathKind(str, enum.Enum):
-    """The path of an edge as status reports it (proto_spec 07 §6); compares equal to its string."""
-
-    PENDING = "pending"
-    DIRECT = "direct"
-    RELAYED = "relayed"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@attrs.define
-class EdgeRecord:
-    """One ring edge as this daemon saw it (proto_spec 07 §6), and its transitions.
-
-    Attributes:
-        src, dst: the sender's and the receiver's names.
-        predicted: the path the two NAT classes predict (DESIGN §3 step 4).
-        path: the path the ring uses now.
-        links: every Link this edge has used, oldest first (sender side).
-        tries: the last attempt made: 0 at formation, then re-probes 1, 2, ...
-        pending: a verified re-probe's measurements, applied by :meth:`upgraded` at the switch.
-    """
-
-    src: str
-    dst: str
-    predicted: PathKind = PathKind.DIRECT
-    path: PathKind = PathKind.PENDING
-    rtt_ms: Optional[float] = None
-    verify_s: Optional[float] = None
-    remote: Optional[str] = None
-    reason: str = ""
-    links: list = attrs.field(factory=list)
-    tries: int = 0
-    upgraded_at: Optional[float] = None   # Unix time the edge switched from relayed to direct
-    pending: Optional[dict] = None
-
-    @property
-    def link(self):
-        """The Link this edge uses now (None before it formed)."""
-        return self.links[-1] if self.links else None
-
-    @link.setter
-    def link(self, value) -> None:
-        if value is not None and (not self.links or self.links[-1] is not value):
-            self.links.append(value)
-
-    # ---- transitions -------------------------------------------------------------------------
-    def note_attempt(self, attempt: int, found: Optional[dict], reason: str = "") -> None:
-        """An attempt ended: verified with ``found`` measurements (QUIC up), or failed with ``reason``.
-
-        At attempt 0 a verified pair makes the record "direct" at once; a verified re-probe only
-        parks its measurements in ``pending`` until :meth:`upgraded` (proto_spec 07 §7 step 2).
-        """
-        self.tries = max(self.tries, attempt)
-        if found is None:
-            if self.path != PathKind.DIRECT:
-                self.path = PathKind.RELAYED
-            self.reason = reason
-        elif attempt == 0:
-            self.path, self.reason = PathKind.DIRECT, ""
-            self.verify_s, self.rtt_ms, self.remote = found["verify_s"], found["rtt_ms"], found["remote"]
-            log.info("ring edge %s -> %s is direct via %s (verified in %.3f s)", self.src, self.dst, self.remote,
-                     self.verify_s)
-        else:
-            self.pending = found
-
-    def relayed(self, reason: str) -> None:
-        """The edge uses (or stays on) the relayed circuit, for ``reason``."""
-        self.path, self.reason, self.pending = PathKind.RELAYED, reason, None
-
-    def upgraded(self, link=None) -> None:
-        """The ring now uses the re-probed direct path (``link`` on the sender; proto_spec 07 §7 step 3)."""
-        found, self.pending = self.pending or {}, None
-        self.verify_s, self.rtt_ms, self.remote = found.get("verify_s"), found.get("rtt_ms"), found.get("remote")
-        self.path, self.reason, self.upgraded_at = PathKind.DIRECT, "", time.time()
-        self.link = link
-        log.info("ring edge %s -> %s upgraded from relayed to direct via %s (re-probe %d)", self.src, self.dst,
-                 self.remote, self.tries)
-
-    def to_json(self) -> dict:
-        out = {"from": self.src, "to": self.dst, "path": str(self.path), "predicted_path": str(self.predicted),
-               "rtt_ms": self.rtt_ms, "verify_s": self.verify_s, "tries": self.tries}
-        if self.remote:
-            out["remote"] = self.remote
-        if self.reason:
-            out["reason"] = self.reason
-        if self.upgraded_at is not None:
-            out["upgraded_at"] = self.upgraded_at
-            out["upgraded_from"] = "relayed"
-        if self.links:  # frame bytes this end sent on the edge, over every path it used, now
-            out["link_bytes_sent"] = sum(int(getattr(lk, "bytes_sent", 0) or 0) for lk in self.links)
-        return out
-
-
-class OfferInbox:
-    """Candidate offers received over rendezvous signals (proto_spec 07 §2), matched by (edge, try) and sender."""
-
-    def __init__(self, capacity: int = INBOX_OFFERS):
-        self.capacity = capacity
-        self.offers: dict[tuple[str, int], dict] = {}
-        self._changed = trio.Event()
-
-    def store(self, from_peer: str, body, now: float) -> bool:
-        """Keep a well-formed offer, stamped with ``from`` and ``received_at`` = ``now``; False if it was dropped."""
-        if not isinstance(body, dict) or body.get("t") != "ice_offer":
-            return False
-        edge, attempt = body.get("edge"), body.get("try", 0)
-        if not isinstance(edge, str) or not isinstance(attempt, int) or isinstance(attempt, bool):
-            return False
-        if not (isinstance(body.get("ufrag"), str) and isinstance(body.get("pwd"), str)):
-            return False
-        self.offers[(edge, attempt)] = {**body, "from": from_peer, "received_at": now}
-        while len(self.offers) > self.capacity:
-            self.offers.pop(next(iter(self.offers)))
-        self._changed.set()
-        self._changed = trio.Event()
-        return True
-
-    async def wait(self, edge: str, attempt: int, peer: str, timeout_s: float) -> Optional[dict]:
-        """The offer of ``peer`` for (``edge``, ``attempt``), taken out of the inbox; None after ``timeout_s``."""
-        with trio.move_on_after(timeout_s):
-            while True:
-                offer = self.offers.pop((edge, attempt), None)
-                if offer is not None and offer["from"] == peer:
-                    return offer
-                await self._changed.wait()
-        return None
-
-    async def newest_reprobe(self, edge: str, peer: str) -> int:
-        """Wait for a re-probe offer (``try`` >= 1) of ``peer`` on ``edge``; its attempt number.
-
-        Older re-probe offers are dropped, and so is any held longer than :data:`OFFER_TIMEOUT_S`
-        (its sender stopped waiting for our answer; answering it would desynchronise the ends).
-        """
-        while True:
-            changed = self._changed
-            stale = trio.current_time() - OFFER_TIMEOUT_S
-            for key in [k for k, o in self.offers.items() if k[0] == edge and k[1] >= 1 and o["received_at"] < stale]:
-                self.offers.pop(key, None)
-            tries = [k for (e, k), o in self.offers.items() if e == edge and k >= 1 and o["from"] == peer]
-            if tries:
-                newest = max(tries)
-                for k in tries:
-                    if k != newest:
-                        self.offers.pop((edge, k), None)
-                return newest
-            with trio.move_on_after(OFFER_TIMEOUT_S):
-                await changed.wait()
-
-
 class PathManager:
     """Direct-path machinery of one daemon in one session (make it with :func:`open_session_paths`).
 
@@ -257,6 +118,12 @@ class PathManager:
     Attributes:
         edges: every EdgeRecord this daemon is an end of, by edge id (proto_spec 07 §2).
         report: the NAT classification (a NatReport) once :meth:`classify` ran.
+        nat_class: "O" | "C" | "S" | "unknown" once classified; None without STUN servers.
+        nat_reason: why ``nat_class`` is "unknown" (a sentence), else "".
+        events: the last EVENTS_KEPT path events as dicts {"event", "ts", ...} (classifications,
+            fallbacks, failed re-probes; proto_spec 07 §6).
+        on_event: called as ``on_event(kind, fields)`` for each event, e.g. to write the session
+            trace (the session driver sets it; errors in it are logged, never raised).
     """
 
     def __init__(self, endpoint: UdpEndpoint, rdv, nursery, inbox: Optional[OfferInbox] = None, *,
@@ -270,7 +137,13 @@ class PathManager:
         self._session_id = session_id
         self.report = None
         self.nat_class: Optional[str] = None
+        self.nat_reason = ""
         self.rendezvous_rtt_ms: Optional[float] = None
+        self.classifications = 0
+        self.events: collections.deque = collections.deque(maxlen=EVENTS_KEPT)
+        self.on_event: Optional[Callable[[str, dict], object]] = None
+        self._retrying_class = False
+        self._stun_contacts: dict[tuple, float] = {}  # STUN address -> when a classification last sent to it
         self.edges: dict[str, EdgeRecord] = {}
         self.ring_edges: list = []  # the RingEdges of the ring formed last (kafilad/node/edge.py form_ring)
         self.inbox = inbox if inbox is not None else OfferInbox()
@@ -300,50 +173,165 @@ class PathManager:
         if self._scope is not None:
             self._scope.cancel()
 
-    # ---- classification ------------------------------------------------------------------------
-    async def classify(self) -> dict:
-        """Classify our NAT on the endpoint's socket; {"nat_class", "rendezvous_rtt_ms"} (None if unknown)."""
-        servers = [parse_host_port(s) if isinstance(s, str) else tuple(s)
-                   for s in getattr(self.rdv, "stun_servers", None) or []]
-        if servers:
+    # ---- events --------------------------------------------------------------------------------
+    def event(self, kind: str, **fields) -> None:
+        """Note a path event (proto_spec 07 §6): kept in ``events`` and handed to ``on_event``."""
+        self.events.append({"event": kind, "ts": time.time(), **fields})
+        if self.on_event is not None:
             try:
-                self.report = await classify_nat(self.endpoint.stun_socket(), servers, timeout_s=CLASSIFY_TIMEOUT_S)
-                self.nat_class = self.report.nat_class
-                self.rendezvous_rtt_ms = self.report.rtt_ms
-            except Exception as e:  # classification is advice: a failure must not stop the session
-                log.warning("NAT classification failed: %s", e)
-        return {"nat_class": self.nat_class, "rendezvous_rtt_ms": self.rendezvous_rtt_ms}
+                self.on_event(kind, dict(fields))
+            except Exception:  # noqa: BLE001 - a trace writer's failure must not stop a path
+                log.exception("paths: the event hook failed on %s", kind)
+
+    # ---- classification ------------------------------------------------------------------------
+    def _stun_servers(self) -> list:
+        return [parse_host_port(s) if isinstance(s, str) else tuple(s)
+                for s in getattr(self.rdv, "stun_servers", None) or []]
+
+    async def classify(self) -> dict:
+        """Classify our NAT on the endpoint's socket (proto_spec 04 §4.4); the capability fields.
+
+        An "unknown" class (no STUN answer, a mapping test unanswered, a failure) is logged with
+        its reason, noted as a ``nat_class`` event, and classified again in the background with
+        backoff (:data:`CLASSIFY_RETRY_S` doubling to :data:`CLASSIFY_RETRY_MAX_S`) until a class
+        is measured or the session ends; later offers carry the new class (proto_spec 07 §1).
+
+        Returns:
+            {"nat_class", "rendezvous_rtt_ms"} (None values without STUN servers), plus
+            "nat_reason" when the class is "unknown".
+        """
+        if self._stun_servers():
+            await self._classify_once()
+            if self.nat_class == UNKNOWN_CLASS and not self._retrying_class and not self.closed:
+                self._retrying_class = True
+                self.nursery.start_soon(self._classify_again)
+        return self._capability_fields()
+
+    async def _classify_once(self) -> None:
+        self.classifications += 1
+        report, reason = None, ""
+        now = trio.current_time()
+        contacted = [a for a, at in self._stun_contacts.items() if now - at < STUN_CONTACT_MEMORY_S]
+        try:
+            report = await classify_nat(self.endpoint.stun_socket(), self._stun_servers(),
+                                        timeout_s=CLASSIFY_TIMEOUT_S, contacted=contacted)
+        except Exception as e:  # noqa: BLE001 - classification is advice: a failure must not stop the session
+            reason = f"the NAT classification failed: {e}"
+        if report is not None:
+            for a in report.probed:
+                self._stun_contacts[tuple(a)] = trio.current_time()
+        previous = self.nat_class
+        if report is not None:
+            self.report = report
+            self.nat_class, reason = report.nat_class, report.reason
+            if report.rtt_ms is not None:
+                self.rendezvous_rtt_ms = report.rtt_ms
+        else:
+            self.nat_class = UNKNOWN_CLASS
+        self.nat_reason = reason if self.nat_class == UNKNOWN_CLASS else ""
+        fields = {"nat_class": self.nat_class, "attempt": self.classifications}
+        if report is not None:
+            fields.update(probes=report.probes, discovery=report.discovery, mapping=report.mapping,
+                          filtering=report.filtering)
+        if self.nat_reason:
+            fields["reason"] = self.nat_reason
+            log.warning("NAT class unknown (classification %d): %s", self.classifications, self.nat_reason)
+        elif previous == UNKNOWN_CLASS:
+            log.info("NAT classified as %s on retry %d", self.nat_class, self.classifications - 1)
+        self.event("nat_class", **fields)
+
+    async def _classify_again(self) -> None:
+        """Retry an "unknown" classification with backoff until a class is measured."""
+        delay_s = CLASSIFY_RETRY_S
+        try:
+            while self.nat_class == UNKNOWN_CLASS and not self.closed:
+                await trio.sleep(delay_s)
+                delay_s = min(delay_s * 2, CLASSIFY_RETRY_MAX_S)
+                await self._classify_once()
+        finally:
+            self._retrying_class = False
+
+    def _capability_fields(self) -> dict:
+        out = {"nat_class": self.nat_class, "rendezvous_rtt_ms": self.rendezvous_rtt_ms}
+        if self.nat_reason:
+            out["nat_reason"] = self.nat_reason
+        return out
 
     async def capability(self) -> dict:
-        """{"nat_class", "rendezvous_rtt_ms"} for the capability frame (DESIGN §3 step 3); classifies once."""
-        if self.report is None:
+        """The capability frame's NAT fields (DESIGN §3 step 3; see :meth:`classify`); classifies once."""
+        if self.classifications == 0:
             return await self.classify()
-        return {"nat_class": self.nat_class, "rendezvous_rtt_ms": self.rendezvous_rtt_ms}
+        return self._capability_fields()
 
     async def candidates(self) -> list[str]:
-        """Our candidates as SDP strings: host (toward the rendezvous) then server-reflexive (proto_spec 07 §2)."""
+        """Our candidates as SDP strings (proto_spec 07 §2), best first, at most 1 + MAX_HOST_CANDIDATES + 1:
+
+        host candidates: the source address the kernel picks toward the rendezvous, then this
+        socket's other interface addresses (RFC 8445 §5.1.1.1: no loopback or link-local, bounded;
+        two members on one LAN or behind one NAT reach each other there), all with the socket's
+        port; then the server-reflexive (STUN-mapped) address when it differs.
+        """
         port = self.endpoint.local_address[1]
-        out = []
-        host = urlparse(getattr(self.rdv, "url", "") or "").hostname
-        if host:
-            try:
-                target = (str(ipaddress.ip_address(host)), 9)
-            except ValueError:
-                target = None
-                try:
-                    infos = await trio.socket.getaddrinfo(host, 9, family=trio.socket.AF_INET)
-                    target = (infos[0][4][0], 9)
-                except OSError:
-                    pass
-            if target is not None:
-                local = await local_address_toward(self.endpoint.sock, target)
-                if local is not None:
-                    out.append(ice.make_candidate("host", (local[0], port)))
+        hosts: list[str] = []
+        target = await self._rendezvous_target()
+        if target is not None:
+            local = await local_address_toward(self.endpoint.sock, target)
+            if local is not None:
+                hosts.append(local[0])
+        for ip, _prefix in self._interfaces():
+            if ip not in hosts and len(hosts) < 1 + MAX_HOST_CANDIDATES:
+                hosts.append(ip)
+        out = [ice.make_candidate("host", (ip, port)) for ip in hosts]
         if self.report is not None and self.report.mapped_address is not None:
             mapped = tuple(self.report.mapped_address)
-            if not out or (out[0].host, out[0].port) != mapped:
+            if all((c.host, c.port) != mapped for c in out):
                 out.append(ice.make_candidate("srflx", mapped))
         return ice.candidates_to_sdp(out)
+
+    def _interfaces(self) -> list[tuple[str, int]]:
+        try:
+            return list(self.endpoint.interfaces())
+        except (OSError, ValueError) as e:
+            log.warning("paths: no interface addresses: %s", e)
+            return []
+
+    async def _rendezvous_target(self) -> Optional[tuple[str, int]]:
+        host = urlparse(getattr(self.rdv, "url", "") or "").hostname
+        if not host:
+            return None
+        try:
+            return (str(ipaddress.ip_address(host)), 9)
+        except ValueError:
+            pass
+        try:
+            infos = await trio.socket.getaddrinfo(host, 9, family=trio.socket.AF_INET)
+            return (infos[0][4][0], 9)
+        except OSError:
+            return None
+
+    def shares_network(self, their_candidates: list) -> bool:
+        """True when the peer is behind our own NAT or on one of our networks (proto_spec 07 §2):
+        its server-reflexive address has our mapped IP, or a host candidate of its lies in the
+        network of one of our interfaces. Checks then run even if the classes predict relay."""
+        mapped = self.report.mapped_address if self.report is not None else None
+        nets = []
+        for ip, prefix in self._interfaces():
+            try:
+                nets.append(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
+            except ValueError:
+                continue
+        mine = {ip for ip, _ in self._interfaces()}
+        for c in their_candidates:
+            if c.type == "srflx" and mapped is not None and c.host == mapped[0]:
+                return True
+            if c.type == "host" and c.host not in mine:
+                try:
+                    a = ipaddress.ip_address(c.host)
+                except ValueError:
+                    continue
+                if any(a in n for n in nets if n.prefixlen < n.max_prefixlen):
+                    return True
+        return False
 
     # ---- signals -------------------------------------------------------------------------------
     def on_signal(self, from_peer: str, body) -> None:
@@ -410,6 +398,8 @@ class PathManager:
         creds = ice.new_credentials()
         offer = {"t": "ice_offer", "edge": edge, "try": attempt, "ufrag": creds.ufrag, "pwd": creds.pwd,
                  "cands": await self.candidates(), "nat_class": self.nat_class}
+        if self.nat_reason:
+            offer["nat_reason"] = self.nat_reason
         t0 = trio.current_time()
         try:
             await self.rdv.send_signal(peer_id, offer)
@@ -418,12 +408,17 @@ class PathManager:
         theirs = await self.inbox.wait(edge, attempt, peer_id, OFFER_TIMEOUT_S)
         if theirs is None:
             return None, {"reason": f"no candidate offer from {peer_name} within {OFFER_TIMEOUT_S:g} s"}
-        their_class = theirs.get("nat_class") if theirs.get("nat_class") in ("O", "C", "S") else None
+        their_class = theirs.get("nat_class") if theirs.get("nat_class") in CLASSES else None
+        their_cands = ice.candidates_from_sdp(theirs.get("cands"))
+        self._note_classes(rec, their_class, theirs.get("nat_reason"), peer_name)
         rec.predicted = PathKind(predict_path(self.nat_class, their_class))
+        rec.same_network = self.shares_network(their_cands)
+        if rec.predicted == PathKind.RELAYED and rec.same_network:
+            rec.predicted = PathKind.DIRECT  # one NAT or one LAN: the host candidates connect (§2)
         if rec.predicted == PathKind.RELAYED and attempt == 0:
             return None, {"reason": f"predicted relay ({self.nat_class}-{their_class})"}
         agent = ice.IceAgent(controlling=sender, local=creds, remote=ice.Credentials(theirs["ufrag"], theirs["pwd"]),
-                             remote_candidates=ice.candidates_from_sdp(theirs.get("cands")),
+                             remote_candidates=their_cands,
                              now=trio.current_time(), tie_breaker=int.from_bytes(os.urandom(8), "big"))
         result = await self._run_checks(agent, rec, deaf=attempt < dropped_check_attempts())
         if not isinstance(result, ice.PathVerified):
@@ -442,6 +437,17 @@ class PathManager:
             t.close_now()
             return None, {"reason": "the session ended"}
         return t, found
+
+    def _note_classes(self, rec: EdgeRecord, their_class: Optional[str], their_reason, peer_name: str) -> None:
+        """Record both ends' NAT classes on the edge, with the reasons of unknown ones (proto_spec 07 §6)."""
+        me = rec.src if rec.dst == peer_name else rec.dst
+        rec.classes = {me: self.nat_class, peer_name: their_class}
+        rec.class_reasons = {}
+        if self.nat_class is not None and not class_known(self.nat_class):
+            rec.class_reasons[me] = self.nat_reason or "the NAT classification did not finish"
+        if their_class is not None and not class_known(their_class):
+            rec.class_reasons[peer_name] = their_reason if isinstance(their_reason, str) and their_reason else \
+                "the NAT classification did not finish"
 
     async def _run_checks(self, agent: ice.IceAgent, rec: EdgeRecord, *, deaf: bool = False):
         """Drive ``agent`` until it selects a pair or fails; it keeps running in the nursery afterwards

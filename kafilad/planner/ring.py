@@ -9,9 +9,14 @@ Path prediction (table lookup, zero packets; classes measured in the NAT lab):
   S   direct   relayed  relayed
 ```
 
-A pair with an unknown class (None) is *guessed* direct: the chosen edges are verified by hole
-punching anyway (DESIGN §3 step 5) and a failed direct edge falls back to relay, so guessing
-direct only costs a fallback, while guessing relay could split a ring needlessly.
+A pair with an unknown class is *verified, then decided*: DESIGN §3 step 5 verifies every chosen
+edge by hole punching, keeps a verified edge direct and relays a failed one, and only a
+*prediction* of relay lets an edge skip its checks. An unknown class (None: not classified, no
+STUN server; "unknown": classified, but the mapping was not measured, proto_spec 04 §4.6) gives no
+prediction, so such an edge is never predicted relayed: ``predict_path`` returns "direct" (the
+edge's checks run at formation) and ordering counts it as not relayed. A wrong guess costs one
+check timeout and a fallback at formation, while guessing relay could split a ring needlessly and
+skip a path that works. Status says which classes were unknown and why (kafilad/node/paths.py).
 
 Edge RTT estimates from the members' rendezvous RTTs rA, rB (ms): a direct edge ≈ |rA − rB|
 (a lower bound), a relayed one = rA + rB. Unknown when either RTT is unknown.
@@ -38,17 +43,25 @@ from kafilad.planner.records import Device
 
 EXACT_MAX_DEVICES = 8
 _RELAY = {("C", "S"), ("S", "C"), ("S", "S")}
+#: Classes that make a prediction (DESIGN §3 step 4); anything else (None, "unknown") does not.
+KNOWN_CLASSES = ("O", "C", "S")
+
+
+def class_known(nat_class: Optional[str]) -> bool:
+    """True for a measured class "O", "C" or "S" (any case); False for None, "unknown" or junk."""
+    return isinstance(nat_class, str) and nat_class.upper() in KNOWN_CLASSES
 
 
 def predict_path(a_class: Optional[str], b_class: Optional[str]) -> str:
     """Predicted path between two NAT classes (DESIGN §3 step 4).
 
     Args:
-        a_class, b_class: "O", "C", "S" or None (unknown).
+        a_class, b_class: "O", "C", "S", "unknown" or None (not classified).
     Returns:
-        "relayed" for C–S and S–S, else "direct" (including any unknown class: a guess).
+        "relayed" for C–S and S–S, else "direct". A pair with a class that is not known is
+        "direct": verified by its checks at formation, then decided (module docstring).
     """
-    if a_class is None or b_class is None:
+    if not (class_known(a_class) and class_known(b_class)):
         return "direct"
     return "relayed" if (a_class.upper(), b_class.upper()) in _RELAY else "direct"
 

@@ -35,8 +35,9 @@ import attrs
 
 from kafilad.errors import RemoteProtocolError
 
-#: NAT classes a capability may report (DESIGN §3 step 3; None = not classified).
-NAT_CLASSES = (None, "O", "C", "S")
+#: NAT classes a capability may report (DESIGN §3 step 3; None = not classified; "unknown" =
+#: classification ran but the mapping was not measured, proto_spec 04 §4.6).
+NAT_CLASSES = (None, "O", "C", "S", "unknown")
 #: Largest byte range one `fetch` may ask for (proto_spec 05 §2).
 FETCH_MAX_BYTES = 4 * 1024 * 1024
 

@@ -1,5 +1,5 @@
 """Sans-IO NAT behaviour discovery: RFC 5780 mapping (§4.3) and filtering (§4.4) tests, giving the
-member's NAT class O, C or S (DESIGN §3 steps 3-4; proto_spec §4.4-§4.6).
+member's NAT class O, C, S or "unknown" (DESIGN §3 steps 3-4; proto_spec §4.4-§4.6).
 
 Probe sequence against a rendezvous STUN server P = (IP1, port1) whose OTHER-ADDRESS is
 A = (IP2, port2) (proto_spec §4.4)::
@@ -30,7 +30,13 @@ Degraded servers (proto_spec §4.5):
 - no OTHER-ADDRESS: Mapping II goes to the second server in the list if any (different mapping =>
   reported "address-dependent", meaning at least that); filtering is "unknown" and an EIM NAT is
   then classed C, the conservative choice (a C prediction never promises a path O would get).
-- no answer at all: mapping and filtering "unknown", class S (relay is the only safe prediction).
+  With one such server only, the mapping cannot be tested: class "unknown".
+
+Honest classes (proto_spec §4.6): whenever the mapping could not be measured (no answer at all,
+a mapping test unanswered, a server that cannot test it, the run cut short) the class is
+"unknown", never a guessed S, and ``NatReport.reason`` says why in a sentence. The session then
+verifies such edges by checks (DESIGN §3 step 5) and retries the classification with backoff
+(kafilad/node/paths.py).
 """
 
 from __future__ import annotations
@@ -50,19 +56,27 @@ ADM = ADF = "address-dependent"
 APDM = APDF = "address-and-port-dependent"
 UNKNOWN = "unknown"
 
+#: The class of a NAT whose mapping behaviour was not measured (proto_spec §4.6).
+UNKNOWN_CLASS = "unknown"
+#: Every class a report may give.
+CLASSES = ("O", "C", "S", UNKNOWN_CLASS)
+
 #: (mapping, filtering) -> class (DESIGN §3 step 4; proto_spec §4.6). Unknown filtering with EIM
-#: is C and unknown mapping is S: the conservative prediction.
+#: is C (the conservative reading of a measured mapping); an unknown mapping is "unknown".
 CLASS_TABLE: dict[tuple[str, str], str] = {
     (EIM, EIF): "O", (EIM, ADF): "O", (EIM, APDF): "C", (EIM, UNKNOWN): "C",
-    **{(m, f): "S" for m in (ADM, APDM, UNKNOWN) for f in (EIF, ADF, APDF, UNKNOWN)},
+    **{(m, f): "S" for m in (ADM, APDM) for f in (EIF, ADF, APDF, UNKNOWN)},
+    **{(UNKNOWN, f): UNKNOWN_CLASS for f in (EIF, ADF, APDF, UNKNOWN)},
 }
 
+#: The likely cause of no answer at all, added to the reason.
+BLOCKED_HINT = "UDP to the rendezvous's STUN ports may be blocked"
 #: Largest number of sends of one transaction (RFC 8489 §6.2.1 Rc).
 MAX_SENDS = 7
 
 
 def nat_class(mapping: str, filtering: str) -> str:
-    """Class "O", "C" or "S" of a (mapping, filtering) behaviour pair (DESIGN §3 step 4)."""
+    """Class "O", "C", "S" or "unknown" of a (mapping, filtering) behaviour pair (DESIGN §3 step 4)."""
     return CLASS_TABLE[(mapping, filtering)]
 
 
@@ -74,12 +88,14 @@ class NatReport:
         mapping: "endpoint-independent" | "address-dependent" | "address-and-port-dependent" | "unknown".
         filtering: same vocabulary.
         mapped_address: (ip, port) the first server saw us as, or None if it never answered.
-        nat_class: "O" | "C" | "S".
+        nat_class: "O" | "C" | "S" | "unknown" (the mapping was not measured).
         probes: STUN transactions started (retransmissions not counted).
         rtt_ms: round trip to the first answering server from an unretransmitted Test I, or None.
         behind_nat: False when the mapped address equals the local address; None if unknown.
         discovery: "rfc5780" (2 IPs x 2 ports), "ports-only" (1 IP x 2 ports), "two-servers",
             "single" (one address, no OTHER-ADDRESS) or "failed" (no answer).
+        reason: why the class is "unknown", a sentence ("" otherwise).
+        probed: the server addresses the run sent to (pass them as ``contacted`` to a rerun).
     """
 
     mapping: str
@@ -90,6 +106,8 @@ class NatReport:
     rtt_ms: float | None = None
     behind_nat: bool | None = None
     discovery: str = "rfc5780"
+    reason: str = ""
+    probed: tuple = ()
 
 
 @dataclass
@@ -134,6 +152,8 @@ class NatClassifier:
         max_wait_s: cap on one transaction's lifetime, seconds.
         max_probes: most transactions started (the issue's bound is 6).
         new_transaction_id: source of 12-byte transaction ids (RFC 8489 §5).
+        contacted: server addresses this socket sent to recently (an earlier run, within the
+            NAT's UDP timeout): their answers to the filtering tests prove nothing (proto_spec §4.4).
     """
 
     servers: Sequence[Address]
@@ -143,9 +163,11 @@ class NatClassifier:
     max_wait_s: float = 1.5
     max_probes: int = 6
     new_transaction_id: Callable[[], bytes] = field(default=lambda: os.urandom(12))
+    contacted: Sequence[Address] = ()
 
     def __post_init__(self) -> None:
         self.servers = [_addr(s) for s in self.servers]
+        self.contacted = {_addr(a) for a in self.contacted}
         if not self.servers:
             raise LocalProtocolError("NAT discovery needs at least one STUN server address.")
         self.local_address = _addr(self.local_address) if self.local_address else None
@@ -219,10 +241,16 @@ class NatClassifier:
         t.done, t.response, t.origin, t.answered_at = True, message, origin, now
         self._advance(now)
 
-    def abort(self) -> None:
-        """Stop now and report what is known; an undecided mapping is "unknown" (class S)."""
+    def abort(self, reason: str = "the classification was cut short") -> None:
+        """Stop now and report what is known; an undecided mapping is "unknown" (class "unknown").
+
+        Args:
+            reason: why it stopped (a sentence for ``NatReport.reason``), e.g. the driver's timeout.
+        """
         if self.report is None:
-            self._finish(UNKNOWN, self._filtering, self._mode if self._mapped else "failed")
+            if self._mapped is None:
+                reason = f"{self._unanswered('test1')}; {reason} ({BLOCKED_HINT})"
+            self._finish(UNKNOWN, self._filtering, self._mode if self._mapped else "failed", reason=reason)
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -241,6 +269,19 @@ class NatClassifier:
         self._by_name[name] = t
         self._probes += 1
         self._outbox.append((data, dest))
+
+    def _unanswered(self, name: str) -> str:
+        """A sentence on transaction ``name``'s failure, for ``NatReport.reason``."""
+        what = {"test1": "Test I", "map2": "Mapping II", "map3": "Mapping III"}.get(name, name)
+        tried = [t for t in self._txns.values() if t.name == name]
+        if not tried:
+            return f"{what} was never sent"
+        dests = ", ".join(dict.fromkeys(f"{t.dest[0]}:{t.dest[1]}" for t in tried))
+        sends = sum(t.sends for t in tried)
+        errors = [t for t in tried if t.response is not None and not t.ok]
+        if errors:
+            return f"{what} to {dests} got an error answer"
+        return f"no STUN answer to {what} from {dests} ({sends} sends)"
 
     def _pending(self, *names: str) -> bool:
         return any(n in self._by_name and not self._by_name[n].done for n in names)
@@ -270,7 +311,7 @@ class NatClassifier:
                 del self._by_name["test1"]
                 self._start("test1", self.servers[self._server_index], None, now)
                 return
-            self._finish(UNKNOWN, UNKNOWN, "failed")
+            self._finish(UNKNOWN, UNKNOWN, "failed", reason=f"{self._unanswered('test1')} ({BLOCKED_HINT})")
             return
         if t.sends == 1 and t.answered_at is not None:
             self._rtt_s = t.answered_at - t.started_at
@@ -296,19 +337,26 @@ class NatClassifier:
             return
         primary = self._by_name["test1"].dest
         fip, fport = self._by_name.get("filter_ip_port"), self._by_name.get("filter_port")
+        # An address we sent to before the filtering tests (a failed-over Test I, an earlier run)
+        # may have opened the NAT's filter for itself: an answer from it proves nothing.
+        opened = self.contacted | {t.dest for t in self._txns.values() if t.name == "test1"}
         if self._mode == "rfc5780":
             alt_both = self._other
             alt_port = (primary[0], self._other[1])
-            if fip is not None and fip.ok and fip.origin == alt_both:
+            both_ok, port_ok = alt_both not in opened, alt_port not in opened
+            if both_ok and fip is not None and fip.ok and fip.origin == alt_both:
                 self._filtering = EIF
-            elif fport is not None and fport.ok and fport.origin == alt_port:
-                self._filtering = ADF
-            elif (fip is None or fip.response is None) and (fport is None or fport.response is None):
-                self._filtering = APDF
-            else:  # errors or answers from the wrong place: the server did not honour CHANGE-REQUEST
+            elif port_ok and fport is not None and fport.ok and fport.origin == alt_port:
+                self._filtering = ADF  # "at most" that when alt_both was opened before
+            elif port_ok and fport is not None and fport.response is None and (
+                    not both_ok or fip is None or fip.response is None):
+                self._filtering = APDF  # a changed port alone is filtered
+            else:  # errors, answers from the wrong place (CHANGE-REQUEST ignored), or opened filters
                 self._filtering = UNKNOWN
         elif self._mode == "ports-only":
-            if fport is not None and fport.ok and fport.origin == self._other:
+            if self._other in opened:
+                self._filtering = UNKNOWN
+            elif fport is not None and fport.ok and fport.origin == self._other:
                 self._filtering = ADF  # at most address-dependent: cannot test a changed IP
             elif fport is not None and fport.response is None:
                 self._filtering = APDF
@@ -323,7 +371,9 @@ class NatClassifier:
         elif self._mode == "two-servers":
             self._start("map2", self.servers[self._server_index + 1], None, now)
         else:
-            self._finish(UNKNOWN, self._filtering, self._mode)
+            self._finish(UNKNOWN, self._filtering, self._mode,
+                         reason=f"the STUN server {primary[0]}:{primary[1]} gave no OTHER-ADDRESS and no second server "
+                                f"is configured, so the mapping cannot be tested")
             return
         self._phase = "map2"
 
@@ -333,7 +383,7 @@ class NatClassifier:
             return
         m2 = self._mapped_of(t)
         if m2 is None:
-            self._finish(UNKNOWN, self._filtering, self._mode)
+            self._finish(UNKNOWN, self._filtering, self._mode, reason=self._unanswered("map2"))
         elif m2 == self._mapped:
             self._finish(EIM, self._filtering, self._mode)
         elif self._mode == "ports-only":
@@ -350,11 +400,12 @@ class NatClassifier:
             return
         m3 = self._mapped_of(t)
         if m3 is None:
-            self._finish(UNKNOWN, self._filtering, self._mode)
+            self._finish(UNKNOWN, self._filtering, self._mode, reason=self._unanswered("map3"))
         else:
             self._finish(ADM if m3 == self._mapped_of(self._by_name["map2"]) else APDM, self._filtering, self._mode)
 
-    def _finish(self, mapping: str, filtering: str, discovery: str, cls: str | None = None) -> None:
+    def _finish(self, mapping: str, filtering: str, discovery: str, cls: str | None = None, *,
+                reason: str = "") -> None:
         for t in self._txns.values():
             t.done = True
         behind = None
@@ -364,5 +415,6 @@ class NatClassifier:
             mapping=mapping, filtering=filtering, mapped_address=self._mapped,
             nat_class=cls or nat_class(mapping, filtering), probes=self._probes,
             rtt_ms=None if self._rtt_s is None else self._rtt_s * 1000.0,
-            behind_nat=behind, discovery=discovery)
+            behind_nat=behind, discovery=discovery, reason=reason,
+            probed=tuple(dict.fromkeys(t.dest for t in self._txns.values())))
         self._phase = "done"

@@ -160,9 +160,12 @@ def test_single_address_servers_use_the_second_server_for_mapping(mapping, expec
     assert report.nat_class == ("C" if mapping == EIM else "S")
 
 
-def test_single_server_single_address_gives_unknown_mapping_and_class_s():
+def test_single_server_single_address_gives_an_unknown_class_and_says_why():
     report, _, _ = run(FakeNat(EIM, EIF), [(IP1, P1)], [(IP1, P1)])
-    assert (report.mapping, report.filtering, report.nat_class, report.discovery) == (UNKNOWN, UNKNOWN, "S", "single")
+    assert (report.mapping, report.filtering, report.nat_class, report.discovery) == (
+        UNKNOWN, UNKNOWN, "unknown", "single")
+    assert report.reason == ("the STUN server 192.0.2.10:3478 gave no OTHER-ADDRESS and no second server is "
+                             "configured, so the mapping cannot be tested")
     assert report.probes == 1
 
 
@@ -171,7 +174,10 @@ def test_silent_server_fails_over_to_the_next_and_then_gives_up():
     assert report.discovery == "rfc5780" and report.nat_class == "C"
     assert report.probes == 5  # 1 lost + 4
     report, elapsed_s, sent = run(FakeNat(EIM, APDF), [("192.0.2.99", P1)], None)
-    assert (report.mapping, report.nat_class, report.discovery, report.mapped_address) == (UNKNOWN, "S", "failed", None)
+    assert (report.mapping, report.nat_class, report.discovery, report.mapped_address) == (
+        UNKNOWN, "unknown", "failed", None)
+    assert report.reason == ("no STUN answer to Test I from 192.0.2.99:3478 (3 sends) (UDP to the rendezvous's "
+                             "STUN ports may be blocked)")
     assert report.probes == 1
     # RFC 8489 §6.2.1 schedule 0, 0.5, 1.5 (then 3.5 > cap): three sends, then Test I's 3 s cap.
     assert sent == 3 and elapsed_s == pytest.approx(3.0)
@@ -196,18 +202,61 @@ RANK = {"O": 0, "C": 1, "S": 2}
 
 
 @pytest.mark.parametrize("mapping, filtering", [(EIM, EIF), (EIM, ADF), (EIM, APDF), (APDM, APDF)])
-def test_lossy_network_errs_only_towards_relay_and_mostly_gets_it_right(mapping, filtering):
+def test_lossy_network_errs_only_towards_relay_or_unknown_and_mostly_gets_it_right(mapping, filtering):
     # 10% loss each way, 20 seeded runs. Retransmissions recover most losses; what they cannot
-    # recover may only make the prediction more conservative (O -> C -> S), never less.
+    # recover may only make the prediction more conservative (O -> C -> S), never less, or leave
+    # the class honestly "unknown" with a reason.
     expected = nat_class(mapping, filtering)
     exact = 0
     for seed in range(20):
         report, elapsed_s, _ = run(FakeNat(mapping, filtering), [(IP1, P1)], loss=0.1, seed=seed)
         assert report.probes <= 6
         assert elapsed_s <= 5 * 1.5 + 1e-9
-        assert RANK[report.nat_class] >= RANK[expected], (seed, report)
+        if report.nat_class == "unknown":
+            assert report.mapping == UNKNOWN and report.reason, (seed, report)
+        else:
+            assert RANK[report.nat_class] >= RANK[expected] and report.reason == "", (seed, report)
         exact += report.nat_class == expected
     assert exact >= 18
+
+
+def test_an_unanswered_mapping_test_makes_the_class_unknown_not_s():
+    # Test I and the filtering tests are answered, then every datagram to IP2 is lost (a firewall).
+    responder = StunResponder(FOUR)
+    machine = NatClassifier([(IP1, P1)], local_address=LOCAL)
+    nat = FakeNat(EIM, APDF)
+    now = 0.0
+    while not machine.done:
+        for data, dest in machine.datagrams_to_send(now):
+            public = nat.outbound(LOCAL, dest)
+            if dest[0] == IP2:
+                continue
+            reply, origin = responder.handle_datagram(data, dest, public)
+            if nat.inbound(origin, public) is not None:
+                machine.receive_datagram(reply, origin, now)
+        if machine.done:
+            break
+        now = machine.get_timer()
+        machine.handle_timer(now)
+    report = machine.report
+    assert (report.mapping, report.filtering, report.nat_class) == (UNKNOWN, APDF, "unknown")
+    assert report.mapped_address == (PUBLIC_IP, 40000)  # Test I still gave the server-reflexive address
+    assert report.reason.startswith("no STUN answer to Mapping II from 192.0.2.11:3478 ("), report.reason
+
+
+def test_abort_reports_unknown_with_the_drivers_reason():
+    machine = NatClassifier([(IP1, P1)], local_address=LOCAL)
+    machine.datagrams_to_send(0.0)
+    machine.abort("the classification did not finish within 6 s")
+    assert machine.report.nat_class == "unknown" and machine.report.discovery == "failed"
+    assert machine.report.reason == ("no STUN answer to Test I from 192.0.2.10:3478 (1 sends); the classification "
+                                     "did not finish within 6 s (UDP to the rendezvous's STUN ports may be blocked)")
+
+
+def test_the_capability_frame_accepts_the_unknown_class():
+    from kafilad.proto import control as cf
+    wire = {"t": "capability", "memory_bytes": 1 << 30, "nat_class": "unknown"}
+    assert cf.decode_control(wire).nat_class == "unknown"
 
 
 def test_ignores_unrelated_and_forged_datagrams():
@@ -248,5 +297,26 @@ def test_fuzz_mutated_answers_never_raise_and_the_machine_still_finishes(flips, 
         machine.datagrams_to_send(now)
         now = machine.get_timer()
         machine.handle_timer(now)
-    assert machine.report.nat_class in ("O", "C", "S")
+    assert machine.report.nat_class in ("O", "C", "S", "unknown")
+    assert (machine.report.nat_class == "unknown") == bool(machine.report.reason)
     assert machine.report.probes <= 6
+
+
+def test_a_filter_opened_by_an_earlier_run_is_not_read_as_open_filtering():
+    # An earlier run (or a failed-over Test I) sent to the alternate port: an APDF NAT now lets
+    # that address's answers in. Without knowing it, the classifier would report ADF (class O).
+    def polluted():
+        nat = FakeNat(EIM, APDF)
+        nat.outbound(LOCAL, (IP1, P2))
+        nat.outbound(LOCAL, (IP2, P2))
+        return nat
+    fooled, _, _ = run(polluted(), [(IP1, P1)])
+    assert (fooled.filtering, fooled.nat_class) == (EIF, "O")  # what a rerun without memory concludes
+    report, _, _ = run(polluted(), [(IP1, P1)], contacted=[(IP1, P2), (IP2, P2)])
+    assert (report.mapping, report.filtering, report.nat_class) == (EIM, UNKNOWN, "C")  # the conservative class
+    assert report.probed == ((IP1, P1), (IP2, P1))  # Test I and the filtering tests to P, Mapping II to IP2
+    # only the alternate *port* opened: the changed-address test stays valid
+    nat = FakeNat(EIM, APDF)
+    nat.outbound(LOCAL, (IP2, P2))
+    report, _, _ = run(nat, [(IP1, P1)], contacted=[(IP2, P2)])
+    assert (report.filtering, report.nat_class) == (APDF, "C")
