@@ -330,7 +330,8 @@ async def run_load(c: LoopbackCluster, port: int, *, clients: int, duration_s: f
         for i in range(n_hostile):
             nursery.start_soon(load.hostile, i)
     lat = sorted(load.normal_latency_s)
-    report.update(clients={"normal": n_normal, "slow": n_slow, "hostile": n_hostile}, wall_s=round(time.perf_counter() - t0, 1),
+    report.update(clients={"normal": n_normal, "slow": n_slow, "hostile": n_hostile},
+                  wall_s=round(time.perf_counter() - t0, 1),
                   outcomes={k: dict(v) for k, v in load.outcomes.items()}, failures=load.failures,
                   normal_tokens=load.normal_tokens,
                   normal_latency_s={"median": round(lat[len(lat) // 2], 2), "p95": round(lat[int(len(lat) * 0.95)], 2),

@@ -515,31 +515,32 @@ class HostSession:
                     except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
 
-            async with trio.open_nursery() as watchers:
-                if gone is not None:
-                    async def watch_client() -> None:
-                        await gone.wait()
-                        cancel("The client went away.")
-                    watchers.start_soon(watch_client)
-                try:
-                    if local:
-                        st = await ring.generate(req, prompt, max_tokens=max_tokens, temperature=temperature,
-                                                 on_event=lambda ev: emit(ev))
-                        result = result_of(st)
-                        if st.cancelled is not None and st.error != ring.broken:
-                            result.update(finish_reason="cancelled", cancel_reason=st.cancelled,
-                                          cancelled_at_tokens=st.cancelled_at_tokens)
-                        elif st.error:
-                            raise GenerationError(st.error)
-                    else:
-                        result = await self._generate_remote(head, req, prompt, max_tokens, temperature, emit)
-                        result.setdefault("prompt_tokens", n_prompt)
-                except trio.Cancelled:  # the caller was cancelled (e.g. the daemon stops): end the request too
-                    if local:
-                        cancel("The request's caller stopped waiting for it.")
-                    raise
-                finally:
-                    watchers.cancel_scope.cancel()
+            with collapse_groups():  # the request's own error, not a group (strict exception groups)
+                async with trio.open_nursery() as watchers:
+                    if gone is not None:
+                        async def watch_client() -> None:
+                            await gone.wait()
+                            cancel("The client went away.")
+                        watchers.start_soon(watch_client)
+                    try:
+                        if local:
+                            st = await ring.generate(req, prompt, max_tokens=max_tokens, temperature=temperature,
+                                                     on_event=lambda ev: emit(ev))
+                            result = result_of(st)
+                            if st.cancelled is not None and st.error != ring.broken:
+                                result.update(finish_reason="cancelled", cancel_reason=st.cancelled,
+                                              cancelled_at_tokens=st.cancelled_at_tokens)
+                            elif st.error:
+                                raise GenerationError(st.error)
+                        else:
+                            result = await self._generate_remote(head, req, prompt, max_tokens, temperature, emit)
+                            result.setdefault("prompt_tokens", n_prompt)
+                    except trio.Cancelled:  # the caller was cancelled (e.g. the daemon stops): end the request too
+                        if local:
+                            cancel("The request's caller stopped waiting for it.")
+                        raise
+                    finally:
+                        watchers.cancel_scope.cancel()
             n_tokens = len(result.get("token_ids", []))
             result["req"] = req
             result.setdefault("finish_reason", "length" if n_tokens >= max_tokens else "stop")

@@ -299,3 +299,34 @@ def test_a_client_that_leaves_while_queued_never_runs(host_head):
     gens = [r for r in c.call(0, "trace") if r["event"] == "generation"][seen:]
     assert len(gens) == 1 and gens[0]["completion_tokens"] == 300  # only the request that held the ring ran
     all_alive(c)
+
+
+# ---- a ring failure under a request ----------------------------------------------------------------
+def test_a_member_killed_under_an_http_request_is_answered_with_a_sentence(tmp_path_factory, synth_llama):
+    """The request's own error reaches the API (not an exception group, which the HTTP guard would
+    answer as an internal error), and the daemon serves on once it healed."""
+    c = formed(tmp_path_factory, synth_llama, HOST_HEAD)
+    try:
+        port = port_of(c)
+        victim = 2
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(r=post(port, {"prompt": "Once upon a time",
+                                                                     "max_tokens": LONG})))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not c.call(0, "status")["requests"]["running"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        c.daemons[victim].send_signal(signal.SIGKILL)
+        t.join(60)
+        status, _, body = out["r"]
+        message = body["error"]["message"]
+        assert status in (500, 503) and "internal error" not in message, (status, message)
+        assert status == 503 or "m2" in message, message
+        assert "internal error answering" not in (c.root / "m0.log").read_text()
+        c.call(0, "wait", states=["ready"], timeout_s=60)  # healed over the survivors
+        assert c.call(0, "status")["requests"]["running"] == 0
+        assert len(c.generate("Kafila serves", 8)["token_ids"]) == 8
+    finally:
+        c.stop()
