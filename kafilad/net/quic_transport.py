@@ -51,6 +51,9 @@ SAME_HOST_DATAGRAM_BYTES = 16000
 #: QUIC idle timeout; keepalive PINGs go out well before it (aioquic closes silently after it).
 IDLE_TIMEOUT_S = 60.0
 PING_INTERVAL_S = 15.0
+#: PING interval of a watched path (a ring edge, proto_spec 07 §7a): each acknowledged PING
+#: proves the path carries datagrams both ways, so silence is seen within a few seconds.
+LIVENESS_PING_S = 0.5
 #: Unacknowledged stream bytes a sender may queue before send_message waits (backpressure).
 SEND_WINDOW_BYTES = 4 * 1024 * 1024
 #: QUIC flow-control windows (aioquic's 1 MiB default stalls a fast sender between MAX_DATA updates).
@@ -127,6 +130,9 @@ class QuicTransport:
     Attributes:
         remote: the peer's (ip, port).
         bytes_sent, bytes_received: stream payload bytes (framing included).
+        ping_interval_s: PING cadence (PING_INTERVAL_S keepalives; LIVENESS_PING_S on a watched path).
+        last_ack_s: trio time the peer last acknowledged one of our PINGs (or the handshake
+            completed): :meth:`silent_for_s` measures from it.
     """
 
     def __init__(self, endpoint: UdpEndpoint, conn: QuicConnection, remote: Address):
@@ -147,6 +153,9 @@ class QuicTransport:
         self._writable = trio.Event()
         self._send_lock = trio.Lock()
         self._next_ping_s = 0.0
+        self._ping_uid = 0
+        self.ping_interval_s = PING_INTERVAL_S
+        self.last_ack_s: Optional[float] = None
         self._data_queued = False
         self._backlog: collections.deque[tuple[bytes, Address]] = collections.deque()
         self._sleep_scope: Optional[trio.CancelScope] = None
@@ -161,7 +170,10 @@ class QuicTransport:
     def _process_events(self) -> None:
         while (ev := self.conn.next_event()) is not None:
             if isinstance(ev, qe.HandshakeCompleted):
+                self.last_ack_s = trio.current_time()
                 self.connected.set()
+            elif isinstance(ev, qe.PingAcknowledged):
+                self.last_ack_s = trio.current_time()
             elif isinstance(ev, qe.ConnectionIdIssued):
                 self.endpoint.route_cid(ev.connection_id, self._on_datagram)
             elif isinstance(ev, qe.StreamDataReceived) and ev.stream_id == self.stream_id:
@@ -244,8 +256,9 @@ class QuicTransport:
                 now = trio.current_time()
                 if self.connected.is_set() and self.closed_reason is None:
                     if now >= self._next_ping_s:
-                        self.conn.send_ping(int(now * 1000) & 0xFFFF)
-                        self._next_ping_s = now + PING_INTERVAL_S
+                        self._ping_uid += 1
+                        self.conn.send_ping(self._ping_uid)
+                        self._next_ping_s = now + self.ping_interval_s
                         continue
                     timer = min(timer if timer is not None else float("inf"), self._next_ping_s)
                 with trio.move_on_at(timer if timer is not None else float("inf")) as scope:
@@ -263,6 +276,27 @@ class QuicTransport:
             self._readable.set()
             self._writable.set()
             self.connected.set()
+
+    # ---- liveness (proto_spec 07 §7a) ----------------------------------------------------------
+    def watch(self, ping_interval_s: float = LIVENESS_PING_S) -> None:
+        """PING every ``ping_interval_s`` from now on, so :meth:`silent_for_s` stays small on a live path."""
+        self.ping_interval_s = ping_interval_s
+        self._next_ping_s = min(self._next_ping_s, trio.current_time() + ping_interval_s)
+        self._wake.set()
+
+    @property
+    def ended_cleanly(self) -> bool:
+        """The peer ended the stream, or closed the connection with error 0 (a deliberate close)."""
+        return self._eof
+
+    def silent_for_s(self, now: float) -> float:
+        """Seconds since the peer last acknowledged a PING of ours (0 before the handshake completed).
+
+        On a path watched with :meth:`watch`, more than a few PING intervals means that datagrams
+        stopped crossing it in at least one direction (every PING is ack-eliciting and a lost one
+        is sent again, RFC 9000 §13.3).
+        """
+        return 0.0 if self.last_ack_s is None else max(0.0, now - self.last_ack_s)
 
     # ---- MessageTransport ----------------------------------------------------------------------
     async def send_message(self, data: bytes) -> None:

@@ -1,8 +1,11 @@
-"""One ring edge from formation to close: path choice, Noise, fallback, record, upgrade (proto_spec 07 §5-§7).
+"""One ring edge from formation to close: path choice, Noise, fallback, record, upgrade (proto_spec 07 §5-§7a).
 
 A :class:`RingEdge` is this daemon's end of one ring edge: the *sender* end (our outgoing edge:
 ICE controlling, QUIC client, Noise initiator) or the *receiver* end. It lives on the session's
-:class:`kafilad.node.paths.PathManager` and owns the edge's :class:`~kafilad.node.paths.EdgeRecord`::
+:class:`kafilad.node.paths.PathManager` and owns the edge's :class:`~kafilad.node.paths.EdgeRecord`.
+The ring uses it through ``RingEdge.link``, an :class:`~kafilad.node.edgelink.EdgeSender` or
+:class:`~kafilad.node.edgelink.EdgeReceiver` that stays the same object while the edge moves
+between paths (kafilad/node/edgelink.py: sequence numbers, acknowledgements, resends)::
 
     form()                                                    proto_spec 07 §5, DESIGN §3 step 5
       direct attempt 0 (offers, checks, QUIC) ──verified──> Noise XX ──> DIRECT
@@ -11,30 +14,34 @@ ICE controlling, QUIC client, Noise initiator) or the *receiver* end. It lives o
         └──────────────────────────────────────> relayed circuit ──> Noise XX ──> RELAYED
       a key not in the roster (HandshakeRefused) is an error on either path
 
-    start_upgrades(ring)          (RELAYED only, KAFILA_DIRECT not 0; proto_spec 07 §7, DESIGN §3 step 6)
-      re-probe try=1,2,... ──verified──> Noise XX ──> `path_ready` ──> switch ──> DIRECT
-      sender: next frame on the new link, `path_switched` on the old one, drain, close it
-      receiver: read the new link beside the old one (RingMember.feed_from)
+    start_upgrades(ring)      the edge's background life until it closes or the ring breaks
+      DIRECT:  sender watches the QUIC path (PINGs every 0.5 s); silent for SILENCE_S, or the
+               link broke ──> fallback (§7a): relayed circuit, Noise, `path_ready` ──> RELAYED
+               (frames not acknowledged are sent again; fails with a sentence naming the edge
+               if the relay cannot be reached within FALLBACK_TIMEOUT_S)
+      RELAYED: re-probe try=1,2,... ──verified──> Noise XX ──> `path_ready` ──> DIRECT (§7)
+               (after a fallback the re-probe wait is capped at REPROBE_FALLBACK_MAX_S)
+      receiver: accepts the sender's fallback circuit at any time, answers its re-probes
 
-Everything an edge runs in the background (re-probes, the drain of an old path, reading an
-upgraded link) runs in the path manager's nursery, so it ends with the session's
-``open_session_paths`` block, or earlier with :meth:`RingEdge.aclose`. :func:`form_ring` forms
-this member's two edges at once and closes those of the ring it formed before (a replan).
+Everything an edge runs in the background runs in the path manager's nursery, so it ends with the
+session's ``open_session_paths`` block, or earlier with :meth:`RingEdge.aclose`. :func:`form_ring`
+forms this member's two edges at once and closes those of the ring it formed before (a replan).
 
-The ring side of an upgrade is any object with ``next_link``, ``broken``, ``broken_event`` and
-``async feed_from(link)``: :class:`kafilad.node.ring.RingMember`.
+The ring side is any object with ``broken_event`` (:class:`kafilad.node.ring.RingMember`): the
+edge's life ends when the ring breaks.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional, Union
 
 import trio
 
 from kafilad.errors import HandshakeError, HandshakeRefused, HandshakeTimeout, KafilaError, SessionError, collapse_groups
 from kafilad.net.quic_transport import QuicTransport
+from kafilad.node.edgelink import EdgeReceiver, EdgeSender, seq_of
 from kafilad.node.link import Link, LinkClosed, secure_link
 from kafilad.node.paths import REPROBE_MAX_S, PathKind, PathManager, direct_enabled, reprobe_initial_s
 
@@ -44,13 +51,24 @@ log = logging.getLogger("kafilad.edge")
 RING_FORM_TIMEOUT_S = 60.0
 #: Bound on the Noise handshake over a direct path (then the edge relays).
 DIRECT_NOISE_TIMEOUT_S = 10.0
-#: How long the sender of an upgraded edge waits for the receiver to close the old path.
-DRAIN_TIMEOUT_S = 10.0
 #: How long the sender of an upgrade waits for the receiver's `path_ready` on the new link.
 CONFIRM_TIMEOUT_S = 10.0
+#: A direct path whose PINGs went unacknowledged this long is dead: the edge falls back (§7a).
+SILENCE_S = 3.0
+#: How often the sender looks at its direct path.
+WATCH_INTERVAL_S = 0.25
+#: Bound on a fallback: relayed circuit, Noise over it, the receiver's `path_ready`.
+FALLBACK_TIMEOUT_S = 10.0
+#: Cap of the re-probe wait of an edge that was direct before (its path is likely to come back).
+REPROBE_FALLBACK_MAX_S = 30.0
 
 #: Errors that end one re-probe loop (logged; the edge stays relayed).
 _REPROBE_ENDS = (KafilaError, LinkClosed, trio.BrokenResourceError, trio.ClosedResourceError)
+#: Errors of a fallback attempt (the edge then fails with a sentence).
+_FALLBACK_FAILS = (KafilaError, LinkClosed, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                   OSError)
+
+EdgeEnd = Union[EdgeSender, EdgeReceiver]
 
 
 class RingEdge:
@@ -65,7 +83,9 @@ class RingEdge:
             session's accept loop).
     Attributes:
         record: the edge's EdgeRecord (registered with ``paths``, replacing an earlier ring's).
-        link: the Link the edge uses now (None before it formed); links: every one it used.
+        link: what the ring uses (EdgeSender / EdgeReceiver; None before it formed).
+        path_link: the Link of the path in use; links: every Link the edge used, oldest first.
+        transport: the QUIC transport of the direct path in use (None while relayed).
     """
 
     def __init__(self, paths: PathManager, *, peer_id: str, roster: dict, sender: bool, session_id: str,
@@ -78,18 +98,27 @@ class RingEdge:
         self.session_id = session_id
         self.incoming = incoming
         self.record = paths.record(peer_id, self.peer_name, sender=sender, new=True)
-        self.link: Optional[Link] = None
+        self.edge_id = paths.edge_id(peer_id, sender)
+        self.name = f"{self.record.src} -> {self.record.dst}"
+        self.link: Optional[EdgeEnd] = None
+        self.path_link: Optional[Link] = None
         self.links: list[Link] = []  # every link the edge used, oldest first
+        self.transport: Optional[QuicTransport] = None
         self.closed = False
         self._hello = {"peer_id": paths.peer_id, "name": paths.name, "role": "ring"}
-        self._background = trio.CancelScope()  # the edge's one background task (start_upgrades)
+        self._background = trio.CancelScope()  # the edge's background life (start_upgrades)
+        self._living = False
+        self._on_edges: Optional[Callable[[], object]] = None
+        self._repair = trio.Event()
+        self._repair_reason: Optional[str] = None
+        self._trying: Optional[QuicTransport] = None  # the transport a re-probe is securing
 
     def __repr__(self) -> str:
-        return f"<RingEdge {self.record.src} -> {self.record.dst} {self.record.path}>"
+        return f"<RingEdge {self.name} {self.record.path}>"
 
     # ---- formation (proto_spec 07 §5) ----------------------------------------------------------
-    async def form(self) -> Link:
-        """Try the direct path, secure it, else relay; the edge's Link.
+    async def form(self) -> EdgeEnd:
+        """Try the direct path, secure it, else relay; the ring's end of the edge (``self.link``).
 
         Raises:
             HandshakeRefused / HandshakeError: the peer's key is not the roster's (on either path),
@@ -101,11 +130,15 @@ class RingEdge:
         link = await self._secure_direct(transport) if transport is not None else None
         if link is None:
             link = await self._relay()
+        else:
+            self.transport = transport
         self._use(link)
-        return link
+        end = EdgeSender if self.sender else EdgeReceiver
+        self.link = end(link, edge_name=self.name, spawn=self.paths.nursery.start_soon, on_broken=self._on_broken)
+        return self.link
 
     def _use(self, link: Link) -> None:
-        self.link = link
+        self.path_link = link
         self.links.append(link)
         if self.sender:
             self.record.link = link
@@ -113,12 +146,19 @@ class RingEdge:
     async def _relay(self) -> Link:
         if self.sender:
             circuit = await self.paths.rdv.open_circuit(self.peer_id, "ring")
-        else:
+            link, _, _ = await self._secure(circuit, self._hello)
+            return link
+        while True:  # skip a stale fallback circuit of an edge that is gone (§7a)
             circuit = await self._incoming_circuit()
-        link, _, _ = await secure_link(circuit, initiator=self.sender, static_private=self.paths.static_private,
-                                       session_id=self.session_id, hello=self._hello, check_remote=self._check,
-                                       label="ring")
-        return link
+            link, _, hello = await self._secure(circuit, self._hello)
+            if not hello.get("switch"):
+                return link
+            await link.close("a fallback circuit of an earlier ring edge")
+
+    async def _secure(self, transport, hello: dict, timeout_s: float = 20.0):
+        return await secure_link(transport, initiator=self.sender, static_private=self.paths.static_private,
+                                 session_id=self.session_id, hello=hello, check_remote=self._check, label="ring",
+                                 timeout_s=timeout_s)
 
     async def _incoming_circuit(self):
         while True:
@@ -134,187 +174,265 @@ class RingEdge:
         return self.peer_name
 
     async def _secure_direct(self, transport: QuicTransport) -> Optional[Link]:
-        """Noise over a direct path; None (and the record says why) if it did not finish.
+        """Noise over a direct path; None (the record says why, the path is released) if it did not finish.
 
         Raises:
             HandshakeError: a refused key, or any failure other than a timeout: an error on any path.
         """
         try:
-            link, _, _ = await secure_link(transport, initiator=self.sender, static_private=self.paths.static_private,
-                                           session_id=self.session_id, hello=self._hello, check_remote=self._check,
-                                           label="ring", timeout_s=DIRECT_NOISE_TIMEOUT_S)
+            link, _, _ = await self._secure(transport, self._hello, DIRECT_NOISE_TIMEOUT_S)
             return link
         except HandshakeTimeout as e:  # this path does not carry us; a refused key (HandshakeRefused) propagates
             log.warning("ring: Noise over the direct path %s %s failed (%s); relaying",
                         "to" if self.sender else "from", self.peer_name, e)
             self.record.relayed(f"Noise over the direct path failed: {e}")
-            await transport.aclose()
+            self.paths.release(transport)
             return None
 
-    # ---- upgrade (proto_spec 07 §7) ------------------------------------------------------------
+    # ---- the background life (proto_spec 07 §7, §7a) ------------------------------------------
     def start_upgrades(self, ring, on_edges: Optional[Callable[[], object]] = None) -> bool:
-        """Re-probe this relayed edge in the background and switch the ring onto a direct path.
+        """Run the edge's background life: acknowledgements, the fallback of a direct path that
+        goes silent (§7a), the re-probes and upgrade of a relayed one (§7).
 
         Args:
-            ring: the RingMember whose ``next_link`` (sender) or inbox (receiver) this edge feeds.
-            on_edges: called (and awaited if it returns an awaitable) after the switch, to report
-                the edges (proto_spec 07 §6).
+            ring: the RingMember this edge feeds (its ``broken_event`` ends the life).
+            on_edges: called (and awaited if it returns an awaitable) after the edge changed path
+                or a re-probe failed, to report the edges (proto_spec 07 §6).
         Returns:
-            True if re-probing started (the edge is relayed and direct paths are enabled).
+            True if the life started (the edge formed and is open).
         """
-        if self.record.path != PathKind.RELAYED or not direct_enabled() or self.closed:
+        if self.closed or self.link is None or self._living:
             return False
-        self.paths.nursery.start_soon(self._in_background, self._upgrade_sender if self.sender else
-                                      self._upgrade_receiver, ring, on_edges)
+        self._living = True
+        self._on_edges = on_edges
+        self.paths.nursery.start_soon(self._in_background, self._life, ring)
         return True
 
     async def _in_background(self, fn, *args) -> None:
-        with self._background:
-            await fn(*args)
-
-    async def aclose(self, reason: str = "the ring re-formed") -> None:
-        """End this edge: stop its re-probes (or the reading of an upgraded link), close every link
-        it used, and forget its record (the edges of a new ring replace it in status)."""
-        self.closed = True
-        self._background.cancel()
-        for link in self.links:
-            await link.close(reason)
-        edge = self.paths.edge_id(self.peer_id, self.sender)
-        if self.paths.edges.get(edge) is self.record:
-            del self.paths.edges[edge]
-
-    async def _upgrade_sender(self, ring, on_edges) -> None:
-        """Re-probe, switch at a frame boundary, drain the old path (§7 steps 1-3, 5).
-
-        Switching is safe between any two frames: frames of one request travel round the ring in
-        causal order, so a request never has frames on both paths at once; ``Link.send`` holds a
-        lock per frame, so the `path_switched` marker follows every frame already on the old path.
-        """
-        link = await self._reprobe_while_serving(ring, self._confirmed)
-        old = ring.next_link
-        if link is None:
-            return
-        if ring.broken or old is None:
-            await link.close()
-            return
-        ring.next_link = link  # the next frame goes on the direct path
-        self._use(link)
-        self.record.upgraded(link)
-        await _report(on_edges)
         try:
-            await old.send({"t": "path_switched"})
-            with trio.move_on_after(DRAIN_TIMEOUT_S):  # the receiver closes the old path once it read the marker
-                while True:
-                    await old.receive()
-        except LinkClosed:
-            pass
-        await old.close()
-        log.info("ring: the relayed path to %s drained and closed (%d bytes sent on it)", self.peer_name,
-                 old.bytes_sent)
+            with self._background:
+                await fn(*args)
+        finally:
+            self._living = False
 
-    async def _upgrade_receiver(self, ring, on_edges) -> None:
-        """Answer re-probes, then read the new link beside the old one (§7 steps 1-2, 4)."""
-        link = await self._reprobe_while_serving(ring, self._confirming)
-        if link is None:
-            return
-        self._use(link)
-        self.record.upgraded()
-        await _report(on_edges)
-        await ring.feed_from(_UpgradeLink(link))
-
-    async def _reprobe_while_serving(self, ring, secure) -> Optional[Link]:
-        """:meth:`reprobe` until it gives a link, the ring breaks (None) or a re-probe errs (None, logged)."""
-        out: dict = {}
+    async def _life(self, ring) -> None:
         with collapse_groups():
             async with trio.open_nursery() as n:
-                async def watch() -> None:
-                    await ring.broken_event.wait()
-                    n.cancel_scope.cancel()
-
-                n.start_soon(watch)
-                try:
-                    out["link"] = await self.reprobe(secure)
-                except _REPROBE_ENDS as e:
-                    log.warning("ring: stopped re-probing the edge %s %s: %s", "to" if self.sender else "from",
-                                self.peer_name, e)
+                broken = getattr(ring, "broken_event", None)
+                if broken is not None:
+                    async def watch() -> None:
+                        await broken.wait()
+                        n.cancel_scope.cancel()
+                    n.start_soon(watch)
+                if self.sender:
+                    n.start_soon(self.link.read_acks)
+                    await self._sender_life()
+                    if self.link.failed is None and not self.closed:
+                        await trio.sleep_forever()  # acknowledgements still flow on the path in use
+                else:
+                    n.start_soon(self.link.send_acks)
+                    n.start_soon(self._accept_fallbacks)
+                    if direct_enabled():
+                        n.start_soon(self._answer_reprobes)
+                    await trio.sleep_forever()
                 n.cancel_scope.cancel()
-        return out.get("link")
 
-    async def reprobe(self, secure: Callable[[QuicTransport], Awaitable[Optional[Link]]]) -> Link:
-        """Re-probe until a direct path verifies and ``secure`` makes a link over it (§7 steps 1-2).
+    async def _sender_life(self) -> None:
+        while not self.closed and self.link.failed is None:
+            if self.transport is not None:
+                why = await self._watch_direct()
+                if why is None or not await self._fall_back(why):
+                    return
+            elif not direct_enabled():
+                return
+            else:
+                try:
+                    found = await self.reprobe(self._confirmed)
+                except _REPROBE_ENDS as e:
+                    log.warning("ring: stopped re-probing the edge %s: %s", self.name, e)
+                    return
+                link, es = found
+                await self._switched(link, self._trying, es=es, upgrade=True)
 
-        The sender makes attempts ``try`` = 1, 2, ... after a backoff doubling from
-        :func:`reprobe_initial_s` to :data:`REPROBE_MAX_S`; the receiver answers the newest
-        re-probe offer it holds from the sender, whenever one arrives. The record stays
-        "relayed" (measurements in ``pending``) until the switch.
+    def _on_broken(self, link: Link, error: LinkClosed) -> bool:
+        """The ring's end saw ``link`` fail: True if a repair (a fallback) will come."""
+        if self.closed or not self._living or link is not self.path_link or self.record.path != PathKind.DIRECT:
+            return False
+        if self._repair_reason is None:
+            self._repair_reason = f"the direct path broke ({error.reason})"
+        self._repair.set()
+        return True
+
+    async def _watch_direct(self) -> Optional[str]:
+        """Sender: wait until the direct path in use dies; why (None: the peer closed it cleanly)."""
+        t = self.transport
+        where = f"{t.remote[0]}:{t.remote[1]}"
+        while True:
+            with trio.move_on_after(WATCH_INTERVAL_S):
+                await self._repair.wait()
+            if self._repair_reason is not None:
+                why, self._repair_reason = self._repair_reason, None
+                self._repair = trio.Event()
+                return why
+            if t.closed_reason is not None and t.ended_cleanly:
+                log.info("ring edge %s: the direct path ended cleanly (%s)", self.name, t.closed_reason)
+                return None
+            silent_s = t.silent_for_s(trio.current_time())
+            if silent_s >= SILENCE_S:
+                return f"the direct path to {where} went silent for {silent_s:.1f} s"
+            if t.closed_reason is not None:
+                return f"the direct path to {where} ended ({t.closed_reason})"
+
+    async def _fall_back(self, why: str) -> bool:
+        """Sender: move the edge onto a relayed circuit (§7a); False if it failed (the ring's end says why)."""
+        log.warning("ring edge %s: %s; falling back to the relay", self.name, why)
+        t0 = trio.current_time()
+        hello = {**self._hello, "edge": self.edge_id, "switch": "fallback", "reason": why}
+        try:
+            with trio.fail_after(FALLBACK_TIMEOUT_S):
+                circuit = await self.paths.rdv.open_circuit(self.peer_id, "ring")
+                link, _, _ = await self._secure(circuit, hello, FALLBACK_TIMEOUT_S)
+                es = await self._ready_on(link)
+        except _FALLBACK_FAILS as e:
+            detail = "it did not finish in time" if isinstance(e, trio.TooSlowError) else str(e) or type(e).__name__
+            reason = f"the ring edge {self.name} lost its direct path ({why}) and could not fall back to the relay: " \
+                     f"{detail}"
+            self.record.relayed(reason)
+            self.link.fail(reason)
+            self.paths.event("edge_failed", edge=self.name, reason=reason)
+            await _report(self._on_edges)
+            return False
+        if es is None:
+            await link.close("no path_ready on the fallback circuit")
+            self.link.fail(f"the ring edge {self.name} lost its direct path ({why}) and its receiver did not take "
+                           f"the relayed circuit")
+            return False
+        await self._switched(link, None, es=es, upgrade=False, why=why, took_s=trio.current_time() - t0)
+        return True
+
+    async def _ready_on(self, link: Link) -> Optional[int]:
+        """The `es` of the receiver's `path_ready` on ``link`` (§7 step 2), or None if another frame came."""
+        frame = await link.receive()
+        return seq_of(frame) if frame.get("t") == "path_ready" else None
+
+    async def _switched(self, link: Link, transport: Optional[QuicTransport], *, es: Optional[int], upgrade: bool,
+                        why: str = "", took_s: Optional[float] = None) -> None:
+        """Move the ring's end onto ``link`` and record it (either end)."""
+        old_t = self.transport
+        if self.sender:
+            await self.link.propose(link, es)
+        else:
+            await self.link.switch_to(link)
+        self.transport = transport
+        self._use(link)
+        if upgrade:
+            self.record.upgraded(link if self.sender else None)
+            self.paths.event("edge_upgraded", edge=self.name, remote=self.record.remote, tries=self.record.tries)
+        else:
+            self.record.fell_back(why, link if self.sender else None)
+            fields = {"edge": self.name, "reason": why}
+            if self.sender:
+                fields.update(resent=self.link.resent, fallback_s=took_s)
+            self.paths.event("edge_fallback", **fields)
+        self.paths.release(old_t)
+        await _report(self._on_edges)
+
+    async def _accept_fallbacks(self) -> None:
+        """Receiver: take the sender's fallback circuit whenever it comes (§7a)."""
+        while True:
+            circuit = await self._incoming_circuit()
+            try:
+                link, _, hello = await self._secure(circuit, self._hello, FALLBACK_TIMEOUT_S)
+            except HandshakeError as e:
+                log.warning("ring edge %s: a fallback circuit failed its handshake: %s", self.name, e)
+                continue
+            if hello.get("switch") != "fallback" or hello.get("edge") != self.edge_id:
+                await link.close("not a fallback circuit of this edge")
+                continue
+            why = hello.get("reason") if isinstance(hello.get("reason"), str) else "the sender's direct path failed"
+            try:
+                await self._switched(link, None, es=None, upgrade=False, why=why)
+            except LinkClosed as e:
+                log.warning("ring edge %s: the fallback circuit closed at once: %s", self.name, e.reason)
+
+    async def _answer_reprobes(self) -> None:
+        """Receiver: answer the sender's re-probes and take a path it confirms (§7)."""
+        while True:
+            try:
+                link = await self.reprobe(self._secure_direct)
+            except _REPROBE_ENDS as e:
+                log.warning("ring: stopped answering re-probes of the edge %s: %s", self.name, e)
+                return
+            try:
+                await self._switched(link, self._trying, es=None, upgrade=True)
+            except LinkClosed as e:
+                log.info("ring edge %s: the re-probed path closed before the switch: %s", self.name, e.reason)
+                self.paths.release(self._trying)
+
+    async def aclose(self, reason: str = "the ring re-formed") -> None:
+        """End this edge: stop its background life, close every link it used, release its direct
+        path, and forget its record (the edges of a new ring replace it in status)."""
+        self.closed = True
+        self._background.cancel()
+        if self.link is not None:
+            self.link.closed_reason = self.link.closed_reason or reason
+        for link in self.links:
+            await link.close(reason)
+        self.paths.release(self.transport)
+        if self.paths.edges.get(self.edge_id) is self.record:
+            del self.paths.edges[self.edge_id]
+
+    async def reprobe(self, secure: Callable[[QuicTransport], Awaitable[object]]):
+        """Re-probe until a direct path verifies and ``secure`` makes something of it (§7 steps 1-2).
+
+        The sender makes attempts ``try`` = tries+1, tries+2, ... after a wait doubling from
+        :func:`reprobe_initial_s` to :data:`REPROBE_MAX_S` (:data:`REPROBE_FALLBACK_MAX_S` for an
+        edge that fell back: its path is likely to return); each failed attempt is noted on the
+        record (``last_attempt``), as a ``reprobe_failed`` event, and reported. The receiver
+        answers the newest re-probe offer it holds from the sender, whenever one arrives. The
+        record stays "relayed" (measurements in ``pending``) until the switch.
+
+        Returns:
+            What ``secure`` returned for the path (truthy); ``self._trying`` is its transport.
         """
         delay_s = reprobe_initial_s()
-        attempt = 0
+        attempt = self.record.tries
         while True:
             if self.sender:
                 await trio.sleep(delay_s)
                 attempt += 1
-                delay_s = min(max(delay_s, 0.5) * 2, REPROBE_MAX_S)
+                cap_s = REPROBE_FALLBACK_MAX_S if self.record.fallbacks else REPROBE_MAX_S
+                delay_s = min(max(delay_s, 0.5) * 2, cap_s)
             else:
                 attempt = await self.paths.wait_reprobe(peer_id=self.peer_id)
             t = await self.paths.try_direct(self.record, peer_id=self.peer_id, peer_name=self.peer_name,
                                             sender=self.sender, attempt=attempt)
             if t is None:
+                if self.sender:
+                    self.paths.event("reprobe_failed", edge=self.name, tries=attempt, reason=self.record.reason)
+                    await _report(self._on_edges)
                 continue
-            link = await secure(t)
-            if link is not None:
-                return link
+            self._trying = t
+            out = await secure(t)
+            if out:
+                return out
+            self.paths.release(t)
             self.record.pending = None
 
-    async def _confirmed(self, transport: QuicTransport) -> Optional[Link]:
-        """Sender: the new link once the receiver said `path_ready` on it, else None (§7 step 2)."""
+    async def _confirmed(self, transport: QuicTransport) -> Optional[tuple[Link, int]]:
+        """Sender: (the new link, the receiver's delivered count) once it said `path_ready`, else None (§7 step 2)."""
         link = await self._secure_direct(transport)
         if link is None:
             return None
         with trio.move_on_after(CONFIRM_TIMEOUT_S):
             try:
-                if (await link.receive()).get("t") == "path_ready":
-                    return link
+                es = await self._ready_on(link)
+                if es is not None:
+                    return link, es
             except LinkClosed:
                 pass
         await link.close()
         return None
-
-    async def _confirming(self, transport: QuicTransport) -> Optional[Link]:
-        """Receiver: after Noise, tell the sender we read the new link (`path_ready`)."""
-        link = await self._secure_direct(transport)
-        if link is None:
-            return None
-        try:
-            await link.send({"t": "path_ready"})
-        except LinkClosed:
-            return None
-        return link
-
-
-class _UpgradeLink:
-    """A new incoming link as RingMember.feed_from reads it: if it closes before carrying any frame
-    (the sender's side of the upgrade did not finish), that is not a ring failure; it is ignored."""
-
-    def __init__(self, link: Link):
-        self.link = link
-        self.peer_name = link.peer_name
-        self._used = False
-
-    async def receive(self) -> dict:
-        try:
-            frame = await self.link.receive()
-        except LinkClosed as e:
-            if self._used:
-                raise
-            log.info("ring: an upgraded link from %s closed before use (%s); the relayed path stays", self.peer_name,
-                     e.reason)
-            await trio.sleep_forever()
-        self._used = True
-        return frame
-
-    async def close(self, reason: str = "closed") -> None:
-        await self.link.close(reason)
 
 
 async def _report(on_edges) -> None:
@@ -325,7 +443,7 @@ async def _report(on_edges) -> None:
         if inspect.isawaitable(out):
             await out
     except _REPROBE_ENDS as e:
-        log.warning("ring: could not report the upgraded edge: %s", e)
+        log.warning("ring: could not report the edges: %s", e)
 
 
 async def form_ring(paths: PathManager, *, session_id: str, ring: list[str], roster: dict,

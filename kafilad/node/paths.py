@@ -149,6 +149,8 @@ class PathManager:
         self.inbox = inbox if inbox is not None else OfferInbox()
         self.closed = False
         self._quic: weakref.WeakSet[QuicTransport] = weakref.WeakSet()
+        self._agents: "weakref.WeakKeyDictionary[QuicTransport, tuple]" = weakref.WeakKeyDictionary()
+        self._wakers: dict = {}  # running ICE agent -> wakes its driver (to stop it at once)
         self._scope: Optional[trio.CancelScope] = None
 
     @property
@@ -422,6 +424,7 @@ class PathManager:
                              now=trio.current_time(), tie_breaker=int.from_bytes(os.urandom(8), "big"))
         result = await self._run_checks(agent, rec, deaf=attempt < dropped_check_attempts())
         if not isinstance(result, ice.PathVerified):
+            agent.close()
             return None, {"reason": result.reason if result else "the checks stopped"}
         found = {"verify_s": trio.current_time() - t0, "rtt_ms": result.rtt_ms,
                  "remote": f"{result.remote[0]}:{result.remote[1]}"}
@@ -431,10 +434,13 @@ class PathManager:
             else:
                 t = await quic_accept(self.endpoint, result.remote, self.nursery, timeout_s=QUIC_TIMEOUT_S)
         except trio.BrokenResourceError as e:
+            self._stop_agent(agent)
             return None, {"reason": f"QUIC did not connect over the verified path: {e}"}
         self._quic.add(t)
+        self._agents[t] = (agent, self._wakers.get(agent))
+        t.watch()  # PINGs every LIVENESS_PING_S: the edge sees a dead path within seconds (§7a)
         if self.closed:  # the session ended while QUIC connected
-            t.close_now()
+            self.release(t)
             return None, {"reason": "the session ended"}
         return t, found
 
@@ -448,6 +454,22 @@ class PathManager:
         if their_class is not None and not class_known(their_class):
             rec.class_reasons[peer_name] = their_reason if isinstance(their_reason, str) and their_reason else \
                 "the NAT classification did not finish"
+
+    def release(self, transport: Optional[QuicTransport]) -> None:
+        """Let a direct path go: close its QUIC connection now and stop its ICE agent's keepalives
+        (an edge that moved to another path, proto_spec 07 §7-§7a). Idempotent; None is ignored."""
+        if transport is None:
+            return
+        transport.close_now()
+        agent, waker = self._agents.pop(transport, (None, None))
+        if agent is not None:
+            self._stop_agent(agent)
+
+    def _stop_agent(self, agent: ice.IceAgent) -> None:
+        agent.close()
+        waker = self._wakers.pop(agent, None)
+        if waker is not None:
+            waker()
 
     async def _run_checks(self, agent: ice.IceAgent, rec: EdgeRecord, *, deaf: bool = False):
         """Drive ``agent`` until it selects a pair or fails; it keeps running in the nursery afterwards
@@ -485,8 +507,8 @@ class PathManager:
                             outcome["ev"] = ev
                             settled.set()
                         elif isinstance(ev, ice.PathLost):
-                            rec.reason = ev.reason
                             log.warning("ring edge %s -> %s: %s", rec.src, rec.dst, ev.reason)
+                            self.event("path_lost", edge=f"{rec.src} -> {rec.dst}", reason=ev.reason)
                     timer = agent.get_timer()
                     if timer is None:
                         return
@@ -499,8 +521,10 @@ class PathManager:
             finally:
                 if not deaf:
                     self.endpoint.remove_stun_handler(on_stun)
+                self._wakers.pop(agent, None)
                 settled.set()
 
+        self._wakers[agent] = lambda: wake.set()
         self.nursery.start_soon(drive)
         await settled.wait()
         return outcome.get("ev")

@@ -63,6 +63,7 @@ class AgentState(enum.Enum):
     VERIFIED = "verified"
     FAILED = "failed"
     LOST = "lost"
+    CLOSED = "closed"  # the path's owner let it go (:meth:`IceAgent.close`): no more keepalives
 
 
 @attrs.frozen
@@ -203,12 +204,18 @@ class IceAgent:
         self._pairs[a] = _Pair(a, priority)
         self._order = sorted(self._pairs, key=lambda k: -self._pairs[k].priority)
 
+    def close(self) -> None:
+        """Stop for good: no more checks or keepalives, requests dropped (the edge moved off this path)."""
+        self.state = AgentState.CLOSED
+        self._out.clear()
+        self._triggered.clear()
+
     def next_event(self) -> Optional[Event]:
         return self._events.pop(0) if self._events else None
 
     def get_timer(self) -> Optional[float]:
         """When :meth:`handle_timer` must run next (seconds, same clock as ``now``), or None."""
-        if self.state in (AgentState.FAILED, AgentState.LOST):
+        if self.state in (AgentState.FAILED, AgentState.LOST, AgentState.CLOSED):
             return None
         if self.state == AgentState.CHECKING:
             return min(self._next_check_s, self.started_s + self.timeout_s)
@@ -308,7 +315,7 @@ class IceAgent:
                 return True
         except (ValueError, TypeError, AttributeError):
             return True
-        if self.state in (AgentState.FAILED, AgentState.LOST):
+        if self.state in (AgentState.FAILED, AgentState.LOST, AgentState.CLOSED):
             return True
         resp = Message(Method.BINDING, Class.RESPONSE, transaction_id=msg.transaction_id,
                        attributes={"XOR-MAPPED-ADDRESS": src})

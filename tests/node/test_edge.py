@@ -8,10 +8,6 @@ the UDP demultiplexer, RingMember's reading of a switched edge. Simulated: the w
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Optional
-
 import pytest
 import trio
 from trio.testing import MockClock, trio_test
@@ -20,11 +16,11 @@ from kafilad.errors import HandshakeRefused, SessionError
 from kafilad.node import stagehost
 from kafilad.node.edge import RingEdge, form_ring
 from kafilad.node.link import LinkClosed
-from kafilad.node.paths import PathKind, PathManager, open_session_paths
+from kafilad.node.paths import PathKind
 from kafilad.node.ring import RingMember
-from kafilad.proto.identity import peer_id as peer_id_of
 from kafilad.proto.rendezvous_proof import public_key
-from netsim import STUN_GRID, MemoryRendezvous, MemoryRendezvousClient, SimEndpoint, SimNet
+from netsim import STUN_GRID, SimNet
+from pathworld import edge_pair as _edge_pair, form_edges as _form, world as _world
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -32,70 +28,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.fixture
 def clock():
     return MockClock(autojump_threshold=0)
-
-
-@dataclass
-class Peer:
-    name: str
-    key: bytes
-    endpoint: SimEndpoint
-    rdv: MemoryRendezvousClient
-    paths: Optional[PathManager] = None
-    leave: trio.Event = field(default_factory=trio.Event)
-    left: trio.Event = field(default_factory=trio.Event)
-    left_at_s: Optional[float] = None
-
-    @property
-    def public(self) -> bytes:
-        return public_key(self.key)
-
-    @property
-    def peer_id(self) -> str:
-        return peer_id_of(self.public)
-
-
-async def _hold_paths(peer: Peer, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """A session's paths: open until ``peer.leave``; signals routed to them as the events loop does."""
-    node = SimpleNamespace(name=peer.name, static_private=peer.key)
-    async with open_session_paths(node, peer.rdv, endpoint=peer.endpoint) as pm:
-        peer.rdv.on_signal = pm.on_signal
-        peer.paths = pm
-        task_status.started(pm)
-        await peer.leave.wait()
-        peer.left_at_s = trio.current_time()
-    peer.left.set()
-
-
-async def _world(nursery, classes: dict, *, drop=None, classify=True):
-    """Hosts behind NATs of ``classes`` ({name: "O" | "C" | "S"}), each with its session's paths open."""
-    net = SimNet(drop=drop)
-    await nursery.start(net.run)
-    hub = MemoryRendezvous(stun_servers=net.stun_servers())
-    await nursery.start(hub.run)
-    peers = {}
-    for i, (name, cls) in enumerate(classes.items()):
-        key = bytes([i + 1]) * 32
-        pid = peer_id_of(public_key(key))
-        peer = peers[name] = Peer(name, key, net.host(name, cls, public_ip=f"203.0.113.{i + 1}"), hub.client(pid, name))
-        await nursery.start(_hold_paths, peer)
-        if classify:
-            assert (await peer.paths.capability())["nat_class"] == cls
-    roster = {p.peer_id: {"name": p.name, "public_key": p.public} for p in peers.values()}
-    return net, hub, peers, roster
-
-
-def _edge_pair(a: Peer, b: Peer, roster: dict) -> tuple[RingEdge, RingEdge]:
-    return (RingEdge(a.paths, peer_id=b.peer_id, roster=roster, sender=True, session_id="s1"),
-            RingEdge(b.paths, peer_id=a.peer_id, roster=roster, sender=False, session_id="s1", incoming=b.rdv.incoming))
-
-
-async def _form(*edges: RingEdge, delays_s: tuple = ()) -> None:
-    async def one(e, delay_s):
-        await trio.sleep(delay_s)
-        await e.form()
-    async with trio.open_nursery() as n:
-        for i, e in enumerate(edges):
-            n.start_soon(one, e, delays_s[i] if i < len(delays_s) else 0)
 
 
 async def _check_frames(out: RingEdge, into: RingEdge, text: str) -> None:
@@ -193,44 +125,46 @@ async def test_a_relayed_edge_is_reprobed_and_upgraded_make_before_break(clock, 
         net, hub, p, roster = await _world(nursery, {"a": "O", "b": "C"}, drop=_drop_checks(firewall))
         out, into = _edge_pair(p["a"], p["b"], roster)
         await _form(out, into)
-        relay_out, relay_in = out.link, into.link
+        relay_out, relay_in = out.path_link, into.path_link
         assert out.record.path == into.record.path == PathKind.RELAYED
         firewall["checks"] = False  # the NAT state changed: a re-probe can now succeed
 
         sender = RingMember(peer_id=p["a"].peer_id, name="a", runner=None, mlx_lock=trio.Lock(), head=True)
         receiver = RingMember(peer_id=p["b"].peer_id, name="b", runner=None, mlx_lock=trio.Lock(), head=False)
-        sender.next_link = relay_out
-        nursery.start_soon(receiver.feed_from, relay_in)  # as stagehost.attach_ring does
+        sender.next_link = out.link  # as stagehost.connect_ring / attach_ring do
+        nursery.start_soon(receiver.feed_from, into.link)
         reports = []
         assert out.start_upgrades(sender, lambda: reports.append("a"))
         assert into.start_upgrades(receiver, lambda: reports.append("b"))
 
         got = []
 
-        async def consume():  # what RingMember.run reads: the inbox both links feed
+        async def consume():  # what RingMember.run reads: the inbox the edge feeds
             async for frame in receiver._inbox_recv:
                 got.append(frame["seq"])
         nursery.start_soon(consume)
         switched_at = None
         for seq in range(60):  # a frame every 0.1 s across the switch, as RingMember._send_next sends
             await sender.next_link.send({"t": "act", "seq": seq})
-            if switched_at is None and sender.next_link is not relay_out:
+            if switched_at is None and out.record.path == PathKind.DIRECT:
                 switched_at = seq
             await trio.sleep(0.1)
         await trio.sleep(1)
 
         assert switched_at is not None and 10 < switched_at < 50, switched_at
         assert got == list(range(60))  # every frame once, in order, across the switch
-        assert not receiver.broken
+        assert not receiver.broken and sender.next_link is out.link  # the ring's end never changed
         for e in (out, into):
             rec = e.record.to_json()
             assert rec["path"] == "direct" and rec["upgraded_from"] == "relayed" and rec["tries"] >= 1, rec
             assert "reason" not in rec and rec["rtt_ms"] == pytest.approx(20.0)
-        assert out.record.links == [relay_out, out.link] and out.link is sender.next_link
-        assert relay_out.bytes_sent > 0 and out.link.bytes_sent > 0
-        assert relay_out.closed_reason is not None and relay_in.closed_reason is not None  # drained, closed
+        assert out.record.links == [relay_out, out.path_link] and out.links == out.record.links
+        assert relay_out.bytes_sent > 0 and out.path_link.bytes_sent > 0
+        assert out.link.acked == out.link.sent == 60 and out.link.kept == 0  # every frame acknowledged
+        assert relay_out.closed_reason is not None and relay_in.closed_reason is not None  # let go after the switch
         assert sorted(reports) == ["a", "b"]
-        assert not receiver.broken
+        ups = [e for e in p["a"].paths.events if e["event"] == "edge_upgraded"]
+        assert [u["edge"] for u in ups] == ["a -> b"]
         nursery.cancel_scope.cancel()
 
 
@@ -262,7 +196,7 @@ async def test_a_ring_forms_per_prediction_and_closing_a_session_ends_its_paths(
         await p["b"].left.wait()
         assert trio.current_time() == p["b"].left_at_s  # the scope ended at once: nothing waited
         await trio.sleep(0.5)
-        with pytest.raises(LinkClosed, match=r"ended \(error 0: closed\)"):  # b's CONNECTION_CLOSE reached a
+        with pytest.raises(LinkClosed, match=r"^b closed the link$"):  # b's CONNECTION_CLOSE reached a: a clean end
             await links["a"][0].send({"t": "act"})
         await trio.sleep(120)  # well past keepalive (15 s), PING (15 s) and re-probe periods
 

@@ -81,7 +81,7 @@ async def test_a_relayed_edge_is_reprobed_then_upgraded(monkeypatch):
         async with trio.open_nursery() as nursery:
             out, into = await _pair(nursery)
             await _formation_relays(out, into)
-            relayed = out.link
+            relayed = out.path_link
             await out.link.send({"t": "act", "n": 1})
             assert await into.link.receive() == {"t": "act", "n": 1}
             sender = RingMember(peer_id=PEER_A, name="a", runner=None, mlx_lock=trio.Lock(), head=True)
@@ -92,7 +92,7 @@ async def test_a_relayed_edge_is_reprobed_then_upgraded(monkeypatch):
             assert out.start_upgrades(sender) and into.start_upgrades(receiver)
             while not (out.record.path == into.record.path == "direct"):
                 await trio.sleep(0.05)
-            assert sender.next_link is out.link and out.link is not relayed
+            assert sender.next_link is out.link and out.path_link is not relayed  # same end, new path
             await sender.next_link.send({"t": "act", "n": 2})
             assert (await receiver._inbox_recv.receive()) == {"t": "act", "n": 2}  # read as RingMember.run does
             ra, rb = out.record.to_json(), into.record.to_json()
@@ -100,7 +100,7 @@ async def test_a_relayed_edge_is_reprobed_then_upgraded(monkeypatch):
             assert t0 <= ra["upgraded_at"] <= time.time()
             assert ra["remote"] == "127.0.0.1:%d" % into.paths.endpoint.local_address[1]
             assert ra["rtt_ms"] > 0 and 0 < ra["verify_s"] < 5
-            assert ra["link_bytes_sent"] == relayed.bytes_sent + out.link.bytes_sent
+            assert ra["link_bytes_sent"] == relayed.bytes_sent + out.path_link.bytes_sent
             with trio.fail_after(10):  # the relayed circuit is drained and closed
                 while relayed.closed_reason is None:
                     await trio.sleep(0.05)

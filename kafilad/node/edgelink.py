@@ -1,0 +1,364 @@
+"""The ring's side of one edge: a link that outlives the edge's paths (proto_spec 07 §7, §7a).
+
+RingMember sends on its next edge through an :class:`EdgeSender` and reads its previous edge
+through an :class:`EdgeReceiver`, one object each for the edge's whole life. Underneath, the
+edge's :class:`kafilad.node.edge.RingEdge` moves them from one path (a :class:`Link`: Noise over a
+QUIC stream, or over a relayed circuit) to another: an *upgrade* (relayed → direct, §7) or a
+*fallback* (a direct path that went silent → relayed, §7a). No frame is lost, repeated or
+reordered across a move, and the ring never notices::
+
+    sender                                         receiver
+    send(frame) ──> {**frame, "es": n} on the current link ──> delivered if es == delivered + 1
+    keeps frame n until  <── {"t": "edge_ack", "es": n} ────── (coalesced, one in flight)
+                                    a new path is made and secured (Noise) by RingEdge
+                         <── {"t": "path_ready", "es": d} ─── on the new link; from now on the
+                                                             receiver reads only the new link
+    propose(new, d): resend every kept frame with es > d on the new link, then send there;
+    let the old link go (make before break: the new one was confirmed before it)
+
+``es`` (edge sequence) counts the frames of one edge from 1, across every path it used; the
+receiver drops a frame it already delivered (es <= delivered), so a frame that arrived on the old
+path after ``path_ready`` and is resent on the new one counts once. A frame without ``es`` (an
+older peer) is delivered as it is.
+
+A write or read that fails on a direct path asks the RingEdge to repair it (``on_broken``) and
+waits, bounded, for the new path; once the edge gives up (``fail``), every waiting and later
+call raises :class:`LinkBroken` with a sentence naming the edge.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Callable, Optional
+
+import trio
+
+from kafilad.errors import LinkBroken, LinkClosed, LinkEnded
+from kafilad.node.link import Link
+
+log = logging.getLogger("kafilad.edge")
+
+#: Frames a sender keeps unacknowledged before `send` waits for an `edge_ack` (backpressure).
+KEEP_FRAMES = 1024
+#: How long a receiver whose link failed waits for the sender's fallback before it gives up.
+REPAIR_WAIT_S = 15.0
+#: How long a receiver keeps the previous path readable after a switch: if the new link closes
+#: before it carried a frame (the sender gave up on it), the previous one is read again.
+PREVIOUS_KEEP_S = 15.0
+#: The sequence field every ring frame carries on an edge (proto_spec 07 §7).
+SEQ = "es"
+
+
+def seq_of(frame: dict) -> Optional[int]:
+    """The `es` of an `edge_ack` / `path_ready` frame; None if absent or not a non-negative int."""
+    es = frame.get(SEQ)
+    return es if isinstance(es, int) and not isinstance(es, bool) and es >= 0 else None
+
+
+class _EdgeEnd:
+    """What both ends share: the current link, failure, closing, and the repair hook."""
+
+    def __init__(self, link: Link, *, edge_name: str, spawn: Callable, on_broken: Optional[Callable] = None):
+        self.link = link
+        self.peer_id = link.peer_id
+        self.peer_name = link.peer_name
+        self.label = "ring"
+        self.edge_name = edge_name
+        self.failed: Optional[str] = None
+        self.closed_reason: Optional[str] = None
+        self.on_broken = on_broken  # on_broken(link, error) -> bool: True if a repair is under way
+        self._spawn = spawn
+        self._changed = trio.Event()  # set whenever the link changes, the edge fails or closes
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def fail(self, reason: str) -> None:
+        """The edge cannot be repaired: every waiting and later call raises LinkBroken(``reason``)."""
+        if self.failed is None and self.closed_reason is None:
+            self.failed = reason
+            log.warning("ring edge %s failed: %s", self.edge_name, reason)
+        self._signal()
+
+    def _replacement_pending(self) -> bool:
+        return False
+
+    def _raise_if_over(self) -> None:
+        if self.failed is not None:
+            raise LinkBroken(self.failed)
+        if self.closed_reason is not None:
+            raise LinkEnded(self.closed_reason)
+
+    async def _repair(self, link: Link, error: LinkClosed) -> None:
+        """``link`` failed with ``error``: wait for the edge to replace it, or raise."""
+        if self.on_broken is None or isinstance(error, LinkEnded) or not self.on_broken(link, error):
+            raise error
+        with trio.move_on_after(REPAIR_WAIT_S):
+            while self.link is link and not self._replacement_pending():
+                self._raise_if_over()
+                await self._changed.wait()
+            return
+        self._raise_if_over()
+        raise LinkBroken(f"the ring edge {self.edge_name} lost its path ({error.reason}) and was not repaired "
+                         f"within {REPAIR_WAIT_S:g} s")
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.link.bytes_sent
+
+    async def close(self, reason: str = "closed") -> None:
+        """Close the edge's current link; later calls raise LinkEnded (no repair is attempted)."""
+        if self.closed_reason is None:
+            self.closed_reason = reason if reason != "closed" else f"the ring edge {self.edge_name} was closed"
+        self._signal()
+        await self.link.close(reason)
+
+    async def aclose(self) -> None:
+        await self.close()
+
+
+class EdgeSender(_EdgeEnd):
+    """The sending end of an edge as RingMember uses it: ``send(frame) -> bytes``.
+
+    Args:
+        link: the edge's first path. edge_name: "a -> b", for sentences.
+        spawn: ``spawn(async_fn, *args)`` runs a background task (the path manager's nursery).
+        on_broken: see :class:`_EdgeEnd`.
+    """
+
+    def __init__(self, link: Link, *, edge_name: str, spawn: Callable, on_broken: Optional[Callable] = None):
+        super().__init__(link, edge_name=edge_name, spawn=spawn, on_broken=on_broken)
+        self.sent = 0            # highest es sent
+        self.acked = 0           # highest es the receiver acknowledged
+        self.resent = 0          # frames sent again after a switch
+        self._kept: collections.deque = collections.deque()  # (es, frame) not yet acknowledged
+        self._lock = trio.Lock()
+        self._proposal: Optional[tuple[Link, int]] = None
+        self._write_scope: Optional[trio.CancelScope] = None
+        self._acked_event = trio.Event()
+
+    @property
+    def kept(self) -> int:
+        """Frames kept for a possible resend (sent, not yet acknowledged)."""
+        return len(self._kept)
+
+    async def send(self, body: dict) -> int:
+        """Send one ring frame on the current path (proto_spec 07 §7); its size in bytes.
+
+        Raises:
+            LinkEnded: the edge was closed, or the peer closed it cleanly.
+            LinkBroken: the edge failed and could not be repaired (a sentence naming it).
+        """
+        async with self._lock:
+            self._raise_if_over()
+            while len(self._kept) >= KEEP_FRAMES:
+                await self._acked_event.wait()
+                self._raise_if_over()
+            self.sent += 1
+            es = self.sent
+            frame = {**body, SEQ: es}
+            self._kept.append((es, frame))
+            while True:
+                if self._proposal is not None:
+                    sizes = await self._apply()
+                    return sizes.get(es, 0)
+                link = self.link
+                try:
+                    with trio.CancelScope() as scope:
+                        self._write_scope = scope
+                        n = await link.send(frame)
+                except LinkClosed as e:
+                    if self._proposal is not None or link is not self.link:
+                        continue
+                    self._raise_if_over()
+                    await self._repair(link, e)
+                    continue
+                finally:
+                    self._write_scope = None
+                if not scope.cancelled_caught:
+                    return n
+
+    async def propose(self, link: Link, delivered: int) -> None:
+        """Move the edge onto ``link``, on which the receiver said `path_ready` with ``delivered``.
+
+        Frames after ``delivered`` are sent again on ``link`` (a write blocked on the old path is
+        interrupted), then the old link is closed in the background.
+        """
+        self._proposal = (link, delivered)
+        if self._write_scope is not None:
+            self._write_scope.cancel()
+        self._signal()  # a send waiting for a repair applies the proposal itself
+        async with self._lock:
+            if self._proposal is not None:
+                try:
+                    await self._apply()
+                except LinkClosed as e:  # the new path failed at once: repaired like any other
+                    log.warning("ring edge %s: the new path failed while resending: %s", self.edge_name, e.reason)
+                    if self.on_broken is None or not self.on_broken(self.link, e):
+                        self.fail(f"the ring edge {self.edge_name} lost its new path at once ({e.reason})")
+
+    def _replacement_pending(self) -> bool:
+        return self._proposal is not None
+
+    async def _apply(self) -> dict:
+        link, delivered = self._proposal
+        self._proposal = None
+        old, self.link = self.link, link
+        self._ack(delivered)
+        self._signal()
+        self._spawn(old.close)  # the receiver reads only the new link now (reason "closed": a normal end)
+        sizes = {}
+        for es, frame in list(self._kept):
+            sizes[es] = await link.send(frame)
+            self.resent += 1
+        if sizes:
+            log.info("ring edge %s: %d frame(s) sent again on the new path (after %d)", self.edge_name, len(sizes),
+                     delivered)
+        return sizes
+
+    def _ack(self, es: int) -> None:
+        if es > self.acked:
+            self.acked = es
+        while self._kept and self._kept[0][0] <= es:
+            self._kept.popleft()
+        self._acked_event.set()
+        self._acked_event = trio.Event()
+
+    async def read_acks(self) -> None:
+        """Read `edge_ack` frames from whichever link is current, until the edge ends (run it in the background)."""
+        while self.closed_reason is None and self.failed is None:
+            link = self.link
+            try:
+                frame = await link.receive()
+            except LinkClosed as e:
+                if link is self.link and self.closed_reason is None and self.failed is None:
+                    if self.on_broken is None or isinstance(e, LinkEnded) or not self.on_broken(link, e):
+                        return  # the next send sees the same error
+                while link is self.link and self.closed_reason is None and self.failed is None:
+                    await self._changed.wait()
+                continue
+            if frame.get("t") == "edge_ack":
+                es = seq_of(frame)
+                if es is not None and es <= self.sent:
+                    self._ack(es)
+
+
+class EdgeReceiver(_EdgeEnd):
+    """The receiving end of an edge as RingMember uses it: ``receive() -> frame``.
+
+    Args: as :class:`EdgeSender`.
+    """
+
+    def __init__(self, link: Link, *, edge_name: str, spawn: Callable, on_broken: Optional[Callable] = None):
+        super().__init__(link, edge_name=edge_name, spawn=spawn, on_broken=on_broken)
+        self.delivered = 0       # highest es handed to the ring
+        self.repeats = 0         # frames dropped as already delivered
+        self.previous: Optional[Link] = None  # the link before the last switch, until the new one carries a frame
+        self._read_scope: Optional[trio.CancelScope] = None
+        self._frames_on_link = 0
+        self._ack_wanted = trio.Event()
+        self._acked = 0
+
+    async def receive(self) -> dict:
+        """The next ring frame, in order, each once (proto_spec 07 §7).
+
+        Raises:
+            LinkEnded: the edge was closed, or the peer closed it cleanly.
+            LinkBroken: the edge failed and could not be repaired (a sentence naming it).
+        """
+        while True:
+            self._raise_if_over()
+            link = self.link
+            try:
+                with trio.CancelScope() as scope:
+                    self._read_scope = scope
+                    frame = await link.receive()
+            except LinkClosed as e:
+                if link is not self.link:
+                    continue
+                if self._revert(link, e):
+                    continue
+                self._raise_if_over()
+                await self._repair(link, e)
+                continue
+            finally:
+                self._read_scope = None
+            if scope.cancelled_caught or link is not self.link:
+                continue  # read on a path we just left: the sender sends it again on the new one
+            t = frame.get("t")
+            if t in ("path_switched", "edge_ack", "path_ready"):
+                continue
+            if SEQ not in frame:
+                return frame
+            es = frame.pop(SEQ)
+            if not isinstance(es, int) or isinstance(es, bool) or es < 1:
+                raise LinkBroken(f"the ring edge {self.edge_name} carried a frame with a malformed sequence "
+                                 f"number {es!r}")
+            if es <= self.delivered:
+                self.repeats += 1
+                continue
+            if es != self.delivered + 1:
+                raise LinkBroken(f"the ring edge {self.edge_name} skipped frames {self.delivered + 1}..{es - 1}")
+            self.delivered = es
+            self._frames_on_link += 1
+            if self._frames_on_link == 1 and self.previous is not None:
+                old, self.previous = self.previous, None
+                self._spawn(old.close)
+            self._ack_wanted.set()
+            return frame
+
+    def _revert(self, link: Link, error: LinkClosed) -> bool:
+        """The new link closed before it carried a frame: read the previous one again, if it is open."""
+        prev = self.previous
+        if prev is None or self._frames_on_link or prev.closed_reason is not None:
+            return False
+        log.info("ring edge %s: the new path closed before use (%s); reading the previous one again", self.edge_name,
+                 error.reason)
+        self.previous, self.link = None, prev
+        self._frames_on_link = 1  # the previous link carried frames: no revert from it
+        self._signal()
+        return True
+
+    async def switch_to(self, link: Link) -> None:
+        """Read only ``link`` from now on, and tell the sender so with `path_ready` (proto_spec 07 §7).
+
+        Raises:
+            LinkClosed: `path_ready` could not be sent (the new link is gone; the old one stays).
+        """
+        old = self.link
+        self.link, self.previous, self._frames_on_link = link, old, 0
+        if self._read_scope is not None:
+            self._read_scope.cancel()
+        delivered = self.delivered
+        self._signal()
+        self._spawn(self._forget_previous, old)
+        try:
+            await link.send({"t": "path_ready", SEQ: delivered})
+        except LinkClosed:
+            if self.link is link and self.previous is old:
+                self.link, self.previous = old, None
+                self._signal()
+            raise
+
+    async def _forget_previous(self, old: Link) -> None:
+        await trio.sleep(PREVIOUS_KEEP_S)
+        if self.previous is old:
+            self.previous = None
+            await old.close()
+
+    async def send_acks(self) -> None:
+        """Acknowledge delivered frames on the current link, coalesced (run it in the background)."""
+        while self.closed_reason is None and self.failed is None:
+            await self._ack_wanted.wait()
+            self._ack_wanted = trio.Event()
+            es = self.delivered
+            if es <= self._acked:
+                continue
+            try:
+                await self.link.send({"t": "edge_ack", SEQ: es})
+                self._acked = es
+            except LinkClosed:
+                await self._changed.wait()  # a new link (or the end) comes; ack there
+                self._ack_wanted.set()
