@@ -158,6 +158,12 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
+def _is_trio_cancelled(exc: BaseException) -> bool:
+    """Whether `exc` is trio's Cancelled (checked by name: this module imports no trio)."""
+    t = type(exc)
+    return t.__name__ == "Cancelled" and t.__module__.startswith("trio")
+
+
 def collapse(exc: BaseException) -> BaseException:
     """The exception a caller should see for `exc` (trio ≥ 0.25 strict exception groups).
 
@@ -165,7 +171,9 @@ def collapse(exc: BaseException) -> BaseException:
     ``except SessionError`` above it would never match. This returns:
 
     - `exc` itself when it is not a group;
-    - the sole leaf when the groups hold exactly one exception (what trio < 0.25 raised);
+    - the sole leaf when the groups hold exactly one exception (what trio < 0.25 raised), not
+      counting trio's ``Cancelled`` beside a real error: trio cancels level-triggered, so an
+      enclosing cancelled scope raises ``Cancelled`` again at the caller's next checkpoint;
     - the first leaf when every leaf is a KafilaError (two tasks of one operation failing for
       related reasons, e.g. both ring edges refused; the first is the one the caller reports);
     - otherwise `exc` unchanged (several unrelated failures: a bug, to be seen whole).
@@ -173,6 +181,9 @@ def collapse(exc: BaseException) -> BaseException:
     if not isinstance(exc, BaseExceptionGroup):
         return exc
     leaves = _leaves(exc)
+    real = [e for e in leaves if not _is_trio_cancelled(e)]
+    if real and len(real) < len(leaves):
+        leaves = real
     if len(leaves) == 1:
         return leaves[0]
     if leaves and all(isinstance(e, KafilaError) for e in leaves):

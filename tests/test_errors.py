@@ -92,3 +92,27 @@ def test_an_exception_in_the_body_of_a_nursery_context_manager_is_unwrapped():
 
 async def _raise_session_error():
     raise SessionError("no")
+
+
+def test_a_real_error_beside_an_outer_cancellation_is_the_one_seen():
+    """The nursery's body fails while an enclosing scope is being cancelled: the group holds the
+    error and trio's Cancelled; the caller sees the error (the scope re-raises Cancelled later)."""
+    from kafilad.errors import LinkEnded, LinkClosed
+
+    async def main():
+        caught = []
+        with trio.CancelScope() as outer:
+            try:
+                with collapse_groups():
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(trio.sleep_forever)
+                        outer.cancel()
+                        try:
+                            await trio.sleep(1)
+                        finally:
+                            raise LinkEnded("the host closed the session")
+            except LinkClosed as e:
+                caught.append(e.reason)
+        assert caught == ["the host closed the session"]
+
+    trio.run(main)

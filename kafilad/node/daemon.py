@@ -17,6 +17,7 @@ import trio
 from kafilad.control.api import OPS
 from kafilad.control.server import serve_control
 from kafilad.errors import KafilaError, collapse_groups
+from kafilad.modelref import resolve_model_dir
 from kafilad.node.statedir import StateDir
 from kafilad.proto import session as sm
 from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
@@ -98,7 +99,10 @@ class Node:
                 # a port in use or out of range refuses the start with a sentence (KafilaError)
                 self.http_port = await nursery.start(serve_openai_api, self, *self.http)
             log.info("kafilad %s (peer %s) listening on %s", self.name, self.peer_id, self.state.socket_path)
-            if self.state.remembered_session() is not None:
+            remembered = self.state.remembered_session()
+            if remembered is not None and remembered.get("role") == "host":
+                nursery.start_soon(self._rehost, remembered)
+            elif remembered is not None:
                 nursery.start_soon(self._rejoin)
             task_status.started()
 
@@ -131,26 +135,33 @@ class Node:
                 started = True
                 task_status.started(value)
 
-        with trio.CancelScope() as scope:
-            self._session_scope = scope
-            try:
+        # The handler sits outside the session's cancel scope: once the scope has stripped trio's
+        # Cancelled from a group, whatever error is left is caught here and costs only the session.
+        try:
+            with trio.CancelScope() as scope:
+                self._session_scope = scope
                 with collapse_groups():
                     await session.run(task_status=_Status(), **kw)
-            except Exception as e:
-                if not started:
-                    raise
-                log.exception("session %s stopped by an internal error", session.session_id)
+        except Exception as e:
+            if not started:
+                raise
+            log.exception("session %s stopped by an internal error", session.session_id)
+            with trio.CancelScope(shield=True), trio.move_on_after(2):
                 await session._handle(sm.Abort(repr(e)))
-            finally:
-                if session.state not in ("failed", "closed"):
-                    with trio.CancelScope(shield=True), trio.move_on_after(2):
-                        await session._handle(sm.Close("the session ended"))
-                self.changed()
+        finally:
+            if session.state not in ("failed", "closed"):
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    await session._handle(sm.Close("the session ended", final=False))
+            self.changed()
+        if started and session.role == "member" and session.state == "failed" and self.session is session:
+            record = self.state.remembered_session()
+            if record is not None and record.get("code") == session.code:
+                self.nursery.start_soon(self._rejoin)  # the host or rendezvous went away: come back by itself
 
     async def op_host(self, args: dict, emit) -> dict:
         from kafilad.node.host import HostSession
         self._ensure_no_session()
-        session = HostSession(self, model_dir=_required(args, "model_dir", str), members=_arg(args, "members", int, 1),
+        session = HostSession(self, model_dir=await resolve_model_dir(_required(args, "model_dir", str)), members=_arg(args, "members", int, 1),
                               context=_arg(args, "context", int, None), concurrency=_arg(args, "concurrency", int, 1),
                               rendezvous=self._rdv(args), open_=_arg(args, "open", bool, False),
                               admit_timeout_s=_arg(args, "admit_timeout_s", float, DEFAULT_ADMIT_TIMEOUT_S),
@@ -159,6 +170,32 @@ class Node:
         self.session = session
         self.changed()
         return {"code": code, "session_id": session.session_id}
+
+    async def _rehost(self, record: dict) -> None:
+        """Host the remembered session again after a restart (issue 8 §4): same session id and code,
+        the members' daemons rejoin by themselves. Retries while the rendezvous is unreachable."""
+        import random
+        from kafilad.node.host import HostSession
+        delay_s = 1.0
+        while self.session is None or self.session.state in ("failed", "closed"):
+            try:
+                session = HostSession(self, model_dir=record["model_dir"], members=int(record["members"]),
+                                      context=record.get("context"), concurrency=int(record.get("concurrency") or 1),
+                                      rendezvous=record["rendezvous"], open_=bool(record.get("open")),
+                                      admit_timeout_s=float(record.get("admit_timeout_s") or DEFAULT_ADMIT_TIMEOUT_S))
+                session.session_id = str(record["session_id"])
+                await self.nursery.start(self._run_session, session)
+                self.session = session
+                self.changed()
+                log.info("hosting the remembered session %s again", session.code)
+                return
+            except (KafilaError, KeyError, TypeError, ValueError) as e:
+                if isinstance(e, KafilaError) and "held by another host key" in str(e):
+                    self.state.forget_session()
+                    return
+                log.warning("re-hosting the remembered session failed (%s); retrying in %.0f s", e, delay_s)
+            await trio.sleep(delay_s * random.uniform(0.8, 1.2))
+            delay_s = min(delay_s * 2, 30.0)
 
     async def _rejoin(self) -> None:
         """Rejoin the remembered session after a restart (issue 8 §2): retry with a capped, jittered
@@ -201,7 +238,7 @@ class Node:
         except BaseException:
             self.changed()  # the machine says `failed` and why (the join's error is the caller's reply)
             raise
-        self.state.remember_session({"code": session.code, "rendezvous": session.rdv_url})
+        self.state.remember_session({"role": "member", "code": session.code, "rendezvous": session.rdv_url})
         self.changed()
         return {"session_id": session.session_id, "host": session.host_name, "state": str(session.state)}
 

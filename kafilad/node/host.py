@@ -10,6 +10,7 @@ which performs the machine's actions and tells status watchers once.
 from __future__ import annotations
 
 import logging
+import random
 import time
 import uuid
 from pathlib import Path
@@ -23,6 +24,7 @@ from kafilad.modelinfo import read_model_info
 from kafilad.node import paths, stagehost
 from kafilad.node.admission import Limiter
 from kafilad.node.link import Link, secure_link
+from kafilad.node.liveness import Liveness
 from kafilad.node.modelfiles import ModelFiles
 from kafilad.node.ring import run_on_mlx_thread
 from kafilad.planner import plan as make_plan
@@ -40,6 +42,9 @@ GEN_BUFFER_EVENTS = 1024
 #: seconds a cancelled request waits for a remote head's answer, and for its `cancel` frame to go
 CANCEL_WAIT_S = 10.0
 CANCEL_SEND_S = 5.0
+#: rendezvous reconnect backoff: first delay and cap (s), each jittered by ±20 % (issue 8 §3)
+RECONNECT_FIRST_S = 1.0
+RECONNECT_MAX_S = 30.0
 
 
 class HostSession:
@@ -85,6 +90,8 @@ class HostSession:
         self.trace = None
         self.rdv = None
         self.paths = None  # the session's PathManager (kafilad/node/paths.py), open while it runs
+        self.reconnecting: Optional[dict] = None  # {"attempt", "next_in_s", "reason"} while the rendezvous is away
+        self._serving = trio.Event()
         self._t0 = time.perf_counter()
         self._stage_scope: Optional[trio.CancelScope] = None
         self._stage_links: tuple = ()
@@ -208,44 +215,88 @@ class HostSession:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Register at the rendezvous, then form and serve; `task_status.started(code)` once registered.
 
-        Raises:
-            SessionError: before registration (unreachable rendezvous); afterwards failures end
-                in the `failed` state instead.
-        """
-        from kafilad.node.rdv_client import open_rendezvous
-        from kafilad.node.trace import Trace
+        The rendezvous connection is re-made whenever it ends (capped, jittered backoff;
+        issue 8 §3), re-registering the same session id with proof of the host key
+        (proto_spec 03 §2.5), so the session keeps its code. With ``session_id`` set before run
+        (a restarted host daemon), the first registration re-creates that session too.
 
+        Raises:
+            SessionError: the first registration failed (unreachable rendezvous, refused); later
+                failures are states of the session instead.
+        """
         self._chat_tokenizer = await trio.to_thread.run_sync(
             stagehost.executor().synth.load_tokenizer, self.model_dir)
+        self.rdv = CurrentRendezvous()
         try:
-            async with open_rendezvous(self.rdv_url, static_private=self.node.static_private,
-                                       name=self.node.name) as rdv:
-                self.rdv = rdv
-                session_id = await rdv.register(self.info.model_id, self.expected, {"name": self.node.name})
-                self.session_id = session_id
-                self.code = compose_session_code(session_id, self.node.public_key)
-                self.trace = Trace(self.node.state.trace_path(session_id))
-                async with paths.open_session_paths(self.node, rdv, session_id=session_id) as self.paths:
-                    with collapse_groups():
-                        async with trio.open_nursery() as nursery:
-                            self.nursery = nursery
-                            await self._handle(sm.Registered(session_id))
-                            task_status.started(self.code)
-                            nursery.start_soon(self._accept_loop, rdv)
-                            nursery.start_soon(self._events_loop, rdv)
-                            nursery.start_soon(self._measure_self)
-        except trio.Cancelled:  # the daemon stops: members are told the session ended
+            with collapse_groups():
+                async with trio.open_nursery() as outer:
+                    self.nursery = outer
+                    await outer.start(self._rendezvous_loop)
+                    async with paths.open_session_paths(self.node, self.rdv, session_id=self.session_id) as self.paths:
+                        self._serving.set()
+                        task_status.started(self.code)
+                        await self._measure_self()
+                        await trio.sleep_forever()
+        except trio.Cancelled:  # the daemon stops (or leave): members are told, unless it was a leave
             with trio.CancelScope(shield=True), trio.move_on_after(2):
-                await self._handle(sm.Close("the host's daemon stopped"))
+                await self._handle(sm.Close("the host's daemon stopped", final=False))
             raise
-        except (KafilaError, trio.BrokenResourceError, OSError) as e:
-            if not self.code:
-                if isinstance(e, KafilaError):
-                    raise
-                raise SessionError(f"cannot reach the rendezvous at {self.rdv_url}: {e}") from None
-            reason = str(e) if isinstance(e, KafilaError) else f"the rendezvous connection was lost ({e!r})"
-            if self.state not in (sm.HostState.FAILED, sm.HostState.CLOSED):
-                await self._handle(sm.RendezvousLost(reason))
+
+    async def _rendezvous_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Keep this session registered at the rendezvous for as long as it runs (issue 8 §3)."""
+        from kafilad.node.rdv_client import open_rendezvous
+        from kafilad.node.trace import Trace
+        attempt, started = 0, False
+        while True:
+            reason = "the connection closed"
+            try:
+                async with open_rendezvous(self.rdv_url, static_private=self.node.static_private,
+                                           name=self.node.name) as client:
+                    sid = await client.register(self.info.model_id, self.expected, {"name": self.node.name},
+                                                session_id=self.session_id or None)
+                    self.rdv.client = client
+                    self.reconnecting = None
+                    if not started:
+                        self.session_id = sid
+                        self.code = compose_session_code(sid, self.node.public_key)
+                        self.trace = Trace(self.node.state.trace_path(sid))
+                        await self._handle(sm.Registered(sid))
+                        self.node.state.remember_session(self.remembered())
+                        started = True
+                        task_status.started()
+                    else:
+                        log.info("session %s re-registered at the rendezvous after %d attempt(s)", sid, attempt)
+                        await self._handle(sm.RendezvousBack(attempt))
+                    attempt = 0
+                    await self._serving.wait()
+                    async with trio.open_nursery() as conn_nursery:
+                        conn_nursery.start_soon(self._accept_loop, client)
+                        reason = await self._events_loop(client)
+                        conn_nursery.cancel_scope.cancel()
+            except (KafilaError, trio.BrokenResourceError, OSError) as e:
+                if not started:
+                    if isinstance(e, KafilaError):
+                        raise
+                    raise SessionError(f"cannot reach the rendezvous at {self.rdv_url}: {e}") from None
+                reason = str(e)
+            self.rdv.client = None
+            if self.state in (sm.HostState.FAILED, sm.HostState.CLOSED):
+                return
+            await self._rendezvous_gone(reason)
+            attempt += 1
+            delay_s = min(RECONNECT_MAX_S, RECONNECT_FIRST_S * 2 ** (attempt - 1)) * random.uniform(0.8, 1.2)
+            self.reconnecting = {"attempt": attempt, "next_in_s": round(delay_s, 1), "reason": reason,
+                                 "at": time.time() + delay_s}
+            self.node.changed()
+            log.warning("session %s: rendezvous lost (%s); reconnecting in %.1f s (attempt %d)",
+                        self.session_id, reason, delay_s, attempt)
+            await trio.sleep(delay_s)
+
+    def remembered(self) -> dict:
+        """What a restarted host daemon needs to host this session again (kafilad/node/statedir.py)."""
+        return {"role": "host", "code": self.code, "session_id": self.session_id, "rendezvous": self.rdv_url,
+                "model_dir": self.model_dir, "members": self.expected, "context": self.context,
+                "concurrency": self.concurrency, "open": self.machine.open, "admit_timeout_s": self.admit_timeout_s}
 
     async def _measure_self(self) -> None:
         cap = await run_on_mlx_thread(stagehost.measure_capability, self.model_dir)
@@ -258,7 +309,8 @@ class HostSession:
             self.nursery.start_soon(self._serve_member, circuit)
         await stagehost.accept_circuits(rdv, {"ctl": serve, "ring": self._ring_incoming_send.send})
 
-    async def _events_loop(self, rdv) -> None:
+    async def _events_loop(self, rdv) -> str:
+        """Handle rendezvous events until the connection ends; return why it ended."""
         from kafilad.node.rdv_client import Disconnected, MemberLeft, Signal
         async for ev in rdv.events:
             if isinstance(ev, Signal):  # candidate offers (proto_spec 07 §2)
@@ -266,7 +318,8 @@ class HostSession:
             elif isinstance(ev, MemberLeft):
                 await self._handle(sm.MemberLost(ev.peer_id, ev.reason or "it left the rendezvous"))
             elif isinstance(ev, Disconnected):
-                await self._rendezvous_gone(ev.reason)
+                return ev.reason
+        return rdv.lost or "the connection closed"
 
     async def _rendezvous_gone(self, reason: str) -> None:
         relayed = tuple(f"{e['from']} -> {e['to']}" for e in stagehost.session_edges(self)
@@ -308,9 +361,14 @@ class HostSession:
             if pid not in self.machine.members or self.links.get(pid) is not link:
                 return
             link.peer_name = self.machine.members[pid].name
-            await self._member_loop(pid, link)
+            live = Liveness(link)
+            with collapse_groups():
+                async with trio.open_nursery() as watch:
+                    watch.start_soon(live.run)
+                    await self._member_loop(pid, link, live)
         except LinkClosed as e:
-            lost = getattr(self.rdv, "lost", None)
+            client = self.rdv.client if isinstance(self.rdv, CurrentRendezvous) else self.rdv
+            lost = getattr(client, "lost", None)
             if lost is not None and self.rendezvous_lost is None:
                 await self._rendezvous_gone(lost)  # its ctl circuit died with the rendezvous (DESIGN §2)
             if self.links.get(pid) is link:
@@ -337,10 +395,11 @@ class HostSession:
     def pending(self) -> dict:
         return self.machine.pending
 
-    async def _member_loop(self, pid: str, link: Link) -> None:
+    async def _member_loop(self, pid: str, link: Link, live: Liveness) -> None:
         """Frames from one admitted member: state frames to the machine, the rest served here."""
         while True:
             raw = await link.receive()
+            live.saw_frame()
             try:
                 f = cf.decode_control(raw)
             except RemoteProtocolError as e:  # a malformed frame closes this member's link (DESIGN §7)
@@ -348,6 +407,8 @@ class HostSession:
                 raise LinkClosed(f"it sent a {e}") from None
             if isinstance(f, cf.UnknownFrame):
                 log.info("ignoring control frame %r from %s", f.t, link.peer_name)
+            elif isinstance(f, cf.Ping):
+                pass
             elif isinstance(f, cf.Fetch):
                 await self._serve_fetch(link, f)
             elif isinstance(f, (cf.GenEvent, cf.GenDone, cf.GenError)):
@@ -399,19 +460,24 @@ class HostSession:
 
     async def _distribute(self, planned: sm.Planned, epoch: int) -> None:
         """Send each remote member its share (proto_spec 05 §2 `plan`), then load our own stage."""
-        roster = {e.peer_id: {"name": e.name, "public_key": e.public_key} for e in self.members.values()}
-        for pid in self.ring_order:
-            e = self.members[pid]
-            if e.is_host:
+        order = list(self.ring_order)  # this plan's ring; a later loss replans with a new list
+        roster = {p: {"name": self.members[p].name, "public_key": self.members[p].public_key}
+                  for p in order if p in self.members}
+        for pid in order:
+            e = self.members.get(pid)
+            if epoch != self.machine.epoch:
+                return  # replanned meanwhile: that plan's distribution has started
+            if e is None or e.is_host:
                 continue
             start, end = planned.blocks[e.name]
             head = planned.head == e.name
             tensors = await trio.to_thread.run_sync(self.files.tensor_table, start, end, head)
             files = await trio.to_thread.run_sync(self.files.file_table) if head else []
-            await self._perform(sm.Send(pid, cf.PlanFrame(plan=planned.plan, ring=list(self.ring_order),
-                                                          roster=roster, start=start, end=end, head=head,
-                                                          tensors=tensors, files=files, epoch=epoch)))
-        self.nursery.start_soon(self._run_stage, roster, epoch)
+            await self._perform(sm.Send(pid, cf.PlanFrame(plan=planned.plan, ring=order, roster=roster, start=start,
+                                                          end=end, head=head, tensors=tensors, files=files,
+                                                          epoch=epoch)))
+        if epoch == self.machine.epoch:
+            self.nursery.start_soon(self._run_stage, roster, epoch)
 
     async def _run_stage(self, roster: dict, epoch: int) -> None:
         """The host's stage of plan `epoch`, in its own cancel scope (a replan ends it)."""
@@ -670,6 +736,15 @@ class HostSession:
         from kafilad.planner import fleet_to_json
         return fleet_to_json(self.fleet_devices, self.context, self.concurrency)
 
+    def _rendezvous_status(self):
+        """"connected", or "reconnecting (attempt n, next in s)" while it is away (issue 8 §3)."""
+        if self.reconnecting is not None:
+            left_s = max(0.0, self.reconnecting["at"] - time.time())
+            return f"reconnecting (attempt {self.reconnecting['attempt']}, next in {left_s:.0f} s)"
+        if self.rendezvous_lost:
+            return "lost"
+        return "connected" if isinstance(self.rdv, CurrentRendezvous) and self.rdv.client is not None else None
+
     def snapshot(self) -> dict:
         plan = self.plan
         members = []
@@ -693,7 +768,7 @@ class HostSession:
                                 "nat_class": (r.capability or {}).get("nat_class")})
         return {"role": "host", "session_id": self.session_id, "code": self.code, "state": self.state.value,
                 "error": self.error, "model_id": self.info.model_id, "expected_members": self.expected,
-                "rendezvous": "lost" if self.rendezvous_lost else ("connected" if self.rdv else None),
+                "rendezvous": self._rendezvous_status(),
                 "context": self.context, "concurrency": self.concurrency, "members": members,
                 "requests": self.admission.snapshot(),
                 "pending": [{"peer_id": p.peer_id, "name": p.name} for p in self.pending.values()],
@@ -703,8 +778,37 @@ class HostSession:
                 "edges": stagehost.session_edges(self)}
 
     async def close(self, reason: str = "the host closed the session") -> None:
-        """End the session for everyone: members are told, requests in flight fail with `reason`."""
-        await self._handle(sm.Close(reason))
+        """End the session for everyone, for good: members are told (they forget it), requests fail with `reason`."""
+        await self._handle(sm.Close(reason, final=True))
+
+
+class CurrentRendezvous:
+    """The session's rendezvous client of the moment: it is replaced on every reconnect, and the
+    session's paths (kafilad/node/paths.py) reach the current one through this handle.
+
+    Attribute access goes to the current client; while there is none, a SessionError says so.
+    """
+
+    #: what the last client said of itself stays readable while there is none
+    _KEPT = ("peer_id", "url", "stun_servers", "session_id", "lost", "name")
+
+    def __init__(self):
+        self.client = None
+        self.last = None
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "client" and value is not None:
+            object.__setattr__(self, "last", value)
+        object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str):
+        client = self.__dict__.get("client")
+        if client is None:
+            last = self.__dict__.get("last")
+            if name in self._KEPT and last is not None:
+                return getattr(last, name)
+            raise SessionError("the rendezvous is reconnecting")
+        return getattr(client, name)
 
 
 def result_of(st) -> dict:

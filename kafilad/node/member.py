@@ -19,6 +19,7 @@ from kafilad.node import paths, stagehost
 from kafilad.node.fetcher import Fetcher, checked_file_name
 from kafilad.node.host import result_of
 from kafilad.node.link import Link, secure_link
+from kafilad.node.liveness import Liveness
 from kafilad.node.ring import run_on_mlx_thread
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
@@ -49,6 +50,9 @@ class MemberSession:
         self.rdv = None
         self.paths = None  # the session's PathManager (kafilad/node/paths.py), open once admitted
         self._admitted = trio.Event()
+        self._over = trio.Event()
+        self.liveness: Optional[Liveness] = None  # keepalives on the ctl link once admitted  # set once the session failed or closed: the control loop ends
+        self.reconnecting: Optional[dict] = None
         self._stage_scope: Optional[trio.CancelScope] = None
         self._stage_links: tuple = ()
 
@@ -73,6 +77,8 @@ class MemberSession:
     async def _handle(self, event) -> None:
         for action in self.machine.handle(event):
             await self._perform(action)
+        if self.state in (sm.MemberState.FAILED, sm.MemberState.CLOSED):
+            self._over.set()
         if self.machine.changed:
             self.machine.changed = False
             self.node.changed()
@@ -96,6 +102,8 @@ class MemberSession:
                 self.ring.fail_all(a.reason, member=self.host_name if a.member == "host" else (a.member or "?"))
         elif isinstance(a, sm.Trace):
             log.info("session %s: %s %s", self.session_id, a.kind, a.fields)
+        elif isinstance(a, sm.ForgetSession):
+            self.node.state.forget_session()
         elif isinstance(a, sm.JoinAccepted):
             self._admitted.set()
         elif isinstance(a, sm.Refused):
@@ -130,6 +138,8 @@ class MemberSession:
                                 self.nursery = nursery
                                 nursery.start_soon(self._accept_loop, rdv)
                                 nursery.start_soon(self._events_loop, rdv)
+                                self.liveness = Liveness(self.link)
+                                nursery.start_soon(self.liveness.run)
                                 await self._control_loop()
                                 nursery.cancel_scope.cancel()
                 except trio.Cancelled:
@@ -189,6 +199,8 @@ class MemberSession:
         """
         try:
             raw = await self.link.receive()
+            if self.liveness is not None:
+                self.liveness.saw_frame()
             f = cf.decode_control(raw)
         except RemoteProtocolError as e:
             await self.link.close(f"the host sent a {e}")
@@ -202,6 +214,8 @@ class MemberSession:
             return None
         if isinstance(f, cf.UnknownFrame):
             log.info("ignoring control frame %r from the host", f.t)
+            return None
+        if isinstance(f, cf.Ping):
             return None
         return f
 
@@ -229,6 +243,28 @@ class MemberSession:
         if self.machine.keeps_serving:
             log.warning("session %s: the rendezvous is gone (%s); both ring edges are direct, so this stage "
                         "keeps serving", self.session_id, reason)
+            self.nursery.start_soon(self._await_rendezvous_back)
+
+    async def _await_rendezvous_back(self) -> None:
+        """While the stage serves on without the rendezvous, probe it (capped, jittered backoff); once
+        it answers, end this session so the daemon rejoins it with a fresh ctl link (issue 8 §3)."""
+        import random
+        from kafilad.node.rdv_client import open_rendezvous
+        attempt = 0
+        while not self._over.is_set():
+            attempt += 1
+            delay_s = min(30.0, 2.0 ** (attempt - 1)) * random.uniform(0.8, 1.2)
+            self.reconnecting = {"attempt": attempt, "at": time.time() + delay_s}
+            self.node.changed()
+            await trio.sleep(delay_s)
+            try:
+                async with open_rendezvous(self.rdv_url, static_private=self.node.static_private,
+                                           name=self.node.name, connect_timeout_s=5.0):
+                    pass
+            except (KafilaError, OSError, trio.BrokenResourceError):
+                continue
+            await self._handle(sm.SessionEnded("the rendezvous is back; rejoining to restore the control link"))
+            return
 
     # ---- control loop ----------------------------------------------------------------------
     async def _control_loop(self) -> None:
@@ -238,7 +274,8 @@ class MemberSession:
         await self._handle(sm.CapabilitySent(cap))
         while self.state not in (sm.MemberState.FAILED, sm.MemberState.CLOSED):
             if self.link.closed_reason is not None and self.machine.keeps_serving:
-                await trio.sleep_forever()  # the ring stage serves on without the ctl link (DESIGN §2)
+                await self._over.wait()  # the ring stage serves on without the ctl link (DESIGN §2)
+                break
             f = await self._receive()
             if f is None:
                 continue
@@ -380,7 +417,10 @@ class MemberSession:
                             "predicted_stage_s": plan.get("stage_s", {}).get(name), "measured_stage_s": None})
         return {"role": "member", "session_id": self.session_id, "code": self.code, "state": self.state.value,
                 "error": self.error, "host": self.host_name, "members": members,
-                "rendezvous": "lost" if self.rendezvous_lost else ("connected" if self.rdv else None),
+                "rendezvous": (f"reconnecting (attempt {self.reconnecting['attempt']}, next in "
+                               f"{max(0.0, self.reconnecting['at'] - time.time()):.0f} s)") if self.reconnecting and
+                              not self._over.is_set() else
+                              ("lost" if self.rendezvous_lost else ("connected" if self.rdv else None)),
                 "control": "down" if self.rendezvous_lost else ("up" if self.link else None),
                 "blocks": [p.start, p.end] if p else None, "head": bool(p and p.head),
                 "capability": self.capability, "load": self.load, "plan": plan or None}
