@@ -67,3 +67,62 @@ def test_leave_on_a_member_is_a_loss_the_session_heals(stories260k, cluster3):
     dt, st = wait_status(cluster3, lambda s: s["state"] == "ready" and planned(s) == 2, 30)
     assert "is leaving" in [m for m in st["members"] if m["name"] == "m2"][0]["lost"]
     assert cluster3.generate(STORIES_PROMPT, 16)["token_ids"] == ref
+
+
+def test_a_frozen_member_fails_the_request_in_flight_naming_it_and_returns(stories260k, cluster3):
+    """SIGSTOP (a laptop asleep): liveness, not a closed socket, finds it (issue 8 §1)."""
+    import trio
+    from kafilad.errors import KafilaError
+    ref = reference_tokens(stories260k, STORIES_PROMPT, 24)
+    st = cluster3.form(str(stories260k))["status"]
+    victim = next(m["name"] for m in st["members"] if m["name"] != "m0")
+    vi = cluster3.names.index(victim)
+    outcome = {}
+
+    async def run():
+        t0 = time.monotonic()
+        try:
+            async for kind, body in cluster3.client(0).stream("generate", prompt=STORIES_PROMPT, max_tokens=400):
+                if kind == "event" and "frozen_at" not in outcome:
+                    cluster3.daemons[vi].send_signal(signal.SIGSTOP)
+                    outcome["frozen_at"] = time.monotonic()
+        except KafilaError as e:
+            outcome["error"], outcome["after_s"] = str(e), time.monotonic() - outcome.get("frozen_at", t0)
+
+    try:
+        trio.run(run)
+        assert "error" in outcome, "the request finished although a member was frozen"
+        assert victim in outcome["error"] and outcome["after_s"] < 15, outcome
+        wait_status(cluster3, lambda s: s["state"] == "ready" and planned(s) == 2, 30)
+        assert cluster3.generate(STORIES_PROMPT, 24)["token_ids"] == ref
+    finally:
+        cluster3.daemons[vi].send_signal(signal.SIGCONT)
+    wait_status(cluster3, lambda s: s["state"] == "ready" and planned(s) == 3, 60)  # it rejoins by itself
+    assert cluster3.generate(STORIES_PROMPT, 24)["token_ids"] == ref
+
+
+def test_a_restarted_host_rehosts_the_same_session_and_members_rejoin(stories260k, cluster3):
+    ref = reference_tokens(stories260k, STORIES_PROMPT, 24)
+    code = cluster3.form(str(stories260k))["code"]
+    host = cluster3.daemons[0]
+    host.send_signal(signal.SIGTERM)
+    assert host.wait(timeout=10) == 0
+    cluster3.daemons[0] = cluster3.start_daemon(0)
+    cluster3.wait_daemon(0)
+    dt, st = wait_status(cluster3, lambda s: s["state"] == "ready" and planned(s) == 3, 90)
+    assert st["code"] == code
+    assert cluster3.generate(STORIES_PROMPT, 24)["token_ids"] == ref
+    for i in (1, 2):
+        assert cluster3.call(i, "status")["code"] == code
+
+
+def test_leave_on_the_host_ends_the_session_for_good(stories260k, cluster3):
+    cluster3.form(str(stories260k))
+    cluster3.call(0, "leave")
+    for i in (1, 2):
+        deadline = time.monotonic() + 20
+        while cluster3.call(i, "status")["state"] not in ("closed", "idle"):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert not (cluster3.state_dir(i) / "session.json").exists()  # forgotten: no rejoin after a restart
+    assert not (cluster3.state_dir(0) / "session.json").exists()
