@@ -9,6 +9,8 @@
 #                                    C  port-restricted cone: EIM + address-and-port-dependent filtering
 #                                    S  symmetric: a random port per flow (masquerade random)
 #                                    N  no NAT: the member sits on the WAN bridge itself (172.16.0.(20+i))
+#                                    @K behind member K's NAT, on the same LAN (10.0.K.x): two
+#                                       members behind one NAT, e.g. "up S @1"
 #   scripts/natlab.sh down         delete every kf-* namespace (safe to run when none exist)
 #   scripts/natlab.sh exec NS CMD  run CMD in namespace NS: rdv, wan, m<i>, nat<i> or kf-...
 #   scripts/natlab.sh status       list kf-* namespaces and the class of each member
@@ -69,7 +71,18 @@ up() {
   need_tools
   [[ $# -ge 1 ]] || die "usage: natlab.sh up CLASS... (each O, C, S or N)"
   local cls
-  for cls in "$@"; do [[ $cls =~ ^[OCSN]$ ]] || die "unknown NAT class '$cls' (use O, C, S or N)"; done
+  local -a classes=("$@")
+  local k=0
+  for cls in "$@"; do
+    k=$((k + 1))
+    if [[ $cls =~ ^@([0-9]+)$ ]]; then
+      local owner=${BASH_REMATCH[1]}
+      (( owner >= 1 && owner < k )) || die "member $k: '@$owner' must name an earlier member"
+      [[ ${classes[$((owner - 1))]} =~ ^[OCS]$ ]] || die "member $k: member $owner has no NAT of its own to share"
+      continue
+    fi
+    [[ $cls =~ ^[OCSN]$ ]] || die "unknown NAT class '$cls' (use O, C, S, N or @K)"
+  done
   [[ $# -le 200 ]] || die "at most 200 members"
   down
 
@@ -83,6 +96,7 @@ up() {
   ip -n kf-rdv link set rdv0 up
 
   local i=0
+  local -A hosts_on=()  # NAT index -> members on its LAN so far
   mkdir -p "$STATE_DIR"
   : > "$STATE_DIR/classes"
   for cls in "$@"; do
@@ -96,18 +110,27 @@ up() {
       ip -n "kf-m$i" link set eth0 up
       continue
     fi
-    ip netns add "kf-nat$i"; ip -n "kf-nat$i" link set lo up
-    ip link add wan netns "kf-nat$i" type veth peer name "p-nat$i" netns kf-wan
-    ip -n kf-wan link set "p-nat$i" master br0 up
-    ip -n "kf-nat$i" addr add "172.16.0.$((20 + i))/24" dev wan
-    ip -n "kf-nat$i" link set wan up
-    ip link add lan netns "kf-nat$i" type veth peer name eth0 netns "kf-m$i"
-    ip -n "kf-nat$i" addr add "10.0.$i.1/24" dev lan
-    ip -n "kf-nat$i" link set lan up
-    ip -n "kf-m$i" addr add "10.0.$i.2/24" dev eth0
+    local nat=$i
+    if [[ $cls =~ ^@([0-9]+)$ ]]; then
+      nat=${BASH_REMATCH[1]}
+    else
+      ip netns add "kf-nat$i"; ip -n "kf-nat$i" link set lo up
+      ip link add wan netns "kf-nat$i" type veth peer name "p-nat$i" netns kf-wan
+      ip -n kf-wan link set "p-nat$i" master br0 up
+      ip -n "kf-nat$i" addr add "172.16.0.$((20 + i))/24" dev wan
+      ip -n "kf-nat$i" link set wan up
+      # the LAN: a bridge, so that several members can sit behind this NAT ("@K")
+      ip -n "kf-nat$i" link add lan type bridge
+      ip -n "kf-nat$i" addr add "10.0.$i.1/24" dev lan
+      ip -n "kf-nat$i" link set lan up
+      make_nat "$i" "$cls"
+    fi
+    hosts_on[$nat]=$(( ${hosts_on[$nat]:-0} + 1 ))
+    ip link add "l-m$i" netns "kf-nat$nat" type veth peer name eth0 netns "kf-m$i"
+    ip -n "kf-nat$nat" link set "l-m$i" master lan up
+    ip -n "kf-m$i" addr add "10.0.$nat.$((1 + ${hosts_on[$nat]}))/24" dev eth0
     ip -n "kf-m$i" link set eth0 up
-    ip -n "kf-m$i" route add default via "10.0.$i.1"
-    make_nat "$i" "$cls"
+    ip -n "kf-m$i" route add default via "10.0.$nat.1"
   done
   echo "natlab: up: rdv 172.16.0.10 172.16.0.11; members $*"
 }

@@ -1,6 +1,7 @@
 """Helpers for tests inside the NAT lab built by scripts/natlab.sh (DESIGN §9.3, ../shared/natlab.md).
 
-- :func:`lab` brings the lab up with one NAT class per member and always tears it down.
+- :func:`lab` brings the lab up with one NAT class per member ("@K": behind member K's NAT) and
+  always tears it down.
 - :class:`Lab` runs commands in its namespaces; members are named "m1", "m2", ...
 - :func:`stun_server` / :func:`coturn` run a STUN server in kf-rdv for the length of a ``with``.
 
@@ -50,7 +51,14 @@ class Lab:
         return [f"m{i + 1}" for i in range(len(self.classes))]
 
     def class_of(self, member: str) -> str:
-        return self.classes[int(member[1:]) - 1]
+        """The NAT class of ``member``; one behind another member's NAT ("@K") has that NAT's class."""
+        cls = self.classes[int(member[1:]) - 1]
+        return self.class_of(f"m{cls[1:]}") if cls.startswith("@") else cls
+
+    def nat_of(self, member: str) -> str:
+        """The namespace of the NAT ``member`` sits behind ("nat1", ...)."""
+        cls = self.classes[int(member[1:]) - 1]
+        return f"nat{cls[1:]}" if cls.startswith("@") else f"nat{member[1:]}"
 
     @staticmethod
     def argv(ns: str, *cmd: str) -> list[str]:
@@ -95,7 +103,7 @@ def _script(*args: str) -> None:
 
 @contextlib.contextmanager
 def lab(classes: Sequence[str]) -> Iterator[Lab]:
-    """Bring the lab up with ``classes`` (each "O", "C", "S" or "N") and tear it down after."""
+    """Bring the lab up with ``classes`` (each "O", "C", "S", "N" or "@K") and tear it down after."""
     _script("up", *classes)
     try:
         yield Lab(tuple(classes))

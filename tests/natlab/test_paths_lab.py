@@ -29,7 +29,8 @@ class LabCluster(LoopbackCluster):
         super().__init__(len(lab.members), root=tempfile.mkdtemp(prefix="kl-"), names=list(lab.members), **kw)
         self._own_root = True
 
-    def rendezvous_argv(self) -> list[str]:
+    def rendezvous_argv(self, listen: str = "") -> list[str]:
+        """The rendezvous in kf-rdv (``listen`` is ignored: it always listens on the lab's first IP)."""
         stun = [a for ip, port in STUN_GRID for a in ("--stun", f"{ip}:{port}")]
         return self.lab.python("rdv", "-m", "kafilad.main", "rendezvous", "--listen", f"{RDV_IPS[0]}:{RDV_PORT}", *stun)
 
