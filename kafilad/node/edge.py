@@ -218,16 +218,17 @@ class RingEdge:
     async def _life(self, ring) -> None:
         with collapse_groups():
             async with trio.open_nursery() as n:
+                async def end_when(event) -> None:
+                    await event.wait()
+                    n.cancel_scope.cancel()
+                n.start_soon(end_when, self.link.ended)  # the ring closed its end (a replan), or it failed
                 broken = getattr(ring, "broken_event", None)
                 if broken is not None:
-                    async def watch() -> None:
-                        await broken.wait()
-                        n.cancel_scope.cancel()
-                    n.start_soon(watch)
+                    n.start_soon(end_when, broken)
                 if self.sender:
                     n.start_soon(self.link.read_acks)
                     await self._sender_life()
-                    if self.link.failed is None and not self.closed:
+                    if not self.link.over and not self.closed:
                         await trio.sleep_forever()  # acknowledgements still flow on the path in use
                 else:
                     n.start_soon(self.link.send_acks)
@@ -238,7 +239,7 @@ class RingEdge:
                 n.cancel_scope.cancel()
 
     async def _sender_life(self) -> None:
-        while not self.closed and self.link.failed is None:
+        while not self.closed and not self.link.over:
             if self.transport is not None:
                 why = await self._watch_direct()
                 if why is None or not await self._fall_back(why):
@@ -256,7 +257,8 @@ class RingEdge:
 
     def _on_broken(self, link: Link, error: LinkClosed) -> bool:
         """The ring's end saw ``link`` fail: True if a repair (a fallback) will come."""
-        if self.closed or not self._living or link is not self.path_link or self.record.path != PathKind.DIRECT:
+        if (self.closed or not self._living or self.link.over or link is not self.path_link
+                or self.record.path != PathKind.DIRECT):
             return False
         if self._repair_reason is None:
             self._repair_reason = f"the direct path broke ({error.reason})"
@@ -270,6 +272,8 @@ class RingEdge:
         while True:
             with trio.move_on_after(WATCH_INTERVAL_S):
                 await self._repair.wait()
+            if self.link.over:
+                return None
             if self._repair_reason is not None:
                 why, self._repair_reason = self._repair_reason, None
                 self._repair = trio.Event()
@@ -374,8 +378,9 @@ class RingEdge:
         path, and forget its record (the edges of a new ring replace it in status)."""
         self.closed = True
         self._background.cancel()
-        if self.link is not None:
-            self.link.closed_reason = self.link.closed_reason or reason
+        if self.link is not None and not self.link.over:
+            self.link.closed_reason = reason
+            self.link.ended.set()
         for link in self.links:
             await link.close(reason)
         self.paths.release(self.transport)

@@ -70,6 +70,12 @@ class _EdgeEnd:
         self.on_broken = on_broken  # on_broken(link, error) -> bool: True if a repair is under way
         self._spawn = spawn
         self._changed = trio.Event()  # set whenever the link changes, the edge fails or closes
+        self.ended = trio.Event()  # set once the edge failed or was closed: no more repairs
+
+    @property
+    def over(self) -> bool:
+        """The edge failed or was closed."""
+        return self.failed is not None or self.closed_reason is not None
 
     def _signal(self) -> None:
         self._changed.set()
@@ -80,6 +86,7 @@ class _EdgeEnd:
         if self.failed is None and self.closed_reason is None:
             self.failed = reason
             log.warning("ring edge %s failed: %s", self.edge_name, reason)
+        self.ended.set()
         self._signal()
 
     def _replacement_pending(self) -> bool:
@@ -112,6 +119,7 @@ class _EdgeEnd:
         """Close the edge's current link; later calls raise LinkEnded (no repair is attempted)."""
         if self.closed_reason is None:
             self.closed_reason = reason if reason != "closed" else f"the ring edge {self.edge_name} was closed"
+        self.ended.set()
         self._signal()
         await self.link.close(reason)
 

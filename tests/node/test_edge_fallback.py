@@ -54,7 +54,8 @@ async def _serving_pair(nursery, classes, firewall, **kw):
 
     async def consume():  # what RingMember.run reads
         async for frame in receiver._inbox_recv:
-            got.append(frame["seq"])
+            if "seq" in frame:  # not the wake-up a broken ring puts there
+                got.append(frame["seq"])
     nursery.start_soon(consume)
     return net, hub, p, out, into, sender, receiver, got, reports
 
@@ -171,4 +172,19 @@ async def test_an_idle_edge_falls_back_too_and_the_next_frame_crosses_the_relay(
         await trio.sleep(0.5)
         assert got == [0, 1] and out.link.resent == 0  # nothing was in flight
         assert into.record.path == PathKind.RELAYED
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_closing_the_rings_end_of_a_direct_edge_is_not_repaired(clock):
+    firewall: dict = {}
+    async with trio.open_nursery() as nursery:
+        net, hub, p, out, into, sender, receiver, got, _ = await _serving_pair(nursery, {"a": "O", "b": "O"}, firewall)
+        await sender.next_link.send({"t": "act", "seq": 0})
+        await out.link.close("the session replanned")  # what host.py / member.py do with their stage links
+        await trio.sleep(30)
+        assert out.record.path == PathKind.DIRECT and out.record.fallbacks == 0
+        assert hub.clients[p["a"].peer_id].circuits == []  # no fallback circuit was opened
+        assert not out._living and [e for e in p["a"].paths.events if e["event"].startswith("edge_")] == []
+        assert receiver.broken == "member a is unreachable: the ring link from a closed: a closed the link"
         nursery.cancel_scope.cancel()
