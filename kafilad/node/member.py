@@ -17,7 +17,7 @@ from kafilad.errors import (HandshakeError, KafilaError, LinkClosed, RemoteProto
                             collapse_groups)
 from kafilad.node import paths, stagehost
 from kafilad.node.fetcher import Fetcher, checked_file_name
-from kafilad.node.host import result_of
+from kafilad.node.host_requests import result_of
 from kafilad.node.link import Link, secure_link
 from kafilad.node.liveness import Liveness
 from kafilad.node.ring import run_on_mlx_thread

@@ -511,3 +511,32 @@ async def open_rendezvous(
                     yield client
                 finally:
                     nursery.cancel_scope.cancel()
+
+
+class CurrentRendezvous:
+    """The session's rendezvous client of the moment: it is replaced on every reconnect, and the
+    session's paths (kafilad/node/paths.py) reach the current one through this handle.
+
+    Attribute access goes to the current client; while there is none, a SessionError says so.
+    """
+
+    #: what the last client said of itself stays readable while there is none
+    _KEPT = ("peer_id", "url", "stun_servers", "session_id", "lost", "name")
+
+    def __init__(self):
+        self.client = None
+        self.last = None
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "client" and value is not None:
+            object.__setattr__(self, "last", value)
+        object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str):
+        client = self.__dict__.get("client")
+        if client is None:
+            last = self.__dict__.get("last")
+            if name in self._KEPT and last is not None:
+                return getattr(last, name)
+            raise SessionError("the rendezvous is reconnecting")
+        return getattr(client, name)

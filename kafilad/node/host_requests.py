@@ -1,0 +1,257 @@
+"""The host's requests: admission, generation through the head, cancellation, records (issue 9).
+
+A mixin of :class:`kafilad.node.host.HostSession` (kept apart so each module stays small): at
+most `concurrency` requests run on the ring (kafilad/node/admission.py), the rest wait in a
+bounded FIFO queue; a request runs on the host's own stage when it is the head, else through the
+head's ctl link (`gen` / `gen_event` / `gen_done`, proto_spec 05 §2); a client that goes away
+ends its request on the ring (§2.4). DESIGN §6.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Optional
+
+import trio
+
+from kafilad.errors import (ContextTooLongError, GenerationCancelled, GenerationError, KafilaError, LinkClosed,
+                            SessionNotReadyError, collapse_groups)
+from kafilad.node import stagehost
+from kafilad.proto import control as cf
+from kafilad.proto import session as sm
+
+log = logging.getLogger("kafilad.host")
+
+#: Events a remote head may stream for one request before the host stops reading them.
+GEN_BUFFER_EVENTS = 1024
+#: seconds a cancelled request waits for a remote head's answer, and for its `cancel` frame to go
+CANCEL_WAIT_S = 10.0
+CANCEL_SEND_S = 5.0
+
+
+class HostRequests:
+    """Generation on a :class:`~kafilad.node.host.HostSession` (its state, ring, links and trace)."""
+
+    # ---- generation ---------------------------------------------------------------------------
+    async def generate(self, prompt: str, *, max_tokens: int, temperature: float, emit,
+                       gone: Optional[trio.Event] = None) -> dict:
+        """Serve one request through the head; stream tokens to `emit`; return the result.
+
+        At most `concurrency` requests run on the ring; the next wait their turn, first in first
+        out, in a bounded queue (kafilad/node/admission.py). A request whose client goes away
+        (`gone` set, or `emit` raising) leaves the queue, or is ended on the ring within one decode
+        step through the ring's cancel API or the `cancel` frame to a remote head (proto_spec 05
+        §2.4), never by cancelling a task inside a link send; its `generation` trace record says
+        `"finish_reason": "cancelled"` and how many tokens it produced.
+
+        Args:
+            emit: awaited with each event {"t": "token", "token_id", "text"}; raising ends the request.
+            gone: set when the client went away.
+        Raises:
+            SessionNotReadyError: the session is not ready (its state is named).
+            ContextTooLongError: prompt + max_tokens exceed the admitted context.
+            HostBusyError: `concurrency` requests run and the queue is full.
+            GenerationCancelled: the client went away (or read too slowly); the request was ended.
+            GenerationError: a member was lost (named in the message).
+        """
+        def not_ready() -> SessionNotReadyError:
+            return SessionNotReadyError(f"The session is not ready to generate (state: {self.state}"
+                                        + (f"; {self.error.rstrip('.')}" if self.error else "") + ").",
+                                        state=str(self.state))
+        if self.state != sm.HostState.READY:
+            raise not_ready()
+        n_prompt = len(self.chat_tokenizer().encode(prompt))
+        if n_prompt + max_tokens > self.context:
+            raise ContextTooLongError(f"The prompt ({n_prompt} tokens) plus --max-tokens {max_tokens} exceeds the "
+                                      f"session's admitted context of {self.context} tokens.",
+                                      prompt_tokens=n_prompt, max_tokens=max_tokens, context=self.context)
+        slot = await self.admission.acquire(abandoned=gone)
+        if slot is None:
+            raise GenerationCancelled("The client went away while its request waited for its turn.")
+        self.node.changed()
+        try:
+            if self.state != sm.HostState.READY:  # it may have failed while the request waited
+                raise not_ready()
+            req = uuid.uuid4().hex[:12]
+            head = self.machine.head()
+            local = head is None or head.is_host
+            ring = self.ring
+            t0 = time.perf_counter()
+
+            def cancel(reason: str) -> None:  # never waits: safe from any task (see the docstring)
+                if local:
+                    ring.cancel(req, reason)
+                elif req in self.generations:
+                    try:
+                        self.generations[req].send_nowait({"t": "cancel", "reason": reason})
+                    except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+
+            with collapse_groups():  # the request's own error, not a group (strict exception groups)
+                async with trio.open_nursery() as watchers:
+                    if gone is not None:
+                        async def watch_client() -> None:
+                            await gone.wait()
+                            cancel("The client went away.")
+                        watchers.start_soon(watch_client)
+                    try:
+                        if local:
+                            st = await ring.generate(req, prompt, max_tokens=max_tokens, temperature=temperature,
+                                                     on_event=lambda ev: emit(ev))
+                            result = result_of(st)
+                            if st.cancelled is not None and st.error != ring.broken:
+                                result.update(finish_reason="cancelled", cancel_reason=st.cancelled,
+                                              cancelled_at_tokens=st.cancelled_at_tokens)
+                            elif st.error:
+                                raise GenerationError(st.error)
+                        else:
+                            result = await self._generate_remote(head, req, prompt, max_tokens, temperature, emit)
+                            result.setdefault("prompt_tokens", n_prompt)
+                    except trio.Cancelled:  # the caller was cancelled (e.g. the daemon stops): end the request too
+                        if local:
+                            cancel("The request's caller stopped waiting for it.")
+                        raise
+                    finally:
+                        watchers.cancel_scope.cancel()
+            n_tokens = len(result.get("token_ids", []))
+            result["req"] = req
+            result.setdefault("finish_reason", "length" if n_tokens >= max_tokens else "stop")
+            result["completion_tokens"] = n_tokens
+            result["wall_s"] = time.perf_counter() - t0
+            self._record_generation(result)
+            if result["finish_reason"] == "cancelled":
+                raise GenerationCancelled(f"The request was ended after {n_tokens} tokens: "
+                                          f"{str(result.get('cancel_reason')).rstrip('.')}.", tokens=n_tokens)
+            return result
+        finally:
+            self.admission.release(slot)
+            self.node.changed()
+
+    async def _generate_remote(self, head, req: str, prompt: str, max_tokens: int, temperature: float,
+                               emit) -> dict:
+        """The request through a remote head (proto_spec 05 §2 `gen`); `{"t": "cancel"}` put on its
+        channel (by `generate`), or `emit` raising, sends the head a `cancel` frame; the result then
+        has `"finish_reason": "cancelled"` once the head answered (or CANCEL_WAIT_S passed)."""
+        link = self.links.get(head.peer_id)
+        if link is None:
+            raise GenerationError(f"member {head.name} is unreachable: its control link is down")
+        send, recv = trio.open_memory_channel(GEN_BUFFER_EVENTS)
+        self.generations[req] = send
+        token_ids: list[int] = []
+        text: list[str] = []
+        cancelled: dict = {}
+
+        async def request_cancel(reason: str, wait: trio.CancelScope) -> None:
+            if cancelled:
+                return
+            cancelled.update(cancel_reason=reason, cancelled_at_tokens=len(token_ids))
+            log.info("request %s: cancelling it at the head %s after %d tokens: %s", req, head.name,
+                     len(token_ids), reason)
+            wait.deadline = trio.current_time() + CANCEL_WAIT_S
+            with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_SEND_S):
+                try:  # shielded: the frame goes whole, so the link stays usable
+                    await link.send(cf.Cancel(req=req, reason=reason).to_wire())
+                except LinkClosed:
+                    pass
+
+        def partial() -> dict:
+            return {"text": "".join(text), "token_ids": list(token_ids), "ttft_s": None, "decode_tokens": 0,
+                    "decode_tokens_per_s": None, "circuit_s_median": None, "stats": [],
+                    "finish_reason": "cancelled", **cancelled}
+        try:
+            await link.send(cf.Gen(req=req, prompt=prompt, max_tokens=max_tokens, temperature=temperature).to_wire())
+            with trio.CancelScope() as wait:  # given a deadline once the request is cancelled
+                async for f in recv:
+                    if isinstance(f, cf.GenEvent):
+                        if f.event.get("token_id") is not None:
+                            token_ids.append(f.event["token_id"])
+                        text.append(str(f.event.get("text") or ""))
+                        if not cancelled:
+                            try:
+                                await emit(f.event)
+                            except Exception as e:  # noqa: BLE001 - the caller's stream failed: end the request
+                                await request_cancel(f"The request's output stream failed: {e or type(e).__name__}.",
+                                                     wait)
+                    elif isinstance(f, cf.GenDone):
+                        return {**f.result.to_wire(), **({"finish_reason": "cancelled", **cancelled}
+                                                         if cancelled else {})}
+                    elif isinstance(f, cf.GenError):
+                        if cancelled:
+                            return partial()
+                        raise GenerationError(f.message or "generation failed")
+                    elif f.get("t") == "cancel":  # from `generate`: the client went away
+                        await request_cancel(str(f.get("reason")), wait)
+                    else:  # the session failed: {"t": "gen_error", "message"} from _fail_requests
+                        raise GenerationError(f.get("message") or "generation failed")
+            if cancelled:  # the head did not answer within CANCEL_WAIT_S
+                log.warning("request %s: the head %s did not confirm its cancellation within %g s", req, head.name,
+                            CANCEL_WAIT_S)
+                return partial()
+            raise GenerationError("generation failed")
+        except LinkClosed as e:
+            if cancelled:
+                return partial()
+            raise GenerationError(f"member {head.name} is unreachable: {e.reason}") from None
+        except trio.Cancelled:  # the caller was cancelled: the head must not run the request on
+            with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_SEND_S):
+                if not cancelled:
+                    try:
+                        await link.send(cf.Cancel(req=req, reason="The request's caller stopped waiting.").to_wire())
+                    except LinkClosed:
+                        pass
+            raise
+        finally:
+            self.generations.pop(req, None)
+
+    def _record_generation(self, result: dict) -> None:
+        names = {e.peer_id: e.name for e in self.members.values()}
+        for pid, steps, total_s, median_s, nbytes in result.get("stats", []):
+            if pid in names:
+                self.measured_stage_s[names[pid]] = median_s
+        self.last_generation = {k: v for k, v in result.items() if k not in ("text", "token_ids")}
+        self._write_trace("generation", **{k: v for k, v in result.items() if k != "text"},
+                          stages={names.get(s[0], s[0]): {"steps": s[1], "compute_s": s[2], "decode_stage_s": s[3],
+                                                          "ring_bytes_sent": s[4]} for s in result.get("stats", [])},
+                          predicted_stage_s=self.plan.stage_s if self.plan else {},
+                          path=stagehost.edge_paths(self), edges=stagehost.generation_edges(self, result))
+        self.node.changed()
+
+    def chat_prompt(self, messages) -> str:
+        """The prompt text for chat `messages` ([{role, content}]) by the model's chat template.
+
+        Raises:
+            KafilaError: malformed messages.
+        """
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            raise KafilaError("Chat messages must be a non-empty list of {role, content} objects.")
+        tok = self.chat_tokenizer()
+        if getattr(tok, "chat_template", None):
+            return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # no chat template (base models): a plain transcript
+        return "".join(f"{m.get('role', 'user')}: {m['content']}\n" for m in messages) + "assistant:"
+
+    def chat_tokenizer(self):
+        """The model's tokenizer on the host, loaded off the trio thread when the session starts."""
+        if self._chat_tokenizer is None:  # only before run(): tests and tools that never started it
+            self._chat_tokenizer = stagehost.executor().synth.load_tokenizer(self.model_dir)
+        return self._chat_tokenizer
+
+
+def result_of(st) -> dict:
+    """The result record of a finished RequestState (kafilad/node/ring.py)."""
+    decode = st.circuit_s[len(st.circuit_s) - len(st.generated) + 1:] if len(st.generated) > 1 else []
+    ttft = (st.first_token_s - st.started_s) if st.first_token_s else None
+    decode_s = sum(decode)
+    return {"text": st.text, "token_ids": list(st.generated), "prompt_tokens": len(st.prompt_ids),
+            "ttft_s": ttft, "decode_tokens": len(decode),
+            "decode_tokens_per_s": (len(decode) / decode_s) if decode_s > 0 else None,
+            "circuit_s_median": _median(decode),
+            "stats": getattr(st, "end_stats", [])}
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
