@@ -13,7 +13,9 @@ re-arm ``get_timer()``. For latency, as in aioquic's asyncio protocol, work happ
 arises rather than one scheduler pass later: events are processed as each datagram arrives (the
 endpoint reads bursts, so the driver wakes once per burst), ``send_message`` transmits at once
 and only moves the sleeping driver's deadline, and a pending ACK rides on outgoing stream data.
-Datagrams are 1350 bytes on a network path and 16,000 toward this host (:func:`path_datagram_bytes`).
+Datagrams start at 1,200 bytes on a network path (RFC 9000 §14.1; the edge's sender then raises
+the size as path MTU probes confirm it, :meth:`QuicTransport.set_datagram_bytes`, proto_spec 07
+§4a) and are 16,000 bytes toward this host (:func:`path_datagram_bytes`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,15 @@ log = logging.getLogger("kafilad.quic")
 Address = tuple[str, int]
 
 ALPN = "kafila/1"
-#: Datagram size: fits a 1500-byte MTU path with IPv6 + UDP headers and some tunnel overhead.
+#: Datagram size of a network path until path MTU probes raise it: the size every QUIC path must
+#: carry (RFC 9000 §14.1), so a handshake never depends on fragments (proto_spec 07 §4a).
+START_DATAGRAM_BYTES = 1200
+#: An Internet-sized datagram (fits a 1500-byte MTU with IPv6 + UDP headers and some tunnel
+#: overhead); benchmarks use it on loopback (scripts/bench_paths.py).
 MAX_DATAGRAM_BYTES = 1350
+#: Stream data unacknowledged this long while PINGs are acknowledged: the datagram size is
+#: black-holed on the path (RFC 8899 §4.2); see :meth:`QuicTransport.stalled_for_s`.
+STALL_S = 2.0
 #: Datagram size toward a peer on this host (loopback, or one of our own addresses), where the
 #: path is the loopback interface (MTU 65,536) and nothing on it fragments or drops large
 #: datagrams. Capped below 16,383: aioquic writes packet and STREAM frame lengths as 2-byte varints.
@@ -88,29 +97,29 @@ def path_datagram_bytes(remote: Address) -> int:
 
     SAME_HOST_DATAGRAM_BYTES when ``remote`` is a loopback address or an address of this host (the
     kernel picks it as its own source toward it, so the path never leaves the loopback
-    interface); MAX_DATAGRAM_BYTES otherwise, since an interface's MTU says nothing about the
-    rest of an Internet path. Asks the kernel's routing table; sends nothing.
+    interface); START_DATAGRAM_BYTES otherwise, since an interface's MTU says nothing about the
+    rest of an Internet path (probes raise it later). Asks the kernel's routing table; sends nothing.
     """
     try:
         ip = ipaddress.ip_address(remote[0])
     except ValueError:
-        return MAX_DATAGRAM_BYTES
+        return START_DATAGRAM_BYTES
     if getattr(ip, "ipv4_mapped", None) is not None:
         ip = ip.ipv4_mapped
     if ip.is_loopback:
         return SAME_HOST_DATAGRAM_BYTES
     if ip.is_unspecified or ip.is_multicast:
-        return MAX_DATAGRAM_BYTES
+        return START_DATAGRAM_BYTES
     try:
         with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((str(ip), int(remote[1]) or 9))
             local = ipaddress.ip_address(s.getsockname()[0].split("%")[0])
     except (OSError, ValueError):
-        return MAX_DATAGRAM_BYTES
-    return SAME_HOST_DATAGRAM_BYTES if local == ip else MAX_DATAGRAM_BYTES
+        return START_DATAGRAM_BYTES
+    return SAME_HOST_DATAGRAM_BYTES if local == ip else START_DATAGRAM_BYTES
 
 
-def configuration(*, is_client: bool, datagram_bytes: int = MAX_DATAGRAM_BYTES) -> QuicConfiguration:
+def configuration(*, is_client: bool, datagram_bytes: int = START_DATAGRAM_BYTES) -> QuicConfiguration:
     """aioquic configuration of one edge (proto_spec 07 §4); ``datagram_bytes`` is the largest
     UDP payload this side sends (1200 .. 16,383)."""
     cfg = QuicConfiguration(is_client=is_client, alpn_protocols=[ALPN], idle_timeout=IDLE_TIMEOUT_S,
@@ -131,6 +140,7 @@ class QuicTransport:
         remote: the peer's (ip, port).
         bytes_sent, bytes_received: stream payload bytes (framing included).
         ping_interval_s: PING cadence (PING_INTERVAL_S keepalives; LIVENESS_PING_S on a watched path).
+        datagram_bytes: the largest UDP payload this side sends now (:meth:`set_datagram_bytes`).
         last_ack_s: trio time the peer last acknowledged one of our PINGs (or the handshake
             completed): :meth:`silent_for_s` measures from it.
     """
@@ -156,6 +166,8 @@ class QuicTransport:
         self._ping_uid = 0
         self.ping_interval_s = PING_INTERVAL_S
         self.last_ack_s: Optional[float] = None
+        self._acked_offset = 0           # stream bytes acknowledged from the start, as last seen
+        self._progress_s: Optional[float] = None  # when that offset last moved (or nothing was unacked)
         self._data_queued = False
         self._backlog: collections.deque[tuple[bytes, Address]] = collections.deque()
         self._sleep_scope: Optional[trio.CancelScope] = None
@@ -283,6 +295,48 @@ class QuicTransport:
         self.ping_interval_s = ping_interval_s
         self._next_ping_s = min(self._next_ping_s, trio.current_time() + ping_interval_s)
         self._wake.set()
+
+    @property
+    def datagram_bytes(self) -> int:
+        return self.conn._max_datagram_size
+
+    def set_datagram_bytes(self, n: int) -> None:
+        """Send datagrams of at most ``n`` bytes from now on (1,200 .. 16,383; proto_spec 07 §4a).
+
+        aioquic fixes the size at creation; this sets it where its packet builder, pacer and
+        congestion controller read it (aioquic==1.7.2 internals, pinned). Data already lost in
+        larger datagrams is sent again in datagrams of the new size (RFC 9000 §13.3).
+        """
+        n = max(1200, min(int(n), 16383))
+        conn = self.conn
+        if n < conn._max_datagram_size and self.connected.is_set() and self.closed_reason is None:
+            # Shrinking after a black hole: probe at once (a PTO probe, now small) so that the
+            # larger packets in flight are declared lost and sent again sooner (RFC 9002 §6.2.4),
+            # and give the smaller size a full SILENCE window of its own (the PINGs were riding
+            # in the lost large packets too).
+            conn._loss._pto_count = 0
+            conn._send_probe()
+            self.last_ack_s = trio.current_time()
+        conn._max_datagram_size = n
+        conn._loss._pacer._max_datagram_size = n
+        cc = conn._loss._cc
+        for attr in ("_max_datagram_size", "additive_increase_factor"):
+            if hasattr(cc, attr):
+                setattr(cc, attr, n)
+        self._progress_s = None  # a stall is measured anew at the new size
+        self._wake.set()
+
+    def stalled_for_s(self, now: float) -> float:
+        """Seconds stream data has waited for an acknowledgement without the acknowledged offset
+        moving (0 when nothing is unacknowledged). With PINGs still acknowledged
+        (:meth:`silent_for_s` small) a stall of STALL_S means the data's datagrams are black-holed:
+        too large for the path (RFC 8899 §4.2)."""
+        stream = self.conn._streams.get(self.stream_id)
+        acked = stream.sender._buffer_start if stream is not None else 0
+        if acked != self._acked_offset or self._unacked_bytes() == 0 or self._progress_s is None:
+            self._acked_offset, self._progress_s = acked, now
+            return 0.0
+        return now - self._progress_s
 
     @property
     def ended_cleanly(self) -> bool:

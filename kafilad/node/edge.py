@@ -40,7 +40,7 @@ from typing import Awaitable, Callable, Optional, Union
 import trio
 
 from kafilad.errors import HandshakeError, HandshakeRefused, HandshakeTimeout, KafilaError, SessionError, collapse_groups
-from kafilad.net.quic_transport import QuicTransport
+from kafilad.net.quic_transport import STALL_S, START_DATAGRAM_BYTES, QuicTransport
 from kafilad.node.edgelink import EdgeReceiver, EdgeSender, seq_of
 from kafilad.node.link import Link, LinkClosed, secure_link
 from kafilad.node.paths import REPROBE_MAX_S, PathKind, PathManager, direct_enabled, reprobe_initial_s
@@ -57,6 +57,8 @@ CONFIRM_TIMEOUT_S = 10.0
 SILENCE_S = 3.0
 #: How often the sender looks at its direct path.
 WATCH_INTERVAL_S = 0.25
+#: When stream data stalls, how long a small check may take to tell a black hole from a dead path.
+BLACK_HOLE_CHECK_S = 1.0
 #: Bound on a fallback: relayed circuit, Noise over it, the receiver's `path_ready`.
 FALLBACK_TIMEOUT_S = 10.0
 #: Cap of the re-probe wait of an edge that was direct before (its path is likely to come back).
@@ -281,9 +283,20 @@ class RingEdge:
             if t.closed_reason is not None and t.ended_cleanly:
                 log.info("ring edge %s: the direct path ended cleanly (%s)", self.name, t.closed_reason)
                 return None
-            silent_s = t.silent_for_s(trio.current_time())
+            now = trio.current_time()
+            silent_s = t.silent_for_s(now)
             if silent_s >= SILENCE_S:
                 return f"the direct path to {where} went silent for {silent_s:.1f} s"
+            stalled_s = t.stalled_for_s(now)  # data unacknowledged: a black hole, or a dead path (§4a)
+            if stalled_s >= STALL_S and t.datagram_bytes > START_DATAGRAM_BYTES:
+                if not await self.paths.small_datagrams_pass(t, BLACK_HOLE_CHECK_S):
+                    silent_s = t.silent_for_s(trio.current_time())
+                    return f"the direct path to {where} went silent for {silent_s:.1f} s"
+                self.paths.black_hole(t)
+                await _report(self._on_edges)
+            elif stalled_s >= 2 * STALL_S:
+                return (f"the direct path to {where} carries small datagrams only: stream data in "
+                        f"{t.datagram_bytes}-byte datagrams went unacknowledged for {stalled_s:.1f} s")
             if t.closed_reason is not None:
                 return f"the direct path to {where} ended ({t.closed_reason})"
 

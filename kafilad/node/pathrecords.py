@@ -69,6 +69,8 @@ class EdgeRecord:
     fallbacks: int = 0          # times the edge fell back from direct to relayed mid-session (§7a)
     fell_back_at: Optional[float] = None   # Unix time of the last fallback
     last_attempt: Optional[dict] = None    # {"try", "ok", "reason", "at"} of the last re-probe (§7)
+    datagram_bytes: Optional[int] = None   # largest QUIC datagram the sender sends on the direct path (§4a)
+    pmtu: Optional[dict] = None            # the sender's path MTU search: state, probes, black_holes (§4a)
 
     @property
     def link(self):
@@ -106,6 +108,7 @@ class EdgeRecord:
     def relayed(self, reason: str) -> None:
         """The edge uses (or stays on) the relayed circuit, for ``reason``."""
         self.path, self.reason, self.pending = PathKind.RELAYED, reason, None
+        self.datagram_bytes = self.pmtu = None
 
     def fell_back(self, reason: str, link=None) -> None:
         """The direct path went away mid-session and the edge now uses the relay (proto_spec 07 §7a)."""
@@ -145,6 +148,10 @@ class EdgeRecord:
             out["fell_back_at"] = self.fell_back_at
         if self.last_attempt is not None:
             out["last_attempt"] = dict(self.last_attempt)
+        if self.path == PathKind.DIRECT and self.datagram_bytes is not None:
+            out["datagram_bytes"] = self.datagram_bytes
+            if self.pmtu is not None:
+                out["pmtu"] = dict(self.pmtu)
         if self.links:  # frame bytes this end sent on the edge, over every path it used, now
             out["link_bytes_sent"] = sum(int(getattr(lk, "bytes_sent", 0) or 0) for lk in self.links)
         return out

@@ -61,6 +61,7 @@ from kafilad.node.pathrecords import INBOX_OFFERS, OFFER_TIMEOUT_S, EdgeRecord, 
 from kafilad.planner.ring import class_known, predict_path
 from kafilad.proto import ice
 from kafilad.proto.natclass import CLASSES, UNKNOWN_CLASS
+from kafilad.proto.pmtu import LADDER_BYTES, PROBE_TIMEOUT_MIN_S, PmtuSearch
 
 log = logging.getLogger("kafilad.paths")
 
@@ -151,6 +152,8 @@ class PathManager:
         self._quic: weakref.WeakSet[QuicTransport] = weakref.WeakSet()
         self._agents: "weakref.WeakKeyDictionary[QuicTransport, tuple]" = weakref.WeakKeyDictionary()
         self._wakers: dict = {}  # running ICE agent -> wakes its driver (to stop it at once)
+        self._searches: "weakref.WeakKeyDictionary[QuicTransport, tuple]" = weakref.WeakKeyDictionary()
+        self._size_waiters: dict = {}  # ICE agent -> (size probed, trio.Event set when answered)
         self._scope: Optional[trio.CancelScope] = None
 
     @property
@@ -439,6 +442,8 @@ class PathManager:
         self._quic.add(t)
         self._agents[t] = (agent, self._wakers.get(agent))
         t.watch()  # PINGs every LIVENESS_PING_S: the edge sees a dead path within seconds (§7a)
+        if sender and t.datagram_bytes < max(LADDER_BYTES):  # a network path: find its size (§4a)
+            self.nursery.start_soon(self._search_pmtu, t, agent, rec)
         if self.closed:  # the session ended while QUIC connected
             self.release(t)
             return None, {"reason": "the session ended"}
@@ -454,6 +459,78 @@ class PathManager:
         if their_class is not None and not class_known(their_class):
             rec.class_reasons[peer_name] = their_reason if isinstance(their_reason, str) and their_reason else \
                 "the NAT classification did not finish"
+
+    # ---- datagram size (proto_spec 07 §4a) -----------------------------------------------------
+    async def _search_pmtu(self, t: QuicTransport, agent: ice.IceAgent, rec: EdgeRecord) -> None:
+        """Probe larger datagram sizes on ``t``'s path with the agent's padded checks and raise
+        ``t``'s size to each one answered (DPLPMTUD, RFC 8899), until the path is let go."""
+        search = PmtuSearch(now=trio.current_time())
+        wake = trio.Event()
+        self._searches[t] = (search, rec, lambda: wake.set())
+        rec.datagram_bytes, rec.pmtu = t.datagram_bytes, search.to_json()
+        while t.closed_reason is None and agent.state == ice.AgentState.VERIFIED:
+            now = trio.current_time()
+            size = search.next_probe(now)
+            if size is None:
+                with trio.move_on_at(search.wake_at() or now + 60.0):
+                    await wake.wait()
+                wake = trio.Event()
+                self._searches[t] = (search, rec, lambda: wake.set())
+                continue
+            rtt_s = t.conn._loss._rtt_smoothed or 0.0
+            answered = await self._probe_size(agent, size, max(PROBE_TIMEOUT_MIN_S, 3 * rtt_s))
+            now = trio.current_time()
+            if answered:
+                search.confirmed(size, now)
+                t.set_datagram_bytes(search.size)
+                log.info("ring edge %s -> %s: datagrams of %d bytes cross the direct path", rec.src, rec.dst, size)
+            else:
+                search.failed(size, now)
+            if t.closed_reason is None:
+                rec.datagram_bytes, rec.pmtu = t.datagram_bytes, search.to_json()
+            if search.probing is None:
+                self.event("pmtu", edge=f"{rec.src} -> {rec.dst}", datagram_bytes=search.size, probes=search.probes)
+
+    async def _probe_size(self, agent: ice.IceAgent, size: int, timeout_s: float) -> bool:
+        answered = trio.Event()
+        self._size_waiters[agent] = (size, answered)
+        try:
+            if not agent.send_size_probe(size, trio.current_time()):
+                return False
+            waker = self._wakers.get(agent)
+            if waker is not None:
+                waker()  # its driver sends the probe now
+            with trio.move_on_after(timeout_s):
+                await answered.wait()
+            return answered.is_set()
+        finally:
+            self._size_waiters.pop(agent, None)
+
+    async def small_datagrams_pass(self, t: QuicTransport, timeout_s: float = 1.0) -> bool:
+        """Whether ``t``'s path still answers a small authenticated check (a size probe without
+        padding, never bundled with data) within ``timeout_s``: tells a black hole for large
+        datagrams from a dead path (RFC 8899 §4.2)."""
+        agent, _ = self._agents.get(t, (None, None))
+        if agent is None:
+            return False
+        return await self._probe_size(agent, agent.min_probe_bytes(), timeout_s)
+
+    def black_hole(self, t: QuicTransport) -> int:
+        """``t``'s datagrams of the current size stopped crossing its path (the edge saw stream data
+        stall while PINGs pass): back to 1,200 bytes, search again later (RFC 8899 §4.2). The new size."""
+        entry = self._searches.get(t)
+        if entry is None:
+            t.set_datagram_bytes(1200)
+            return t.datagram_bytes
+        search, rec, wake = entry
+        before = t.datagram_bytes
+        t.set_datagram_bytes(search.black_hole(trio.current_time()))
+        rec.datagram_bytes, rec.pmtu = t.datagram_bytes, search.to_json()
+        log.warning("ring edge %s -> %s: datagrams of %d bytes stopped crossing the direct path; sending %d-byte "
+                    "datagrams", rec.src, rec.dst, before, t.datagram_bytes)
+        self.event("pmtu_black_hole", edge=f"{rec.src} -> {rec.dst}", from_bytes=before, datagram_bytes=t.datagram_bytes)
+        wake()
+        return t.datagram_bytes
 
     def release(self, transport: Optional[QuicTransport]) -> None:
         """Let a direct path go: close its QUIC connection now and stop its ICE agent's keepalives
@@ -506,6 +583,10 @@ class PathManager:
                         if isinstance(ev, (ice.PathVerified, ice.ChecksFailed)) and "ev" not in outcome:
                             outcome["ev"] = ev
                             settled.set()
+                        elif isinstance(ev, ice.SizeConfirmed):
+                            waiter = self._size_waiters.get(agent)
+                            if waiter is not None and waiter[0] == ev.size_bytes:
+                                waiter[1].set()
                         elif isinstance(ev, ice.PathLost):
                             log.warning("ring edge %s -> %s: %s", rec.src, rec.dst, ev.reason)
                             self.event("path_lost", edge=f"{rec.src} -> {rec.dst}", reason=ev.reason)

@@ -104,7 +104,16 @@ class PathLost:
     reason: str
 
 
-Event = Union[PathVerified, ChecksFailed, PathLost]
+@attrs.frozen
+class SizeConfirmed:
+    """A size probe (:meth:`IceAgent.send_size_probe`) of ``size_bytes`` was answered: datagrams that
+    large reach the peer on the selected pair (proto_spec 07 §4a)."""
+
+    size_bytes: int
+    rtt_ms: float
+
+
+Event = Union[PathVerified, ChecksFailed, PathLost, SizeConfirmed]
 
 
 # ---- candidates (signalled as SDP a=candidate values, RFC 8839 §5.1) -----------------------------
@@ -187,6 +196,7 @@ class IceAgent:
         self._rr = 0
         self._triggered: list[Address] = []
         self._tx: dict[bytes, tuple[Address, float, bool]] = {}  # txid -> (remote, sent_s, use_candidate)
+        self._size_tx: dict[bytes, int] = {}  # txid -> size of a size probe (send_size_probe)
         self._out: list[tuple[bytes, Address]] = []
         self._events: list[Event] = []
         self._next_check_s = now
@@ -203,6 +213,39 @@ class IceAgent:
             return
         self._pairs[a] = _Pair(a, priority)
         self._order = sorted(self._pairs, key=lambda k: -self._pairs[k].priority)
+
+    def min_probe_bytes(self) -> int:
+        """The size of a size probe without padding: the smallest :meth:`send_size_probe` accepts."""
+        return len(bytes(self._request(bytes(12), use_candidate=False))) + 24 + 8
+
+    def send_size_probe(self, size_bytes: int, now: float) -> bool:
+        """Queue a Binding request of exactly ``size_bytes`` (a UDP payload, a multiple of 4) on the
+        selected pair, made that large with PADDING (RFC 5780 §7.6) and authenticated as any check
+        (RFC 8899 §4.1: a probe carries no application data). An answer gives a :class:`SizeConfirmed`
+        event; an unanswered probe gives nothing (the caller times it out).
+
+        Returns:
+            False (nothing queued) if no pair is selected or ``size_bytes`` is too small for a check.
+        """
+        if self.state != AgentState.VERIFIED or self.selected is None:
+            return False
+        txid = self._random(12)
+        msg = self._request(txid, use_candidate=False)
+        fixed = len(bytes(msg)) + 24 + 8  # + MESSAGE-INTEGRITY and FINGERPRINT
+        pad = size_bytes - fixed - 4  # PADDING's own header
+        if size_bytes != fixed and (pad < 0 or pad % 4):
+            return False
+        if size_bytes != fixed:
+            msg.attributes["PADDING"] = bytes(pad)
+        msg.add_message_integrity(self.remote.pwd.encode())
+        msg.add_fingerprint()
+        data = bytes(msg)
+        self._tx[txid] = (self.selected, now, False)
+        self._size_tx[txid] = len(data)
+        while len(self._size_tx) > 16:  # unanswered probes are forgotten, oldest first
+            self._size_tx.pop(next(iter(self._size_tx)))
+        self._out.append((data, self.selected))
+        return True
 
     def close(self) -> None:
         """Stop for good: no more checks or keepalives, requests dropped (the edge moved off this path)."""
@@ -287,14 +330,17 @@ class IceAgent:
             self._send_check(target, now, use_candidate=False)
         self._next_check_s = now + self.pace_s
 
-    def _send_check(self, remote: Address, now: float, *, use_candidate: bool) -> None:
-        txid = self._random(12)
+    def _request(self, txid: bytes, *, use_candidate: bool) -> Message:
         attrs_ = {"USERNAME": f"{self.remote.ufrag}:{self.local.ufrag}",
                   "PRIORITY": candidate_priority(COMPONENT, "prflx")}
         attrs_["ICE-CONTROLLING" if self.controlling else "ICE-CONTROLLED"] = self.tie_breaker
         if use_candidate:
             attrs_["USE-CANDIDATE"] = None
-        msg = Message(Method.BINDING, Class.REQUEST, transaction_id=txid, attributes=attrs_)
+        return Message(Method.BINDING, Class.REQUEST, transaction_id=txid, attributes=attrs_)
+
+    def _send_check(self, remote: Address, now: float, *, use_candidate: bool) -> None:
+        txid = self._random(12)
+        msg = self._request(txid, use_candidate=use_candidate)
         msg.add_message_integrity(self.remote.pwd.encode())
         msg.add_fingerprint()
         self._tx[txid] = (remote, now, use_candidate)
@@ -348,6 +394,12 @@ class IceAgent:
             return True
         pair = self._pairs[remote]
         rtt_ms = (now - sent_s) * 1000.0
+        size = self._size_tx.pop(msg.transaction_id, None)
+        if size is not None:
+            if remote == self.selected:
+                self._last_answer_s = now
+                self._events.append(SizeConfirmed(size, rtt_ms))
+            return True
         if not pair.succeeded:
             pair.succeeded, pair.rtt_ms = True, rtt_ms
         if remote == self.selected:

@@ -37,7 +37,9 @@ from aioice.stun import (
     Class,
     Message,
     Method,
+    pack_bytes,
     parse_message,
+    unpack_bytes,
 )
 
 from kafilad.errors import LocalProtocolError
@@ -66,6 +68,9 @@ CHANGE_REQUEST = 0x0003
 UNKNOWN_ATTRIBUTES = 0x000A
 RESPONSE_ORIGIN = 0x802B
 OTHER_ADDRESS = 0x802C
+#: PADDING (RFC 5780 §7.6): opaque bytes that make a request as large as a path MTU probe needs
+#: (proto_spec 07 §4a).
+PADDING = 0x0026
 
 SOFTWARE = "kafila"
 
@@ -88,6 +93,7 @@ def _register(entry: tuple) -> None:
 
 
 _register((UNKNOWN_ATTRIBUTES, "UNKNOWN-ATTRIBUTES", _pack_unknown_attributes, _unpack_unknown_attributes))
+_register((PADDING, "PADDING", pack_bytes, unpack_bytes))
 for _type, _name in ((CHANGE_REQUEST, "CHANGE-REQUEST"), (RESPONSE_ORIGIN, "RESPONSE-ORIGIN"),
                      (OTHER_ADDRESS, "OTHER-ADDRESS")):
     if ATTRIBUTES_BY_TYPE.get(_type, (0, ""))[1] != _name:

@@ -15,6 +15,7 @@ from kafilad.proto.ice import (
     IceAgent,
     PathLost,
     PathVerified,
+    SizeConfirmed,
     candidates_from_sdp,
     candidates_to_sdp,
     make_candidate,
@@ -224,3 +225,42 @@ def test_fuzz_malformed_check_packets_are_dropped_never_raise(data, flips, cut):
         a.agent.receive_datagram(packet, ("203.0.113.2", 40000), 0.01)
     b.agent.datagrams_to_send(0.02)
     assert b.agent.state in (AgentState.CHECKING, AgentState.VERIFIED)
+
+
+# ---- size probes (proto_spec 07 §4a) ---------------------------------------------------------------
+
+def test_a_size_probe_is_exactly_as_large_as_asked_and_its_answer_confirms_the_size():
+    a, b, rng, loss = make_pair("O", "C")
+    run(a, b, rng, loss)
+    assert a.agent.state == b.agent.state == AgentState.VERIFIED
+    assert not a.agent.send_size_probe(1250, 0.0)  # not a multiple of 4: nothing queued
+    assert a.agent.send_size_probe(1252, 0.0)  # (each run() starts its clock at 0)
+    (data, dst), = a.agent.datagrams_to_send(0.0)
+    assert len(data) == 1252 and dst == a.agent.selected
+    msg = decode(data)
+    assert len(msg.attributes["PADDING"]) > 1000 and msg.check_message_integrity(b.agent.local.pwd.encode())
+    a.agent._out.append((data, dst))  # send it through the NATs with everything else
+    a.events.clear()
+    run(a, b, rng, loss, until_s=2.0)
+    confirmed = [ev for _, ev in a.events if isinstance(ev, SizeConfirmed)]
+    assert [c.size_bytes for c in confirmed] == [1252] and confirmed[0].rtt_ms == pytest.approx(20.0)
+
+
+def test_a_size_probe_larger_than_the_path_goes_unanswered_and_costs_nothing_else():
+    a, b, rng, loss = make_pair("O", "O")
+    run(a, b, rng, loss)
+    a.events.clear()
+    too_big = lambda data, src, dst: len(data) > 1252  # noqa: E731 - an MTU of 1280 with fragments dropped
+    assert a.agent.send_size_probe(1348, 0.0)
+    run(a, b, rng, loss, until_s=3.0, drop=too_big)
+    assert not [ev for _, ev in a.events if isinstance(ev, SizeConfirmed)]
+    assert a.agent.state == AgentState.VERIFIED  # the path itself is fine
+
+
+def test_size_probes_need_a_selected_pair_and_stop_with_the_agent():
+    a, b, rng, loss = make_pair("O", "O")
+    assert not a.agent.send_size_probe(1252, 0.0)  # still checking
+    run(a, b, rng, loss)
+    a.agent.close()
+    assert a.agent.state == AgentState.CLOSED and a.agent.get_timer() is None
+    assert not a.agent.send_size_probe(1252, 2.0) and a.agent.datagrams_to_send(2.0) == []
