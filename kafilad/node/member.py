@@ -183,6 +183,8 @@ class MemberSession:
     async def _await_admission(self, progress) -> None:
         """Read host frames until `admitted` (JoinAccepted) or a refusal (SessionError)."""
         while not self._admitted.is_set():
+            if self.state in (sm.MemberState.FAILED, sm.MemberState.CLOSED):
+                raise SessionError(self.error or "The host ended the session before admitting this device.")
             f = await self._receive()
             if f is None:
                 continue
