@@ -242,7 +242,9 @@ def test_a_non_streaming_request_cut_after_a_second_ends_within_two_steps(cluste
                   b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         time.sleep(1.0)
     rec = cancelled_record(c, seen)
-    assert rec["cancel_reason"] == "The client went away."
+    # the watcher of the client's connection or the next emit notices first; either way a sentence
+    assert rec["cancel_reason"] in ("The client went away.",
+                                    "The request's output stream failed: the client closed its connection.")
     check_cancelled(c, rec, c.reference)
 
 
