@@ -19,23 +19,16 @@ import sys
 import trio
 
 from kafilad.errors import find_kafila_error
+from kafilad.proto.address import parse_host_port
 
 
 #: file handles the daemon asks for (the soft limit is raised up to this, never past the hard limit)
 WANT_OPEN_FILES = 8192
 
 
-def _port(text: str, whole: str) -> int:
-    if not text.isdigit() or not 0 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port between 0 and 65535 in {whole!r}")
-    return int(text)
-
-
 def _hostport(s: str) -> tuple[str, int]:
-    host, _, port = s.rpartition(":")
-    if not host.strip("[]"):
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {s!r}")
-    return host.strip("[]"), _port(port, s)
+    """HOST:PORT of a listen address (port 0: any free port); one parser for the project (proto/address.py)."""
+    return parse_host_port(s, allow_any_port=True)
 
 
 def _seconds(s: str) -> float:
@@ -54,7 +47,7 @@ def _http_address(s: str) -> tuple[str, int] | None:
     if s.lower() in ("off", "none", ""):
         return None
     if s.isdigit():
-        return "127.0.0.1", _port(s, s)
+        return parse_host_port(f"127.0.0.1:{s}", allow_any_port=True)
     return _hostport(s)
 
 

@@ -13,7 +13,7 @@ def test_http_addresses_are_refused_with_sentences(tmp_path):
     """Issue 9: an out-of-range port never wraps to another; a port in use refuses the start."""
     r = subprocess.run(DAEMON + ["--state-dir", str(tmp_path / "a"), "--http", "127.0.0.1:849115028"],
                        capture_output=True, text=True, timeout=30)
-    assert r.returncode == 2 and "expected a port between 0 and 65535 in '127.0.0.1:849115028'" in r.stderr
+    assert r.returncode == 2 and "'127.0.0.1:849115028' is not HOST:PORT with a port between 0 and 65535" in r.stderr
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
