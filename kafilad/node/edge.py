@@ -271,9 +271,13 @@ class RingEdge:
         """Sender: wait until the direct path in use dies; why (None: the peer closed it cleanly)."""
         t = self.transport
         where = f"{t.remote[0]}:{t.remote[1]}"
+        reported = self._size_state()
         while True:
             with trio.move_on_after(WATCH_INTERVAL_S):
                 await self._repair.wait()
+            if self._size_state() != reported:  # the datagram size search moved on (§4a): status shows it
+                reported = self._size_state()
+                await _report(self._on_edges)
             if self.link.over:
                 return None
             if self._repair_reason is not None:
@@ -299,6 +303,9 @@ class RingEdge:
                         f"{t.datagram_bytes}-byte datagrams went unacknowledged for {stalled_s:.1f} s")
             if t.closed_reason is not None:
                 return f"the direct path to {where} ended ({t.closed_reason})"
+
+    def _size_state(self) -> tuple:
+        return self.record.datagram_bytes, (self.record.pmtu or {}).get("state")
 
     async def _fall_back(self, why: str) -> bool:
         """Sender: move the edge onto a relayed circuit (§7a); False if it failed (the ring's end says why)."""

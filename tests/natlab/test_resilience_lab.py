@@ -186,3 +186,109 @@ def test_stun_dropped_gives_unknown_classes_with_a_reason_and_the_session_forms(
     finally:
         natlab.run("rdv", "nft", "delete", "table", "ip", STUN_BLOCK)
         cluster.__exit__(None, None, None)
+
+
+MTU_TABLE = "kfmtu"
+
+
+def _mtu_1280(lab, member: str = "m1") -> None:
+    """``member``'s path gets MTU 1280 with fragments dropped (a VPN-like path): its link's MTU is
+    1280 (so it fragments what it sends larger), and its NAT drops IP fragments before reassembly
+    and every UDP packet longer than 1280 bytes it would have to fragment, without an ICMP answer (TCP is
+    left alone: its segments fit the MSS, and GRO merges them on the way)."""
+    nat = lab.nat_of(member)
+    for ns, dev in ((member, "eth0"), (nat, f"l-{member}")):
+        r = lab.run(ns, "ip", "link", "set", "dev", dev, "mtu", "1280")
+        assert r.returncode == 0, r.stderr
+    for cmd in (["add", "table", "ip", MTU_TABLE],
+                ["add", "chain", "ip", MTU_TABLE, "pre", "{ type filter hook prerouting priority -450; policy accept; }"],
+                ["add", "rule", "ip", MTU_TABLE, "pre", "ip", "frag-off", "&", "0x3fff", "!=", "0", "drop"],
+                ["add", "chain", "ip", MTU_TABLE, "oversize", "{ type filter hook forward priority -10; policy accept; }"],
+                ["add", "rule", "ip", MTU_TABLE, "oversize", "meta", "l4proto", "udp", "ip", "length", ">", "1280", "drop"]):
+        r = lab.run(nat, "nft", *cmd)
+        assert r.returncode == 0, r.stderr
+
+
+def _mtu_back(lab, member: str = "m1") -> None:
+    nat = lab.nat_of(member)
+    lab.run(nat, "nft", "delete", "table", "ip", MTU_TABLE)
+    lab.run(member, "ip", "link", "set", "dev", "eth0", "mtu", "1500")
+    lab.run(nat, "ip", "link", "set", "dev", f"l-{member}", "mtu", "1500")
+
+
+def _wait_sizes(cluster, want, timeout_s: float = 30.0, state=None) -> list:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        edges = cluster.call(0, "status")["edges"]
+        if all(want(e.get("datagram_bytes")) and (state is None or (e.get("pmtu") or {}).get("state") == state)
+               for e in edges):
+            return edges
+        assert time.monotonic() < deadline, (edges, cluster.logs())
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("natlab", [("O", "O")], indirect=True)
+def test_an_mtu_of_1280_before_formation_forms_direct_and_finds_1252(natlab):
+    require_lab()
+    _mtu_1280(natlab)
+    try:
+        cluster, snap = _formed(natlab)
+    except BaseException:
+        _mtu_back(natlab)
+        raise
+    try:
+        assert [e["path"] for e in snap["edges"]] == ["direct", "direct"], (snap["edges"], cluster.logs())
+        edges = _wait_sizes(cluster, lambda n: n == 1252, state="complete")  # 1348 went unanswered 3 times
+        assert all(e["pmtu"]["probes"] == 4 for e in edges), edges
+        expected = reference_tokens(_model(), PROMPT, 120)
+        assert cluster.generate(PROMPT, 120)["token_ids"] == expected
+    finally:
+        _mtu_back(natlab)
+        cluster.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("natlab", [("O", "O")], indirect=True)
+def test_an_mtu_of_1280_mid_session_is_a_black_hole_and_requests_complete(natlab):
+    n = 400
+    expected = reference_tokens(_model(), PROMPT, n)
+    long_prompt = "Once upon a time, in a land far away, " * 6  # ~230 tokens: a prefill frame of ~60 kB
+    long_expected = reference_tokens(_model(), long_prompt, 16)
+    cluster, snap = _formed(natlab)
+    try:
+        assert [e["path"] for e in snap["edges"]] == ["direct", "direct"], (snap["edges"], cluster.logs())
+        _wait_sizes(cluster, lambda n: n == 1452, state="complete")  # a clean path: the top of the ladder
+        out: dict = {}
+        gen = threading.Thread(target=_stream, args=(cluster, n, out), daemon=True)
+        gen.start()
+        deadline = time.monotonic() + 120
+        while len(out.get("tokens", [])) < 20:
+            assert time.monotonic() < deadline and gen.is_alive(), (out, cluster.logs())
+            time.sleep(0.01)
+        _mtu_1280(natlab)  # mid-generation
+        changed_at = time.monotonic()
+        gen.join(timeout=180)
+        assert not gen.is_alive() and "error" not in out, (out.get("error"), cluster.logs())
+        assert out["result"]["token_ids"] == expected
+        after = [t for t, _ in out["tokens"] if t >= changed_at]
+        gaps = [b - a for a, b in zip([changed_at] + after, after)]
+        assert max(gaps, default=0.0) < 30.0, (gaps, cluster.logs())
+        # a long prompt's prefill needs full-size datagrams: they are black-holed now
+        t0 = time.monotonic()
+        assert cluster.generate(long_prompt, 16)["token_ids"] == long_expected
+        assert time.monotonic() - t0 < 30.0, cluster.logs()
+        # the edge that carried the prefill saw the black hole and shrank (an edge that only carried
+        # small frames since has nothing to notice: it keeps its size until it sends a large one)
+        deadline = time.monotonic() + 30
+        while True:
+            edges = cluster.call(0, "status")["edges"]
+            shrunk = [e for e in edges if e["path"] == "direct" and e["pmtu"]["black_holes"] >= 1]
+            if shrunk:
+                break
+            assert time.monotonic() < deadline, (edges, cluster.logs())
+            time.sleep(0.5)
+        assert all(e["datagram_bytes"] <= 1252 for e in shrunk), shrunk
+        assert all(isinstance(e.get("datagram_bytes"), int) for e in edges if e["path"] == "direct"), edges
+        assert cluster.generate(long_prompt, 16)["token_ids"] == long_expected  # and serves on
+    finally:
+        _mtu_back(natlab)
+        cluster.__exit__(None, None, None)
