@@ -40,6 +40,7 @@ from typing import Optional
 
 import trio
 
+from kafilad.control import web
 from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
 from kafilad.errors import GenerationError, HostBusyError, KafilaError
 
@@ -107,10 +108,11 @@ async def handle(node, request: Request, res: Responder) -> None:
 
 
 _ROUTES = {"/v1/models": ("GET", "HEAD"), "/v1/completions": ("POST",), "/v1/chat/completions": ("POST",)}
+_ROUTES.update(web.ROUTES)  # the web page and its status document (kafilad/control/web.py)
 
 
 async def _route(node, request: Request, res: Responder) -> None:
-    method, path = request.method, request.path.rstrip("/")
+    method, path = request.method, request.path.rstrip("/") or "/"
     allowed = _ROUTES.get(path)
     if allowed is None:
         raise HttpError(404, f"No route for {method} {_shown(path)}; the API serves "
@@ -118,6 +120,9 @@ async def _route(node, request: Request, res: Responder) -> None:
     if method not in allowed:
         raise HttpError(405, f"{_shown(path)} answers {' and '.join(allowed)}, not {_shown(method)}.",
                         headers=[("allow", ", ".join(allowed))])
+    if path in web.ROUTES:
+        await web.handle(node, request, res)
+        return
     if path == "/v1/models":
         s = _session(node)
         await res.send(200, json.dumps({"object": "list", "data": [
