@@ -32,6 +32,12 @@ from their single caches (`merge`/`extend`), absent ids are taken out (`extract`
 into single caches, and the order is permuted to match. Batched steps run (B, 1, D) matmuls, so
 tokens match single-request decoding but log-probs may differ in the last bits.
 
+Sampling parameters (kafilad/proto/sampling.py): a request with only a temperature is sampled by
+`head_sample` / `head_sample_batch` as above. Any other parameter (top_p, top_k, min_p, seed,
+penalties, logit_bias, logprobs) goes through `head_sample_rows`, which applies mlx-lm's
+`make_logits_processors` and sampler functions row by row, in generate_step's order, with the
+request's processors and (when seeded) its own random key kept here until `drop`.
+
 Wire format of an activation: the array map of proto_spec 02 §4.2, checked by the one codec
 `kafilad.proto.frames.encode_activation` / `decode_activation`::
     {"dtype": "float32" | "bfloat16" | "float16", "shape": [B, L, D], "data": bytes}
@@ -46,11 +52,17 @@ from typing import Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, categorical_sampling,
+                                 make_logits_processors, make_sampler)
 
 from kafilad.errors import RemoteProtocolError
 from kafilad.executor.stage import Stage
 from kafilad.proto.frames import decode_activation, encode_activation
+from kafilad.proto.sampling import Sampling
+
+#: what a sampled row reports besides its token: (chosen token's logprob, ((token_id, logprob), ...) best
+#: first), or None when its request asked for no log-probabilities
+TokenLogprobs = Optional[tuple[float, tuple[tuple[int, float], ...]]]
 
 #: mlx-lm's generate_step default prefill chunk (tokens).
 DEFAULT_PREFILL_STEP_SIZE = 2048
@@ -123,6 +135,8 @@ class StageRunner:
         self._batch_ids: list[str] = []
         self._batch: list = []  # one BatchKVCache per block, rows in _batch_ids order
         self._samplers: dict[float, object] = {}
+        self._processors: dict[str, list] = {}  # request -> its mlx-lm logits processors (head)
+        self._keys: dict[str, mx.array] = {}  # request -> its random key, for a seeded request (head)
         self._lock = threading.Lock()
 
     @property
@@ -272,22 +286,105 @@ class StageRunner:
                 out.append(int(sampler(logprobs[i:i + 1]).item()))
             return out
 
+    def head_sample_rows(self, request_ids: list[str], h: mx.array, samplings: list[Optional[Sampling]],
+                         histories: list[Optional[list[int]]]) -> list[tuple[int, TokenLogprobs]]:
+        """Head: sample row i of h (B, L, D) for request_ids[i] with its own Sampling.
+
+        Each row is sampled as mlx-lm's `generate_step` samples with `make_logits_processors` and
+        `make_sampler` (kafilad/proto/sampling.py, module docstring): logits processors over
+        `histories[i]` (the request's prompt and generated ids, of which the last
+        `penalty_context_tokens` count), logprobs, then argmax or the filters and a categorical draw
+        (the request's own key when it is seeded). A None sampling is greedy. Rows are independent,
+        so a batch may mix requests with different parameters.
+
+        Returns:
+            [(token_id, TokenLogprobs)] in row order; TokenLogprobs is None unless the row's
+            sampling asked for `logprobs`.
+        Raises:
+            RemoteProtocolError: rows, samplings and histories do not match.
+            ValueError: a `logit_bias` token id outside the vocabulary.
+        """
+        if not (len(samplings) == len(histories) == len(request_ids) == h.shape[0]):
+            raise RemoteProtocolError(f"A sample for {len(request_ids)} requests got {h.shape[0]} rows, "
+                                      f"{len(samplings)} samplings and {len(histories)} histories.")
+        with self._lock:
+            logits = self.stage.logits(h)
+            return [self._sample_row(r, logits[i:i + 1], s or GREEDY_SAMPLING, hist)
+                    for i, (r, s, hist) in enumerate(zip(request_ids, samplings, histories))]
+
+    def _sample_row(self, request_id: str, logits: mx.array, s: Sampling,
+                    history: Optional[list[int]]) -> tuple[int, TokenLogprobs]:
+        """One row: logits (1, V). See `head_sample_rows`."""
+        if s.has_processors:
+            procs = self._processors.get(request_id)
+            if procs is None:
+                vocab = logits.shape[-1]
+                bad = [t for t, _ in s.logit_bias if t >= vocab]
+                if bad:
+                    raise ValueError(f"'logit_bias' names token {bad[0]}, outside this model's vocabulary of "
+                                     f"{vocab} tokens.")
+                n = s.penalty_context_tokens
+                procs = self._processors[request_id] = make_logits_processors(
+                    dict(s.logit_bias) or None, s.repetition_penalty, n,
+                    s.presence_penalty or None, n, s.frequency_penalty or None, n)
+            tokens = mx.array(list(history or [])[-s.penalty_context_tokens:], dtype=mx.int32)
+            for p in procs:
+                logits = p(tokens, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        if s.temperature == 0 or s.top_p == 0:
+            token = mx.argmax(logprobs, axis=-1)
+        else:
+            x = logprobs
+            if s.top_p < 1.0:
+                x = apply_top_p(x, s.top_p)
+            if s.min_p > 0.0:
+                x = apply_min_p(x, s.min_p)
+            if 0 < s.top_k < x.shape[-1]:
+                x = apply_top_k(x, s.top_k)
+            if s.seed is None:
+                token = categorical_sampling(x, s.temperature)
+            else:
+                key = self._keys.get(request_id)
+                if key is None:
+                    key = mx.random.key(s.seed % (1 << 64))
+                key, sub = mx.random.split(key)  # the sequence mx.random.seed(seed) gives (module docstring)
+                self._keys[request_id] = key
+                token = mx.random.categorical(x * (1.0 / s.temperature), key=sub)
+        tok = int(token.item())
+        if s.logprobs is None:
+            return tok, None
+        row = logprobs[0]
+        best: tuple = ()
+        if s.logprobs > 0:
+            k = min(s.logprobs, row.shape[-1])
+            idx = mx.argpartition(-row, kth=k - 1)[:k]
+            vals = row[idx].tolist()
+            best = tuple(sorted(zip((int(i) for i in idx.tolist()), (float(v) for v in vals)),
+                                key=lambda p: (-p[1], p[0])))
+        return tok, (float(row[tok].item()), best)
+
     def drop(self, request_id: str) -> None:
-        """Forget a request's KV caches, single or batched (no error if unknown)."""
+        """Forget a request's KV caches, single or batched, and its sampler state (no error if unknown)."""
         with self._lock:
             self._caches.pop(request_id, None)
+            self._processors.pop(request_id, None)
+            self._keys.pop(request_id, None)
             self._take_out_of_batch([request_id], keep_cache=False)
+
+
+GREEDY_SAMPLING = Sampling()
 
 
 def generate_local(runners: list[StageRunner], prompt_ids: list[int], max_tokens: int, *,
                    temperature: float = 0.0, eos_token_ids: Optional[set[int]] = None,
                    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-                   request_id: str = "local", wire: bool = True) -> list[int]:
+                   request_id: str = "local", wire: bool = True, sampling: Optional[Sampling] = None) -> list[int]:
     """Drive a ring of runners in one process (head first), following the module's call sequence.
 
     A reference for the node's pipeline and the tests: with `wire=True` every hop goes through
     `array_to_wire`/`array_from_wire`, as it does between machines. Returns the generated ids
-    (not the prompt), stopping after an EOS id (included) or `max_tokens`.
+    (not the prompt), stopping after an EOS id (included) or `max_tokens`. With `sampling`, tokens
+    are drawn by `head_sample_rows` (its `temperature` then replaces `temperature`).
     """
     head = runners[0]
     hop = (lambda a: array_from_wire(array_to_wire(a))) if wire else (lambda a: a)
@@ -305,7 +402,10 @@ def generate_local(runners: list[StageRunner], prompt_ids: list[int], max_tokens
             around(chunk)
         h = around(chunks[-1])
         while len(out) < max_tokens:
-            tok = head.head_sample(request_id, h, temperature)
+            if sampling is None:
+                tok = head.head_sample(request_id, h, temperature)
+            else:
+                tok = head.head_sample_rows([request_id], h, [sampling], [list(prompt_ids) + out])[0][0]
             out.append(tok)
             if (eos_token_ids and tok in eos_token_ids) or len(out) >= max_tokens:
                 break

@@ -12,15 +12,17 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Optional
+from typing import Optional, Sequence
 
 import trio
 
 from kafilad.errors import (ContextTooLongError, GenerationCancelled, GenerationError, KafilaError, LinkClosed,
                             SessionNotReadyError, collapse_groups)
 from kafilad.node import stagehost
+from kafilad.node.stops import StopFilter
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
+from kafilad.proto.sampling import Sampling
 
 log = logging.getLogger("kafilad.host")
 
@@ -29,6 +31,8 @@ GEN_BUFFER_EVENTS = 1024
 #: seconds a cancelled request waits for a remote head's answer, and for its `cancel` frame to go
 CANCEL_WAIT_S = 10.0
 CANCEL_SEND_S = 5.0
+#: the reason a request ended by its stop sequence gives the ring (it then completes, finish "stop")
+STOPPED = "A stop sequence was generated."
 
 
 class HostRequests:
@@ -36,7 +40,8 @@ class HostRequests:
 
     # ---- generation ---------------------------------------------------------------------------
     async def generate(self, prompt: str, *, max_tokens: int, temperature: float, emit,
-                       gone: Optional[trio.Event] = None) -> dict:
+                       gone: Optional[trio.Event] = None, sampling: Optional[Sampling] = None,
+                       stop: Sequence[str] = ()) -> dict:
         """Serve one request through the head; stream tokens to `emit`; return the result.
 
         At most `concurrency` requests run on the ring; the next wait their turn, first in first
@@ -46,9 +51,18 @@ class HostRequests:
         §2.4), never by cancelling a task inside a link send; its `generation` trace record says
         `"finish_reason": "cancelled"` and how many tokens it produced.
 
+        Stop sequences end the request like a client gone, but it completes: its text ends before
+        the first stop string, which is never emitted, not even partly (text that may begin one is
+        held back, kafilad/node/stops.py), `token_ids` end with the token that completed it, and
+        `finish_reason` is "stop" (with the matched `stop_sequence`).
+
         Args:
-            emit: awaited with each event {"t": "token", "token_id", "text"}; raising ends the request.
+            emit: awaited with each event {"t": "token", "token_id", "text"} (plus "logprob" and
+                "top_logprobs" when `sampling.logprobs` is set); raising ends the request.
             gone: set when the client went away.
+            sampling: the head's sampling parameters (kafilad/proto/sampling.py); its temperature
+                replaces `temperature`. None: `temperature` alone.
+            stop: stop strings (non-empty).
         Raises:
             SessionNotReadyError: the session is not ready (its state is named).
             ContextTooLongError: prompt + max_tokens exceed the admitted context.
@@ -89,6 +103,26 @@ class HostRequests:
                     except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
 
+            if sampling is not None:
+                temperature = sampling.temperature
+            stopper = StopFilter(stop) if stop else None
+            tokens_seen = [0]
+
+            async def emit_checked(ev: dict) -> None:
+                """`emit`, with the stop sequences applied (the request is ended once one matched)."""
+                if stopper is None:
+                    await emit(ev)
+                    return
+                if stopper.stopped:
+                    return
+                if ev.get("token_id") is not None:
+                    tokens_seen[0] += 1
+                out = stopper.feed(str(ev.get("text") or ""))
+                if stopper.stopped:
+                    cancel(STOPPED)
+                if out or ev.get("token_id") is not None:
+                    await emit({**ev, "text": out})
+
             with collapse_groups():  # the request's own error, not a group (strict exception groups)
                 async with trio.open_nursery() as watchers:
                     if gone is not None:
@@ -99,7 +133,7 @@ class HostRequests:
                     try:
                         if local:
                             st = await ring.generate(req, prompt, max_tokens=max_tokens, temperature=temperature,
-                                                     on_event=lambda ev: emit(ev))
+                                                     on_event=emit_checked, sampling=sampling)
                             result = result_of(st)
                             if st.cancelled is not None and st.error != ring.broken:
                                 result.update(finish_reason="cancelled", cancel_reason=st.cancelled,
@@ -107,7 +141,8 @@ class HostRequests:
                             elif st.error:
                                 raise GenerationError(st.error)
                         else:
-                            result = await self._generate_remote(head, req, prompt, max_tokens, temperature, emit)
+                            result = await self._generate_remote(head, req, prompt, max_tokens, temperature,
+                                                                 emit_checked, sampling)
                             result.setdefault("prompt_tokens", n_prompt)
                     except trio.Cancelled:  # the caller was cancelled (e.g. the daemon stops): end the request too
                         if local:
@@ -115,6 +150,17 @@ class HostRequests:
                         raise
                     finally:
                         watchers.cancel_scope.cancel()
+            if stopper is not None and stopper.stopped:
+                result = {k: v for k, v in result.items() if k not in ("cancel_reason", "cancelled_at_tokens")}
+                result.update(text=stopper.text, token_ids=list(result.get("token_ids", []))[:tokens_seen[0]],
+                              finish_reason="stop", stop_sequence=stopper.stop)
+            elif stopper is not None and result.get("finish_reason") != "cancelled":
+                tail = stopper.finish()
+                if tail:
+                    try:
+                        await emit({"t": "token", "token_id": None, "text": tail})
+                    except Exception:  # noqa: BLE001 - the request is over; the API sees its client gone
+                        pass
             n_tokens = len(result.get("token_ids", []))
             result["req"] = req
             result.setdefault("finish_reason", "length" if n_tokens >= max_tokens else "stop")
@@ -130,7 +176,7 @@ class HostRequests:
             self.node.changed()
 
     async def _generate_remote(self, head, req: str, prompt: str, max_tokens: int, temperature: float,
-                               emit) -> dict:
+                               emit, sampling: Optional[Sampling] = None) -> dict:
         """The request through a remote head (proto_spec 05 §2 `gen`); `{"t": "cancel"}` put on its
         channel (by `generate`), or `emit` raising, sends the head a `cancel` frame; the result then
         has `"finish_reason": "cancelled"` once the head answered (or CANCEL_WAIT_S passed)."""
@@ -161,7 +207,9 @@ class HostRequests:
                     "decode_tokens_per_s": None, "circuit_s_median": None, "stats": [],
                     "finish_reason": "cancelled", **cancelled}
         try:
-            await link.send(cf.Gen(req=req, prompt=prompt, max_tokens=max_tokens, temperature=temperature).to_wire())
+            await link.send(cf.Gen(req=req, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                                   sampling=sampling.to_wire() if sampling is not None and not sampling.plain
+                                   else None).to_wire())
             with trio.CancelScope() as wait:  # given a deadline once the request is cancelled
                 async for f in recv:
                     if isinstance(f, cf.GenEvent):

@@ -385,14 +385,20 @@ class MemberSession:
             await self._handle(sm.RingFailed(ring.broken_member, ring.broken, getattr(ring, "epoch", None)))
 
     async def _serve_generation(self, f: cf.Gen) -> None:
+        from kafilad.errors import GenerationError
+        from kafilad.proto.sampling import Sampling
         req = f.req
 
         async def on_event(ev: dict) -> None:
             await self.link.send(cf.GenEvent(req=req, event=ev).to_wire())
 
         try:
+            try:  # checked on receipt (proto_spec 05 §2 `gen`): a map this head cannot apply fails the request
+                sampling = Sampling.from_wire(f.sampling) if f.sampling is not None else None
+            except RemoteProtocolError as e:
+                raise GenerationError(f"The head {self.node.name} cannot sample this request: {e}.") from None
             st = await self.ring.generate(req, f.prompt, max_tokens=f.max_tokens, temperature=float(f.temperature),
-                                          on_event=on_event)
+                                          on_event=on_event, sampling=sampling)
             if st.cancel_requested and st.error != self.ring.broken:  # the host's `cancel`: what was produced,
                 # with every member's `end` row (its KV rows were freed on every stage)
                 await self.link.send(cf.GenDone(req=req, result=cf.GenResult.from_wire(result_of(st))).to_wire())

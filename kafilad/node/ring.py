@@ -60,6 +60,7 @@ import trio
 
 from kafilad.errors import GenerationCancelled, GenerationError, RemoteProtocolError
 from kafilad.node.link import Link, LinkClosed
+from kafilad.proto.sampling import Sampling
 from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, EmitToken, EndRequest, EndReturned, FinishRequest,
                                     HeadScheduler, PassFailed, PassReturned, Request, RequestArrived,
                                     RequestCancelled, RingBroken, SampleTokens, SendDecodeStep, SendPrefillChunk,
@@ -313,11 +314,13 @@ class RingMember:
 
     # ---- head -------------------------------------------------------------------------------
     async def generate(self, req: str, prompt: str, *, max_tokens: int, temperature: float,
-                       on_event: Callable[[dict], Awaitable[None]]) -> RequestState:
+                       on_event: Callable[[dict], Awaitable[None]], sampling=None) -> RequestState:
         """Start a generation; stream its events {"t": "token", ...} to `on_event`; return at the end.
 
         `on_event` runs in the caller's task, fed from the request's own bounded stream, so a slow
         or failing consumer ends only its own request (`RequestState.error` says why).
+        `sampling` (kafilad.proto.sampling.Sampling) replaces `temperature` when given; a token event
+        of a request that asked for `logprobs` carries "logprob" and "top_logprobs" ([[id, logprob]]).
 
         Raises:
             GenerationError: the ring broke (the message names the member), or an empty prompt.
@@ -330,8 +333,15 @@ class RingMember:
         ids = list(self.tokenizer.encode(prompt))
         if not ids:
             raise GenerationError("The prompt encodes to no tokens.")
+        if sampling is not None:
+            temperature = sampling.temperature
+            vocab = getattr(getattr(self.runner, "stage", None), "config", {}).get("vocab_size")
+            bad = [t for t, _ in sampling.logit_bias if isinstance(vocab, int) and t >= vocab]
+            if bad:
+                raise GenerationError(f"'logit_bias' names token {bad[0]}, outside this model's vocabulary of "
+                                      f"{vocab} tokens.")
         actions = self.scheduler.handle(RequestArrived(req, tuple(ids), max_tokens, temperature,
-                                                       now_s=time.perf_counter()))
+                                                       now_s=time.perf_counter(), sampling=sampling))
         send, recv = trio.open_memory_channel(self.stream_events)
         st = RequestState(req=req, detok=self.tokenizer.continuation_detokenizer(ids), events=send,
                           record=self.scheduler.requests.get(req))
@@ -375,7 +385,10 @@ class RingMember:
                     st.detok.add_token(a.token_id)
                     segment = st.detok.last_segment
                     st.text += segment
-                    await self._deliver(st, {"t": "token", "req": a.req, "token_id": a.token_id, "text": segment})
+                    event = {"t": "token", "req": a.req, "token_id": a.token_id, "text": segment}
+                    if a.logprob is not None:
+                        event["logprob"], event["top_logprobs"] = a.logprob[0], [list(p) for p in a.logprob[1]]
+                    await self._deliver(st, event)
             elif isinstance(a, EndRequest):
                 await self._end_request(a.req)
             elif isinstance(a, FinishRequest):
@@ -395,12 +408,28 @@ class RingMember:
         await self._send_next(frame)
 
     async def _sample(self, a: SampleTokens, h_wire: Optional[dict], batched: bool) -> None:
-        if batched:
-            tokens, _ = await self._compute(self._head_sample_batch_wire, list(a.reqs), h_wire, list(a.temperatures))
-        else:
-            token, _ = await self._compute(self._head_sample_wire, a.reqs[0], h_wire, a.temperatures[0])
-            tokens = [token]
-        await self._execute(self.scheduler.handle(TokensSampled(a.reqs, tuple(tokens), now_s=time.perf_counter())))
+        recs = [self.scheduler.requests.get(r) for r in a.reqs]
+        samplings = [rec.sampling if rec is not None else None for rec in recs]
+        logprobs: tuple = ()
+        if all(s is None or s.plain for s in samplings):  # temperature only: the token-identical path
+            if batched:
+                tokens, _ = await self._compute(self._head_sample_batch_wire, list(a.reqs), h_wire,
+                                                list(a.temperatures))
+            else:
+                token, _ = await self._compute(self._head_sample_wire, a.reqs[0], h_wire, a.temperatures[0])
+                tokens = [token]
+        else:  # each row with its own Sampling (kafilad/proto/sampling.py)
+            histories = [list(rec.prompt_ids) + list(rec.generated) if rec is not None and s is not None
+                         and s.needs_history else None for rec, s in zip(recs, samplings)]
+            samplings = [s if s is not None else _plain(rec) for rec, s in zip(recs, samplings)]
+            try:
+                rows, _ = await self._compute(self._head_sample_rows_wire, list(a.reqs), h_wire, samplings, histories)
+            except ValueError as e:  # a request's parameters the model cannot take (a logit_bias id)
+                raise GenerationError(str(e)) from None
+            tokens = [t for t, _ in rows]
+            logprobs = tuple(lp for _, lp in rows)
+        await self._execute(self.scheduler.handle(TokensSampled(a.reqs, tuple(tokens), now_s=time.perf_counter(),
+                                                                logprobs=logprobs)))
 
     def _head_embed_wire(self, req: str, ids: list) -> dict:
         return self.ex.array_to_wire(self.runner.head_embed_and_run(req, ids))
@@ -413,6 +442,9 @@ class RingMember:
 
     def _head_sample_batch_wire(self, rids: list[str], h_wire: dict, temperatures: list[float]) -> list[int]:
         return self.runner.head_sample_batch(rids, self.ex.array_from_wire(h_wire), temperatures)
+
+    def _head_sample_rows_wire(self, rids: list[str], h_wire: dict, samplings: list, histories: list) -> list:
+        return self.runner.head_sample_rows(rids, self.ex.array_from_wire(h_wire), samplings, histories)
 
     async def _head_on_return(self, frame: dict) -> None:
         rids = tuple(_frame_reqs(frame))
@@ -549,6 +581,11 @@ async def run_on_mlx_thread(fn, *args):
     with trio.CancelScope(shield=True):
         await done.wait()
     return fut.result()
+
+
+def _plain(rec: Optional[Request]) -> Sampling:
+    """The Sampling of a row whose request gave only a temperature (or that ended meanwhile)."""
+    return Sampling(temperature=rec.temperature if rec is not None else 0.0)
 
 
 def _frame_reqs(frame: dict) -> list[str]:

@@ -103,13 +103,15 @@ _TRANSITIONS: dict[Optional[Phase], frozenset[Phase]] = {
 # ---- events (driver → scheduler) -------------------------------------------------------------
 @attrs.frozen
 class RequestArrived:
-    """A generation starts at the head. `now_s`: the driver's monotonic clock (s)."""
+    """A generation starts at the head. `now_s`: the driver's monotonic clock (s). `sampling`: its
+    kafilad.proto.sampling.Sampling (None: `temperature` alone), kept on the record for the driver."""
 
     req: str
     prompt_ids: tuple[int, ...]
     max_tokens: int
     temperature: float
     now_s: float
+    sampling: Optional[object] = None
 
 
 @attrs.frozen
@@ -124,11 +126,13 @@ class PassReturned:
 
 @attrs.frozen
 class TokensSampled:
-    """The driver sampled the rows a `SampleTokens` asked for: tokens[i] belongs to reqs[i]."""
+    """The driver sampled the rows a `SampleTokens` asked for: tokens[i] belongs to reqs[i];
+    logprobs[i], when given, is what row i reports (runner `TokenLogprobs`), passed on in EmitToken."""
 
     reqs: tuple[str, ...]
     tokens: tuple[int, ...]
     now_s: float
+    logprobs: tuple = ()
 
 
 @attrs.frozen
@@ -194,10 +198,11 @@ class SampleTokens:
 
 @attrs.frozen
 class EmitToken:
-    """Stream `token_id` (never an EOS) to the request's client."""
+    """Stream `token_id` (never an EOS) to the request's client, with its `logprob` report if any."""
 
     req: str
     token_id: int
+    logprob: Optional[tuple] = None
 
 
 @attrs.frozen
@@ -228,6 +233,7 @@ class Request:
     max_tokens: int
     temperature: float
     started_s: float
+    sampling: Optional[object] = None  # kafilad.proto.sampling.Sampling, read by the driver's sampler
     phase: Optional[Phase] = None
     pending_prefill: list = attrs.field(factory=list)  # chunks still to send, the sampled one last
     generated: list = attrs.field(factory=list)  # token ids streamed (EOS excluded)
@@ -346,7 +352,8 @@ class HeadScheduler:
             raise LocalProtocolError(f"Request {ev.req!r} is already in flight at the head.")
         chunks = prefill_chunks(ev.prompt_ids, self.prefill_step_tokens)
         rec = Request(req=ev.req, prompt_ids=tuple(ev.prompt_ids), max_tokens=ev.max_tokens,
-                      temperature=ev.temperature, started_s=ev.now_s, pending_prefill=chunks)
+                      temperature=ev.temperature, started_s=ev.now_s, sampling=ev.sampling,
+                      pending_prefill=chunks)
         if self.broken is not None:
             return [self._finish(rec, self.broken)]
         self.requests[ev.req] = rec
@@ -400,28 +407,31 @@ class HeadScheduler:
     def _on_sampled(self, ev: TokensSampled) -> list[Action]:
         if len(ev.tokens) != len(ev.reqs):
             raise LocalProtocolError(f"{len(ev.tokens)} tokens were sampled for {len(ev.reqs)} rows.")
+        if ev.logprobs and len(ev.logprobs) != len(ev.reqs):
+            raise LocalProtocolError(f"{len(ev.logprobs)} log-probability reports came for {len(ev.reqs)} rows.")
         actions: list[Action] = []
-        for r, token in zip(ev.reqs, ev.tokens):
+        for i, (r, token) in enumerate(zip(ev.reqs, ev.tokens)):
             rec = self.requests.get(r)
             if rec is None or rec.phase is not Phase.SAMPLING:
                 continue
             if rec.error is not None:  # cancelled while it was being sampled: its token is not streamed
                 actions.append(self._end(rec))
             else:
-                actions += self._take_token(rec, int(token), ev.now_s)
+                actions += self._take_token(rec, int(token), ev.now_s, ev.logprobs[i] if ev.logprobs else None)
         if self._in_flight is not None and ev.reqs == self._in_flight:
             self._in_flight = None
         return actions + self._next_step()
 
-    def _take_token(self, rec: Request, token: int, now_s: float) -> list[Action]:
-        """Stream a sampled token; end the request, or queue its next decode pass."""
+    def _take_token(self, rec: Request, token: int, now_s: float, logprob: Optional[tuple] = None) -> list[Action]:
+        """Stream a sampled token (with its log-probability report); end the request, or queue its
+        next decode pass."""
         if rec.first_token_s is None:
             rec.first_token_s = now_s
         eos = token in self.eos_token_ids
         out: list[Action] = []
         if not eos:
             rec.generated.append(token)
-            out.append(EmitToken(rec.req, token))
+            out.append(EmitToken(rec.req, token, logprob))
         if eos or len(rec.generated) >= rec.max_tokens:
             out.append(self._end(rec))
         elif self.batching:

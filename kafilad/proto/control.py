@@ -17,7 +17,7 @@ member -> host  Fetch(id, file, offset, length)
 host -> member  Data(id, data) | FetchError(id, reason)
 member -> host  Ready(fetched_bytes, cached_bytes, load_s, edges) | Failed(reason) | Leaving(reason)
 member -> host  Edges(edges) | RingBroken(reason, member)
-host -> head    Gen(req, prompt, max_tokens, temperature)
+host -> head    Gen(req, prompt, max_tokens, temperature, sampling?)
 head -> host    GenEvent(req, event) | GenDone(req, result: GenResult) | GenError(req, message)
 host -> head    Cancel(req, reason?)             the request's client went away: end it now
 host -> member  SessionFailed(reason) | SessionClosed(reason)      the latter: ended for good, forget it
@@ -203,6 +203,9 @@ class Gen(ControlFrame):
     prompt: str = _field(str)
     max_tokens: int = _field(int, minimum=1)
     temperature: float = _field(_NUM, minimum=0, default=0.0)
+    #: the request's sampling parameters (kafilad/proto/sampling.py wire map; the head checks it with
+    #: `Sampling.from_wire` and answers `gen_error` with the reason); absent: `temperature` alone
+    sampling: Optional[dict] = _field(dict, optional=True)
 
 
 @_frame("gen_event")
