@@ -13,6 +13,9 @@
 - :class:`MemoryRendezvous`: signals and relayed "ring" circuits between in-process peers, as
   the rendezvous relays them (proto_spec 03 §2.1, §4); a circuit is a trio.testing memory
   stream pair carrying u16-framed messages (proto_spec 01 §5.1).
+- :class:`WebSocketRendezvous`: the real rendezvous server behind real WebSockets over memory
+  streams, for the real client (whole session drivers: tests/node/test_session_drivers.py);
+  :class:`PausableStream` freezes one daemon's connection.
 
 Nothing here opens a socket.
 """
@@ -23,8 +26,10 @@ import heapq
 import itertools
 import math
 import socket as _socket
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
+from urllib.parse import urlparse
 
 import trio
 from trio.testing import memory_stream_pair
@@ -298,3 +303,125 @@ class MemoryRendezvous:
         async for at_s, fn, args in self._recv:
             await trio.sleep_until(at_s)
             fn(*args)
+
+
+# ---- the real rendezvous server over in-memory WebSockets ---------------------------------------
+
+class PausableStream(trio.abc.HalfCloseableStream):
+    """A stream that can be paused: nothing goes out or comes in while paused (a frozen process).
+
+    Bytes that arrive meanwhile wait (the memory stream buffers them) and are read on :meth:`resume`.
+    """
+
+    def __init__(self, inner: trio.abc.HalfCloseableStream):
+        self.inner = inner
+        self._running = trio.Event()
+        self._running.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    def pause(self) -> None:
+        if self._running.is_set():
+            self._running = trio.Event()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    async def send_all(self, data) -> None:
+        await self._running.wait()
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._running.wait()
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None) -> bytes:
+        await self._running.wait()
+        data = await self.inner.receive_some(max_bytes)
+        await self._running.wait()
+        return data
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class WebSocketRendezvous:
+    """The real rendezvous (kafilad/rendezvous/server.py ``RendezvousServer``, its sans-IO state and
+    relay) serving real WebSockets (trio-websocket, wsproto) over memory streams.
+
+    Daemons reach it through the real client (kafilad/node/rdv_client.py ``open_rendezvous``) once
+    ``trio_websocket.open_websocket_url`` is replaced by :meth:`open_websocket_url` (a test's
+    monkeypatch): a URL's path names the connecting daemon (``ws://192.0.2.10:7400/m1``), so a
+    test can pause (freeze) or cut that daemon's connections. Run :meth:`run` in a nursery.
+
+    Args:
+        stun_addresses: (ip, port) advertised in ``registered`` / ``joined`` (proto_spec 07 §1).
+    Attributes:
+        server: the RendezvousServer.
+        streams: the client end of every connection made, by URL path, oldest first.
+    """
+
+    def __init__(self, *, stun_addresses=(), limits=None):
+        from kafilad.proto.rendezvous import RendezvousLimits
+        from kafilad.rendezvous.server import RendezvousServer
+        self.limits = limits or RendezvousLimits()
+        self.server = RendezvousServer(self.limits, None, list(stun_addresses))
+        self.streams: dict[str, list[PausableStream]] = {}
+        self._nursery = None
+
+    @staticmethod
+    def url(who: str) -> str:
+        """The URL daemon ``who`` is given (the rendezvous host is an IP: no name lookup)."""
+        return f"{RENDEZVOUS_URL}/{who}"
+
+    def latest(self, who: str) -> PausableStream:
+        """The client end of ``who``'s newest connection."""
+        return self.streams["/" + who][-1]
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    @asynccontextmanager
+    async def open_websocket_url(self, url: str, *, max_message_size: int = 2 ** 20, connect_timeout: float = 10,
+                                 disconnect_timeout: float = 5, **_ignored):
+        """As ``trio_websocket.open_websocket_url``, to this rendezvous over a memory stream pair.
+
+        Raises:
+            trio_websocket.HandshakeError: the opening handshake did not finish in ``connect_timeout``.
+        """
+        import trio_websocket
+        parsed = urlparse(url)
+        a, b = memory_stream_pair()
+        client = PausableStream(a)
+        self.streams.setdefault(parsed.path or "/", []).append(client)
+        self._nursery.start_soon(self._serve, b, max_message_size)
+        ws = None
+        with trio.move_on_after(connect_timeout):
+            ws = await trio_websocket.wrap_client_stream(self._nursery, client, parsed.hostname or "",
+                                                         parsed.path or "/", max_message_size=max_message_size)
+        if ws is None:
+            await client.aclose()
+            raise trio_websocket.ConnectionTimeout(f"no WebSocket handshake within {connect_timeout:g} s")
+        try:
+            yield ws
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(disconnect_timeout):
+                await ws.aclose()
+
+    async def _serve(self, stream, max_message_size: int) -> None:
+        import trio_websocket
+        try:
+            request = await trio_websocket.wrap_server_stream(self._nursery, stream, max_message_size=max_message_size)
+            await self.server.handle(request)
+        except trio_websocket.ConnectionClosed:
+            pass
+        finally:
+            await stream.aclose()

@@ -651,8 +651,9 @@ _ENDPOINTS: "weakref.WeakKeyDictionary[object, UdpEndpoint]" = weakref.WeakKeyDi
 
 async def endpoint_of(node) -> UdpEndpoint:
     """The daemon's one UDP endpoint, bound on first use (``KAFILA_UDP_BIND``) and served in the
-    node's root nursery for the daemon's lifetime (proto_spec 07 §1)."""
-    ep = _ENDPOINTS.get(node)
+    node's root nursery for the daemon's lifetime (proto_spec 07 §1). A node with a ``udp_endpoint``
+    attribute (tests: an endpoint on an in-memory network, tests/netsim.py) uses that one."""
+    ep = getattr(node, "udp_endpoint", None) or _ENDPOINTS.get(node)
     if ep is None:
         host, port = bind_address(os.environ.get("KAFILA_UDP_BIND", ""))
         ep = await UdpEndpoint.bind(host, port)

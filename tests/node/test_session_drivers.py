@@ -1,0 +1,256 @@
+"""Issue 7 "Session tests at the right level": the session drivers, whole, in one trio run.
+
+A real HostSession and real MemberSessions (kafilad/node/host.py, host_requests.py, member.py)
+with the real rendezvous over in-memory WebSockets and ring edges over the in-memory NAT
+network (tests/node/session_harness.py); a synthesised 3-block model on MLX. Each test forms a
+session and drives one story: formation and generation (head on the host, and on a member),
+admission, a member cut off, a rejoin, a malformed frame, the host's close, liveness.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+from trio.testing import trio_test
+
+from kafila_testing import reference_tokens
+from kafilad.errors import GenerationCancelled, GenerationError, SessionError
+from kafilad.proto.session import HostState, MemberState
+from node.session_harness import CAPABILITY, generate, session_world, shrink_liveness
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+PROMPT = "Once upon a time"
+N_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from kafilad.executor.synth import synthesize_model
+    return synthesize_model(tmp_path_factory.mktemp("sessions") / "synth", arch="llama", seed=7,
+                            num_hidden_layers=3, hidden_size=32)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Greedy tokens of single-process mlx-lm on the model (tests/kafila_testing.py)."""
+    return reference_tokens(model_dir, PROMPT, N_TOKENS)
+
+
+def planned(h) -> dict:
+    """{name: [start, end]} of the host's current plan, for members not lost."""
+    return {m["name"]: m["blocks"] for m in h.snapshot()["members"] if m["blocks"] and not m["lost"]}
+
+
+def member_row(h, name: str) -> dict:
+    return next(m for m in h.snapshot()["members"] if m["name"] == name)
+
+
+def trace_events(h) -> list[str]:
+    path = h.node.state.trace_path(h.session_id)
+    return [json.loads(line)["event"] for line in path.read_text().splitlines()]
+
+
+def ready_over(h, names: set) -> bool:
+    return h.state == HostState.READY and set(planned(h)) == names
+
+
+@trio_test
+async def test_a_host_and_two_members_form_and_generate_as_single_process_mlx_lm(tmp_path, model_dir, reference,
+                                                                                monkeypatch):
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, (m1, m2) = await w.form(2)
+        assert planned(h) == {"h": [0, 1], "m1": [1, 2], "m2": [2, 3]}
+        assert [e["path"] for e in h.snapshot()["edges"]] == ["direct"] * 3  # QUIC over the simulated NATs
+        assert m1.state == m2.state == MemberState.READY and m1.host_name == "h"
+        result = await generate(h, PROMPT, N_TOKENS)
+        assert result["token_ids"] == reference
+        assert [ev["token_id"] for ev in result["events"]] == reference  # streamed as generated
+        assert trace_events(h)[:2] == ["session_opened", "plan"] and "generation" in trace_events(h)
+
+
+@trio_test
+async def test_a_head_on_a_member_serves_through_its_ctl_link_and_its_loss_moves_the_head(tmp_path, model_dir,
+                                                                                         reference, monkeypatch):
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        w.host_capability = {**CAPABILITY, "bandwidth_Bps": CAPABILITY["bandwidth_Bps"] / 20}  # a slow host
+        h, ms = await w.form(2)
+        head = h.machine.head()
+        assert not head.is_host, h.snapshot()["plan"]
+        result = await generate(h, PROMPT, N_TOKENS)  # gen / gen_event / gen_done (proto_spec 05 §2)
+        assert result["token_ids"] == reference
+        assert [ev["token_id"] for ev in result["events"]] == reference
+
+        gone = trio.Event()  # the client goes away after 2 tokens: a `cancel` frame ends it at the head
+
+        async def leave_after_2(n: int) -> None:
+            if n == 2:
+                gone.set()
+        with pytest.raises(GenerationCancelled, match=r"ended after \d+ tokens: The client went away") as cancelled:
+            await generate(h, PROMPT, 200, on_token=leave_after_2, gone=gone)
+        assert cancelled.value.tokens < 20, cancelled.value  # within a few decode steps, not at max_tokens
+
+        head_session = next(m for m in ms if m.node.peer_id == head.peer_id)
+
+        async def cut_after_3(n: int) -> None:
+            if n == 3:
+                await head_session.link.stream.transport.aclose()
+        with pytest.raises(GenerationError, match=rf"member {head.name} \(\w+\) left the session"):
+            await generate(h, PROMPT, 200, on_token=cut_after_3)
+        survivor = next(m.node.name for m in ms if m is not head_session)
+        await w.wait(lambda: ready_over(h, {"h", survivor}), 20, "the replan without the head")
+        assert h.machine.head().name == survivor  # the head moved to the other fast member
+        assert (await generate(h, PROMPT, N_TOKENS))["token_ids"] == reference
+
+
+@trio_test
+async def test_a_pending_member_is_admitted_and_another_denied(tmp_path, model_dir, monkeypatch):
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h = await w.host(members=2, open_=False)
+        denied = w.join_soon("m1", h.code)
+        await w.wait(lambda: [p.name for p in h.pending.values()] == ["m1"], 10, "m1 pending")
+        assert h.state == HostState.FORMING
+        h.decide("m1", "deny")
+        with trio.fail_after(10):
+            await denied["done"].wait()
+        assert isinstance(denied["error"], SessionError), denied
+        assert "The host refused this device: the host denied this device" in str(denied["error"])
+        assert w.nodes["m1"].session.state == MemberState.FAILED and not h.pending
+
+        admitted = w.join_soon("m2", h.code)
+        await w.wait(lambda: [p.name for p in h.pending.values()] == ["m2"], 10, "m2 pending")
+        await w.wait(lambda: any("waiting for the host to admit" in m for m in admitted["progress"]), 5,
+                     "m2 told it waits")
+        h.decide(w.nodes["m2"].peer_id, "admit")  # by peer id, as `kafila-ctl admit`
+        with trio.fail_after(10):
+            await admitted["done"].wait()
+        m2 = admitted["session"]
+        await w.wait(lambda: ready_over(h, {"h", "m2"}) and m2.state == MemberState.READY, 20, "formation")
+        roster = h.node.state.load_roster()
+        assert roster == {m2.node.peer_id: {"public_key": m2.node.public_key.hex(), "name": "m2"}}
+
+
+@trio_test
+async def test_a_member_cut_off_fails_the_request_naming_it_and_the_host_replans(tmp_path, model_dir, reference,
+                                                                               monkeypatch):
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, (m1, m2) = await w.form(2)
+
+        async def cut_after_3(n: int) -> None:
+            if n == 3:
+                await m2.link.stream.transport.aclose()  # its relayed ctl circuit closes
+        with pytest.raises(GenerationError, match=r"member m2 \(\w+\) left the session"):
+            await generate(h, PROMPT, 200, on_token=cut_after_3)
+        await w.wait(lambda: ready_over(h, {"h", "m1"}), 20, "the replan over h and m1")
+        assert member_row(h, "m2")["lost"] and not member_row(h, "m2")["ready"]
+        await w.wait(lambda: m2.state == MemberState.FAILED, 5, "m2 failed")
+        assert (await generate(h, PROMPT, N_TOKENS))["token_ids"] == reference
+        events = trace_events(h)
+        assert "member_lost" in events and "replanned" in events
+
+
+@trio_test
+async def test_a_member_that_rejoins_is_planned_back_in(tmp_path, model_dir, reference, monkeypatch):
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, (m1, m2) = await w.form(2)
+        await m2.link.stream.transport.aclose()
+        await w.wait(lambda: ready_over(h, {"h", "m1"}) and m2.state == MemberState.FAILED, 20, "the replan")
+        m2_again = await w.join("m2", h.code)  # as the daemon's rejoin does: a new session, the same key
+        await w.wait(lambda: ready_over(h, {"h", "m1", "m2"}) and m2_again.state == MemberState.READY, 20,
+                     "m2 planned back in")
+        assert member_row(h, "m2")["lost"] is None
+        assert (await generate(h, PROMPT, N_TOKENS))["token_ids"] == reference
+        events = trace_events(h)
+        assert "member_returned" in events and events.count("replanned") >= 2
+
+
+@trio_test
+async def test_a_malformed_control_frame_closes_only_that_members_link(tmp_path, model_dir, reference, monkeypatch):
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, (m1, m2) = await w.form(2)
+        await m1.link.send({"t": "capability", "memory_bytes": "lots"})
+        await w.wait(lambda: ready_over(h, {"h", "m2"}), 20, "the replan over h and m2")
+        lost = member_row(h, "m1")["lost"]
+        assert "malformed capability frame: 'memory_bytes' is" in lost, lost
+        await w.wait(lambda: m1.state == MemberState.FAILED, 5, "m1 failed")
+        assert m2.state == MemberState.READY and "m2" in planned(h)
+        assert (await generate(h, PROMPT, N_TOKENS))["token_ids"] == reference
+
+
+@trio_test
+async def test_the_hosts_close_tells_members_and_they_end_closed(tmp_path, model_dir, monkeypatch):
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, ms = await w.form(2)
+        await h.close()
+        assert h.state == HostState.CLOSED
+        await w.wait(lambda: all(m.state == MemberState.CLOSED for m in ms), 10, "members closed")
+        for m in ms:
+            assert "the host closed the session" in (m.error or ""), m.error
+            assert m.node.state.remembered_session() is None  # forgotten: no rejoin
+    events = trace_events(h)  # after the session task was cancelled too (its daemon's `leave`)
+    assert events[-1] == "session_closed" and "session_failed" not in events, events
+
+
+@trio_test
+async def test_a_member_that_stops_reading_its_ctl_link_is_found_within_the_deadline(tmp_path, model_dir, reference,
+                                                                                    monkeypatch):
+    interval_s, deadline_s = 0.2, 1.0
+    shrink_liveness(monkeypatch, interval_s=interval_s, deadline_s=deadline_s)
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, (m1, m2) = await w.form(2)
+        w.freeze("m2")
+        t0 = trio.current_time()
+        await w.wait(lambda: member_row(h, "m2")["lost"] is not None, 5, "m2 lost")
+        found_s = trio.current_time() - t0
+        assert deadline_s - interval_s <= found_s <= deadline_s + interval_s + 0.5, found_s  # the last ping, the check period
+        assert "m2 sent nothing for" in member_row(h, "m2")["lost"]
+        await w.wait(lambda: ready_over(h, {"h", "m1"}), 20, "the replan over h and m1")
+        assert (await generate(h, PROMPT, N_TOKENS))["token_ids"] == reference
+        w.thaw("m2")
+        await w.wait(lambda: m2.state == MemberState.FAILED, 5, "m2 failed")
+
+
+# ---- driver bugs these scenarios found (kept, marked; the drivers are not changed here) ----------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: the host's Close emits FailRequests(reason, member=None) and HostSession._fail_requests hands "
+    "RingMember.fail_all member='?', so a request in flight when the host closes the session fails with "
+    "'member ? is unreachable: the host closed the session' (no member was unreachable)"))
+@trio_test
+async def test_a_request_in_flight_when_the_host_closes_fails_with_the_close_reason(tmp_path, model_dir,
+                                                                                  monkeypatch):
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, ms = await w.form(2)
+
+        async def close_after_3(n: int) -> None:
+            if n == 3:
+                w.nursery.start_soon(h.close)  # `kafila-ctl leave` on the host, from another task
+        with pytest.raises(GenerationError) as failed:
+            await generate(h, PROMPT, 200, on_token=close_after_3)
+        assert "the host closed the session" in str(failed.value)
+        assert "member ?" not in str(failed.value) and "unreachable" not in str(failed.value), failed.value
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: when the host's rendezvous connection drops, the members' ctl circuits end with it, they fail and "
+    "the ring breaks; the host re-forms the ring while CurrentRendezvous has no client, and paths.try_direct's "
+    "send_signal raises SessionError('the rendezvous is reconnecting') (it only expects BrokenResourceError). "
+    "That SessionError escapes HostSession._run_stage's `except KafilaError` inside the stage nursery's "
+    "ExceptionGroup (strict groups) and stops HostSession.run (the daemon records an internal error). With "
+    "that caught, the re-forms fail at once and MAX_REFORMS is spent within the ~1 s reconnect delay: the "
+    "session fails ('the ring broke 4 times in a row while re-forming') and never re-registers"))
+@trio_test
+async def test_a_host_that_loses_its_rendezvous_connection_re_registers_and_members_rejoin(tmp_path, model_dir,
+                                                                                          reference, monkeypatch):
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, (m1, m2) = await w.form(2)
+        await w.cut("h")
+        await w.wait(lambda: m1.state == m2.state == MemberState.FAILED, 5, "the members' ctl links ended")
+        await w.wait(lambda: h.snapshot()["rendezvous"] == "connected", 10, "the host re-registered")
+        assert h.state != HostState.FAILED, h.error
+        rejoined = [await w.join(name, h.code) for name in ("m1", "m2")]  # as their daemons rejoin
+        await w.wait(lambda: ready_over(h, {"h", "m1", "m2"}) and all(m.state == MemberState.READY for m in rejoined),
+                     30, "the members planned back in")
+        assert (await generate(h, PROMPT, N_TOKENS))["token_ids"] == reference
