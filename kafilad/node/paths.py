@@ -53,7 +53,7 @@ from urllib.parse import urlparse
 
 import trio
 
-from kafilad.errors import collapse_groups
+from kafilad.errors import SessionError, collapse_groups
 from kafilad.net.quic_transport import QuicTransport, quic_accept, quic_connect
 from kafilad.net.stun_client import classify_nat, local_address_toward, parse_host_port
 from kafilad.net.udp_endpoint import UdpEndpoint
@@ -408,7 +408,7 @@ class PathManager:
         t0 = trio.current_time()
         try:
             await self.rdv.send_signal(peer_id, offer)
-        except trio.BrokenResourceError:
+        except (trio.BrokenResourceError, SessionError):  # lost, or reconnecting (issue 8 §3)
             return None, {"reason": "the rendezvous connection was lost"}
         theirs = await self.inbox.wait(edge, attempt, peer_id, OFFER_TIMEOUT_S)
         if theirs is None:
