@@ -204,7 +204,7 @@ class HostSession(HostRequests):
             except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
         if self.ring is not None:
-            self.ring.fail_all(reason, member=member or "?")
+            self.ring.fail_all(reason, member=None)  # the machine's reason names whom it concerns
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -479,10 +479,12 @@ class HostSession(HostRequests):
         with trio.CancelScope() as scope:
             self._stage_scope = scope
             try:
-                async with trio.open_nursery() as stage_nursery:
-                    await self._load_own(roster, epoch, stage_nursery)
+                with collapse_groups():
+                    async with trio.open_nursery() as stage_nursery:
+                        await self._load_own(roster, epoch, stage_nursery)
             except KafilaError as e:
                 log.warning("the host's own stage did not join the ring: %s", e)
+                await self._rendezvous_first()
                 await self._handle(sm.RingFailed(None, str(e), epoch))
 
     async def _load_own(self, roster: dict, epoch: int, stage_nursery) -> None:
@@ -519,7 +521,17 @@ class HostSession(HostRequests):
 
     async def _watch_ring(self, ring) -> None:
         await ring.broken_event.wait()
+        await self._rendezvous_first()
         await self._handle(sm.RingFailed(ring.broken_member, ring.broken, getattr(ring, "epoch", None)))
+
+    async def _rendezvous_first(self) -> None:
+        """A ring that broke because the rendezvous went (relayed edges, members' links) is the
+        rendezvous's loss, handled as such first: re-forming a ring through a rendezvous that is away
+        would only fail again (issue 8 §3)."""
+        client = self.rdv.client if isinstance(self.rdv, CurrentRendezvous) else self.rdv
+        lost = "the connection closed" if client is None else getattr(client, "lost", None)
+        if lost is not None and self.rendezvous_lost is None:
+            await self._rendezvous_gone(lost)
 
     # ---- reporting ----------------------------------------------------------------------------
     def fleet_json(self) -> dict:

@@ -306,8 +306,14 @@ class MemberSession:
     async def _run_stage(self, f: cf.PlanFrame) -> None:
         with trio.CancelScope() as scope:
             self._stage_scope = scope
-            async with trio.open_nursery() as stage_nursery:
-                await self._load(f, stage_nursery)
+            try:
+                with collapse_groups():
+                    async with trio.open_nursery() as stage_nursery:
+                        await self._load(f, stage_nursery)
+            except KafilaError as e:  # a ring task of this stage failed (its loading is reported in _load)
+                log.warning("the stage of plan %s ended: %s", f.epoch, e)
+                if self.state in (sm.MemberState.LOADING, sm.MemberState.READY):
+                    await self._handle(sm.RingFailed(None, str(e), f.epoch))
 
     async def _load(self, f: cf.PlanFrame, stage_nursery) -> None:
         t0 = time.perf_counter()

@@ -524,10 +524,11 @@ class RingMember:
             st.done.set()
             st.events.close()
 
-    def fail_all(self, reason: str, *, member: str) -> None:
-        """Fail every request in flight (every row of a batch) with `reason` naming `member`; the ring
-        is then broken, and the ring loop drops every request's KV rows from the runner."""
-        msg = f"member {member} is unreachable: {reason}"
+    def fail_all(self, reason: str, *, member: Optional[str]) -> None:
+        """Fail every request in flight (every row of a batch) with `reason` naming `member` (None: the
+        reason is already the whole sentence); the ring is then broken, and the ring loop drops every
+        request's KV rows from the runner."""
+        msg = reason if member is None else f"member {member} is unreachable: {reason}"
         if self.broken is None:
             self.broken = msg
             self.broken_member = member

@@ -375,14 +375,23 @@ class HostMachine(_Machine):
         """The ring of the current plan broke: fail its requests, then re-form it (up to MAX_REFORMS times)."""
         if self.state not in (HostState.LOADING, HostState.READY) or (epoch is not None and epoch != self.epoch):
             return []  # recovering already, or a ring of an earlier plan
+        out = []
         if self.rendezvous_lost is not None:
             reason += f" (the connection to the rendezvous was lost as well: {self.rendezvous_lost.rstrip('.')})"
+            # members whose ctl links went with the rendezvous cannot be sent a new plan: they are lost
+            # (they rejoin once it is back), and the ring re-forms without them
+            for e in [e for e in self.members.values() if not e.is_host and e.control_down]:
+                e.lost = f"the connection to the rendezvous was lost ({self.rendezvous_lost.rstrip('.')})"
+                del self.members[e.peer_id]
+                self.lost[e.peer_id] = e
+                out += [CloseLink(e.peer_id, ""), Trace("member_lost", {"name": e.name, "peer_id": e.peer_id,
+                                                                        "reason": e.lost})]
         self.reforms += 1
         if self.reforms > MAX_REFORMS:
             return self._fail(f"{reason}; the ring broke {self.reforms} times in a row while re-forming", member, row)
         self.culprit = member
         self.error = reason
-        return [FailRequests(reason, member), Trace("ring_broken", {"reason": reason, "member": member})] + \
+        return [FailRequests(reason, member), Trace("ring_broken", {"reason": reason, "member": member})] + out + \
             self._replan(row)
 
     def _on_ring_broken(self, peer_id: str, frame: cf.RingBroken, row) -> list:

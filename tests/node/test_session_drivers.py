@@ -212,12 +212,8 @@ async def test_a_member_that_stops_reading_its_ctl_link_is_found_within_the_dead
         await w.wait(lambda: m2.state == MemberState.FAILED, 5, "m2 failed")
 
 
-# ---- driver bugs these scenarios found (kept, marked; the drivers are not changed here) ----------
+# ---- driver bugs these scenarios found (fixed in host.py / ring.py) --------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: the host's Close emits FailRequests(reason, member=None) and HostSession._fail_requests hands "
-    "RingMember.fail_all member='?', so a request in flight when the host closes the session fails with "
-    "'member ? is unreachable: the host closed the session' (no member was unreachable)"))
 @trio_test
 async def test_a_request_in_flight_when_the_host_closes_fails_with_the_close_reason(tmp_path, model_dir,
                                                                                   monkeypatch):
@@ -233,14 +229,6 @@ async def test_a_request_in_flight_when_the_host_closes_fails_with_the_close_rea
         assert "member ?" not in str(failed.value) and "unreachable" not in str(failed.value), failed.value
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: when the host's rendezvous connection drops, the members' ctl circuits end with it, they fail and "
-    "the ring breaks; the host re-forms the ring while CurrentRendezvous has no client, and paths.try_direct's "
-    "send_signal raises SessionError('the rendezvous is reconnecting') (it only expects BrokenResourceError). "
-    "That SessionError escapes HostSession._run_stage's `except KafilaError` inside the stage nursery's "
-    "ExceptionGroup (strict groups) and stops HostSession.run (the daemon records an internal error). With "
-    "that caught, the re-forms fail at once and MAX_REFORMS is spent within the ~1 s reconnect delay: the "
-    "session fails ('the ring broke 4 times in a row while re-forming') and never re-registers"))
 @trio_test
 async def test_a_host_that_loses_its_rendezvous_connection_re_registers_and_members_rejoin(tmp_path, model_dir,
                                                                                           reference, monkeypatch):

@@ -116,10 +116,15 @@ def ring_failed_while_ready(h, fire):
 
 @host_case(H.READY, sm.RingFailed, H.RECOVERING)
 def ring_failed_after_the_rendezvous_went(h, fire):
-    h.handle(sm.RendezvousLost("eof."))
+    h.handle(sm.RendezvousLost("eof."))  # a direct ring headed here serves on: members' control is down
     out = fire(sm.RingFailed("alpha", "alpha stopped answering", 1))
-    ring_broke(out, "alpha stopped answering (the connection to the rendezvous was lost as well: eof)", "alpha",
-               [HOST, A, B])
+    reason = "alpha stopped answering (the connection to the rendezvous was lost as well: eof)"
+    assert out[:2] == [sm.FailRequests(reason, "alpha"), sm.Trace("ring_broken", {"reason": reason, "member": "alpha"})]
+    # members whose ctl links went with the rendezvous cannot get a plan: lost, the ring re-forms without them
+    for peer in (A, B):
+        assert sm.CloseLink(peer, "") in out
+    assert [a.fields["name"] for a in out if isinstance(a, sm.Trace) and a.kind == "member_lost"] == ["alpha", "beta"]
+    assert set(h.lost) == {A, B} and order_of(out[-1]) == [HOST]
 
 
 @host_case(H.READY, sm.RingFailed, H.READY)
