@@ -141,12 +141,16 @@ class Responder:
         #: True: the server cancels the handler when the client leaves. A handler whose work must
         #: not be interrupted mid-await (a session's generate) sets False and watches `client_gone`.
         self.cancel_on_disconnect = True
+        #: headers the handler wants on whatever it answers (e.g. CORS), added by `start`
+        self.extra_headers: list[tuple[str, str]] = []
 
     async def _send(self, event) -> None:
         await send_event(self._conn, self._stream, event, self._send_timeout_s)
 
     async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
         """Send the status line and headers (a body without content-length is sent chunked)."""
+        if self.extra_headers:
+            headers = [*headers, *self.extra_headers]
         if self.close_after:
             headers = [*headers, ("connection", "close")]
         self.started = True

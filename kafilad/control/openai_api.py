@@ -1,29 +1,39 @@
 """OpenAI-compatible HTTP API of the host (DESIGN §7): existing clients work unchanged.
 
 Served on localhost by the daemon (`kafilad --http 127.0.0.1:8400`; `--http off` disables it).
-Routes (https://platform.openai.com/docs/api-reference, the subset a local server offers):
+Routes (https://platform.openai.com/docs/api-reference, the subset a local server offers), plus
+the Ollama API (kafilad/control/ollama_api.py) and the web page (kafilad/control/web.py):
 
 ```
-GET  /v1/models             {"object": "list", "data": [{"id": model_id, "object": "model", ...}]}
-HEAD /v1/models             the same headers, no body (RFC 9110 §9.3.2)
-POST /v1/completions        {"prompt": str, "max_tokens": 16, "temperature": 0, "stream": false}
-POST /v1/chat/completions   {"messages": [{"role", "content"}], "max_tokens": 256, "temperature": 0, "stream": false}
+GET  /health                  200 {"status": "ok", "state": "ready", "model"} | 503 {"status": "unavailable", ...}
+GET  /v1/models               {"object": "list", "data": [{"id": model_id, "object": "model", "created", "owned_by"}]}
+GET  /v1/models/{id}          that model object, or 404 `model_not_found`
+POST /v1/completions          {"prompt": str, "max_tokens": 16, ...}   -> "text_completion"
+POST /v1/chat/completions     {"messages": [...], "max_tokens": 256, ...} -> "chat.completion"
+OPTIONS <any route>           CORS preflight (kafilad/control/api_common.py): 204, or 403 for an origin not allowed
 ```
-With `"stream": true` the reply is Server-Sent Events: one `data: {chunk}` per token, then
-`data: [DONE]`. Errors are `{"error": {"message": str, "type": str}}` with a 4xx/5xx status and a
-sentence that names API fields, never command-line flags. While the session is forming, loading
-or failed, the 503 says which (with `Retry-After` while it is still coming up). The host runs at
-most the session's concurrency of requests at once and queues a bounded number more (first in,
-first out; kafilad/node/admission.py); past the queue the answer is 429 with `Retry-After`. A
-client that disconnects, streaming or not, queued or running, ends its request on the ring within
-one decode step (the session's cancel API, never a trio cancellation of a link send).
+HEAD is answered wherever GET is (RFC 9110 §9.3.2); a known path with another method is 405
+with `Allow`. Request bodies are validated by typed models (kafilad/control/openai_schema.py):
+each field gets a precise 400 naming it (`param`), unknown and unsupported fields are refused,
+and null means the default for `max_tokens`, `max_completion_tokens` and `temperature`. A
+request naming another model than the one served is 404 `model_not_found`.
 
-Every input is checked before it reaches the session: the body must be UTF-8 JSON (nesting
-deeper than Python's parser goes is a 400, not a RecursionError), strings must be valid Unicode
-(a lone surrogate such as "\\ud800" is a 400, not a tokenizer error), numbers must fit a float,
-and a chat template that refuses the messages (jinja2's `raise_exception`) is a 400.
-A streaming client that reads slower than tokens come gets `SSE_BUFFER_EVENTS` events of slack;
-past it its request is ended (the ring never waits for a client) and the stream says so.
+Generation: `temperature` (default 0: greedy, token-identical to single-process mlx-lm),
+`top_p`, `seed` (the same seed draws the same tokens), `presence_penalty`, `frequency_penalty`,
+`logit_bias`, `logprobs` / `top_logprobs` and the extensions `top_k`, `min_p`,
+`repetition_penalty` reach the head's sampler (kafilad/proto/sampling.py); `stop` ends the
+request before its first stop string, which is never emitted, not even partly in a stream
+(kafilad/node/stops.py). With `"stream": true` the reply is Server-Sent Events: chat chunks
+carry `role` in the first delta only, then `content`; the last chunk has `finish_reason`;
+`stream_options.include_usage` adds every chunk's `"usage": null` and one more chunk with
+`"choices": []` and the usage; then `data: [DONE]`. Errors are `{"error": {"message", "type",
+"param", "code"}}` with a 4xx/5xx status, in sentences that name API fields, never command-line
+flags. While the session is forming, loading or failed, the 503 says which (with `Retry-After`
+while it is still coming up). At most the session's concurrency of requests run at once, a
+bounded number more wait (kafilad/node/admission.py); past the queue the answer is 429 with
+`Retry-After`. A client that disconnects, streaming or not, queued or running, ends its request
+on the ring within one decode step; one that reads slower than tokens come gets
+`SSE_BUFFER_EVENTS` events of slack (kafilad/control/api_common.py `stream_generation`).
 HTTP itself (limits, timeouts, keep-alive, HEAD, lingering close) is kafilad/control/http_server.py.
 """
 
@@ -31,35 +41,29 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import re
 import time
 import uuid
 from functools import partial
-from typing import Optional
+from typing import Awaitable, Callable, Optional
+from urllib.parse import unquote
 
 import trio
 
-from kafilad.control import web
+from kafilad.control import ollama_api, web
+from kafilad.control.api_common import (SSE_BUFFER_EVENTS, HttpError, TokenText, check_model, chat_prompt,
+                                        cors_headers, created_s, default_max_tokens, generate_whole, json_object,
+                                        model_id, preflight_headers, ready, ready_session, shown, state_of,
+                                        stream_generation, token_reports, vocab_size)
 from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
-from kafilad.errors import GenerationError, HostBusyError, KafilaError
+from kafilad.control.openai_schema import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from kafilad.errors import KafilaError
+from kafilad.proto.sampling import Sampling
 
 log = logging.getLogger("kafilad.http")
 
-#: SSE events a streaming request may have waiting for its client before it is ended.
-SSE_BUFFER_EVENTS = 256
-MAX_TOKENS_LIMIT = 2**31 - 1
-#: seconds a client is told to wait (Retry-After) while the session is still coming up
-RETRY_FORMING_S = 5
-
-
-class HttpError(Exception):
-    """An answer with an error status and a sentence."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 headers: Optional[list[tuple[str, str]]] = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+#: default `max_tokens` of a completion (OpenAI's) and of a chat reply (at most what the context leaves)
+DEFAULT_COMPLETION_TOKENS = 16
+DEFAULT_CHAT_TOKENS = 256
 
 
 def default_limits() -> HttpLimits:
@@ -98,342 +102,225 @@ async def serve_openai_api(node, host: str, port: int, *, limits: Optional[HttpL
 
 async def handle(node, request: Request, res: Responder) -> None:
     """The handler of every request (the server guards it: see http_server.py)."""
+    res.extra_headers = cors_headers(request)
     try:
         await _route(node, request, res)
     except HttpError as e:
         if res.started:
             raise
-        await res.send(e.status, json.dumps({"error": {"message": e.message, "type": e.kind}}).encode(),
-                       headers=e.headers)
+        await res.send(e.status, error_json(e), headers=e.headers)
 
 
-_ROUTES = {"/v1/models": ("GET", "HEAD"), "/v1/completions": ("POST",), "/v1/chat/completions": ("POST",)}
-_ROUTES.update(web.ROUTES)  # the web page and its status document (kafilad/control/web.py)
+def error_json(e: HttpError) -> bytes:
+    """The OpenAI error body."""
+    return json.dumps({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}).encode()
+
+
+Handler = Callable[[object, Request, Responder], Awaitable[None]]
+
+
+async def _health(node, request: Request, res: Responder) -> None:
+    """200 while a session is ready to serve; else 503 with the same sentence the API would give."""
+    s = node.session
+    try:
+        ready(s)
+    except HttpError as e:
+        await res.send(503, json.dumps({"status": "unavailable", "state": state_of(s) if s is not None else None,
+                                        "message": e.message}).encode(), headers=e.headers)
+        return
+    await res.send(200, json.dumps({"status": "ok", "state": "ready", "model": model_id(s)}).encode())
+
+
+def _model_object(s) -> dict:
+    return {"id": model_id(s), "object": "model", "created": created_s(s), "owned_by": "kafila"}
+
+
+async def _models(node, request: Request, res: Responder) -> None:
+    s = ready_session(node)
+    await res.send(200, json.dumps({"object": "list", "data": [_model_object(s)]}).encode())
+
+
+async def _model(node, request: Request, res: Responder) -> None:
+    name = unquote(request.path.rstrip("/")[len(MODEL_PREFIX):])
+    s = ready_session(node)
+    check_model(s, name)
+    await res.send(200, json.dumps(_model_object(s)).encode())
+
+
+async def _completions(node, request: Request, res: Responder) -> None:
+    r = parse_completion(json_object(request.body))
+    s = ready_session(node)
+    check_model(s, r.model)
+    await _generate(s, res, r, r.prompt, chat=False)
+
+
+async def _chat_completions(node, request: Request, res: Responder) -> None:
+    r = parse_chat(json_object(request.body))
+    s = ready_session(node)
+    check_model(s, r.model)
+    await _generate(s, res, r, chat_prompt(s, r.prompt_messages()), chat=True)
+
+
+#: path -> (methods, handler). The web page's routes (kafilad/control/web.py) and the Ollama API's
+#: (kafilad/control/ollama_api.py) are registered here too.
+_ROUTES: dict[str, tuple[tuple[str, ...], Handler]] = {
+    "/health": (("GET", "HEAD"), _health),
+    "/v1/models": (("GET", "HEAD"), _models),
+    "/v1/completions": (("POST",), _completions),
+    "/v1/chat/completions": (("POST",), _chat_completions),
+    **ollama_api.ROUTES,
+}
+_ROUTES.update({p: (m, web.handle) for p, m in web.ROUTES.items()})  # the web page (kafilad/control/web.py)
+#: a path under this prefix names a model: GET /v1/models/{id}
+MODEL_PREFIX = "/v1/models/"
 
 
 async def _route(node, request: Request, res: Responder) -> None:
     method, path = request.method, request.path.rstrip("/") or "/"
-    allowed = _ROUTES.get(path)
-    if allowed is None:
-        raise HttpError(404, f"No route for {method} {_shown(path)}; the API serves "
-                             f"{', '.join(sorted(_ROUTES))}.", "not_found")
+    route = _ROUTES.get(path)
+    if route is None and path.startswith(MODEL_PREFIX):
+        route = (("GET", "HEAD"), _model)
+    if route is None:
+        raise HttpError(404, f"No route for {shown(method)} {shown(path)}; the API serves "
+                             f"{', '.join(sorted([*_ROUTES, MODEL_PREFIX + '{id}']))}.", "not_found")
+    allowed, handler = route
+    if method == "OPTIONS":  # RFC 9110 §9.3.7; a CORS preflight when it asks for a method
+        if request.header(b"access-control-request-method") is None:
+            await res.start(204, [("allow", ", ".join((*allowed, "OPTIONS")))])
+        else:
+            await res.start(204, preflight_headers(request, allowed))
+        await res.end()
+        return
     if method not in allowed:
-        raise HttpError(405, f"{_shown(path)} answers {' and '.join(allowed)}, not {_shown(method)}.",
+        raise HttpError(405, f"{shown(path)} answers {' and '.join(allowed)}, not {shown(method)}.",
                         headers=[("allow", ", ".join(allowed))])
-    if path in web.ROUTES:
-        await web.handle(node, request, res)
-        return
-    if path == "/v1/models":
-        s = _session(node)
-        await res.send(200, json.dumps({"object": "list", "data": [
-            {"id": _model_id(s), "object": "model", "created": _created(s), "owned_by": "kafila"}]}).encode())
-        return
-    req = _json_object(request.body)
-    await _complete(node, res, req, chat=path.endswith("chat/completions"))
+    await handler(node, request, res)
 
 
-def _model_id(session) -> str:
-    return str(getattr(getattr(session, "info", None), "model_id", None) or "kafila")
-
-
-_CREATED: dict[int, int] = {}
-
-
-def _created(session) -> int:
-    """When the session started (s since the epoch), or when this API first saw it."""
-    started = getattr(session, "started_s", None)
-    if isinstance(started, (int, float)) and math.isfinite(started):
-        return int(started)
-    return _CREATED.setdefault(id(session), int(time.time()))
-
-
-def _shown(text: str) -> str:
-    """Client-supplied text quoted in an answer: at most 80 characters, printable."""
-    text = "".join(c if c.isprintable() else "?" for c in text[:80])
-    return text + ("..." if len(text) >= 80 else "")
-
-
-def _json_object(body: bytes) -> dict:
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise HttpError(400, f"The request body is not UTF-8 text (byte {e.start} is not valid UTF-8).") from None
-    try:
-        req = json.loads(text or "{}")
-    except RecursionError:
-        raise HttpError(400, "The request body nests JSON arrays or objects deeper than the server accepts.") from None
-    except ValueError as e:  # JSONDecodeError, and integers past Python's digit limit
-        raise HttpError(400, f"The request body is not valid JSON ({e}).") from None
-    if not isinstance(req, dict):
-        raise HttpError(400, "The request body must be a JSON object.")
-    return req
-
-
-def _text(value: str, field: str) -> str:
-    """`value` if it is valid Unicode (encodable as UTF-8).
+# ---- generation -------------------------------------------------------------------------------
+def sampling_of(s, r) -> Sampling:
+    """The head's Sampling for a checked request (kafilad/proto/sampling.py).
 
     Raises:
-        HttpError: a lone surrogate (JSON allows "\\ud800"; no tokenizer does).
+        HttpError: 400 for a `logit_bias` token id outside the model's vocabulary.
     """
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise HttpError(400, f"{field} contains a lone surrogate (\\u{ord(value[e.start]):04x} at character "
-                             f"{e.start}); send valid Unicode text.") from None
-    return value
-
-
-def _state(session) -> str:
-    state = session.state
-    return str(getattr(state, "value", state))
-
-
-def _session(node):
-    """The hosted session if it is ready to generate.
-
-    Raises:
-        HttpError: 503 saying what the daemon is doing instead.
-    """
-    return _ready(node.session)
-
-
-def _ready(s):
-    """`s` if it is a hosted session ready to generate; else HttpError 503 saying its state."""
-    from kafilad.node.host import HostSession
-    if s is None:
-        raise HttpError(503, "No session is being served by this daemon: it is not hosting one.",
-                        "service_unavailable")
-    state = _state(s)
-    if not isinstance(s, HostSession):
-        if state in ("failed", "closed"):
-            raise HttpError(503, "No session is being served by this daemon: it is not hosting one.",
-                            "service_unavailable")
-        raise HttpError(503, "This daemon is a member of a session, not its host; send requests to the host's API.",
-                        "service_unavailable")
-    if state == "ready":
-        return s
-    if state == "failed":
-        reason = _api_text(str(s.error or "no reason was recorded")).rstrip(".")
-        raise HttpError(503, f"The session failed: {reason}. No session is being served by this daemon.",
-                        "service_unavailable")
-    if state in ("closing", "closed"):
-        raise HttpError(503, f"The session is {state}; no session is being served by this daemon.",
-                        "service_unavailable")
-    raise HttpError(503, f"The session is {state}; it serves requests once it is ready.", "service_unavailable",
-                    headers=[("retry-after", str(RETRY_FORMING_S))])
-
-
-_FLAG = re.compile(r"--([a-z][a-z0-9-]*)")
-
-
-def _api_text(message: str) -> str:
-    """A session's sentence with command-line flags named as the API's fields (`--max-tokens` -> 'max_tokens')."""
-    return _FLAG.sub(lambda m: "'" + m.group(1).replace("-", "_") + "'", message)
-
-
-def _chat_prompt(session, messages) -> str:
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role", "user"), str)
-            for m in messages):
-        raise HttpError(400, "'messages' must be a non-empty list of {role, content} objects with string values.")
-    for i, m in enumerate(messages):
-        _text(m["content"], f"messages[{i}].content")
-        _text(m.get("role", "user"), f"messages[{i}].role")
-    try:
-        prompt = session.chat_prompt(messages)
-    except KafilaError as e:
-        raise HttpError(400, _api_text(str(e))) from None
-    except Exception as e:  # noqa: BLE001 - the model's template is code we do not control
-        if not _is_template_error(e) and not isinstance(e, (TypeError, ValueError, KeyError, IndexError)):
-            raise
-        raise HttpError(400, f"The model's chat template refused these messages: {_shown(str(e)) or type(e).__name__}.") \
-            from None
-    if not isinstance(prompt, str) or not prompt:
-        raise HttpError(400, "The model's chat template made an empty prompt of these messages.")
-    return _text(prompt, "the chat template's output")
-
-
-def _is_template_error(e: Exception) -> bool:
-    try:
-        from jinja2 import TemplateError
-    except ImportError:  # pragma: no cover - transformers brings jinja2
-        return False
-    return isinstance(e, TemplateError)
-
-
-def _params(req: dict, default_max: int) -> tuple[int, float]:
-    max_tokens = req.get("max_tokens", req.get("max_completion_tokens", default_max))
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
-        raise HttpError(400, "'max_tokens' must be a positive integer.")
-    temperature = req.get("temperature", 0.0)
-    if temperature is None:
-        temperature = 0.0
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
-        raise HttpError(400, "'temperature' must be a finite, non-negative number.")
-    try:
-        temperature = float(temperature)
-    except OverflowError:
-        raise HttpError(400, "'temperature' must be a finite, non-negative number (this one is too large).") from None
-    if not math.isfinite(temperature) or temperature < 0:
-        raise HttpError(400, "'temperature' must be a finite, non-negative number.")
-    if req.get("n", 1) not in (1, None):
-        raise HttpError(400, "Only 'n': 1 is supported.")
-    if req.get("stop"):
-        raise HttpError(400, "'stop' sequences are not supported; generation ends at EOS or 'max_tokens'.")
-    if not isinstance(req.get("stream", False), (bool, type(None))):
-        raise HttpError(400, "'stream' must be true or false.")
-    return max_tokens, temperature
-
-
-def _generation_error(e: KafilaError, session) -> HttpError:
-    """The answer for an error of `session.generate` (ContextTooLongError: 400; busy: 429; not ready: 503)."""
-    if isinstance(e, HostBusyError):
-        return HttpError(429, _api_text(str(e)), "rate_limit_exceeded",
-                         headers=[("retry-after", str(max(1, int(e.retry_after_s))))])
-    numbers = [getattr(e, k, None) for k in ("prompt_tokens", "max_tokens", "context")]
-    if all(isinstance(n, int) for n in numbers):  # ContextTooLongError
-        return HttpError(400, f"The prompt ({numbers[0]} tokens) plus 'max_tokens' {numbers[1]} exceeds the "
-                              f"session's context of {numbers[2]} tokens.")
-    text = _api_text(str(e))
-    if "admitted context" in text:  # the prompt is too long for the session
-        return HttpError(400, text)
-    if _state(session) != "ready":
-        try:
-            _ready(session)
-        except HttpError as unavailable:
-            return unavailable
-    return HttpError(500, text, "server_error")
-
-
-async def _complete(node, res: Responder, req: dict, *, chat: bool) -> None:
-    s = _session(node)
-    if chat:
-        prompt = _chat_prompt(s, req.get("messages"))
-        default_max = 256
+    vocab = vocab_size(s)
+    for token, _ in r.logit_bias or ():
+        if vocab is not None and token >= vocab:
+            raise HttpError(400, f"'logit_bias' names token {token}, outside this model's vocabulary of {vocab} "
+                                 "tokens.", param="logit_bias")
+    if isinstance(r, ChatRequest):
+        logprobs = (r.top_logprobs or 0) if r.logprobs else None
     else:
-        prompt = req.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise HttpError(400, "'prompt' must be a non-empty string.")
-        _text(prompt, "'prompt'")
-        default_max = 16
-    max_tokens, temperature = _params(req, default_max)
+        logprobs = r.logprobs
+    return Sampling(temperature=r.temperature or 0.0, top_p=1.0 if r.top_p is None else r.top_p,
+                    top_k=r.top_k or 0, min_p=r.min_p or 0.0, seed=r.seed,
+                    presence_penalty=r.presence_penalty or 0.0, frequency_penalty=r.frequency_penalty or 0.0,
+                    repetition_penalty=r.repetition_penalty, logit_bias=tuple(r.logit_bias or ()), logprobs=logprobs)
+
+
+def _chat_logprobs(events: list[dict], text_of: TokenText) -> dict:
+    def entry(t: str, lp: float) -> dict:
+        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(text_of(i), x) for i, x in top]}
+                        for t, lp, top in token_reports(events)], "refusal": None}
+
+
+def _completion_logprobs(events: list[dict], text_of: TokenText, offset: int = 0) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, lp, top in token_reports(events):
+        out["tokens"].append(t)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append({text_of(i): x for i, x in top})
+        out["text_offset"].append(offset)
+        offset += len(t)
+    return out
+
+
+def _usage(result: dict) -> dict:
+    n = len(result["token_ids"])
+    return {"prompt_tokens": result["prompt_tokens"], "completion_tokens": n,
+            "total_tokens": result["prompt_tokens"] + n}
+
+
+async def _generate(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
+    """Run a checked completion or chat request and answer it, whole or streamed."""
+    sampling = sampling_of(s, r)
+    max_tokens = (r.max_completion_tokens if chat and r.max_completion_tokens is not None else r.max_tokens)
+    if max_tokens is None:
+        max_tokens = default_max_tokens(s, prompt, DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
-    obj = "chat.completion" if chat else "text_completion"
-    model = _model_id(s)
+    model = model_id(s)
+    text_of = TokenText(s) if sampling.logprobs is not None else None
 
-    def choice(text: str, finish: Optional[str], *, delta: bool) -> dict:
+    def generate(emit):
+        return s.generate(prompt, max_tokens=max_tokens, temperature=sampling.temperature, emit=emit,
+                          gone=res.client_gone, sampling=sampling, stop=r.stop or ())
+
+    if not r.stream:
+        result, events = await generate_whole(s, res, generate)
+        finish = result.get("finish_reason") or "stop"
         if chat:
-            key = "delta" if delta else "message"
-            return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-
-    # The session ends a request whose `emit` raises at that event (ring.py), so a client that left
-    # or reads too slowly ends its request there; trio-cancelling generate mid-send could break a link.
-    res.cancel_on_disconnect = False
-    if not req.get("stream"):
-        async def on_event(ev: dict) -> None:
-            if res.client_gone.is_set():
-                raise ClientGone("the client closed its connection")
-
-        try:
-            result = await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=on_event,
-                                      gone=res.client_gone)
-        except KafilaError as e:
-            if res.client_gone.is_set():
-                raise ClientGone("the client closed its connection") from None
-            raise _generation_error(e, s) from None
-        if res.client_gone.is_set():
-            raise ClientGone("the client closed its connection")
-        finish = "length" if len(result["token_ids"]) >= max_tokens else "stop"
+            choice = {"index": 0, "message": {"role": "assistant", "content": result["text"], "refusal": None},
+                      "logprobs": _chat_logprobs(events, text_of) if text_of else None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": result["text"],
+                      "logprobs": _completion_logprobs(events, text_of) if text_of else None, "finish_reason": finish}
         await res.send(200, json.dumps({
-            "id": rid, "object": obj, "created": created, "model": model,
-            "choices": [choice(result["text"], finish, delta=False)],
-            "usage": {"prompt_tokens": result["prompt_tokens"], "completion_tokens": len(result["token_ids"]),
-                      "total_tokens": result["prompt_tokens"] + len(result["token_ids"])}}).encode())
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice], "usage": _usage(result)}).encode())
         return
-    chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text: str, finish: Optional[str]) -> dict:
-        return {"id": rid, "object": chunk_obj, "created": created, "model": model,
-                "choices": [choice(text, finish, delta=True)]}
+    include_usage = bool(r.stream_options and r.stream_options.include_usage)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    sent = {"role": False, "offset": 0}
 
-    await _stream(s, res, prompt, max_tokens, temperature, chunk)
+    def sse(payload) -> bytes:
+        return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
+    def chunk(choices: list, **extra) -> bytes:
+        out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, **extra}
+        if include_usage and "usage" not in out:
+            out["usage"] = None
+        return sse(out)
 
-async def _stream(s, res: Responder, prompt: str, max_tokens: int, temperature: float, chunk) -> None:
-    """Stream one generation as SSE; the generation never waits for the client (module docstring).
+    def choice(text: Optional[str], finish: Optional[str], events: list[dict]) -> dict:
+        if chat:
+            delta = {} if text is None else {"content": text}
+            if not sent["role"]:
+                delta = {"role": "assistant", **delta}
+                sent["role"] = True
+            lp = _chat_logprobs(events, text_of) if text_of and events else None
+            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        lp = _completion_logprobs(events, text_of, sent["offset"]) if text_of and events else None
+        sent["offset"] += len(text or "")
+        return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
-    The 200 and its headers go with the first event, so a request refused because the host is busy
-    (its queue is full) still gets a 429; a request waiting in the queue sends nothing meanwhile.
-    """
-    send, recv = trio.open_memory_channel(SSE_BUFFER_EVENTS)
-    slow = False
-    gone = False
-    busy: Optional[HostBusyError] = None
+    def token_payloads(ev: dict) -> list[bytes]:
+        text = str(ev.get("text") or "")
+        has_lp = ev.get("logprob") is not None and text_of is not None
+        if not text and not has_lp:
+            return []
+        out = []
+        if chat and not sent["role"]:  # the first chunk: the role, and no content yet (as OpenAI streams)
+            out.append(chunk([choice("", None, [])]))
+        out.append(chunk([choice(text, None, [ev] if has_lp else [])]))
+        return out
 
-    def push(payload) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload)
-        try:
-            send.send_nowait(f"data: {data}\n\n".encode())
-        except trio.WouldBlock:  # only an end event can find the buffer full: tokens stop 2 short
-            pass
-        except (trio.BrokenResourceError, trio.ClosedResourceError):  # the writer ended: the client is gone
-            pass
+    def end_payloads(result: dict) -> list[bytes]:
+        out = [chunk([choice(None if chat else "", result.get("finish_reason") or "stop", [])])]
+        if include_usage:
+            out.append(chunk([], usage=_usage(result)))
+        return out + [sse("[DONE]")]
 
-    async def writer() -> None:
-        nonlocal gone
-        async with recv:
-            try:
-                async for data in recv:
-                    if not res.started:
-                        await res.start(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache")])
-                    await res.write(data)
-            except ClientGone:
-                gone = True
+    def error_payloads(message: str) -> list[bytes]:
+        return [sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}}),
+                sse("[DONE]")]
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(writer)
-        with send:
-            async def on_token(ev: dict) -> None:
-                nonlocal slow
-                if gone or res.client_gone.is_set():
-                    raise ClientGone("the client closed its connection")
-                if not ev.get("text"):
-                    return
-                if send.statistics().current_buffer_used >= SSE_BUFFER_EVENTS - 2:  # 2 kept for the end
-                    slow = True
-                    raise ClientGone(f"the client fell {SSE_BUFFER_EVENTS} events behind")
-                push(chunk(ev["text"], None))
-
-            try:
-                result = await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=on_token,
-                                          gone=res.client_gone)
-                if not slow:
-                    finish = "length" if len(result["token_ids"]) >= max_tokens else "stop"
-                    push(chunk("", finish))
-            except HostBusyError as e:  # nothing was sent: answered 429 below
-                busy = e
-            except KafilaError as e:
-                if not slow:
-                    push({"error": {"message": _generation_error(e, s).message, "type": "server_error"}})
-            if slow:
-                log.info("http: ended a streaming request: its client fell %d events behind", SSE_BUFFER_EVENTS)
-                push({"error": {"message": f"The client read the stream too slowly ({SSE_BUFFER_EVENTS} events "
-                                           "behind); the request was ended.", "type": "server_error"}})
-            if busy is None:
-                push("[DONE]")
-    if gone or res.client_gone.is_set():
-        raise ClientGone("the client closed its connection")
-    if busy is not None:
-        raise _generation_error(busy, s)
-    await res.end()
+    await stream_generation(s, res, generate, content_type="text/event-stream", token_payloads=token_payloads,
+                            end_payloads=end_payloads, error_payloads=error_payloads)
 
 
-async def _ignore(ev: dict) -> None:
-    return None
-
-
-__all__ = ["serve_openai_api", "handle", "HttpError", "ClientGone", "SSE_BUFFER_EVENTS"]
+__all__ = ["serve_openai_api", "handle", "HttpError", "ClientGone", "SSE_BUFFER_EVENTS", "sampling_of",
+           "CompletionRequest", "ChatRequest", "error_json"]

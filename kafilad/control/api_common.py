@@ -1,0 +1,454 @@
+"""What the host's OpenAI and Ollama APIs share (DESIGN §7): errors, the served session, input checks.
+
+kafilad/control/openai_api.py and kafilad/control/ollama_api.py answer through these, so both
+say the same sentences for the same conditions: 503 while no session is ready (with the state,
+and `Retry-After` while it is still coming up), 404 for another model than the one served, 400
+for bodies that are not UTF-8 JSON objects, for strings that are not valid Unicode, for a chat
+template that refuses the messages, and for a prompt too long for the session's context.
+Sentences name API fields, never command-line flags (`_api_text`).
+
+Browser clients (CORS, https://fetch.spec.whatwg.org/#http-cors-protocol): a request whose
+`Origin` is allowed gets `Access-Control-Allow-Origin` (that origin) and `Vary: Origin`; the
+allowed origins are the host's own machine (http or https, any port, on localhost, 127.0.0.1,
+[::1] or 0.0.0.0), as Ollama allows by default, plus those listed in `KAFILA_HTTP_ORIGINS`
+(comma-separated origins, or `*` for any). A preflight (`OPTIONS` with
+`Access-Control-Request-Method`) is answered 204 with the path's methods and the requested
+headers (and `Access-Control-Allow-Private-Network` when asked, for Chrome's Private Network
+Access), or 403 with a sentence for an origin not allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import time
+from typing import Any, Awaitable, Callable, Optional
+from urllib.parse import urlsplit
+
+import trio
+
+from kafilad.control.http_server import ClientGone
+from kafilad.errors import GenerationCancelled, HostBusyError, KafilaError
+
+log = logging.getLogger("kafilad.http")
+
+#: seconds a client is told to wait (Retry-After) while the session is still coming up
+RETRY_FORMING_S = 5
+#: environment variable: extra origins allowed to call the API from a browser (comma-separated, or *)
+ORIGINS_ENV = "KAFILA_HTTP_ORIGINS"
+#: how long a browser may cache a preflight answer (s)
+PREFLIGHT_MAX_AGE_S = 600
+_LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1", "0.0.0.0")
+_HEADER_TOKEN = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+
+
+class HttpError(Exception):
+    """An answer with an error status and a sentence; `param` names the request field at fault."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 headers: Optional[list[tuple[str, str]]] = None, *, param: Optional[str] = None,
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+        self.param, self.code = param, code
+
+
+# ---- the served session ---------------------------------------------------------------------
+def state_of(session) -> str:
+    state = session.state
+    return str(getattr(state, "value", state))
+
+
+def ready_session(node):
+    """The hosted session of `node` if it is ready to generate.
+
+    Raises:
+        HttpError: 503 saying what the daemon is doing instead.
+    """
+    return ready(node.session)
+
+
+def ready(s):
+    """`s` if it is a hosted session ready to generate; else HttpError 503 saying its state."""
+    from kafilad.node.host import HostSession
+    if s is None:
+        raise HttpError(503, "No session is being served by this daemon: it is not hosting one.",
+                        "service_unavailable")
+    state = state_of(s)
+    if not isinstance(s, HostSession):
+        if state in ("failed", "closed"):
+            raise HttpError(503, "No session is being served by this daemon: it is not hosting one.",
+                            "service_unavailable")
+        raise HttpError(503, "This daemon is a member of a session, not its host; send requests to the host's API.",
+                        "service_unavailable")
+    if state == "ready":
+        return s
+    if state == "failed":
+        reason = api_text(str(s.error or "no reason was recorded")).rstrip(".")
+        raise HttpError(503, f"The session failed: {reason}. No session is being served by this daemon.",
+                        "service_unavailable")
+    if state in ("closing", "closed"):
+        raise HttpError(503, f"The session is {state}; no session is being served by this daemon.",
+                        "service_unavailable")
+    raise HttpError(503, f"The session is {state}; it serves requests once it is ready.", "service_unavailable",
+                    headers=[("retry-after", str(RETRY_FORMING_S))])
+
+
+def model_id(session) -> str:
+    return str(getattr(getattr(session, "info", None), "model_id", None) or "kafila")
+
+
+def check_model(session, name: Optional[str], *, suffixes: tuple[str, ...] = ()) -> str:
+    """The served model's id when a request names it (or names none), else a 404 `model_not_found`.
+
+    Args:
+        suffixes: spellings also accepted after the id (Ollama's ":latest").
+    """
+    served = model_id(session)
+    if name is None or name == served or any(name == served + s for s in suffixes):
+        return served
+    raise HttpError(404, f"The model '{shown(name)}' does not exist on this server; it serves '{served}'.",
+                    param="model", code="model_not_found")
+
+
+_CREATED: dict[int, int] = {}
+
+
+def created_s(session) -> int:
+    """When the session started (s since the epoch), or when this API first saw it."""
+    started = getattr(session, "started_s", None)
+    if isinstance(started, (int, float)) and math.isfinite(started):
+        return int(started)
+    return _CREATED.setdefault(id(session), int(time.time()))
+
+
+def vocab_size(session) -> Optional[int]:
+    """The model's vocabulary size from its config.json (None when it does not say)."""
+    cfg = getattr(getattr(session, "info", None), "config", None) or {}
+    v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return v if isinstance(v, int) and v > 0 else None
+
+
+def prompt_tokens(session, prompt: str) -> int:
+    return len(session.chat_tokenizer().encode(prompt))
+
+
+def default_max_tokens(session, prompt: str, default: int) -> int:
+    """`default`, or less when the prompt leaves less of the session's context (at least 1)."""
+    room = int(getattr(session, "context", 0) or 0) - prompt_tokens(session, prompt)
+    return max(1, min(default, room)) if room > 0 else default
+
+
+# ---- request bodies -------------------------------------------------------------------------
+def shown(text: str) -> str:
+    """Client-supplied text quoted in an answer: at most 80 characters, printable."""
+    text = "".join(c if c.isprintable() else "?" for c in str(text)[:80])
+    return text + ("..." if len(text) >= 80 else "")
+
+
+def json_object(body: bytes) -> dict:
+    """The request body as a JSON object whose strings are all valid Unicode.
+
+    Raises:
+        HttpError: 400 for a body that is not UTF-8, not JSON, nested too deep, not an object, or
+            holds a lone surrogate (JSON allows "\\ud800"; no tokenizer does).
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HttpError(400, f"The request body is not UTF-8 text (byte {e.start} is not valid UTF-8).") from None
+    try:
+        req = json.loads(text or "{}")
+    except RecursionError:
+        raise HttpError(400, "The request body nests JSON arrays or objects deeper than the server accepts.") from None
+    except ValueError as e:  # JSONDecodeError, and integers past Python's digit limit
+        raise HttpError(400, f"The request body is not valid JSON ({e}).") from None
+    if not isinstance(req, dict):
+        raise HttpError(400, "The request body must be a JSON object.")
+    _check_unicode(req, "")
+    return req
+
+
+def _check_unicode(value: Any, path: str) -> None:
+    """Raise HttpError 400 naming the first string (or key) under `value` with a lone surrogate."""
+    stack = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, str):
+            text(v, p or "the body")
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                text(k, f"a key of {p or 'the body'}")
+                stack.append((x, f"{p}.{k}" if p else k))
+        elif isinstance(v, list):
+            stack.extend((x, f"{p}[{i}]") for i, x in enumerate(v))
+
+
+def text(value: str, field: str) -> str:
+    """`value` if it is valid Unicode (encodable as UTF-8).
+
+    Raises:
+        HttpError: a lone surrogate, naming `field` and where.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise HttpError(400, f"{field} contains a lone surrogate (\\u{ord(value[e.start]):04x} at character "
+                             f"{e.start}); send valid Unicode text.", param=field) from None
+    return value
+
+
+_FLAG = re.compile(r"--([a-z][a-z0-9-]*)")
+
+
+def api_text(message: str) -> str:
+    """A session's sentence with command-line flags named as the API's fields (`--max-tokens` -> 'max_tokens')."""
+    return _FLAG.sub(lambda m: "'" + m.group(1).replace("-", "_") + "'", message)
+
+
+def chat_prompt(session, messages: list[dict]) -> str:
+    """The prompt for checked `messages` ([{"role": str, "content": str}]) by the model's chat template.
+
+    Raises:
+        HttpError: 400 when the template refuses the messages or makes an empty prompt.
+    """
+    try:
+        prompt = session.chat_prompt(messages)
+    except KafilaError as e:
+        raise HttpError(400, api_text(str(e)), param="messages") from None
+    except Exception as e:  # noqa: BLE001 - the model's template is code we do not control
+        if not _is_template_error(e) and not isinstance(e, (TypeError, ValueError, KeyError, IndexError)):
+            raise
+        raise HttpError(400, f"The model's chat template refused these messages: {shown(str(e)) or type(e).__name__}.",
+                        param="messages") from None
+    if not isinstance(prompt, str) or not prompt:
+        raise HttpError(400, "The model's chat template made an empty prompt of these messages.", param="messages")
+    return text(prompt, "the chat template's output")
+
+
+def _is_template_error(e: Exception) -> bool:
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # pragma: no cover - transformers brings jinja2
+        return False
+    return isinstance(e, TemplateError)
+
+
+def generation_error(e: KafilaError, session) -> HttpError:
+    """The answer for an error of `session.generate` (ContextTooLongError: 400; busy: 429; not ready: 503)."""
+    if isinstance(e, HostBusyError):
+        return HttpError(429, api_text(str(e)), "rate_limit_exceeded",
+                         headers=[("retry-after", str(max(1, int(e.retry_after_s))))])
+    numbers = [getattr(e, k, None) for k in ("prompt_tokens", "max_tokens", "context")]
+    if all(isinstance(n, int) for n in numbers):  # ContextTooLongError
+        return HttpError(400, f"The prompt ({numbers[0]} tokens) plus 'max_tokens' {numbers[1]} exceeds the "
+                              f"session's context of {numbers[2]} tokens.", param="max_tokens",
+                         code="context_length_exceeded")
+    message = api_text(str(e))
+    if "admitted context" in message:  # the prompt is too long for the session
+        return HttpError(400, message, code="context_length_exceeded")
+    if "'logit_bias'" in message:  # the head refused a token id outside the vocabulary
+        return HttpError(400, message, param="logit_bias")
+    if state_of(session) != "ready":
+        try:
+            ready(session)
+        except HttpError as unavailable:
+            return unavailable
+    return HttpError(500, message, "server_error")
+
+
+# ---- browsers (CORS) ------------------------------------------------------------------------
+def origin_allowed(origin: str, environ=os.environ) -> bool:
+    """Whether a browser page of `origin` may call the API (module docstring)."""
+    extra = [o.strip().rstrip("/") for o in environ.get(ORIGINS_ENV, "").split(",") if o.strip()]
+    if "*" in extra or origin.rstrip("/") in extra:
+        return True
+    try:
+        parts = urlsplit(origin)
+        host = parts.hostname
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and host is not None and (host in _LOCAL_HOSTS or f"[{host}]" in _LOCAL_HOSTS)
+
+
+def cors_headers(request) -> list[tuple[str, str]]:
+    """The CORS headers of an answer to `request` (none when it has no allowed Origin)."""
+    origin = request.header(b"origin")
+    if origin is None:
+        return []
+    o = origin.decode("latin-1")
+    return [("access-control-allow-origin", o), ("vary", "origin")] if origin_allowed(o) else [("vary", "origin")]
+
+
+def preflight_headers(request, methods: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The headers of a 204 answer to a CORS preflight of a path serving `methods`.
+
+    Raises:
+        HttpError: 403 when the page's origin is not allowed.
+    """
+    origin = (request.header(b"origin") or b"").decode("latin-1")
+    if not origin_allowed(origin):
+        raise HttpError(403, f"Browser pages from the origin '{shown(origin)}' may not call this API; the host "
+                             f"allows its own machine's origins, and those listed in {ORIGINS_ENV}.",
+                        "permission_denied")
+    asked = (request.header(b"access-control-request-headers") or b"").decode("latin-1")
+    names = [h.strip() for h in asked.split(",") if h.strip()]
+    allowed = ", ".join(h for h in names if _HEADER_TOKEN.match(h)) or "authorization, content-type"
+    out = [("access-control-allow-origin", origin), ("vary", "origin"),
+           ("access-control-allow-methods", ", ".join((*methods, "OPTIONS"))),
+           ("access-control-allow-headers", allowed), ("access-control-max-age", str(PREFLIGHT_MAX_AGE_S))]
+    if (request.header(b"access-control-request-private-network") or b"").lower() == b"true":
+        out.append(("access-control-allow-private-network", "true"))
+    return out
+
+
+class TokenText:
+    """The text of single tokens for log-probability reports (decoded once per id)."""
+
+    def __init__(self, session):
+        self._tok = session.chat_tokenizer()
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        t = self._cache.get(token_id)
+        if t is None:
+            t = self._cache[token_id] = self._tok.decode([int(token_id)])
+        return t
+
+
+def token_reports(events: list[dict]) -> list[tuple[str, float, list]]:
+    """(text, logprob, top [[id, logprob]]) per generated token that reports a log-probability.
+
+    A token's text is what its event streamed (the detokenizer's segment), and text streamed
+    without a token (the detokenizer's tail) joins the token before it, so the texts of all
+    tokens add up to the completion's text.
+    """
+    out: list[list] = []
+    for ev in events:
+        if ev.get("logprob") is not None:
+            out.append([str(ev.get("text") or ""), ev["logprob"], ev.get("top_logprobs") or []])
+        elif out and ev.get("token_id") is None:
+            out[-1][0] += str(ev.get("text") or "")
+    return [tuple(r) for r in out]
+
+
+# ---- running a generation for an HTTP client ------------------------------------------------
+#: events a streaming request may have waiting for its client before it is ended
+SSE_BUFFER_EVENTS = 256
+#: of those, kept for the end of the stream (finish, usage, error and end markers)
+_END_EVENTS = 4
+
+
+async def generate_whole(s, res, generate: Callable[[Callable], Awaitable[dict]]) -> tuple[dict, list[dict]]:
+    """Run `generate(emit)` for a client that wants one answer; return (result, its events).
+
+    The session ends the request whose `emit` raises (ring.py), so a client that left ends its
+    request there; a trio cancellation of generate mid-send could break a link
+    (`res.cancel_on_disconnect` is set False for that).
+
+    Raises:
+        ClientGone: the client closed its connection.
+        HttpError: the generation's error as an answer (`generation_error`).
+    """
+    res.cancel_on_disconnect = False
+    events: list[dict] = []
+
+    async def on_event(ev: dict) -> None:
+        if res.client_gone.is_set():
+            raise ClientGone("the client closed its connection")
+        events.append(ev)
+    try:
+        result = await generate(on_event)
+    except KafilaError as e:
+        if res.client_gone.is_set():
+            raise ClientGone("the client closed its connection") from None
+        raise generation_error(e, s) from None
+    if res.client_gone.is_set():
+        raise ClientGone("the client closed its connection")
+    return result, events
+
+
+async def stream_generation(s, res, generate: Callable[[Callable], Awaitable[dict]], *, content_type: str,
+                            token_payloads: Callable[[dict], list[bytes]],
+                            end_payloads: Callable[[dict], list[bytes]],
+                            error_payloads: Callable[[str], list[bytes]]) -> None:
+    """Stream one generation (SSE or NDJSON); the generation never waits for the client.
+
+    The 200 and its headers go with the first payload, so a request refused before its first
+    token (the host's queue is full: 429; the prompt too long: 400) gets its real status and a
+    request waiting in the queue sends nothing meanwhile. A client that reads slower than tokens
+    come gets SSE_BUFFER_EVENTS payloads of slack; past it its request is ended and the stream says so.
+
+    Args:
+        generate: `generate(emit)` runs the request (the session's generate) and returns its result.
+        token_payloads: the encoded payloads for one token event (may be none).
+        end_payloads: the payloads that end a completed stream, given the result.
+        error_payloads: the payloads that end a stream with an error sentence.
+    Raises:
+        ClientGone: the client closed its connection. HttpError: the request failed before its
+            first payload.
+    """
+    res.cancel_on_disconnect = False
+    send, recv = trio.open_memory_channel(SSE_BUFFER_EVENTS)
+    state = {"slow": False, "gone": False, "pushed": False}
+    failure: Optional[KafilaError] = None
+
+    def push(data: bytes) -> None:
+        state["pushed"] = True
+        try:
+            send.send_nowait(data)
+        except trio.WouldBlock:  # only end payloads can find the buffer full: tokens stop short of it
+            pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):  # the writer ended: the client is gone
+            pass
+
+    async def writer() -> None:
+        async with recv:
+            try:
+                async for data in recv:
+                    if not res.started:
+                        await res.start(200, [("content-type", content_type), ("cache-control", "no-cache")])
+                    await res.write(data)
+            except ClientGone:
+                state["gone"] = True
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer)
+        with send:
+            async def on_token(ev: dict) -> None:
+                if state["gone"] or res.client_gone.is_set():
+                    raise ClientGone("the client closed its connection")
+                payloads = token_payloads(ev)
+                if not payloads:
+                    return
+                if send.statistics().current_buffer_used + len(payloads) > SSE_BUFFER_EVENTS - _END_EVENTS:
+                    state["slow"] = True
+                    raise ClientGone(f"the client fell {SSE_BUFFER_EVENTS} events behind")
+                for p in payloads:
+                    push(p)
+
+            try:
+                result = await generate(on_token)
+                if not state["slow"]:
+                    for p in end_payloads(result):
+                        push(p)
+            except KafilaError as e:
+                if state["pushed"] or isinstance(e, GenerationCancelled):
+                    if not state["slow"]:
+                        for p in error_payloads(generation_error(e, s).message):
+                            push(p)
+                else:  # nothing was sent: answered with its status below
+                    failure = e
+            if state["slow"]:
+                log.info("http: ended a streaming request: its client fell %d events behind", SSE_BUFFER_EVENTS)
+                for p in error_payloads(f"The client read the stream too slowly ({SSE_BUFFER_EVENTS} events "
+                                        "behind); the request was ended."):
+                    push(p)
+    if state["gone"] or res.client_gone.is_set():
+        raise ClientGone("the client closed its connection")
+    if failure is not None:
+        raise generation_error(failure, s)
+    await res.end()
