@@ -1,0 +1,168 @@
+"""The API's route table, CORS and request models without sockets or daemons (kafilad/control/
+openai_api.py, api_common.py, openai_schema.py, ollama_api.py): the handler is served over trio's
+in-memory streams to a node that hosts no session, and the typed models are fed JSON objects."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import trio
+import trio.testing
+
+from kafilad.control import openai_api
+from kafilad.control.api_common import HttpError, json_object, origin_allowed
+from kafilad.control.http_server import HttpServer
+from kafilad.control.ollama_api import GenerateRequest, _parse
+from kafilad.control.openai_schema import parse_chat, parse_completion
+
+IDLE = SimpleNamespace(session=None, snapshot=lambda: {"role": None, "state": "idle"})
+
+
+async def exchange(raw: bytes, node=IDLE) -> tuple[int, dict, bytes]:
+    server = HttpServer(partial(openai_api.handle, node))
+    client, srv = trio.testing.memory_stream_pair()
+    out = bytearray()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.serve_stream, srv)
+        await client.send_all(raw)
+        while data := await client.receive_some(65536):
+            out += data
+    head, _, body = bytes(out).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+def request(method: str, path: str, headers: dict | None = None, body: bytes = b"") -> bytes:
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    return (f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: {len(body)}\r\n{extra}\r\n"
+            .encode() + body)
+
+
+def run(raw: bytes) -> tuple[int, dict, bytes]:
+    return trio.run(exchange, raw)
+
+
+def test_methods_paths_and_health_without_a_session():
+    status, headers, body = run(request("GET", "/v1/completions"))
+    assert status == 405 and headers["allow"] == "POST"
+    assert json.loads(body)["error"]["message"] == "/v1/completions answers POST, not GET."
+    status, _, body = run(request("GET", "/v1/nothing"))
+    assert status == 404 and "/v1/models/{id}" in json.loads(body)["error"]["message"]
+    status, headers, _ = run(request("OPTIONS", "/v1/models"))
+    assert status == 204 and headers["allow"] == "GET, HEAD, OPTIONS"
+    status, _, body = run(request("GET", "/health"))
+    assert status == 503 and json.loads(body) == {
+        "status": "unavailable", "state": None,
+        "message": "No session is being served by this daemon: it is not hosting one."}
+    status, _, body = run(request("GET", "/v1/models/stories260K"))
+    assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable"
+    status, _, body = run(request("POST", "/v1/completions", body=b'{"prompt": "x", "temperature": 9}'))
+    assert status == 400 and json.loads(body)["error"]["param"] == "temperature"  # checked before the session
+    status, _, body = run(request("GET", "/api/version"))
+    assert status == 200 and json.loads(body)["version"]
+    status, _, body = run(request("GET", "/api/tags"))
+    assert status == 200 and json.loads(body) == {"models": []}
+    status, _, body = run(request("POST", "/api/generate", body=b'{"model": "m", "prompt": "x"}'))
+    assert status == 503 and set(json.loads(body)) == {"error"}  # Ollama's error shape
+
+
+def test_cors_preflight_and_origins(monkeypatch):
+    preflight = {"origin": "http://localhost:8080", "access-control-request-method": "POST",
+                 "access-control-request-headers": "Content-Type, X-Bad Header, Authorization"}
+    status, headers, body = run(request("OPTIONS", "/v1/chat/completions", preflight))
+    assert status == 204 and body == b""
+    assert headers["access-control-allow-origin"] == "http://localhost:8080" and headers["vary"] == "origin"
+    assert headers["access-control-allow-methods"] == "POST, OPTIONS"
+    assert headers["access-control-allow-headers"] == "Content-Type, Authorization"  # a malformed name is left out
+    assert "access-control-allow-private-network" not in headers
+    status, headers, body = run(request("OPTIONS", "/api/chat", {**preflight, "origin": "https://chat.example"}))
+    assert status == 403 and "'https://chat.example' may not call this API" in json.loads(body)["error"]["message"]
+    status, headers, _ = run(request("GET", "/api/version", {"origin": "https://chat.example"}))
+    assert status == 200 and "access-control-allow-origin" not in headers and headers["vary"] == "origin"
+    status, headers, _ = run(request("GET", "/api/version", {"origin": "http://[::1]:3000"}))
+    assert headers["access-control-allow-origin"] == "http://[::1]:3000"
+    for origin, ok in [("http://127.0.0.1", True), ("https://localhost:5173", True), ("http://0.0.0.0:1", True),
+                       ("null", False), ("file://", False), ("http://localhost.evil.example", False),
+                       ("ftp://localhost", False), ("http://[zz", False)]:
+        assert origin_allowed(origin, {}) is ok, origin
+    env = {"KAFILA_HTTP_ORIGINS": "https://chat.example, https://other.example/"}
+    assert origin_allowed("https://chat.example", env) and origin_allowed("https://other.example", env)
+    assert not origin_allowed("https://third.example", env) and origin_allowed("https://x.y", {"KAFILA_HTTP_ORIGINS": "*"})
+
+
+@pytest.mark.parametrize("parse, body, param, words", [
+    (parse_completion, {"prompt": "x", "max_tokens": 0}, "max_tokens", "'max_tokens' must be a positive integer"),
+    (parse_completion, {"prompt": "x", "max_tokens": True}, "max_tokens", "'max_tokens' must be a positive integer"),
+    (parse_completion, {"prompt": "x", "max_tokens": "5"}, "max_tokens", "'max_tokens' must be a positive integer"),
+    (parse_completion, {"prompt": "x", "temperature": 1e308 * 10}, "temperature", "finite number between 0 and 2"),
+    (parse_completion, {"prompt": "x", "temperature": 10**400}, "temperature", "finite number between 0 and 2"),
+    (parse_completion, {"prompt": [1, 2, 3]}, "prompt", "'prompt' as token ids is not supported"),
+    (parse_completion, {"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    (parse_completion, {}, "prompt", "'prompt' is required."),
+    (parse_completion, {"prompt": "x", "echo": True}, "echo", "'echo': true is not supported"),
+    (parse_completion, {"prompt": "x", "suffix": "y"}, "suffix", "'suffix' is not supported"),
+    (parse_completion, {"prompt": "x", "logprobs": 6}, "logprobs", "between 0 and 5"),
+    (parse_completion, {"prompt": "x", "logit_bias": {"a1": 1}}, "logit_bias", "key 'a1' is not a token id"),
+    (parse_completion, {"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias", "between -100 and 100"),
+    (parse_completion, {"prompt": "x", "seed": 2**64}, "seed", "'seed' must be an integer (64 bits)."),
+    (parse_completion, {"prompt": "x", "stop": [""]}, "stop", "non-empty strings"),
+    (parse_completion, {"prompt": "x", "stream": 1}, "stream", "'stream' must be true or false."),
+    (parse_chat, {"messages": []}, "messages", "'messages' must be a non-empty list"),
+    (parse_chat, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'messages[0].role' is invalid"),
+    (parse_chat, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content",
+     "must hold parts of the form"),
+    (parse_chat, {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs",
+     "'logprobs' must be true or false."),
+    (parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True},
+     "top_logprobs", "between 0 and 20"),
+    (parse_chat, {"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions",
+     "'functions' is not supported: this server does not call tools."),
+])
+def test_every_field_gets_a_precise_400(parse, body, param, words):
+    with pytest.raises(HttpError) as e:
+        parse(body)
+    assert e.value.status == 400 and e.value.param == param and words in e.value.message
+    assert e.value.message.endswith(".") and "--" not in e.value.message
+
+
+def test_accepted_bodies_and_their_defaults():
+    r = parse_chat({"messages": [{"role": "developer", "content": None},
+                                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                    "max_tokens": None, "temperature": None, "stop": "END", "logit_bias": {"7": -5},
+                    "stream": True, "stream_options": {"include_usage": True}, "n": 1, "user": "u"})
+    assert r.prompt_messages() == [{"role": "system", "content": ""}, {"role": "user", "content": "ab"}]
+    assert r.max_tokens is None and r.temperature is None and r.stop == ("END",) and r.logit_bias == ((7, -5.0),)
+    sampling = openai_api.sampling_of(SimpleNamespace(info=SimpleNamespace(config={"vocab_size": 8})), r)
+    assert sampling.temperature == 0 and sampling.logit_bias == ((7, -5.0),) and sampling.logprobs is None
+    with pytest.raises(HttpError, match="names token 7, outside this model.s vocabulary of 7 tokens"):
+        openai_api.sampling_of(SimpleNamespace(info=SimpleNamespace(config={"vocab_size": 7})), r)
+    c = parse_completion({"prompt": ["once"], "logprobs": 0, "top_p": 0.5, "seed": -1, "top_k": 3})
+    s = openai_api.sampling_of(SimpleNamespace(info=None), c)
+    assert c.prompt == "once" and (s.logprobs, s.top_p, s.seed, s.top_k) == (0, 0.5, -1, 3)
+
+
+def test_ollama_bodies():
+    r = _parse(GenerateRequest, {"model": "m", "prompt": "p", "options": {"num_predict": -1, "stop": "x",
+                                                                          "num_gpu": 1}, "keep_alive": 0})
+    assert r.options.stop == ("x",) and r.options.num_predict == -1
+    for body, words in [({"model": "m", "options": {"typical_p": 0.5}}, "'options.typical_p' is not supported"),
+                        ({"model": "m", "options": {"num_predict": 0}}, "'options.num_predict' must be at least 1"),
+                        ({"model": "m", "think": True}, "'think' is not supported"),
+                        ({"model": "m", "context": [1, 2]}, "'context' is not supported"),
+                        ({"model": "m", "top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true."),
+                        ({"prompt": "p"}, "'model' is required.")]:
+        with pytest.raises(HttpError) as e:
+            _parse(GenerateRequest, body)
+        assert words in e.value.message, (body, e.value.message)
+
+
+def test_bodies_with_lone_surrogates_name_the_field():
+    with pytest.raises(HttpError) as e:
+        json_object(b'{"messages": [{"role": "user", "content": "a\\udc00"}]}')
+    assert e.value.message.startswith("messages[0].content contains a lone surrogate (\\udc00 at character 1)")
+    with pytest.raises(HttpError, match="a key of options contains a lone surrogate"):
+        json_object(b'{"options": {"\\ud800": 1}}')
