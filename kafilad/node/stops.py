@@ -1,7 +1,9 @@
 """Stop sequences over streamed text, with no I/O (OpenAI `stop`, Ollama `options.stop`; issue 10).
 
-A request ends at the first occurrence of any of its stop strings in the generated text; the
-stop string itself is never emitted, not even partly in a stream. Text arrives in segments (the
+A request ends as soon as one of its stop strings has been generated: at the first position of
+the generated text where a stop string ends (of two ending there, the longer), as a client
+reading character by character would see it, whatever the segmentation. The stop string itself
+is never emitted, not even partly in a stream. Text arrives in segments (the
 detokenizer's `last_segment` per token), and a stop string may span segments, so the filter holds
 back the longest tail of the text that is a proper prefix of some stop string, and releases it
 once it can no longer become one::
@@ -12,8 +14,8 @@ once it can no longer become one::
                                feed("\\n\\nThe end.")    -> ""              stopped (".": never emitted)
 
 Invariant: no stop string occurs in `text` + held, and no stop string starts inside `text`
-(a start in `text` would make its tail a prefix of that stop, and it would be held). So the first
-match in held + segment is the first match in the whole output.
+(a start in `text` would make its tail a prefix of that stop, and it would be held). So every
+stop string that ends inside the next segment lies whole in held + segment.
 """
 
 from __future__ import annotations
@@ -47,14 +49,14 @@ class StopFilter:
         if self.stopped or not segment:
             return ""
         buf = self._held + segment
-        first = None
+        first = None  # (end, start, stop) of the stop completed first; at the same end, the longest
         for s in self.stops:
             i = buf.find(s)
-            if i >= 0 and (first is None or i < first[0]):
-                first = (i, s)
+            if i >= 0 and (first is None or (i + len(s), i) < first[:2]):
+                first = (i + len(s), i, s)
         if first is not None:
-            self.stopped, self.stop, self._held = True, first[1], ""
-            out = buf[:first[0]]
+            self.stopped, self.stop, self._held = True, first[2], ""
+            out = buf[:first[1]]
         else:
             keep = self._longest_prefix_tail(buf)
             out, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]

@@ -20,10 +20,14 @@ def test_docstring_example():
     assert f.text == "was happy.\n\nThe cat"
 
 
-def test_earliest_stop_wins_and_held_text_is_released_at_the_end():
+def test_the_stop_completed_first_wins_and_held_text_is_released_at_the_end():
     f = StopFilter(["lily", "girl"])
     assert f.feed("a little gi") == "a little " and f.held == "gi"
     assert f.feed("rl named lily") == "" and f.stop == "girl" and f.text == "a little "
+    f = StopFilter(["a long stop", " "])
+    assert f.feed("a long stop") == "a" and f.stop == " "  # " " was generated before "a long stop" was
+    f = StopFilter(["b", "ab"])
+    assert f.feed("xab") == "x" and f.stop == "ab"  # both end at the same place: the longer is cut whole
     g = StopFilter(["END"])
     assert g.feed("the E") == "the " and g.finish() == "E" and g.text == "the E" and not g.stopped
 
@@ -52,6 +56,6 @@ def test_any_segmentation_releases_exactly_the_text_before_the_first_stop(text, 
         whole = seen + f.held  # no stop may begin inside what was released
         assert f.stopped or not any(s.startswith(whole[i:]) for s in stops for i in range(len(seen)))
     released.append(f.finish())
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    assert "".join(released) == f.text == (text[:min(hits)] if hits else text)
+    hits = [(i + len(s), i) for i, s in ((text.find(s), s) for s in stops) if i >= 0]  # (end, start)
+    assert "".join(released) == f.text == (text[:min(hits)[1]] if hits else text)
     assert f.stopped == bool(hits)
