@@ -301,7 +301,8 @@ class MemberSession:
                 await link.close("the session replanned")
         self._stage_links = ()
         if self.ring is not None:
-            self.ring.fail_all("the host replanned the session", member="host")
+            self.ring.fail_all("The session was replanned while this request ran (a member was lost or the ring "
+                               "re-formed); send it again.", member=None)
 
     async def _run_stage(self, f: cf.PlanFrame) -> None:
         with trio.CancelScope() as scope:
