@@ -25,6 +25,7 @@ import math
 import os
 import re
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 from urllib.parse import urlsplit
 
@@ -97,18 +98,31 @@ def ready(s):
                     headers=[("retry-after", str(RETRY_FORMING_S))])
 
 
+def model_names(session) -> list[str]:
+    """The names a request may give the served model, its id first: the Hugging Face repo id
+    ("ORG/NAME") when the model directory is a snapshot in a Hugging Face cache
+    (`models--ORG--NAME/snapshots/COMMIT`, kafilad/modelref.py), then the directory's name."""
+    own = str(getattr(getattr(session, "info", None), "model_id", None) or "kafila")
+    d = Path(str(getattr(session, "model_dir", "") or ""))
+    repo = d.parent.parent.name
+    if d.parent.name == "snapshots" and repo.startswith("models--") and "--" in repo[len("models--"):]:
+        return [repo[len("models--"):].replace("--", "/", 1), own]
+    return [own]
+
+
 def model_id(session) -> str:
-    return str(getattr(getattr(session, "info", None), "model_id", None) or "kafila")
+    """The served model's id, as /v1/models and /api/tags list it."""
+    return model_names(session)[0]
 
 
 def check_model(session, name: Optional[str], *, suffixes: tuple[str, ...] = ()) -> str:
     """The served model's id when a request names it (or names none), else a 404 `model_not_found`.
 
     Args:
-        suffixes: spellings also accepted after the id (Ollama's ":latest").
+        suffixes: spellings also accepted after a name (Ollama's ":latest").
     """
     served = model_id(session)
-    if name is None or name == served or any(name == served + s for s in suffixes):
+    if name is None or any(name == n + s for n in model_names(session) for s in ("", *suffixes)):
         return served
     raise HttpError(404, f"The model '{shown(name)}' does not exist on this server; it serves '{served}'.",
                     param="model", code="model_not_found")

@@ -166,3 +166,17 @@ def test_bodies_with_lone_surrogates_name_the_field():
     assert e.value.message.startswith("messages[0].content contains a lone surrogate (\\udc00 at character 1)")
     with pytest.raises(HttpError, match="a key of options contains a lone surrogate"):
         json_object(b'{"options": {"\\ud800": 1}}')
+
+
+def test_a_hugging_face_snapshot_is_served_by_its_repo_id(tmp_path):
+    from kafilad.control.api_common import check_model, model_id
+    snap = tmp_path / "hub" / "models--mlx-community--Qwen3-8B-4bit" / "snapshots" / "0123abcd"
+    s = SimpleNamespace(model_dir=str(snap), info=SimpleNamespace(model_id="0123abcd"))
+    assert model_id(s) == "mlx-community/Qwen3-8B-4bit"
+    assert check_model(s, "mlx-community/Qwen3-8B-4bit") == check_model(s, "0123abcd") == model_id(s)
+    assert check_model(s, "mlx-community/Qwen3-8B-4bit:latest", suffixes=(":latest",)) == model_id(s)
+    with pytest.raises(HttpError) as e:
+        check_model(s, "Qwen3-8B-4bit")
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+    plain = SimpleNamespace(model_dir=str(tmp_path / "stories260K"), info=SimpleNamespace(model_id="stories260K"))
+    assert model_id(plain) == "stories260K"
