@@ -419,7 +419,7 @@ class RingMember:
                 token, _ = await self._compute(self._head_sample_wire, a.reqs[0], h_wire, a.temperatures[0])
                 tokens = [token]
         else:  # each row with its own Sampling (kafilad/proto/sampling.py)
-            histories = [list(rec.prompt_ids) + list(rec.generated) if rec is not None and s is not None
+            histories = [_recent(rec, s.penalty_context_tokens) if rec is not None and s is not None
                          and s.needs_history else None for rec, s in zip(recs, samplings)]
             samplings = [s if s is not None else _plain(rec) for rec, s in zip(recs, samplings)]
             try:
@@ -582,6 +582,15 @@ async def run_on_mlx_thread(fn, *args):
     with trio.CancelScope(shield=True):
         await done.wait()
     return fut.result()
+
+
+def _recent(rec: Request, n: int) -> list[int]:
+    """The last `n` ids of the request's prompt and generated tokens (what its penalties read)."""
+    gen = rec.generated
+    if len(gen) >= n:
+        return list(gen[-n:])
+    return list(rec.prompt_ids[len(rec.prompt_ids) - (n - len(gen)):] if n - len(gen) < len(rec.prompt_ids)
+                else rec.prompt_ids) + list(gen)
 
 
 def _plain(rec: Optional[Request]) -> Sampling:
