@@ -11,6 +11,7 @@ Addresses: rendezvous 172.16.0.10 and 172.16.0.11; member i 10.0.i.2 behind 172.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -101,14 +102,27 @@ def _script(*args: str) -> None:
         raise RuntimeError(f"scripts/natlab.sh {' '.join(args)} failed: {result.stderr.strip()}")
 
 
+#: Held while a lab is up: the namespaces are machine-wide ("up" first kills what runs in any kf-*
+#: namespace), so two test runs on one machine take turns instead of tearing down each other's lab.
+LOCK_PATH = os.environ.get("NATLAB_LOCK", "/run/kafila-natlab.lock")
+
+
 @contextlib.contextmanager
 def lab(classes: Sequence[str]) -> Iterator[Lab]:
-    """Bring the lab up with ``classes`` (each "O", "C", "S", "N" or "@K") and tear it down after."""
-    _script("up", *classes)
-    try:
-        yield Lab(tuple(classes))
-    finally:
-        _script("down")
+    """Bring the lab up with ``classes`` (each "O", "C", "S", "N" or "@K") and tear it down after.
+
+    Waits for any other process's lab on this machine to be torn down first (``LOCK_PATH``).
+    """
+    with open(LOCK_PATH, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            _script("up", *classes)
+            try:
+                yield Lab(tuple(classes))
+            finally:
+                _script("down")
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
