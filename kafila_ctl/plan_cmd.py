@@ -52,7 +52,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "with the uniform and memory-proportional baselines. No daemon is needed.")
     p.add_argument("--fleet", required=True, type=Path, help="fleet JSON file (proto_spec/06-fleet.md)")
     p.add_argument("--model", required=True, type=Path, help="model directory (config.json + safetensors headers)")
-    p.add_argument("--context", type=_positive_int, default=None, help=f"context tokens per request (default: fleet's, else {DEFAULT_CONTEXT})")
+    p.add_argument("--context", type=_positive_int, default=None,
+                   help=f"context tokens per request (default: fleet's, else {DEFAULT_CONTEXT} capped at the "
+                        f"model's max_position_embeddings, as the host does)")
     p.add_argument("--concurrency", type=_positive_int, default=None, help=f"concurrent requests (default: fleet's, else {DEFAULT_CONCURRENCY})")
     p.add_argument("--strategy", choices=STRATEGIES, default="kafila", help="division to choose (default kafila)")
     p.add_argument("--hold-dtype", choices=tuple(HOLD_DTYPE_BYTES), default="stored",
@@ -63,6 +65,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="draw per-device stage time under each division")
     p.set_defaults(func=run)
     return p
+
+
+def default_context(config: dict) -> int:
+    """The host's default context: 4096, capped at the model's max_position_embeddings."""
+    limit = config.get("max_position_embeddings")
+    return min(DEFAULT_CONTEXT, int(limit)) if limit else DEFAULT_CONTEXT
 
 
 def error_json(e: KafilaError) -> dict:
@@ -88,11 +96,56 @@ def plan_all(devices, profile, *, context: int, concurrency: int, mu: float) -> 
 def _summary(p: Plan) -> dict:
     return {"head": p.head, "bottleneck_s": p.bottleneck_s, "circuit_s": p.circuit_s,
             "utilization": p.utilization, "imbalance": p.imbalance,
-            "blocks": {n: [a, b] for n, (a, b) in p.blocks.items()}}
+            "blocks": {n: [a, b] for n, (a, b) in p.blocks.items()}, "standby": list(p.standby),
+            "throughput": [t.to_json() for t in p.throughput]}
 
 
 def _ms(x: float, tier: str) -> str:
     return f"{x:.3f}" if tier == "memory" else f"{x * 1e3:.1f}"
+
+
+def _rate(x: float, tier: str) -> str:
+    if x == float("inf"):
+        return "inf"
+    return f"{x:.3g}" if tier == "memory" else f"{x:.1f}"
+
+
+def _users_rate(p: Plan) -> float:
+    return p.throughput[-1].tokens_per_s
+
+
+def explain(p: Plan, outcomes: Optional[dict] = None) -> list[str]:
+    """Sentences saying why the plan predicts its tokens/s for 1 and for K users (docs/planner.md
+    "Throughput and the load objective"); pure."""
+    tier = p.tier
+    unit = "pseudo-s" if tier == "memory" else "ms"
+    rate = "per pseudo-s" if tier == "memory" else "tokens/s"
+    one = p.throughput[0]
+    hop = p.circuit_s - sum(p.stage_s.values())
+    out = [f"1 user: {_rate(one.tokens_per_s, tier)} {rate}: each token goes round the circuit, "
+           f"stages {_ms(sum(p.stage_s.values()), tier)} + hops {_ms(hop, tier)} {unit}."]
+    if len(p.throughput) > 1:
+        t = p.throughput[-1]
+        what = ("the micro-batches wait for each other's trip round the ring" if t.bound == "circuit"
+                else "the slowest stage is busy all the time")
+        out.append(f"{t.users} users: {_rate(t.tokens_per_s, tier)} {rate}: {t.micro_batches} micro-batch(es) of "
+                   f"{t.rows} row(s) in flight; a round takes max(circuit {_ms(t.circuit_s, tier)}, "
+                   f"{t.micro_batches} x bottleneck {_ms(t.bottleneck_s, tier)}) = {_ms(t.round_s, tier)} {unit}: "
+                   f"{what}.")
+    users = p.throughput[-1].users
+    if p.standby:
+        full = p.full_fleet_tokens_per_s
+        vs = (f"{_rate(full, tier)} {rate} with every member holding blocks" if full is not None
+              else "every member holding blocks does not fit")
+        out.append(f"Standby (no blocks, ready for healing): {', '.join(p.standby)}: "
+                   f"{_rate(_users_rate(p), tier)} {rate} for {users} user(s) against {vs}.")
+    if outcomes:
+        alt = outcomes.get("load")
+        if p.strategy != "load" and isinstance(alt, Plan) and _users_rate(alt) > _users_rate(p) * 1.0001:
+            extra = f", standby {', '.join(alt.standby)}" if alt.standby else ""
+            out.append(f"Strategy load would serve {users} user(s) at {_rate(_users_rate(alt), tier)} {rate} "
+                       f"(head {alt.head}{extra}).")
+    return out
 
 
 def render(outcomes: dict[str, Outcome], chosen: str, console: Console, fleet_name: str = "") -> None:
@@ -102,21 +155,24 @@ def render(outcomes: dict[str, Outcome], chosen: str, console: Console, fleet_na
     tier = next(iter(ok.values())).tier if ok else "?"
     unit = "(pseudo-s, memory tier)" if tier == "memory" else "ms"
     any_p = ref if isinstance(ref, Plan) else next(iter(ok.values()), None)
+    users = any_p.concurrency if any_p else 1
     title = f"{any_p.model_id if any_p else ''} on {fleet_name or 'fleet'}"
     if any_p:
         title += f" · context {any_p.context} x {any_p.concurrency} · tier {tier} · times in {unit}"
     t = Table(title=title)
-    for col in ("division", "head", "bottleneck", "circuit", "util.", "imbalance", f"÷ {chosen}"):
+    rate_cols = ["tok/s 1 user"] + ([f"tok/s {users} users"] if users > 1 else [])
+    for col in ("division", "head", "bottleneck", "circuit", *rate_cols, "util.", "imbalance", f"÷ {chosen}"):
         t.add_column(col, justify="left" if col in ("division", "head") else "right")
-    for s in [chosen] + [x for x in STRATEGIES if x != chosen]:
+    for s in [chosen] + [x for x in STRATEGIES if x != chosen and x in outcomes]:
         p = outcomes[s]
         name = f"[bold]{s}[/bold]" if s == chosen else s
         if isinstance(p, Plan):
             ratio = f"{p.bottleneck_s / ref.bottleneck_s:.2f}x" if isinstance(ref, Plan) and ref.bottleneck_s > 0 else "-"
-            t.add_row(name, p.head, _ms(p.bottleneck_s, tier), _ms(p.circuit_s, tier),
+            rates = [_rate(x.tokens_per_s, tier) for x in p.throughput]
+            t.add_row(name, p.head, _ms(p.bottleneck_s, tier), _ms(p.circuit_s, tier), *rates,
                       f"{p.utilization:.0%}", f"{p.imbalance:.2f}x", ratio)
         else:
-            t.add_row(name, "-", "does not fit", "-", "-", "-", "-")
+            t.add_row(name, "-", "does not fit", "-", *["-"] * len(rate_cols), "-", "-", "-")
     console.print(t)
     if ok:
         base = ref if isinstance(ref, Plan) else next(iter(ok.values()))
@@ -124,15 +180,25 @@ def render(outcomes: dict[str, Outcome], chosen: str, console: Console, fleet_na
         d.add_column("device")
         d.add_column("memory GB", justify="right")
         d.add_column(f"{base.strategy} GB held", justify="right")
+        d.add_column("of it working GB", justify="right")
         for s in ok:
             d.add_column(s, justify="right")
-        for name in base.order:
-            row = [name, f"{base.memory_bytes[name] / 1e9:.1f}", f"{base.resident_bytes[name] / 1e9:.1f}"]
+        for name in [*base.order, *base.standby]:
+            held = base.resident_bytes.get(name)
+            work = base.working_bytes.get(name)
+            row = [name, f"{base.memory_bytes[name] / 1e9:.1f}", "-" if held is None else f"{held / 1e9:.1f}",
+                   "-" if work is None else f"{work / 1e9:.2f}"]
             for p in ok.values():
-                a, b = p.blocks[name]
-                row.append(f"{b - a}{'H' if p.head == name else ''} / {_ms(p.stage_s[name], tier)}")
+                if name in p.blocks:
+                    a, b = p.blocks[name]
+                    row.append(f"{b - a}{'H' if p.head == name else ''} / {_ms(p.stage_s[name], tier)}")
+                else:
+                    row.append("standby")
             d.add_row(*row)
         console.print(d)
+    if isinstance(ref, Plan):
+        for line in explain(ref, outcomes):
+            console.print(line)
     for s, p in outcomes.items():
         if not isinstance(p, Plan):
             console.print(f"[red]{s}[/red]: {p}")
@@ -153,19 +219,21 @@ def plot(outcomes: dict[str, Outcome], path: Path, title: str = "") -> None:
     ok = {s: p for s, p in outcomes.items() if isinstance(p, Plan)}
     if not ok:
         raise KafilaError("Nothing to plot: no division fits this fleet.")
-    names = list(next(iter(ok.values())).order)
+    first = next(iter(ok.values()))
+    names = [*first.order, *first.standby]
     memory_tier = next(iter(ok.values())).tier == "memory"
     scale = 1.0 if memory_tier else 1e3
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names) + 2), 4))
     w = 0.8 / len(ok)
     for k, (s, p) in enumerate(ok.items()):
         xs = [i + (k - (len(ok) - 1) / 2) * w for i in range(len(names))]
-        ys = [p.stage_s[n] * scale for n in names]
+        ys = [p.stage_s.get(n, 0.0) * scale for n in names]
         bars = ax.bar(xs, ys, w, label=f"{s} (bottleneck {p.bottleneck_s * scale:.1f}, util {p.utilization:.0%})")
         ax.axhline(p.bottleneck_s * scale, color=bars.patches[0].get_facecolor(), ls="--", lw=0.8)
         for x, n in zip(xs, names):
-            a, b = p.blocks[n]
-            ax.annotate(str(b - a), (x, p.stage_s[n] * scale), ha="center", va="bottom", fontsize=7)
+            a, b = p.blocks.get(n, (0, 0))
+            ax.annotate(str(b - a) if n in p.blocks else "S", (x, p.stage_s.get(n, 0.0) * scale),
+                        ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names)
     ax.set_ylabel("stage time per token (pseudo-s)" if memory_tier else "stage time per token (ms)")
@@ -187,14 +255,15 @@ def run(args: argparse.Namespace) -> int:
         if args.plot is not None and not Path(args.plot).parent.is_dir():
             raise KafilaError(f"Cannot write the plot: directory {Path(args.plot).parent} does not exist.")
         fleet = load_fleet(args.fleet)
-        profile = read_model_info(args.model).profile(float_dtype_bytes=HOLD_DTYPE_BYTES[args.hold_dtype])
+        info = read_model_info(args.model)
+        profile = info.profile(float_dtype_bytes=HOLD_DTYPE_BYTES[args.hold_dtype])
     except KafilaError as e:
         if args.json:
             print(json.dumps(error_json(e)))
         else:
             print(f"kafila-ctl: {e}", file=sys.stderr)
         return 1
-    context = args.context if args.context is not None else (fleet.context or DEFAULT_CONTEXT)
+    context = args.context if args.context is not None else (fleet.context or default_context(info.config))
     concurrency = args.concurrency if args.concurrency is not None else (fleet.concurrency or DEFAULT_CONCURRENCY)
     outcomes = plan_all(fleet.devices, profile, context=context, concurrency=concurrency, mu=args.mu)
     chosen = outcomes[args.strategy]

@@ -28,6 +28,7 @@ import attrs
 
 from kafilad.errors import ModelFormatError
 from kafilad.planner.records import ModelProfile
+from kafilad.planner.workmem import arch_from_config
 
 #: bytes per element of each safetensors dtype.
 DTYPE_BYTES = {
@@ -198,6 +199,7 @@ class ModelInfo:
             kv_bytes_per_block_token=kv,
             block_flops_per_token=tuple(2.0 * p for p in block_params),
             head_flops_per_token=2.0 * head_params,
+            shape=arch_from_config(self.config, kv_dtype_bytes),
         )
 
 

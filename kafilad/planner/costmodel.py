@@ -25,8 +25,11 @@ Resident bytes (all tiers, DESIGN §5.1):
 
 ```
  resident(j, a, b) = Σ block_bytes[a:b] + (b - a) * kv_bytes_per_block_token * context * concurrency
-                     + [j == 0] * head_resident_bytes          must be <= memory_bytes(j)
+                     + [j == 0] * head_resident_bytes
+                     + working(j)                             must be <= memory_bytes(j)
 ```
+working(j) is the prefill/decode working memory of kafilad.planner.workmem (0 when the profile
+has no shape); it does not depend on [a, b), so resident bytes stay monotone in b.
 
 Pure: no I/O. Cost is non-decreasing in b and non-increasing in a, which the exact partition
 (kafilad.planner.partition) relies on.
@@ -38,6 +41,7 @@ from typing import Sequence
 
 from kafilad.errors import PlanError
 from kafilad.planner.records import Device, ModelProfile
+from kafilad.planner.workmem import working_bytes
 
 TIERS = ("cost-model", "flops", "memory")
 
@@ -122,6 +126,8 @@ class ChainCost:
         for x in work:
             self._work.append(self._work[-1] + x)
         self._kv_per_block = model.kv_bytes_per_block_token * int(context) * int(concurrency)
+        self._working = working_bytes(model.shape, context=context, concurrency=concurrency, head=False)
+        self._working_head = working_bytes(model.shape, context=context, concurrency=concurrency, head=True)
         self._mem = [int(d.memory_bytes) for d in self.chain]
         self._ov = [float(d.step_overhead_s) for d in self.chain]
 
@@ -133,11 +139,18 @@ class ChainCost:
         return self._ov[j] + work / self._rate[j]
 
     def resident_bytes(self, j: int, a: int, b: int) -> int:
-        """Bytes chain device j holds for blocks [a, b) at the declared context and concurrency."""
+        """Bytes chain device j needs for blocks [a, b) at the declared context and concurrency:
+        weights, KV cache, head parts and working memory."""
         r = self._bytes[b] - self._bytes[a] + (b - a) * self._kv_per_block
         if j == 0:
-            r += self.model.head_resident_bytes
+            r += self.model.head_resident_bytes + self._working_head
+        else:
+            r += self._working
         return r
+
+    def working_bytes(self, j: int) -> int:
+        """The working-memory share of chain device j's resident bytes (kafilad.planner.workmem)."""
+        return self._working_head if j == 0 else self._working
 
     def overflow_bytes(self, j: int, a: int, b: int) -> int:
         """resident_bytes - memory_bytes (positive = shortfall) of chain device j on [a, b)."""

@@ -9,18 +9,28 @@ Steps of `plan` (strategy "kafila"):
    raise AdmissionError naming that device and its shortfall (§5.4).
 Strategies "uniform" and "memory" (§5.5) use the same order with the head on the anchor, are
 evaluated with the same cost model, and are admitted against memory the same way.
+
+Strategy "load" (issue 12 item 2, beyond the paper) maximises the predicted tokens/s at the
+declared concurrency K (kafilad.planner.throughput): the circuit for one user, the bottleneck
+for many. It searches every active subset that keeps the anchor (the others stand by), each
+subset's ring order (§5.2) and rotations, and the exact division of each; it keeps the full
+fleet with the anchor as head unless the best candidate is more than μ faster per token.
+
+Every plan carries its predicted tokens/s for 1 and for K users, and resident bytes include
+the working memory of kafilad.planner.workmem.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional, Sequence
 
 from kafilad.errors import AdmissionError, PlanError
-from kafilad.planner import baselines, partition, ring
+from kafilad.planner import baselines, partition, ring, throughput
 from kafilad.planner.costmodel import ChainCost, check_devices, select_tier, summarize
 from kafilad.planner.records import Device, ModelProfile, Plan
 
-STRATEGIES = ("kafila", "uniform", "memory")
+STRATEGIES = ("kafila", "load", "uniform", "memory")
 DEFAULT_MU = 0.05
 
 
@@ -28,15 +38,27 @@ def _gb(x: int) -> str:
     return f"{x / 1e9:.2f} GB"
 
 
+def ring_hop_s(order: Sequence[Device]) -> float:
+    """H: Σ one-way latency (RTT estimate / 2) of the ring's edges whose RTT is known, seconds."""
+    total = 0.0
+    for a, b in ring.ring_edges(order):
+        rtt = ring.edge_rtt_ms(a, b)
+        if rtt is not None:
+            total += rtt / 2.0 / 1000.0
+    return total
+
+
 def build_plan(chain: Sequence[Device], model: ModelProfile, bounds: Sequence[int], *, tier: str,
                strategy: str, context: int, concurrency: int,
-               rotation_bottleneck_s: Optional[dict] = None) -> Plan:
+               rotation_bottleneck_s: Optional[dict] = None, standby: Sequence[Device] = (),
+               full_fleet_tokens_per_s: Optional[float] = None) -> Plan:
     """Evaluate a division of `model` over `chain` (head = chain[0]) as a Plan.
 
     Args:
-        chain: devices in ring order, head first.
+        chain: the active devices in ring order, head first.
         bounds: [0, b1, ..., n]; chain[j] holds [bounds[j], bounds[j+1]).
         tier, strategy, context, concurrency: as in `plan`.
+        standby: fleet members left without blocks (strategy "load").
     Returns:
         the Plan (no memory check; see `admit`).
     """
@@ -49,7 +71,12 @@ def build_plan(chain: Sequence[Device], model: ModelProfile, bounds: Sequence[in
         edges.append((a.name, b.name, ring.predict_path(a.nat_class, b.nat_class)))
         rtt = ring.edge_rtt_ms(a, b)
         lat.append(None if rtt is None else rtt / 2.0 / 1000.0)
-    circuit = sum(stage) + sum(x for x in lat if x is not None)
+    hop = sum(x for x in lat if x is not None)
+    circuit = sum(stage) + hop
+    rho = throughput.row_costs(chain)
+    rates = [throughput.predict(stage, rho, hop, 1)]
+    if concurrency > 1:
+        rates.append(throughput.predict(stage, rho, hop, concurrency))
     return Plan(
         order=tuple(names),
         head=names[0],
@@ -67,9 +94,13 @@ def build_plan(chain: Sequence[Device], model: ModelProfile, bounds: Sequence[in
         n_blocks=model.n_blocks,
         context=context,
         concurrency=concurrency,
-        memory_bytes={d.name: int(d.memory_bytes) for d in chain},
+        memory_bytes={d.name: int(d.memory_bytes) for d in [*chain, *standby]},
         edge_latency_s=tuple(lat),
         rotation_bottleneck_s=dict(rotation_bottleneck_s or {}),
+        standby=tuple(d.name for d in standby),
+        working_bytes={names[j]: cc.working_bytes(j) for j in range(len(chain))},
+        throughput=tuple(rates),
+        full_fleet_tokens_per_s=full_fleet_tokens_per_s,
     )
 
 
@@ -117,6 +148,59 @@ def _refuse(order: list[Device], model: ModelProfile, *, tier: str, context: int
     return _admission_error(p, worst, p.resident_bytes[worst] - p.memory_bytes[worst], best=True)
 
 
+def _plan_load(order: list[Device], model: ModelProfile, mu: float, *, tier: str, context: int,
+               concurrency: int) -> Plan:
+    """Strategy "load": the plan with the most predicted tokens/s at `concurrency` users.
+
+    Candidates, in preference order: active subsets that keep the anchor, largest first (then in
+    listed order); for each, its ring order (§5.2) and rotations, the subset's anchor first; for
+    each, the exact division (throughput.solve_chain_load). The full fleet with the anchor as
+    head is kept unless the best candidate's seconds per token are more than μ lower; otherwise
+    the best wins (ties: the earliest in preference order). Candidates that cannot beat the best
+    so far are pruned by a lower bound, never by a heuristic.
+
+    Raises:
+        AdmissionError: no subset fits (named for the full fleet, as strategy "kafila" would).
+    """
+    n, m = model.n_blocks, len(order)
+    kw = dict(tier=tier, context=context, concurrency=concurrency)
+    best = None  # (seconds per token, chain, bounds, active set)
+    default_v = full_v = None
+    for size in range(min(m, n), 0, -1):
+        for combo in itertools.combinations(range(1, m), size - 1):
+            active = ring.order_ring([order[0], *(order[i] for i in combo)])
+            hop = ring_hop_s(active)
+            for r in range(size):
+                chain = partition.rotate(active, r)
+                cc = ChainCost(chain, model, **kw)
+                is_default = size == m and r == 0
+                cutoff = throughput.INF if (is_default or best is None) else best[0]
+                sol = throughput.solve_chain_load(n, size, cc.stage_s, cc.fits, throughput.row_costs(chain),
+                                                  hop, concurrency, cutoff)
+                if sol is None:
+                    continue
+                if is_default:
+                    default_v = sol[0]
+                if best is None or sol[0] < best[0]:
+                    best = (sol[0], chain, sol[1], {d.name for d in active})
+        if size == m and best is not None:
+            full_v = best[0]
+    if best is None:
+        raise _refuse(order, model, **kw)
+    if default_v is not None and default_v > 0 and (default_v - best[0]) / default_v <= mu:
+        chain = order
+        cc = ChainCost(chain, model, **kw)
+        sol = throughput.solve_chain_load(n, m, cc.stage_s, cc.fits, throughput.row_costs(chain),
+                                          ring_hop_s(chain), concurrency)
+        assert sol is not None
+        best = (sol[0], list(chain), sol[1], {d.name for d in chain})
+    _, chain, bounds, active_names = best
+    standby = [d for d in order if d.name not in active_names]
+    full_rate = None if full_v is None or full_v <= 0 else 1.0 / full_v
+    return build_plan(chain, model, bounds, strategy="load", standby=standby,
+                      full_fleet_tokens_per_s=full_rate, **kw)
+
+
 def plan(devices: Sequence[Device], model: ModelProfile, *, context: int = 4096,
          concurrency: int = 1, strategy: str = "kafila", mu: float = DEFAULT_MU) -> Plan:
     """Divide `model` over `devices` (DESIGN §5).
@@ -126,7 +210,8 @@ def plan(devices: Sequence[Device], model: ModelProfile, *, context: int = 4096,
         model: the byte profile as the members will hold it (kafilad.modelinfo ... .profile()).
         context: tokens of context per request the KV cache must hold.
         concurrency: concurrent requests the KV cache must hold.
-        strategy: "kafila" (exact partition + rotation rule), "uniform" or "memory" (§5.5).
+        strategy: "kafila" (exact partition + rotation rule), "load" (most tokens/s at
+            `concurrency` users, members may stand by), "uniform" or "memory" (§5.5).
         mu: relative bottleneck gain a rotation needs to move the head off the anchor.
     Returns:
         the Plan; `order` is the ring from the head.
@@ -146,6 +231,8 @@ def plan(devices: Sequence[Device], model: ModelProfile, *, context: int = 4096,
     tier = select_tier(devices, model)
     order = ring.order_ring(devices)
     kw = dict(tier=tier, context=context, concurrency=concurrency)
+    if strategy == "load":
+        return _plan_load(order, model, mu, **kw)
     if strategy == "uniform":
         counts = baselines.uniform_counts(n, m)
         return admit(build_plan(order, model, baselines.bounds_of(counts), strategy=strategy, **kw))

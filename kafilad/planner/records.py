@@ -22,6 +22,9 @@ class Device:
         step_overhead_s: measured fixed per-step cost of a stage, seconds.
         nat_class: "O", "C" or "S" (DESIGN §3 step 4) when known.
         rendezvous_rtt_ms: round-trip time to the rendezvous, milliseconds, when known.
+        batch_row_cost: measured marginal cost of one more row in a batched step, as a fraction
+            of a one-row step (rho of docs/planner.md "Throughput": a b-row step costs
+            stage_s * (1 + rho * (b - 1))); None = unknown, planned as 1 (no gain from batching).
     """
 
     name: str
@@ -31,6 +34,30 @@ class Device:
     step_overhead_s: float = 0.0
     nat_class: Optional[str] = None
     rendezvous_rtt_ms: Optional[float] = None
+    batch_row_cost: Optional[float] = None
+
+
+@attrs.frozen
+class ArchShape:
+    """The shapes a stage's working memory follows (docs/planner.md "Working memory").
+
+    Attributes:
+        hidden_size: D. num_attention_heads: Hq. num_key_value_heads: Hkv. head_dim: hd.
+        intermediate_size: F, the MLP's inner width (for mixture-of-experts models the widest of
+            the dense MLP and the active experts together).
+        vocab_size: V.
+        act_bytes: bytes per activation element (the executor's float dtype; the KV dtype).
+        prefill_chunk_tokens: the longest prefill chunk the head sends (mlx-lm's 2048).
+    """
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    act_bytes: int
+    prefill_chunk_tokens: int = 2048
 
 
 @attrs.frozen
@@ -45,6 +72,8 @@ class ModelProfile:
         kv_bytes_per_block_token: 2 * num_key_value_heads * head_dim * kv_dtype_bytes.
         block_flops_per_token: arithmetic per block per token (2 FLOP per weight), for tier 2.
         head_flops_per_token: arithmetic of the head per token (lm_head), for tier 2.
+        shape: the architecture's shapes for working memory (kafilad.planner.workmem); None
+            counts no working memory (a hand-made profile).
     """
 
     model_id: str
@@ -54,6 +83,7 @@ class ModelProfile:
     kv_bytes_per_block_token: int
     block_flops_per_token: tuple[float, ...] = ()
     head_flops_per_token: float = 0.0
+    shape: Optional[ArchShape] = None
 
     @property
     def n_blocks(self) -> int:
@@ -93,6 +123,14 @@ class Plan:
             where an RTT is unknown.
         rotation_bottleneck_s: head name -> best bottleneck with that head (None where that
             rotation cannot fit); for the "kafila" strategy only, else empty.
+        standby: members of the fleet left without blocks (strategy "load" only): they are
+            in no other per-member field but `memory_bytes`, stay in the session and can take
+            blocks when the session replans (docs/planner.md "Standby members").
+        working_bytes: name -> the working-memory share of resident_bytes (kafilad.planner.workmem).
+        throughput: the predicted rate for 1 user and for `concurrency` users (Throughput
+            records of kafilad.planner.throughput; one entry when concurrency is 1).
+        full_fleet_tokens_per_s: strategy "load": the best rate for `concurrency` users with
+            every member holding blocks (None when that cannot fit); else None.
     """
 
     order: tuple[str, ...]
@@ -114,6 +152,10 @@ class Plan:
     memory_bytes: dict = attrs.field(factory=dict)
     edge_latency_s: tuple = ()
     rotation_bottleneck_s: dict = attrs.field(factory=dict)
+    standby: tuple = ()
+    working_bytes: dict = attrs.field(factory=dict)
+    throughput: tuple = ()
+    full_fleet_tokens_per_s: Optional[float] = None
 
     def counts(self) -> dict:
         """name -> number of blocks held."""
@@ -124,7 +166,9 @@ class Plan:
 
         Keys: order, head, blocks ({name: [start, end]}), stage_s, bottleneck_s, circuit_s,
         utilization, imbalance, resident_bytes, tier, plus strategy, model_id, n_blocks, context,
-        concurrency, memory_bytes, edges ([{from, to, path, latency_s}]) and rotation_bottleneck_s.
+        concurrency, memory_bytes, edges ([{from, to, path, latency_s}]), rotation_bottleneck_s,
+        standby, working_bytes, throughput ([{users, tokens_per_s, round_s, micro_batches, rows,
+        circuit_s, bottleneck_s, bound}], 1 user first) and full_fleet_tokens_per_s.
         """
         return {
             "order": list(self.order),
@@ -149,4 +193,8 @@ class Plan:
                 for i, (a, b, p) in enumerate(self.edges)
             ],
             "rotation_bottleneck_s": dict(self.rotation_bottleneck_s),
+            "standby": list(self.standby),
+            "working_bytes": {n: int(v) for n, v in self.working_bytes.items()},
+            "throughput": [t.to_json() for t in self.throughput],
+            "full_fleet_tokens_per_s": self.full_fleet_tokens_per_s,
         }

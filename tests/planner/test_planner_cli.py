@@ -16,6 +16,7 @@ from rich.console import Console
 from kafila_ctl import plan_cmd
 from kafilad.modelinfo import read_model_info
 from kafilad.planner import load_fleet, plan
+from kafilad.planner.workmem import working_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 FLEETS = REPO / "fleets"
@@ -83,8 +84,11 @@ def test_nothing_fits_exits_2_with_error_object(qwen_dir, capsys):
     rc, out = run_cli(["--fleet", str(FLEETS / "student-laptops.json"), "--model", str(qwen_dir / "qwen3-32b"), "--json"], capsys)
     assert rc == 2
     err = json.loads(out)["error"]
-    assert err["type"] == "AdmissionError" and err["device"] == "air-m2" and err["shortfall_bytes"] == 1385148191
-    assert "device 'air-m2' short by 1385148191 bytes" in err["message"]
+    # 1,385,148,191 bytes of weights and KV cache beyond its memory, plus its working memory
+    shape = read_model_info(qwen_dir / "qwen3-32b").profile().shape
+    short = 1385148191 + working_bytes(shape, context=4096, concurrency=1, head=False)
+    assert err["type"] == "AdmissionError" and err["device"] == "air-m2" and err["shortfall_bytes"] == short
+    assert f"device 'air-m2' short by {short} bytes" in err["message"]
 
 
 def test_uniform_cannot_place_32b_but_kafila_can(qwen_dir, capsys):
@@ -103,9 +107,13 @@ def test_hold_dtype_f32_doubles_resident_weights(qwen_dir, capsys):
     assert rc == 2  # 4070: blocks [10, 20) at f32 need 13.2 GB of its 11.8 GB
     err = json.loads(out)["error"]
     f32 = read_model_info(qwen_dir / "qwen3-14b").profile(float_dtype_bytes=4)
-    need = sum(f32.block_bytes[10:20]) + 10 * f32.kv_bytes_per_block_token * 1
+    work = working_bytes(f32.shape, context=1, concurrency=1, head=False)
+    need = sum(f32.block_bytes[10:20]) + 10 * f32.kv_bytes_per_block_token * 1 + work
     assert err["device"] == "pc-4070" and err["shortfall_bytes"] == need - (11 * 2**30)
-    assert bf16["resident_bytes"]["pc-4070"] == sum(f32.block_bytes[10:20]) // 2 + 10 * 4096
+    bf16_work = working_bytes(read_model_info(qwen_dir / "qwen3-14b").profile().shape, context=1, concurrency=1,
+                              head=False)
+    assert bf16["working_bytes"]["pc-4070"] == bf16_work < work
+    assert bf16["resident_bytes"]["pc-4070"] == sum(f32.block_bytes[10:20]) // 2 + 10 * 4096 + bf16_work
     assert bf16["context"] == 1 and bf16["concurrency"] == 1
 
 
@@ -125,7 +133,8 @@ def test_render_is_a_pure_function_of_the_outcomes(qwen_dir):
     text = buf.getvalue()
     assert "qwen3-32b on home-lab" in text and "does not fit" in text
     assert "57H / 71.4" in text  # the studio: 57 blocks and the head, 71.4 ms
-    assert "uniform division leaves device 'air-m1' short by 9320939295 bytes" in " ".join(text.split())
+    short = 9320939295 + working_bytes(prof.shape, context=4096, concurrency=1, head=False)
+    assert f"uniform division leaves device 'air-m1' short by {short} bytes" in " ".join(text.split())
 
 
 def test_bad_inputs_exit_1(tmp_path, capsys, qwen_dir):
