@@ -79,6 +79,8 @@ def check_devices(devices: Sequence[Device]) -> None:
             v = getattr(d, field)
             if v is not None and v <= 0:
                 raise PlanError(f"Device {d.name!r} has {field} {v}; it must be positive when given.")
+        if d.batch_row_cost is not None and not d.batch_row_cost >= 0:
+            raise PlanError(f"Device {d.name!r} has a negative batch_row_cost ({d.batch_row_cost}).")
         if d.step_overhead_s < 0:
             raise PlanError(f"Device {d.name!r} has a negative step_overhead_s ({d.step_overhead_s}).")
 

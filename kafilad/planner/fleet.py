@@ -7,7 +7,7 @@
     {"name": "studio", "memory_bytes": 144000000000,          required
      "bandwidth_Bps": 8.0e11, "flops_per_s": 2.7e13,          optional measurements
      "step_overhead_s": 0.0, "nat_class": "O",                optional
-     "rendezvous_rtt_ms": 12.5, ...}                          unknown keys ignored
+     "rendezvous_rtt_ms": 12.5, "batch_row_cost": 0.3, ...}  unknown keys ignored
   ],
   "context": 4096, "concurrency": 1                           optional (flags win)
 }
@@ -91,6 +91,7 @@ def _device(obj: Any, i: int) -> Device:
         step_overhead_s=float(ov) if ov is not None else 0.0,
         nat_class=nat.upper() if nat is not None else None,
         rendezvous_rtt_ms=_num(obj, "rendezvous_rtt_ms", where, positive=False),
+        batch_row_cost=_num(obj, "batch_row_cost", where, positive=False),
     )
 
 
@@ -150,6 +151,8 @@ def fleet_to_json(devices: Sequence[Device], context: Optional[int] = None,
             e["nat_class"] = d.nat_class
         if d.rendezvous_rtt_ms is not None:
             e["rendezvous_rtt_ms"] = d.rendezvous_rtt_ms
+        if d.batch_row_cost is not None:
+            e["batch_row_cost"] = d.batch_row_cost
         out["devices"].append(e)
     if context is not None:
         out["context"] = int(context)

@@ -148,7 +148,7 @@ def _refuse(order: list[Device], model: ModelProfile, *, tier: str, context: int
     return _admission_error(p, worst, p.resident_bytes[worst] - p.memory_bytes[worst], best=True)
 
 
-def _plan_load(order: list[Device], model: ModelProfile, mu: float, *, tier: str, context: int,
+def _plan_load(devices: Sequence[Device], model: ModelProfile, mu: float, *, tier: str, context: int,
                concurrency: int) -> Plan:
     """Strategy "load": the plan with the most predicted tokens/s at `concurrency` users.
 
@@ -162,13 +162,14 @@ def _plan_load(order: list[Device], model: ModelProfile, mu: float, *, tier: str
     Raises:
         AdmissionError: no subset fits (named for the full fleet, as strategy "kafila" would).
     """
-    n, m = model.n_blocks, len(order)
+    n, m = model.n_blocks, len(devices)
+    order = ring.order_ring(devices)
     kw = dict(tier=tier, context=context, concurrency=concurrency)
     best = None  # (seconds per token, chain, bounds, active set)
     default_v = full_v = None
     for size in range(min(m, n), 0, -1):
         for combo in itertools.combinations(range(1, m), size - 1):
-            active = ring.order_ring([order[0], *(order[i] for i in combo)])
+            active = ring.order_ring([devices[0], *(devices[i] for i in combo)])
             hop = ring_hop_s(active)
             for r in range(size):
                 chain = partition.rotate(active, r)
@@ -232,7 +233,7 @@ def plan(devices: Sequence[Device], model: ModelProfile, *, context: int = 4096,
     order = ring.order_ring(devices)
     kw = dict(tier=tier, context=context, concurrency=concurrency)
     if strategy == "load":
-        return _plan_load(order, model, mu, **kw)
+        return _plan_load(devices, model, mu, **kw)
     if strategy == "uniform":
         counts = baselines.uniform_counts(n, m)
         return admit(build_plan(order, model, baselines.bounds_of(counts), strategy=strategy, **kw))
