@@ -12,6 +12,7 @@ from pathlib import Path
 import trio
 
 from kafilad.errors import KafilaError
+from kafilad.planner.plan import STRATEGIES
 from kafilad.proto import session_events as sm
 from kafila_ctl.client import ControlClient
 
@@ -49,7 +50,7 @@ def _model_ref(model: str) -> str:
 def cmd_host(args) -> int:
     r = _call(args, "host", model_dir=_model_ref(args.model), members=args.members, context=args.context,
               concurrency=args.concurrency, queue=args.queue, rendezvous=args.rendezvous, open=args.open,
-              admit_timeout_s=args.admit_timeout)
+              admit_timeout_s=args.admit_timeout, strategy=args.strategy)
     if args.json:
         _print_json(r)
     else:
@@ -338,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rendezvous", help="rendezvous URL (default: the daemon's)")
     s.add_argument("--open", action="store_true", help="admit any holder of the code without approval")
     s.add_argument("--admit-timeout", type=float, default=120.0, help="seconds a pending key waits (default 120)")
+    s.add_argument("--strategy", choices=STRATEGIES, default="kafila",
+                   help="division to serve with (as `plan` has): kafila (the exact partition, least bottleneck), "
+                        "load (most tokens/s at --concurrency; members may stand by), uniform or memory "
+                        "(the baselines of DESIGN §5.5; default kafila)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_host)
 

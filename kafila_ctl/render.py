@@ -68,6 +68,13 @@ def status_renderable(snap: dict):
     if plan:
         head.append(f"\nplan: bottleneck {_ms(plan.get('bottleneck_s'))} ms, circuit {_ms(plan.get('circuit_s'))} ms, "
                     f"utilisation {plan.get('utilization', 0):.0%}, tier {plan.get('tier')}")
+        rates = [t for t in plan.get("throughput") or [] if t.get("tokens_per_s")]
+        if rates and plan.get("tier") != "memory":
+            head.append("\npredicted: " + ", ".join(
+                f"{t['tokens_per_s']:.1f} tokens/s for {t['users']} user{'s' if t['users'] > 1 else ''}" for t in rates)
+                + (f" ({plan.get('strategy')})" if plan.get("strategy") not in (None, "kafila") else ""))
+        if plan.get("standby"):
+            head.append(f"\nstandby (no blocks, ready for healing): {', '.join(plan['standby'])}")
     lg = snap.get("last_generation") or {}
     if lg.get("decode_tokens_per_s"):
         head.append(f"\nlast generation: {lg['decode_tokens_per_s']:.1f} tokens/s decode, "

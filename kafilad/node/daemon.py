@@ -27,6 +27,19 @@ log = logging.getLogger("kafilad")
 DEFAULT_ADMIT_TIMEOUT_S = 120.0
 
 
+def _strategy(args: dict) -> str:
+    """The `host` control argument `strategy`: the planner's division (DESIGN §5.3, §5.5; issue 12).
+
+    Raises:
+        KafilaError: not a string, or not one of kafilad.planner.STRATEGIES.
+    """
+    from kafilad.planner import STRATEGIES
+    value = _arg(args, "strategy", str, "kafila")
+    if value not in STRATEGIES:
+        raise KafilaError(f"Unknown strategy {value!r}; choose one of {', '.join(STRATEGIES)}.")
+    return value
+
+
 def _arg(args: dict, key: str, kind: type, default):
     """A control argument of the given type (bool is not an int here), or its default.
 
@@ -161,11 +174,14 @@ class Node:
     async def op_host(self, args: dict, emit) -> dict:
         from kafilad.node.host import HostSession
         self._ensure_no_session()
+        strategy = _strategy(args)
         session = HostSession(self, model_dir=await resolve_model_dir(_required(args, "model_dir", str)), members=_arg(args, "members", int, 1),
                               context=_arg(args, "context", int, None), concurrency=_arg(args, "concurrency", int, 1),
                               rendezvous=self._rdv(args), open_=_arg(args, "open", bool, False),
                               admit_timeout_s=_arg(args, "admit_timeout_s", float, DEFAULT_ADMIT_TIMEOUT_S),
-                              queue_limit=_queue_limit(args))
+                              queue_limit=_queue_limit(args),
+                              # until HostSession takes `strategy` the default is not passed (issue 12 item 6)
+                              **({"strategy": strategy} if strategy != "kafila" else {}))
         code = await self.nursery.start(self._run_session, session)
         self.session = session
         self.changed()

@@ -165,3 +165,59 @@ def test_script_runs_as_a_subprocess(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["head"] == "mini-m4pro"
+
+
+def test_load_strategy_shows_rates_for_one_and_k_users_and_why(qwen_dir, capsys):
+    args = ["--fleet", str(FLEETS / "home-lab.json"), "--model", str(qwen_dir / "qwen3-14b")]
+    rc, out = run_cli(args + ["--concurrency", "4", "--json", "--strategy", "load"], capsys)
+    j = json.loads(out)
+    assert rc == 0 and [t["users"] for t in j["throughput"]] == [1, 4]
+    assert j["throughput"][1]["tokens_per_s"] >= j["baselines"]["kafila"]["throughput"][1]["tokens_per_s"] * 0.95
+    rc, out = run_cli(args + ["--json", "--strategy", "load"], capsys)
+    one = json.loads(out)
+    # one user on the home lab: the studio alone (35.0 ms) beats the paper's ring's 85.7 ms circuit
+    assert one["standby"] == ["ddr4-box", "air-m1"] and one["blocks"] == {"studio": [0, 40]}
+    assert one["throughput"][0]["tokens_per_s"] == pytest.approx(1 / one["circuit_s"])
+    assert one["baselines"]["kafila"]["throughput"][0]["tokens_per_s"] == pytest.approx(
+        1 / one["baselines"]["kafila"]["circuit_s"])
+    rc, out = run_cli(args + ["--concurrency", "4"], capsys)
+    text = " ".join(out.split())
+    assert rc == 0
+    assert "1 user: 11.7 tokens/s: each token goes round the circuit, stages 85.7 + hops 0.0 ms." in text
+    assert "4 users: 32.4 tokens/s: 4 micro-batch(es) of 1 row(s) in flight" in text
+    rc, out = run_cli(args, capsys)
+    text = " ".join(out.split())
+    assert "Strategy load would serve 1 user(s) at 28.6 tokens/s (head studio, standby ddr4-box, air-m1)." in text
+    rc, out = run_cli(args + ["--strategy", "load"], capsys)
+    text = " ".join(out.split())
+    assert "Standby (no blocks, ready for healing): ddr4-box, air-m1: 28.6 tokens/s for 1 user(s)" in text
+    assert "standby" in out.split("per device")[1]
+
+
+def test_status_view_shows_predicted_rates_and_standby():
+    from kafila_ctl.render import status_renderable
+    snap = {"name": "h", "peer_id": "p", "fingerprint": "f", "session": "s", "role": "host", "state": "ready",
+            "members": [], "plan": {"bottleneck_s": 0.03, "circuit_s": 0.035, "utilization": 1.0, "tier": "cost-model",
+                                    "strategy": "load", "standby": ["slow"],
+                                    "throughput": [{"users": 1, "tokens_per_s": 28.57}, {"users": 4, "tokens_per_s": 30.8}]}}
+    buf = io.StringIO()
+    Console(file=buf, width=120).print(status_renderable(snap))
+    text = " ".join(buf.getvalue().split())
+    assert "predicted: 28.6 tokens/s for 1 user, 30.8 tokens/s for 4 users (load)" in text
+    assert "standby (no blocks, ready for healing): slow" in text
+
+
+def test_host_takes_a_strategy():
+    from kafila_ctl.cli import build_parser
+    from kafilad.errors import KafilaError
+    from kafilad.node.daemon import _strategy
+    a = build_parser().parse_args(["host", "--model", "m", "--members", "3", "--strategy", "uniform"])
+    assert a.strategy == "uniform"
+    assert build_parser().parse_args(["host", "--model", "m", "--members", "3"]).strategy == "kafila"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["host", "--model", "m", "--members", "3", "--strategy", "best"])
+    assert _strategy({"strategy": "memory"}) == "memory" and _strategy({}) == "kafila"
+    with pytest.raises(KafilaError, match="Unknown strategy 'best'; choose one of kafila, load, uniform, memory."):
+        _strategy({"strategy": "best"})
+    with pytest.raises(KafilaError, match="must be str"):
+        _strategy({"strategy": 3})
