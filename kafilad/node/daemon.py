@@ -179,9 +179,7 @@ class Node:
                               context=_arg(args, "context", int, None), concurrency=_arg(args, "concurrency", int, 1),
                               rendezvous=self._rdv(args), open_=_arg(args, "open", bool, False),
                               admit_timeout_s=_arg(args, "admit_timeout_s", float, DEFAULT_ADMIT_TIMEOUT_S),
-                              queue_limit=_queue_limit(args),
-                              # until HostSession takes `strategy` the default is not passed (issue 12 item 6)
-                              **({"strategy": strategy} if strategy != "kafila" else {}))
+                              queue_limit=_queue_limit(args), strategy=strategy)
         code = await self.nursery.start(self._run_session, session)
         self.session = session
         self.changed()
@@ -198,7 +196,8 @@ class Node:
                 session = HostSession(self, model_dir=record["model_dir"], members=int(record["members"]),
                                       context=record.get("context"), concurrency=int(record.get("concurrency") or 1),
                                       rendezvous=record["rendezvous"], open_=bool(record.get("open")),
-                                      admit_timeout_s=float(record.get("admit_timeout_s") or DEFAULT_ADMIT_TIMEOUT_S))
+                                      admit_timeout_s=float(record.get("admit_timeout_s") or DEFAULT_ADMIT_TIMEOUT_S),
+                                      strategy=str(record.get("strategy") or "kafila"))
                 session.session_id = str(record["session_id"])
                 await self.nursery.start(self._run_session, session)
                 self.session = session

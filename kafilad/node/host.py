@@ -52,8 +52,10 @@ class HostSession(HostRequests):
     role = "host"
 
     def __init__(self, node, *, model_dir: str, members: int, context: Optional[int], concurrency: int,
-                 rendezvous: str, open_: bool, admit_timeout_s: float, queue_limit: Optional[int] = None):
+                 rendezvous: str, open_: bool, admit_timeout_s: float, queue_limit: Optional[int] = None,
+                 strategy: str = "kafila"):
         self.node = node
+        self.strategy = strategy  # the planner's division (DESIGN §5.3, §5.5; `host --strategy`)
         self.model_dir = str(Path(model_dir).resolve())
         self.expected = members
         self.context = context
@@ -291,7 +293,8 @@ class HostSession(HostRequests):
         """What a restarted host daemon needs to host this session again (kafilad/node/statedir.py)."""
         return {"role": "host", "code": self.code, "session_id": self.session_id, "rendezvous": self.rdv_url,
                 "model_dir": self.model_dir, "members": self.expected, "context": self.context,
-                "concurrency": self.concurrency, "open": self.machine.open, "admit_timeout_s": self.admit_timeout_s}
+                "concurrency": self.concurrency, "open": self.machine.open, "admit_timeout_s": self.admit_timeout_s,
+                "strategy": self.strategy}
 
     async def _measure_self(self) -> None:
         cap = await run_on_mlx_thread(stagehost.measure_capability, self.model_dir)
@@ -435,13 +438,13 @@ class HostSession(HostRequests):
                               for e in order]
         try:
             plan = make_plan(self.fleet_devices, self.info.profile(float_dtype_bytes=HOLD_DTYPE_BYTES),
-                             context=self.context, concurrency=self.concurrency)
+                             context=self.context, concurrency=self.concurrency, strategy=self.strategy)
         except KafilaError as e:
             await self._handle(sm.PlanFailed(str(e), seq))
             return
         self.plan = plan
         await self._handle(sm.Planned(plan=plan.to_json(), blocks=dict(plan.blocks), head=plan.head,
-                                      order=tuple(plan.order), seq=seq))
+                                      order=tuple(plan.order), seq=seq, standby=tuple(plan.standby)))
 
     async def _drop_stage(self) -> None:
         """End the host's stage of an earlier plan: its ring tasks and both of its ring links."""

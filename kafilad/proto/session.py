@@ -47,6 +47,55 @@ from kafilad.proto.session_events import (  # noqa: F401 - re-exported: the mach
 
 
 
+
+#: the session machines' vocabulary, re-exported so drivers and tests import one module
+__all__ = [
+    "Abort",
+    "CapabilitySent",
+    "Close",
+    "CloseLink",
+    "Decision",
+    "DistributePlan",
+    "EdgesChanged",
+    "FailRequests",
+    "ForgetSession",
+    "Formed",
+    "FrameFrom",
+    "HOST_TABLE",
+    "HostLinkLost",
+    "HostMachine",
+    "HostState",
+    "JoinAccepted",
+    "JoinFailed",
+    "LoadFailed",
+    "MAX_REFORMS",
+    "MEMBER_TABLE",
+    "MakePlan",
+    "MemberEntry",
+    "MemberJoined",
+    "MemberLost",
+    "MemberMachine",
+    "MemberState",
+    "OwnCapability",
+    "OwnStageLoaded",
+    "PendingEntry",
+    "PendingTimedOut",
+    "PlanFailed",
+    "Planned",
+    "Refused",
+    "Remember",
+    "RendezvousBack",
+    "RendezvousLost",
+    "RingFailed",
+    "Send",
+    "SessionEnded",
+    "StageLoaded",
+    "StartLoad",
+    "Trace",
+    "_Machine",
+    "_OVER",
+]
+
 H = HostState
 #: rows every live state shares: admission stays open while the session is below its size
 _ADMISSION = {MemberJoined, Decision, PendingTimedOut}
@@ -318,7 +367,9 @@ class HostMachine(_Machine):
         self._enter(HostState.READY, row)
         self.reforms = 0
         out = [Formed()]
-        waiting = [e for e in self.live() if e.capability and e.peer_id not in self.ring_order]
+        standby = set(self.planned.standby) if self.planned is not None else set()
+        waiting = [e for e in self.live() if e.capability and e.peer_id not in self.ring_order
+                   and e.name not in standby]
         if waiting:  # members that joined while the ring formed: plan them in now
             out += self._replan(row)
         return out

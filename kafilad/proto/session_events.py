@@ -100,6 +100,8 @@ class Planned:
     order: tuple
     #: the MakePlan this answers (None: the latest); an answer to an earlier request is stale
     seq: Optional[int] = None
+    #: names of members the plan leaves without blocks (strategy "load"): they wait as standbys
+    standby: tuple = ()
 
 
 @attrs.frozen
