@@ -165,6 +165,14 @@ def _plan_load(devices: Sequence[Device], model: ModelProfile, mu: float, *, tie
     n, m = model.n_blocks, len(devices)
     order = ring.order_ring(devices)
     kw = dict(tier=tier, context=context, concurrency=concurrency)
+    # each member's cost rows as head and as a later stage, computed once (throughput.cost_rows)
+    rows = {}
+    for d in devices:
+        for head in (True, False):
+            cc = ChainCost([d] if head else [d, d], model, **kw)
+            j = 0 if head else 1
+            rows[d.name, head] = throughput.cost_rows(n, lambda a, b: cc.stage_s(j, a, b),
+                                                      lambda a, b: cc.fits(j, a, b))
     best = None  # (seconds per token, chain, bounds, active set)
     default_v = full_v = None
     for size in range(min(m, n), 0, -1):
@@ -177,7 +185,8 @@ def _plan_load(devices: Sequence[Device], model: ModelProfile, mu: float, *, tie
                 is_default = size == m and r == 0
                 cutoff = throughput.INF if (is_default or best is None) else best[0]
                 sol = throughput.solve_chain_load(n, size, cc.stage_s, cc.fits, throughput.row_costs(chain),
-                                                  hop, concurrency, cutoff)
+                                                  hop, concurrency, cutoff,
+                                                  [rows[d.name, j == 0] for j, d in enumerate(chain)])
                 if sol is None:
                     continue
                 if is_default:

@@ -37,6 +37,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Callable, Optional, Sequence
 
@@ -114,19 +115,36 @@ def predict(stage_s: Sequence[float], rho: Sequence[float], hop_s: float, users:
     return best
 
 
-def _tables(n: int, k: int, cost: CostFn, fits: Optional[FitsFn]) -> list[list[list[float]]]:
-    """tab[j][a][i] = cost(j, a, a + 1 + i) for the fitting ends b <= n - (k - 1 - j)."""
+def cost_rows(n: int, cost: Callable[[int, int], float], fits: Optional[Callable[[int, int], bool]]) -> list[list[float]]:
+    """rows[a][i] = cost(a, a + 1 + i) for every fitting end b <= n (fits is monotone in b).
+
+    One member in one role (head or not) has the same rows in every chain it joins, so the load
+    search computes them once per member and role and slices them per chain (`_tables`).
+    """
+    rows: list[list[float]] = []
+    for a in range(n):
+        out: list[float] = []
+        for b in range(a + 1, n + 1):
+            if fits is not None and not fits(a, b):
+                break
+            out.append(cost(a, b))
+        rows.append(out)
+    return rows
+
+
+def _tables(n: int, k: int, cost: CostFn, fits: Optional[FitsFn],
+            rows: Optional[Sequence[list[list[float]]]] = None) -> list[list[list[float]]]:
+    """tab[j][a][i] = cost(j, a, a + 1 + i) for the fitting ends b <= n - (k - 1 - j), from
+    `rows` (cost_rows of each chain member in its role) when given."""
     tab = []
     for j in range(k):
         cap = n - (k - 1 - j)
-        rows: list[list[float]] = [[] for _ in range(n)]
-        for a in range(j, cap):
-            out = rows[a]
-            for b in range(a + 1, cap + 1):
-                if fits is not None and not fits(j, a, b):
-                    break  # monotone in b
-                out.append(cost(j, a, b))
-        tab.append(rows)
+        if rows is not None:
+            tab.append([[] if a < j or a >= cap else rows[j][a][:cap - a] for a in range(n)])
+            continue
+        member = cost_rows(cap, lambda a, b, j=j: cost(j, a, b),
+                           None if fits is None else (lambda a, b, j=j: fits(j, a, b)))
+        tab.append([member[a] if j <= a < cap else [] for a in range(n)])
     return tab
 
 
@@ -166,17 +184,37 @@ def _min_sum(tab, n: int, k: int, g: Sequence[float], bound: float) -> Optional[
     return best[n], bounds
 
 
+def _feasible(tab, n: int, k: int, g: Sequence[float], bound: float) -> bool:
+    """Whether some division keeps every g_j·cost <= bound: the reachable-boundary pass of
+    kafilad.planner.partition, O(k·n·log n) (each row is non-decreasing: bisect its prefix)."""
+    reach = [False] * (n + 1)
+    reach[0] = True
+    for j in range(k):
+        gj = g[j]
+        diff = [0] * (n + 2)
+        for a, costs in enumerate(tab[j]):
+            if not reach[a] or not costs:
+                continue
+            m = bisect.bisect_right(costs, bound, key=lambda c: c * gj)
+            if m:
+                diff[a + 1] += 1
+                diff[a + 1 + m] -= 1
+        run = 0
+        for e in range(n + 1):
+            run += diff[e]
+            reach[e] = run > 0
+    return reach[n]
+
+
 def _scaled_stage(tab, g: Sequence[float], bounds: Sequence[int]) -> list[float]:
     return [tab[j][bounds[j]][bounds[j + 1] - bounds[j] - 1] * g[j] for j in range(len(g))]
 
 
-def _min_round(tab, n: int, k: int, g: Sequence[float], p: int, hop_s: float,
+def _min_round(tab, n: int, k: int, g: Sequence[float], p: int, hop_s: float, free: tuple[float, list[int]],
                cutoff: float = INF) -> Optional[tuple[float, list[int]]]:
-    """min over divisions of max(Σ g·t + H, p · max g·t): (round, bounds), or None when nothing
-    fits or the optimum cannot be below `cutoff` (then the search is skipped)."""
-    free = _min_sum(tab, n, k, g, INF)
-    if free is None:
-        return None
+    """min over divisions of max(Σ g·t + H, p · max g·t): (round, bounds), or None when the
+    optimum cannot be below `cutoff` (then the search is skipped). `free` is the unbounded
+    min-sum division (_min_sum with bound INF)."""
 
     def rnd(bounds):
         t = _scaled_stage(tab, g, bounds)
@@ -191,7 +229,7 @@ def _min_round(tab, n: int, k: int, g: Sequence[float], p: int, hop_s: float,
     lo, hi = 0, len(cands) - 1  # cands[hi] == hi_val is feasible (the free division)
     while lo < hi:
         mid = (lo + hi) // 2
-        if _min_sum(tab, n, k, g, cands[mid]) is not None:
+        if _feasible(tab, n, k, g, cands[mid]):
             hi = mid
         else:
             lo = mid + 1
@@ -224,7 +262,8 @@ def _min_round(tab, n: int, k: int, g: Sequence[float], p: int, hop_s: float,
 
 
 def solve_chain_load(n: int, k: int, cost: CostFn, fits: Optional[FitsFn], rho: Sequence[float],
-                     hop_s: float, users: int, cutoff: float = INF) -> Optional[tuple[float, list[int]]]:
+                     hop_s: float, users: int, cutoff: float = INF,
+                     rows: Optional[Sequence[list[list[float]]]] = None) -> Optional[tuple[float, list[int]]]:
     """The division of n blocks over a chain of k members that maximises T(users).
 
     Args:
@@ -233,18 +272,32 @@ def solve_chain_load(n: int, k: int, cost: CostFn, fits: Optional[FitsFn], rho: 
         rho: batch_row_cost per chain member. hop_s: H of this ring. users: K.
         cutoff: seconds per token (round / K) the caller already has; divisions that cannot beat
             it are not searched (None is returned for them).
+        rows: optional precomputed cost_rows of each chain member in its role (equal to `cost`
+            and `fits`; a speed-up only).
     Returns:
         (seconds per token = round / K at the best P, bounds [0, ..., n]), or None when nothing
         fits (or nothing beats `cutoff`).
     """
     if k <= 0 or n < k:
         return None
-    tab = _tables(n, k, cost, fits)
-    best: Optional[tuple[float, list[int]]] = None
+    tab = _tables(n, k, cost, fits, rows)
+    # a lower bound on round(P) for every P first: max(least circuit, P · a bound on the least
+    # bottleneck: the mean stage of that division, or each member's cheapest single block)
+    todo = []
     for p, b in micro_batchings(users):
         g = _scale(rho, b)
+        free = _min_sum(tab, n, k, g, INF)
+        if free is None:
+            return None  # memory does not depend on P: nothing fits at all
+        single = max(min(row[0] for row in tab[j] if row) * g[j] for j in range(k))
+        todo.append((max(free[0] + hop_s, p * max(free[0] / k, single)), p, g, free))
+    todo.sort(key=lambda e: e[0])  # stable: most micro-batches first among equal bounds
+    best: Optional[tuple[float, list[int]]] = None
+    for lb, p, g, free in todo:
         lim = min(cutoff, best[0] if best else INF) * users
-        sol = _min_round(tab, n, k, g, p, hop_s, lim)
+        if lb >= lim:
+            break  # neither this P nor any later one can do better
+        sol = _min_round(tab, n, k, g, p, hop_s, free, lim)
         if sol is not None and (best is None or sol[0] / users < best[0]) and sol[0] / users < cutoff:
             best = (sol[0] / users, sol[1])
     return best

@@ -72,7 +72,7 @@ def test_uneven_micro_batches_are_charged_the_larger_size():
 @st.composite
 def load_instances(draw):
     m = draw(st.integers(1, 4))
-    n = draw(st.integers(m, 7))
+    n = draw(st.integers(m, 8))
     model = ModelProfile(
         model_id="rand",
         block_bytes=tuple(draw(st.lists(st.integers(1, 1000), min_size=n, max_size=n))),
@@ -93,7 +93,7 @@ def load_instances(draw):
         )
         for i in range(m)
     ]
-    users = draw(st.integers(1, 6))
+    users = draw(st.integers(1, 8))
     ctx = draw(st.integers(1, 40))
     return devices, model, users, ctx
 
