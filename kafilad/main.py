@@ -25,6 +25,12 @@ from kafilad.proto.address import parse_host_port
 #: file handles the daemon asks for (the soft limit is raised up to this, never past the hard limit)
 WANT_OPEN_FILES = 8192
 
+#: the daemon's log file (STATE_DIR/kafilad.log) rotates at this size ...
+LOG_FILE_BYTES = 5 * 1024 * 1024
+#: ... keeping this many older files (kafilad.log.1 .. .3)
+LOG_FILE_BACKUPS = 3
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
 
 def _hostport(s: str) -> tuple[str, int]:
     """HOST:PORT of a listen address (port 0: any free port); one parser for the project (proto/address.py)."""
@@ -125,7 +131,7 @@ def _exit_now(code: int) -> None:
 def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+                        format=LOG_FORMAT, stream=sys.stderr)
     try:
         if args.command == "rendezvous":
             trio.run(_rendezvous, args)
@@ -170,11 +176,35 @@ async def _rendezvous(args) -> None:
         print(f"rendezvous listening on ws://{host}:{actual}", flush=True)
 
 
+def _log_to_file(path, max_bytes: int = LOG_FILE_BYTES, backups: int = LOG_FILE_BACKUPS) -> logging.Handler:
+    """Also send the root logger's records to `path`, rotated at `max_bytes` keeping `backups` old files
+    (stderr logging stays as it is); the file is created private to the user (mode 0600).
+
+    Args:
+        path: the log file, STATE_DIR/kafilad.log (kafilad/node/statedir.py).
+        max_bytes: size at which the file is rotated to path.1.
+        backups: how many rotated files are kept.
+
+    Returns:
+        The handler added to the root logger.
+    """
+    import logging.handlers
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.close(fd)
+    handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups,
+                                                   encoding="utf-8")
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
 async def _daemon(args) -> None:
     from kafilad.node.daemon import Node
     from kafilad.node.statedir import StateDir, default_name
     _raise_open_files_limit()
-    node = Node(StateDir(args.state_dir), name=args.name or default_name(), rendezvous=args.rendezvous,
+    state = StateDir(args.state_dir).ensure()
+    _log_to_file(state.log_path)
+    node = Node(state, name=args.name or default_name(), rendezvous=args.rendezvous,
                 http=args.http)
     await node.run()
 

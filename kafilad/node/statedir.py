@@ -9,7 +9,7 @@ DIR/
   trusted_keys.json   the host's roster of admitted public keys {peer_id: {"public_key": hex, "name": str}}
   cache/sha256/<hex>  verified tensor bytes fetched from hosts, by content hash (DESIGN §6)
   traces/<session_id>.jsonl   session traces (DESIGN §8)
-  kafilad.log         the daemon's log when run as a service
+  kafilad.log         the daemon's log (kafilad.log.1 .. .3 after rotation at 5 MiB), besides stderr
 ```
 """
 
@@ -73,6 +73,11 @@ class StateDir:
     @property
     def cache_dir(self) -> Path:
         return self.path / "cache" / "sha256"
+
+    @property
+    def log_path(self) -> Path:
+        """The daemon's log file (rotated by kafilad/main.py: LOG_FILE_BYTES x LOG_FILE_BACKUPS)."""
+        return self.path / "kafilad.log"
 
     def trace_path(self, session_id: str) -> Path:
         return self.path / "traces" / f"{session_id}.jsonl"
