@@ -384,9 +384,20 @@ class Node:
                                 gone=getattr(emit, "client_gone", None))
 
     async def op_trace(self, args: dict, emit) -> list:
+        """The session trace (DESIGN §8), which only the host writes.
+
+        Raises:
+            KafilaError: no session, or this daemon is a member (the sentence says where the trace is).
+        """
         from kafilad.node.trace import Trace
         if self.session is None or not self.session.session_id:
             raise KafilaError("This daemon has no session, so there is no trace.")
+        if getattr(self.session, "role", None) == "member":
+            host = getattr(self.session, "host_name", None)
+            if not host or host == "?":
+                host = f"the host with key fingerprint {getattr(self.session, 'host_fingerprint', '?')}"
+            raise KafilaError(f"This daemon is a member of session {self.session.session_id} hosted by {host}; "
+                              "the session trace is on the host: run `kafila-ctl trace` there.")
         return Trace(self.state.trace_path(self.session.session_id)).read()
 
     async def op_leave(self, args: dict, emit) -> dict:
