@@ -27,7 +27,7 @@ import attrs
 from kafilad.errors import KafilaError
 from kafilad.planner.records import Device
 
-NAT_CLASSES = ("O", "C", "S")
+NAT_CLASSES = ("O", "C", "S", "UNKNOWN")  # unknown: no STUN answer; its edges are checked (DESIGN §3)
 
 
 class FleetFormatError(KafilaError):
@@ -81,7 +81,7 @@ def _device(obj: Any, i: int) -> Device:
     where = f"Fleet device {name!r}"
     nat = obj.get("nat_class")
     if nat is not None and (not isinstance(nat, str) or nat.upper() not in NAT_CLASSES):
-        raise FleetFormatError(f"{where}: 'nat_class' must be one of O, C, S, not {nat!r}.")
+        raise FleetFormatError(f"{where}: 'nat_class' must be one of O, C, S or unknown, not {nat!r}.")
     ov = _num(obj, "step_overhead_s", where, positive=False)
     return Device(
         name=name,
@@ -89,7 +89,7 @@ def _device(obj: Any, i: int) -> Device:
         bandwidth_Bps=_num(obj, "bandwidth_Bps", where),
         flops_per_s=_num(obj, "flops_per_s", where),
         step_overhead_s=float(ov) if ov is not None else 0.0,
-        nat_class=nat.upper() if nat is not None else None,
+        nat_class=None if nat is None else ("unknown" if nat.upper() == "UNKNOWN" else nat.upper()),
         rendezvous_rtt_ms=_num(obj, "rendezvous_rtt_ms", where, positive=False),
         batch_row_cost=_num(obj, "batch_row_cost", where, positive=False),
     )

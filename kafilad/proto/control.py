@@ -116,6 +116,8 @@ class Capability(ControlFrame):
     step_overhead_s: Optional[float] = _field(_NUM, optional=True, minimum=0)
     rendezvous_rtt_ms: Optional[float] = _field(_NUM, optional=True, minimum=0)
     nat_class: Optional[str] = _field(str, optional=True)
+    #: why the class is "unknown" (no STUN answer ...), a sentence (issue 11 honest classes)
+    nat_reason: Optional[str] = _field(str, optional=True)
     #: the dtype the member's probe timed, and where its bandwidth figure came from (kafilad/executor/probe.py)
     dtype: Optional[str] = _field(str, optional=True)
     bandwidth_source: Optional[str] = _field(str, optional=True)
