@@ -59,14 +59,60 @@ def cmd_host(args) -> int:
 
 
 def cmd_join(args) -> int:
+    """Join, then (unless --no-wait) follow the member to ready: a progress bar on a terminal, plain
+    lines into a pipe or file (kafila_ctl/render.py join_*)."""
     async def run():
-        async for kind, body in _client(args).stream("join", code=args.code, rendezvous=args.rendezvous):
+        client = _client(args)
+        async for kind, body in client.stream("join", code=args.code, rendezvous=args.rendezvous):
             if kind == "event":
                 print(body.get("msg", ""), file=sys.stderr, flush=True)
             else:
-                print(f"admitted to session {body['session_id']} hosted by {body['host']}")
-    trio.run(run)
+                print(f"admitted to session {body['session_id']} hosted by {body['host']}", flush=True)
+        if not args.no_wait:
+            await _follow_join(client, tty=sys.stdout.isatty())
+    try:
+        trio.run(run)
+    except KeyboardInterrupt:
+        print("stopped following; the daemon goes on joining (`kafila-ctl status --watch` shows it)",
+              file=sys.stderr)
+        return 130
     return 0
+
+
+async def _follow_join(client: ControlClient, *, tty: bool) -> None:
+    """Follow `watch` snapshots until the member is ready.
+
+    Raises:
+        KafilaError: the session failed or closed before the member was ready.
+    """
+    from contextlib import aclosing, nullcontext
+    from rich.console import Console
+    from rich.live import Live
+    from kafila_ctl.render import (RateMeter, join_outcome, join_progress_key, join_progress_line,
+                                   join_progress_renderable)
+    meter, last_key, outcome, snap = RateMeter(), None, None, {}
+    live = Live(console=Console(), auto_refresh=False) if tty else None
+    with live if live is not None else nullcontext():
+        async with aclosing(client.stream("watch")) as events:
+            async for kind, body in events:
+                if kind != "event":
+                    continue
+                snap = body["snapshot"]
+                load = snap.get("load") or {}
+                rate = meter.update(time.monotonic(),
+                                    load.get("done_bytes") if load.get("progress") == "fetching" else None)
+                outcome = join_outcome(snap)
+                if live is not None:
+                    live.update(join_progress_renderable(snap, rate), refresh=True)
+                elif join_progress_key(snap) != last_key:
+                    print(f"{time.strftime('%H:%M:%S')} {join_progress_line(snap, rate)}", flush=True)
+                    last_key = join_progress_key(snap)
+                if outcome is not None:
+                    break
+    if outcome == "failed":
+        raise KafilaError(f"Joining failed: {snap.get('error') or 'the session failed'}.")
+    if outcome == "closed":
+        raise KafilaError(f"The session closed before this member was ready{': ' + snap['error'] if snap.get('error') else ''}.")
 
 
 def cmd_pending(args) -> int:
@@ -349,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("join", help="join a session by its code")
     s.add_argument("code")
     s.add_argument("--rendezvous", help="rendezvous URL (default: the daemon's)")
+    s.add_argument("--no-wait", action="store_true",
+                   help="return once admitted, without following the fetch and load until ready")
     s.set_defaults(func=cmd_join)
 
     s = sub.add_parser("pending", help="keys waiting for admission")

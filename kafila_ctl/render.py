@@ -101,3 +101,141 @@ def status_renderable(snap: dict):
 def status_json(snap: dict) -> dict:
     """The `status --json` document: members, fleet, plan (+ the rest of the snapshot)."""
     return snap
+
+
+# ---- `kafila-ctl join`: the member's way to ready ----------------------------------------------
+#: what a member waits for in each state before its stage loads (kafilad/proto/session_events.py MemberState)
+JOIN_PHASES = {
+    "joining": "joining the session",
+    "pending": "waiting for the host to admit this key",
+    "admitted": "admitted; measuring this machine",
+    "measured": "waiting for the host's plan (it comes once every member has joined)",
+    "loading": "loading the stage",
+}
+
+#: states that end `kafila-ctl join`'s wait
+JOIN_DONE_STATES = ("ready", "failed", "closed")
+
+
+class RateMeter:
+    """Bytes per second of a growing byte count over a sliding window (sans-IO: the caller gives the time).
+
+    Args:
+        window_s: samples older than this (relative to the newest) are dropped.
+    """
+
+    def __init__(self, window_s: float = 5.0):
+        self.window_s = window_s
+        self._samples: list[tuple[float, int]] = []
+
+    def update(self, now_s: float, done_bytes) -> float | None:
+        """Record `done_bytes` at `now_s`; return the rate over the window, or None (no count, too few samples,
+        or the count went back, i.e. a new fetch started: the window restarts)."""
+        if not isinstance(done_bytes, (int, float)):
+            self._samples.clear()
+            return None
+        if self._samples and done_bytes < self._samples[-1][1]:
+            self._samples.clear()
+        self._samples.append((now_s, int(done_bytes)))
+        while len(self._samples) > 2 and now_s - self._samples[1][0] >= self.window_s:
+            self._samples.pop(0)
+        (t0, b0), (t1, b1) = self._samples[0], self._samples[-1]
+        if t1 - t0 <= 0:
+            return None
+        return (b1 - b0) / (t1 - t0)
+
+
+def _join_fraction(load: dict) -> float | None:
+    total = load.get("total_bytes")
+    if not isinstance(total, (int, float)) or total <= 0:
+        return None
+    return min(1.0, max(0.0, load.get("done_bytes", 0) / total))
+
+
+def join_phase(snap: dict) -> str:
+    """The words for where the member is: its state's phase, or the loading step (fetching, building, ring)."""
+    if not snap.get("session"):
+        return "not in a session"
+    state = snap.get("state")
+    load = snap.get("load") or {}
+    if state == "loading" and load.get("progress"):
+        return "fetching the weights" if load["progress"] == "fetching" else str(load["progress"])
+    if state == "ready":
+        return "ready"
+    if state in ("failed", "closed"):
+        return state
+    return JOIN_PHASES.get(str(state), str(state))
+
+
+def join_outcome(snap: dict) -> str | None:
+    """"ready", "failed" or "closed" once the join is over (no session counts as closed), else None."""
+    if not snap.get("session"):
+        return "closed"
+    return snap.get("state") if snap.get("state") in JOIN_DONE_STATES else None
+
+
+def join_ready_sentence(snap: dict) -> str:
+    """The last line of a join that reached ready: blocks, head, and what the load took."""
+    b = snap.get("blocks")
+    where = f"blocks [{b[0]}, {b[1]})" if b else "no blocks (standby)"
+    load = snap.get("load") or {}
+    parts = [f"ready in session {snap.get('session')}: {where}{' with the head' if snap.get('head') else ''}"]
+    if "fetched_bytes" in load:
+        parts.append(f"fetched {load['fetched_bytes'] / 1e6:.1f} MB, {load.get('cached_bytes', 0) / 1e6:.1f} MB "
+                     f"from the cache, loaded in {load.get('load_s', 0):.1f} s")
+    return "; ".join(parts)
+
+
+def join_progress_key(snap: dict) -> tuple:
+    """What a plain-lines join prints a new line for: a new state, a new loading step, or fetch progress
+    crossing a tenth (so a pipe gets at most ~10 fetch lines, not one per tensor)."""
+    fraction = _join_fraction(snap.get("load") or {}) if snap.get("state") == "loading" else None
+    return (snap.get("session"), snap.get("state"), join_phase(snap),
+            None if fraction is None else int(fraction * 10))
+
+
+def join_progress_line(snap: dict, rate_bytes_per_s: float | None = None) -> str:
+    """One plain line of join progress (stdout is not a terminal)."""
+    if join_outcome(snap) == "ready":
+        return join_ready_sentence(snap)
+    phase = join_phase(snap)
+    if snap.get("state") == "failed":
+        return f"failed: {snap.get('error') or 'no reason given'}"
+    load = snap.get("load") or {}
+    fraction = _join_fraction(load) if snap.get("state") == "loading" else None
+    if fraction is None:
+        return phase
+    line = (f"{phase}: {fraction:.0%} ({load.get('done_bytes', 0) / 1e6:.1f} of "
+            f"{load['total_bytes'] / 1e6:.1f} MB")
+    if rate_bytes_per_s is not None and load.get("progress") == "fetching":
+        line += f", {rate_bytes_per_s / 1e6:.1f} MB/s"
+    return line + ")"
+
+
+def join_progress_renderable(snap: dict, rate_bytes_per_s: float | None = None):
+    """The terminal view of join progress: the phase, a bar (bytes fetched of the stage's bytes; a pulse
+    before the plan names them), MB done of total and the fetch rate."""
+    from rich.progress_bar import ProgressBar
+    outcome = join_outcome(snap)
+    if outcome == "ready":
+        return Text(join_ready_sentence(snap), style="green")
+    if outcome == "failed":
+        return Text(f"failed: {snap.get('error') or 'no reason given'}", style="red")
+    if outcome == "closed":
+        return Text(join_phase(snap), style="yellow")
+    load = snap.get("load") or {}
+    fraction = _join_fraction(load) if snap.get("state") == "loading" else None
+    grid = Table.grid(padding=(0, 1))
+    for _ in range(4):
+        grid.add_column()
+    if fraction is None:
+        grid.add_row(Text(join_phase(snap), style="yellow"), ProgressBar(total=None, width=30, animation_time=0.0),
+                     "", "")
+    else:
+        rate = "" if rate_bytes_per_s is None or load.get("progress") != "fetching" \
+            else f"{rate_bytes_per_s / 1e6:.1f} MB/s"
+        grid.add_row(Text(join_phase(snap), style="yellow"),
+                     ProgressBar(total=float(load["total_bytes"]), completed=float(load.get("done_bytes", 0)),
+                                 width=30),
+                     f"{load.get('done_bytes', 0) / 1e6:.1f}/{load['total_bytes'] / 1e6:.1f} MB {fraction:.0%}", rate)
+    return grid
