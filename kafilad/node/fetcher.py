@@ -4,6 +4,12 @@ Hashing and file writes run off the trio thread (`trio.to_thread`), so a large s
 stalls the member's links. Names come from the host's plan and are checked before any file is
 touched: a cache entry is named by its sha256 (64 hex digits) and a tokenizer file by a plain
 file name, so a compromised host cannot make a member write outside its cache.
+
+Before asking the host, a member looks in its own cache, then in its Hugging Face hub cache
+(`HF_HUB_CACHE`; LFS files are kept as `models--ORG--NAME/blobs/<sha256 of the whole file>`): when
+the plan names the tensor's whole-file sha256 and a blob of that name exists, the tensor's byte
+range is read from it and checked against the tensor's own sha256; only a missing blob or a
+mismatch sends the fetch to the host.
 """
 
 from __future__ import annotations
@@ -12,16 +18,19 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Optional
 
 import trio
 
 from kafilad.errors import RemoteProtocolError, SessionError
+from kafilad.modelref import hub_cache_dir
 from kafilad.proto import control as cf
 
 #: Bytes asked per `fetch` frame (proto_spec 05 §2: at most 4 MiB).
 FETCH_CHUNK_BYTES = cf.FETCH_MAX_BYTES
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+#: where `fetch_verified`'s bytes came from.
+FROM_CACHE, FROM_HF_CACHE, FROM_HOST = "cache", "hf_cache", "host"
 
 
 def checked_sha256(value) -> str:
@@ -55,6 +64,24 @@ def _read_if_intact(path: Path, sha256: str):
     return data if hashlib.sha256(data).hexdigest() == sha256 else None
 
 
+def _read_from_hf_blob(hf_cache: Path, file_sha256: str, offset: int, nbytes: int, sha256: str):
+    """The range [offset, +nbytes) of any HF cache blob named `file_sha256`, if it hashes to `sha256`."""
+    try:
+        blobs = sorted(hf_cache.glob(f"*/blobs/{file_sha256}"))
+    except OSError:
+        return None
+    for blob in blobs:
+        try:
+            with open(blob, "rb") as f:
+                f.seek(offset)
+                data = f.read(nbytes)
+        except OSError:
+            continue
+        if len(data) == nbytes and hashlib.sha256(data).hexdigest() == sha256:
+            return data
+    return None
+
+
 def _verify_and_store(path: Path, data: bytes, sha256: str) -> bool:
     if hashlib.sha256(data).hexdigest() != sha256:
         return False
@@ -71,11 +98,14 @@ class Fetcher:
     Args:
         send: awaitable sending one control frame to the host.
         cache_dir: where verified tensors are kept, one file per sha256.
+        hf_cache_dir: the Hugging Face hub cache to read whole-file blobs from (None: the
+            environment's, kafilad.modelref.hub_cache_dir()).
     """
 
-    def __init__(self, send: Callable[[dict], Awaitable[int]], cache_dir: Path):
+    def __init__(self, send: Callable[[dict], Awaitable[int]], cache_dir: Path, hf_cache_dir: Optional[Path] = None):
         self._send = send
         self.cache_dir = Path(cache_dir)
+        self.hf_cache_dir = Path(hf_cache_dir) if hf_cache_dir is not None else hub_cache_dir()
         self._waiters: dict[int, trio.MemorySendChannel] = {}
         self._next_id = 0
 
@@ -107,20 +137,29 @@ class Fetcher:
             out += f.data
         return bytes(out)
 
-    async def fetch_verified(self, *, file: str, offset: int, nbytes: int, sha256: str) -> tuple[bytes, bool]:
-        """One tensor's or file's bytes: from the cache when present and intact, else fetched and cached.
+    async def fetch_verified(self, *, file: str, offset: int, nbytes: int, sha256: str,
+                             file_sha256: Optional[str] = None) -> tuple[bytes, str]:
+        """One tensor's or file's bytes: from the cache, else the HF cache's blob of the whole file,
+        else fetched from the host and cached.
 
+        Args:
+            file_sha256: the sha256 of the whole file holding the range (the HF blob's name), if known.
         Returns:
-            (data, True if it came from the cache).
+            (data, where it came from: FROM_CACHE, FROM_HF_CACHE or FROM_HOST).
         Raises:
-            RemoteProtocolError: the plan's sha256 is not a digest.
+            RemoteProtocolError: the plan's sha256 or file_sha256 is not a digest.
             SessionError: fetch failures, or the bytes do not match the sha256.
         """
         path = self.cache_dir / checked_sha256(sha256)
         data = await trio.to_thread.run_sync(_read_if_intact, path, sha256)
         if data is not None:
-            return data, True
+            return data, FROM_CACHE
+        if file_sha256 is not None:
+            data = await trio.to_thread.run_sync(_read_from_hf_blob, self.hf_cache_dir, checked_sha256(file_sha256),
+                                                 offset, nbytes, sha256)
+            if data is not None:
+                return data, FROM_HF_CACHE
         data = await self.fetch(file, offset, nbytes)
         if not await trio.to_thread.run_sync(_verify_and_store, path, data, sha256):
             raise SessionError(f"{file} [{offset}, +{nbytes}) from the host failed verification (sha256 mismatch).")
-        return data, False
+        return data, FROM_HOST

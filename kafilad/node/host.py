@@ -63,7 +63,7 @@ class HostSession(HostRequests):
         self.rdv_url = rendezvous
         self.admit_timeout_s = admit_timeout_s
         self.info = read_model_info(self.model_dir)
-        self.files = ModelFiles(self.model_dir, self.info)
+        self.files = ModelFiles(self.model_dir, self.info, state_dir=node.state.path)
         self._validate()
         #: run-time admission: `concurrency` requests on the ring, `queue_limit` (default 4x) waiting
         self.admission = Limiter(self.concurrency, queue_limit)

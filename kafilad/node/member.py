@@ -16,7 +16,7 @@ import trio
 from kafilad.errors import (HandshakeError, KafilaError, LinkClosed, RemoteProtocolError, SessionError,
                             collapse_groups)
 from kafilad.node import paths, stagehost
-from kafilad.node.fetcher import Fetcher, checked_file_name
+from kafilad.node.fetcher import FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name
 from kafilad.node.host_requests import result_of
 from kafilad.node.link import Link, secure_link
 from kafilad.node.liveness import Liveness
@@ -323,14 +323,16 @@ class MemberSession:
             self.ring_order = [str(p) for p in f.ring]
             self.roster = {pid: {"name": str(r["name"]), "public_key": bytes(r["public_key"])}
                            for pid, r in f.roster.items()}
-            fetched = cached = 0
+            fetched = cached = hf_cached = 0
             weights = []
             self.load = {"progress": "fetching", "done_bytes": 0, "total_bytes": sum(t["nbytes"] for t in f.tensors)}
             for t in f.tensors:
-                data, hit = await self.fetcher.fetch_verified(file=t["file"], offset=t["offset"], nbytes=t["nbytes"],
-                                                              sha256=t["sha256"])
-                cached += len(data) if hit else 0
-                fetched += 0 if hit else len(data)
+                data, source = await self.fetcher.fetch_verified(file=t["file"], offset=t["offset"],
+                                                                 nbytes=t["nbytes"], sha256=t["sha256"],
+                                                                 file_sha256=t.get("file_sha256"))
+                cached += 0 if source == FROM_HOST else len(data)  # either cache: not fetched
+                hf_cached += len(data) if source == FROM_HF_CACHE else 0
+                fetched += len(data) if source == FROM_HOST else 0
                 weights.append((t, data))
                 self.load["done_bytes"] += len(data)
                 self.node.changed()
@@ -374,7 +376,8 @@ class MemberSession:
             stagehost.attach_ring(self.ring, nursery=stage_nursery, me=self.node.peer_id, ring_order=self.ring_order,
                                   names={pid: r["name"] for pid, r in self.roster.items()}, next_link=nxt,
                                   prev_link=prv, watch=self._watch_ring)
-            self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "load_s": time.perf_counter() - t0,
+            self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "hf_cache_bytes": hf_cached,
+                         "load_s": time.perf_counter() - t0,
                          "edges": self.paths.edge_list()}
             await self._handle(sm.StageLoaded(self.load, epoch))
         except Exception as e:  # any failure to load is reported to the host with its reason
