@@ -231,7 +231,7 @@ class HostSession(HostRequests):
                     await outer.start(self._rendezvous_loop)
                     async with paths.open_session_paths(self.node, self.rdv, session_id=self.session_id) as self.paths:
                         # classification, fallbacks, failed re-probes and datagram sizes go into the trace
-                        self.paths.on_event = lambda kind, fields: self._write_trace(kind, **fields)
+                        self.paths.on_event = lambda kind, fields: self._write_trace("path", **{**fields, "kind": kind})
                         self._serving.set()
                         task_status.started(self.code)
                         await self._measure_self()

@@ -49,8 +49,9 @@ def member_row(h, name: str) -> dict:
 
 
 def trace_events(h) -> list[str]:
+    """The session's own trace events (the paths' `path` records — classification, sizes — left out)."""
     path = h.node.state.trace_path(h.session_id)
-    return [json.loads(line)["event"] for line in path.read_text().splitlines()]
+    return [e for e in (json.loads(line)["event"] for line in path.read_text().splitlines()) if e != "path"]
 
 
 def ready_over(h, names: set) -> bool:
