@@ -555,7 +555,8 @@ class HostSession(HostRequests):
     def snapshot(self) -> dict:
         plan = self.plan
         members = []
-        ordered = [self.members[p] for p in self.ring_order if p in self.members] or list(self.members.values())
+        ordered = [self.members[p] for p in self.ring_order if p in self.members]
+        ordered += [e for e in self.members.values() if e.peer_id not in self.ring_order]  # standbys, newcomers
         for r in ordered:
             blocks = list(plan.blocks[r.name]) if plan and r.name in plan.blocks else None
             members.append({"name": r.name, "peer_id": r.peer_id, "blocks": blocks,
