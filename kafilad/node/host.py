@@ -195,9 +195,9 @@ class HostSession(HostRequests):
         else:  # pragma: no cover - a new action without a driver is a bug
             raise KafilaError(f"no driver for the host action {a!r}")
 
-    def _write_trace(self, kind: str, **fields) -> None:
+    def _write_trace(self, event: str, **fields) -> None:
         if self.trace is not None:
-            self.trace.write(kind, **fields)
+            self.trace.write(event, **{k: v for k, v in fields.items() if k != "event"})
 
     def _fail_requests(self, reason: str, member: Optional[str]) -> None:
         for ch in list(self.generations.values()):
@@ -231,7 +231,7 @@ class HostSession(HostRequests):
                     await outer.start(self._rendezvous_loop)
                     async with paths.open_session_paths(self.node, self.rdv, session_id=self.session_id) as self.paths:
                         # classification, fallbacks, failed re-probes and datagram sizes go into the trace
-                        self.paths.on_event = lambda kind, fields: self._write_trace("path", **{**fields, "kind": kind})
+                        self.paths.on_event = lambda kind, fields: self._write_trace("path", **{**fields, "path_event": kind})
                         self._serving.set()
                         task_status.started(self.code)
                         await self._measure_self()
