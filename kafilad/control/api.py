@@ -26,7 +26,7 @@ API_VERSION = 1
 #: Operations and what they do; the daemon's handler table must cover exactly these.
 OPS = {
     "keys": "this daemon's peer id, key fingerprint and public key",
-    "host": "open a session as host: model_dir, members, context, concurrency, queue, rendezvous, open",
+    "host": "open a session as host: model_dir, members, context, concurrency, queue, strategy, rendezvous, open",
     "join": "join a session by code (streams progress events)",
     "pending": "unknown keys waiting for admission",
     "admit": "admit a pending peer (by peer id or name)",
