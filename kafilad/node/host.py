@@ -159,7 +159,8 @@ class HostSession(HostRequests):
             if link is not None:
                 await link.close(a.reason or "closed")
                 entry = self.members.get(a.peer_id)
-                if entry is not None and entry.lost is None and a.reason:  # closed for a protocol error: a loss
+                if entry is not None and entry.lost is None and a.reason and \
+                        self.state not in (sm.HostState.FAILED, sm.HostState.CLOSED):  # a protocol error: a loss
                     self.nursery.start_soon(self._handle, sm.MemberLost(a.peer_id, a.reason))
             ev = self._decided.pop(a.peer_id, None)
             if ev is not None:
