@@ -50,8 +50,8 @@ class MemberSession:
         self.rdv = None
         self.paths = None  # the session's PathManager (kafilad/node/paths.py), open once admitted
         self._admitted = trio.Event()
-        self._over = trio.Event()
-        self.liveness: Optional[Liveness] = None  # keepalives on the ctl link once admitted  # set once the session failed or closed: the control loop ends
+        self._over = trio.Event()  # set once the session failed or closed: the control loop ends
+        self.liveness: Optional[Liveness] = None  # keepalives on the ctl link once admitted
         self.reconnecting: Optional[dict] = None
         self._stage_scope: Optional[trio.CancelScope] = None
         self._stage_links: tuple = ()
