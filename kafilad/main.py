@@ -130,6 +130,13 @@ def _exit_now(code: int) -> None:
 
 def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "rendezvous":
+        from kafilad.node.ring import pinned_micro_batches
+        try:
+            pinned_micro_batches()
+        except ValueError as e:
+            print(f"kafilad: {e}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=LOG_FORMAT, stream=sys.stderr)
     try:

@@ -58,6 +58,10 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--members", type=int, default=3)
+    ap.add_argument("--modes", default="auto,lockstep,per-request",
+                    help="comma list of auto (the default schedule), lockstep (KAFILA_MICRO_BATCHES=1), "
+                         "per-request (KAFILA_BATCH=0), micro3 (KAFILA_MICRO_BATCHES=3); the first is compared "
+                         "with the others")
     args = ap.parse_args()
     from kafilad.executor.synth import default_synth_model_dir
     model = default_synth_model_dir(hidden_size=args.hidden, num_hidden_layers=args.layers)
@@ -65,7 +69,10 @@ def main() -> int:
     print(f"model: synthesised llama, hidden {args.hidden}, {args.layers} layers ({model}); "
           f"{args.members} daemons on loopback; {args.tokens} tokens per request; median of {args.runs} rounds")
     rates: dict[tuple[str, int], float] = {}
-    for mode, env in (("batched", {"KAFILA_BATCH": "1"}), ("per-request", {"KAFILA_BATCH": "0"})):
+    modes = {"auto": {}, "lockstep": {"KAFILA_MICRO_BATCHES": "1"}, "per-request": {"KAFILA_BATCH": "0"},
+             "micro3": {"KAFILA_MICRO_BATCHES": "3"}}
+    for mode in args.modes.split(","):
+        env = modes[mode]
         with LoopbackCluster(args.members, env=env) as c:
             formed = c.form(str(model), concurrency=k)
             plan = formed["status"]["plan"]
@@ -76,12 +83,17 @@ def main() -> int:
                 rates[(mode, n)] = statistics.median(samples)
                 print(f"[{mode}] {n} concurrent: {rates[(mode, n)]:.1f} tokens/s aggregate "
                       f"(rounds: {', '.join(f'{s:.1f}' for s in samples)})")
-            gen = c.call(0, "status").get("last_generation") or {}
+            st = c.call(0, "status")
+            if st.get("schedule"):
+                print(f"[{mode}] schedule: {st['schedule']}")
+            gen = st.get("last_generation") or {}
             stages = {s[0]: round(s[3] * 1e3, 2) for s in gen.get("stats", [])}
             print(f"[{mode}] last request's measured decode stage ms by peer: {stages}")
+    names = args.modes.split(",")
     for n in (1, k):
-        print(f"{n} concurrent: batched / per-request = {rates[('batched', n)] / rates[('per-request', n)]:.2f}")
-    for mode in ("batched", "per-request"):
+        for other in names[1:]:
+            print(f"{n} concurrent: {names[0]} / {other} = {rates[(names[0], n)] / rates[(other, n)]:.2f}")
+    for mode in names:
         print(f"{mode}: {k} concurrent / 1 = {rates[(mode, k)] / rates[(mode, 1)]:.2f}")
     return 0
 

@@ -27,9 +27,11 @@ Batched decode (DESIGN §6): after its prefill (step 1, done alone, including th
 token), a request may decode in a batch: the head sends the ordered request ids with each step
 and every stage calls `run_batch(ids, h)` (head: `head_embed_and_run_batch(ids, tokens)` and
 `head_sample_batch(ids, h, temperatures)`). Each stage keeps one persistent mlx-lm
-`BatchKVCache` per block and reconciles it with the ids of each step: new ids are merged in
-from their single caches (`merge`/`extend`), absent ids are taken out (`extract`, `filter`) back
-into single caches, and the order is permuted to match. Batched steps run (B, 1, D) matmuls, so
+`BatchKVCache` per block *per micro-batch group* (the `group` of the step, proto_spec 05 §3: the
+head may keep several decode micro-batches in flight, kafilad/node/step_policy.py) and reconciles
+it with the ids of each step: new ids are merged in from their single caches or taken from
+another group (`merge`/`extend`), absent ids are taken out (`extract`, `filter`) back into single
+caches, and the order is permuted to match. Batched steps run (B, 1, D) matmuls, so
 tokens match single-request decoding but log-probs may differ in the last bits.
 
 Sampling parameters (kafilad/proto/sampling.py): a request with only a temperature is sampled by
@@ -66,6 +68,8 @@ TokenLogprobs = Optional[tuple[float, tuple[tuple[int, float], ...]]]
 
 #: mlx-lm's generate_step default prefill chunk (tokens).
 DEFAULT_PREFILL_STEP_SIZE = 2048
+#: micro-batch groups a stage keeps batch caches for (proto_spec 05 §3: the head uses fewer than 2x its stages)
+MAX_GROUPS = 64
 #: wire dtype name (proto_spec 02 §4.2) -> numpy dtype of its bytes.
 _WIRE_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
@@ -132,8 +136,7 @@ class StageRunner:
     def __init__(self, stage: Stage):
         self.stage = stage
         self._caches: dict[str, list] = {}
-        self._batch_ids: list[str] = []
-        self._batch: list = []  # one BatchKVCache per block, rows in _batch_ids order
+        self._groups: dict[int, tuple[list[str], list]] = {}  # group -> (ids, one BatchKVCache per block in ids order)
         self._samplers: dict[float, object] = {}
         self._processors: dict[str, list] = {}  # request -> its mlx-lm logits processors (head)
         self._keys: dict[str, mx.array] = {}  # request -> its random key, for a seeded request (head)
@@ -141,12 +144,17 @@ class StageRunner:
 
     @property
     def active_requests(self) -> list[str]:
-        """Request ids holding a KV cache here, single ones first, then the batch in order."""
-        return list(self._caches) + list(self._batch_ids)
+        """Request ids holding a KV cache here, single ones first, then each group's batch in order."""
+        return list(self._caches) + self.batch_ids
 
     @property
     def batch_ids(self) -> list[str]:
-        return list(self._batch_ids)
+        """Ids held in batch caches, group by group (ascending), each in its row order."""
+        return [r for g in sorted(self._groups) for r in self._groups[g][0]]
+
+    def group_ids(self, group: int) -> list[str]:
+        """Ids of one micro-batch group's batch cache, in row order ([] if none)."""
+        return list(self._groups.get(group, ([], []))[0])
 
     def cache_length(self, request_id: str) -> int:
         """Tokens held in this request's KV cache (0 if unknown)."""
@@ -162,32 +170,42 @@ class StageRunner:
             cache = self._caches[request_id] = self.stage.make_cache()
         return cache
 
-    def _filter_batch(self, keep: list[int]) -> None:
+    def _filter_group(self, group: int, keep: list[int]) -> None:
+        ids, caches = self._groups[group]
         if not keep:
-            self._batch, self._batch_ids = [], []
+            del self._groups[group]
             return
-        for c in self._batch:
+        for c in caches:
             c.filter(keep)
-        self._batch_ids = [self._batch_ids[i] for i in keep]
+        self._groups[group] = ([ids[i] for i in keep], caches)
 
     def _take_out_of_batch(self, request_ids: list[str], keep_cache: bool = True) -> None:
-        rows = [i for i, r in enumerate(self._batch_ids) if r in request_ids]
-        if not rows:
-            return
-        if keep_cache:
-            for i in rows:
-                self._caches[self._batch_ids[i]] = [c.extract(i) for c in self._batch]
-        self._filter_batch([i for i in range(len(self._batch_ids)) if i not in rows])
+        wanted = set(request_ids)
+        for group in list(self._groups):
+            ids, caches = self._groups[group]
+            rows = [i for i, r in enumerate(ids) if r in wanted]
+            if not rows:
+                continue
+            if keep_cache:
+                for i in rows:
+                    self._caches[ids[i]] = [c.extract(i) for c in caches]
+            self._filter_group(group, [i for i in range(len(ids)) if i not in rows])
 
-    def _sync_batch(self, request_ids: list[str]) -> None:
-        """Make the batch cache hold exactly `request_ids`, in that order."""
+    def _sync_batch(self, request_ids: list[str], group: int = 0) -> list:
+        """Make `group`'s batch cache hold exactly `request_ids`, in that order; return its caches."""
         if not request_ids:
             raise RemoteProtocolError("A batched step listed no requests.")
         if len(set(request_ids)) != len(request_ids):
             raise RemoteProtocolError(f"A batched step listed a request twice: {request_ids}.")
+        if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < MAX_GROUPS:
+            raise RemoteProtocolError(f"A batched step named micro-batch group {group!r}; groups are 0-{MAX_GROUPS - 1}.")
         wanted = set(request_ids)
-        self._take_out_of_batch([r for r in self._batch_ids if r not in wanted])
-        new = [r for r in request_ids if r not in self._batch_ids]
+        ids, _ = self._groups.get(group, ([], []))
+        self._take_out_of_batch([r for r in ids if r not in wanted])  # rows that left this group
+        elsewhere = [r for g, (gids, _) in self._groups.items() if g != group for r in gids if r in wanted]
+        self._take_out_of_batch(elsewhere)  # rows that moved here from another group
+        ids = self._groups.get(group, ([], []))[0]
+        new = [r for r in request_ids if r not in ids]
         missing = [r for r in new if r not in self._caches]
         if missing:
             raise RemoteProtocolError(
@@ -196,14 +214,17 @@ class StageRunner:
         if new:
             singles = [self._caches.pop(r) for r in new]
             merged = [singles[0][i].merge([s[i] for s in singles]) for i in range(len(singles[0]))]
-            if self._batch:
-                for mine, theirs in zip(self._batch, merged):
+            if group in self._groups:
+                ids, caches = self._groups[group]
+                for mine, theirs in zip(caches, merged):
                     mine.extend(theirs)
+                self._groups[group] = (ids + new, caches)
             else:
-                self._batch = merged
-            self._batch_ids += new
-        if self._batch_ids != list(request_ids):
-            self._filter_batch([self._batch_ids.index(r) for r in request_ids])
+                self._groups[group] = (list(new), merged)
+        ids = self._groups[group][0]
+        if ids != list(request_ids):
+            self._filter_group(group, [ids.index(r) for r in request_ids])
+        return self._groups[group][1]
 
     def head_embed_and_run(self, request_id: str, ids: list[int]) -> mx.array:
         """Head: embed `ids` (one chunk, L tokens) and run the head's blocks. Returns (1, L, D)."""
@@ -234,27 +255,29 @@ class StageRunner:
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
             return int(sampler(logprobs).item())
 
-    def head_embed_and_run_batch(self, request_ids: list[str], tokens: list[int]) -> mx.array:
+    def head_embed_and_run_batch(self, request_ids: list[str], tokens: list[int], group: int = 0) -> mx.array:
         """Head, batched decode: embed one token per request and run the head's blocks.
 
-        tokens[i] belongs to request_ids[i]. Returns (B, 1, D) with B = len(request_ids).
+        tokens[i] belongs to request_ids[i]; `group` is the step's micro-batch group (its batch cache).
+        Returns (B, 1, D) with B = len(request_ids).
         Raises:
-            RemoteProtocolError: a request that was not prefilled here, or listed twice.
+            RemoteProtocolError: a request that was not prefilled here, listed twice, or a bad group.
         """
         if len(tokens) != len(request_ids):
             raise RemoteProtocolError(f"A batched step has {len(request_ids)} requests but {len(tokens)} tokens.")
         with self._lock:
-            self._sync_batch(request_ids)
+            caches = self._sync_batch(request_ids, group)
             h = self.stage.embed(list(tokens)).reshape(len(tokens), 1, -1)
-            h = self.stage.run_blocks(h, self._batch)
+            h = self.stage.run_blocks(h, caches)
             mx.eval(h)
             return h
 
-    def run_batch(self, request_ids: list[str], h: mx.array) -> mx.array:
-        """Any stage, batched decode: h (B, 1, D), row i for request_ids[i]. Returns (B, 1, D).
+    def run_batch(self, request_ids: list[str], h: mx.array, group: int = 0) -> mx.array:
+        """Any stage, batched decode: h (B, 1, D), row i for request_ids[i], in micro-batch `group`.
+        Returns (B, 1, D).
 
         Raises:
-            RemoteProtocolError: shape does not match the ids, or an id was not prefilled here.
+            RemoteProtocolError: shape does not match the ids, an id was not prefilled here, a bad group.
         """
         if not request_ids:
             raise RemoteProtocolError("A batched step listed no requests.")
@@ -262,8 +285,8 @@ class StageRunner:
             raise RemoteProtocolError(
                 f"A batched step for {len(request_ids)} requests carried activations of shape {tuple(h.shape)}.")
         with self._lock:
-            self._sync_batch(request_ids)
-            out = self.stage.run_blocks(h, self._batch)
+            caches = self._sync_batch(request_ids, group)
+            out = self.stage.run_blocks(h, caches)
             mx.eval(out)
             return out
 

@@ -584,7 +584,16 @@ class HostSession(HostRequests):
                 "form_s": self.formed_s, "last_generation": self.last_generation,
                 "fleet": self.fleet_json() if self.fleet_devices else None,
                 "plan": plan.to_json() if plan else None,
-                "edges": stagehost.session_edges(self)}
+                "edges": stagehost.session_edges(self),
+                "schedule": self._schedule_status()}
+
+    def _schedule_status(self) -> Optional[dict]:
+        """The head's decode schedule when this host is the head (step_policy.StepPolicy.snapshot)."""
+        sched = getattr(self.ring, "scheduler", None)
+        if sched is None:
+            return None
+        return {**sched.policy.snapshot(), "decode_steps": sched.decode_steps, "decode_rows": sched.decode_rows,
+                "max_batch_rows": sched.max_batch_rows, "max_steps_in_flight": sched.max_steps_in_flight}
 
     async def close(self, reason: str = "the host closed the session") -> None:
         """End the session for everyone, for good: members are told (they forget it), requests fail with `reason`."""

@@ -65,6 +65,7 @@ from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, EmitToken, EndRequest, 
                                     HeadScheduler, PassFailed, PassReturned, Request, RequestArrived,
                                     RequestCancelled, RingBroken, SampleTokens, SendDecodeStep, SendPrefillChunk,
                                     StageStats, TokensSampled)
+from kafilad.node.step_policy import StepPolicy
 
 log = logging.getLogger("kafilad.ring")
 
@@ -75,10 +76,31 @@ INBOX_FRAMES = 256
 STREAM_EVENTS = 256
 #: environment switch: "0" decodes every request in its own passes (no batching).
 BATCH_ENV = "KAFILA_BATCH"
+#: environment switch: pin the decode micro-batches in flight (kafilad/node/step_policy.py)
+MICRO_BATCHES_ENV = "KAFILA_MICRO_BATCHES"
 #: cancels remembered for requests not yet started (a remote head's race, `cancel(before_start=True)`)
 EARLY_CANCELS = 64
 #: put in the inbox by `fail_all` to wake the ring loop, which then drops every KV cache.
 _WAKE: dict = {"t": "wake"}
+
+
+def pinned_micro_batches(environ=os.environ) -> Optional[int]:
+    """`KAFILA_MICRO_BATCHES=N` pins the decode micro-batches in flight (N ≥ 1); unset: chosen from
+    measured stage times (kafilad/node/step_policy.py).
+
+    Raises:
+        ValueError: a value that is not a positive integer (the daemon refuses to start with it).
+    """
+    raw = environ.get(MICRO_BATCHES_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{MICRO_BATCHES_ENV} must be a positive integer, not {raw!r}.")
+    return n
 
 
 def batching_enabled(environ=os.environ) -> bool:
@@ -159,7 +181,8 @@ class RingMember:
         self.scheduler: Optional[HeadScheduler] = None
         if head:
             eos = tokenizer.eos_token_ids if tokenizer is not None else ()
-            self.scheduler = HeadScheduler(eos_token_ids=eos, batching=self.batching)
+            self.scheduler = HeadScheduler(eos_token_ids=eos, batching=self.batching,
+                                           policy=StepPolicy(stages=1, pinned=pinned_micro_batches()))
         self.stats = self.scheduler.stats if self.scheduler is not None else StageStats()
         self._streams: dict[str, RequestState] = {}  # head: requests not yet finished
         self.broken: Optional[str] = None
@@ -281,9 +304,10 @@ class RingMember:
         hops = list(frame.get("hops", []))
         if "reqs" in frame:
             rids = [str(r) for r in frame["reqs"]]
-            out, dt = await self._compute(self._run_batch_wire, rids, h_wire)
+            group = frame.get("mb", 0)
+            out, dt = await self._compute(self._run_batch_wire, rids, h_wire, group)
             self.stats.note_step(rids, dt)
-            await self._send_next({"t": "act", "reqs": rids, "sample": True, "h": out,
+            await self._send_next({"t": "act", "reqs": rids, "mb": group, "sample": True, "h": out,
                                    "hops": hops + [[self.peer_id, dt]]})
             return
         req = frame["req"]
@@ -298,9 +322,9 @@ class RingMember:
         h = self.ex.array_from_wire(h_wire)
         return self.ex.array_to_wire(self.runner.run(req, h))
 
-    def _run_batch_wire(self, rids: list[str], h_wire: dict) -> dict:
+    def _run_batch_wire(self, rids: list[str], h_wire: dict, group: int = 0) -> dict:
         h = self.ex.array_from_wire(h_wire)
-        return self.ex.array_to_wire(self.runner.run_batch(rids, h))
+        return self.ex.array_to_wire(self.runner.run_batch(rids, h, group))
 
     async def _on_end(self, frame: dict) -> None:
         req = frame["req"]
@@ -376,7 +400,7 @@ class RingMember:
                                            "hops": [[self.peer_id, dt]]})
             elif isinstance(a, SendDecodeStep):
                 if not self.broken:
-                    await self._send_decode_step(list(a.reqs), list(a.tokens))
+                    await self._send_decode_step(list(a.reqs), list(a.tokens), a.group)
             elif isinstance(a, SampleTokens):
                 await self._sample(a, h_wire, batched)
             elif isinstance(a, EmitToken):
@@ -396,13 +420,13 @@ class RingMember:
             else:
                 raise AssertionError(f"unknown scheduler action {a!r}")
 
-    async def _send_decode_step(self, rids: list[str], tokens: list[int]) -> None:
+    async def _send_decode_step(self, rids: list[str], tokens: list[int], group: int = 0) -> None:
         if len(rids) == 1:  # the single form: a lone request decodes exactly as generate_step
             out, dt = await self._compute(self._head_embed_wire, rids[0], tokens)
             frame = {"t": "act", "req": rids[0], "sample": True, "h": out}
         else:
-            out, dt = await self._compute(self._head_embed_batch_wire, rids, tokens)
-            frame = {"t": "act", "reqs": rids, "sample": True, "h": out}
+            out, dt = await self._compute(self._head_embed_batch_wire, rids, tokens, group)
+            frame = {"t": "act", "reqs": rids, "mb": group, "sample": True, "h": out}
         self.stats.note_step(rids, dt)
         frame["hops"] = [[self.peer_id, dt]]
         await self._send_next(frame)
@@ -434,8 +458,8 @@ class RingMember:
     def _head_embed_wire(self, req: str, ids: list) -> dict:
         return self.ex.array_to_wire(self.runner.head_embed_and_run(req, ids))
 
-    def _head_embed_batch_wire(self, rids: list[str], tokens: list[int]) -> dict:
-        return self.ex.array_to_wire(self.runner.head_embed_and_run_batch(rids, tokens))
+    def _head_embed_batch_wire(self, rids: list[str], tokens: list[int], group: int = 0) -> dict:
+        return self.ex.array_to_wire(self.runner.head_embed_and_run_batch(rids, tokens, group))
 
     def _head_sample_wire(self, req: str, h_wire: dict, temperature: float) -> int:
         return int(self.runner.head_sample(req, self.ex.array_from_wire(h_wire), temperature))

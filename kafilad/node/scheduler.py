@@ -8,7 +8,7 @@ order (h11 / aioquic style, STYLE.md)::
     driver                                     HeadScheduler
     generate() ───────── RequestArrived ─────▶ SendPrefillChunk
     an act returns ───── PassReturned ───────▶ SendPrefillChunk | EndRequest* SampleTokens | SendDecodeStep
-    rows sampled ─────── TokensSampled ──────▶ (EmitToken | EndRequest | SendDecodeStep)* SendDecodeStep
+    rows sampled ─────── TokensSampled ──────▶ (EmitToken | EndRequest | SendDecodeStep)* SendDecodeStep*
     an end returns ───── EndReturned ────────▶ FinishRequest
     client gone ──────── RequestCancelled ───▶ EndRequest now, or when its pass returns
     stage error ──────── PassFailed ─────────▶ FinishRequest* SendDecodeStep
@@ -20,18 +20,23 @@ A request's life (`Phase`; `_TRANSITIONS` is the whole table)::
       └─(chunk back: next chunk)       └──(EOS, max tokens, cancelled)──▶ ENDING ─(end back)─▶ DONE
     (any phase ─▶ DONE when its pass fails or the ring breaks)
 
-Policy (DESIGN §6, §9 item 4: a batch of 4 costs about one of 1 on a CPU):
+Policy (DESIGN §6, §9 item 4: a batch of 4 costs about one of 1 on a CPU; measured again here,
+a 4-row step of 8 Llama blocks at hidden 512 took 1.05x a 1-row step, 13.2 vs 12.3 ms):
 - Prefill is split exactly as mlx-lm's `generate_step` splits it: prompt[:-1] in chunks of
   PREFILL_STEP_TOKENS, then the last prompt token alone, the first *sampled* pass, so greedy
   output is token-identical to single-process mlx-lm. Prefill stays per request: each request's
   chunks go round alone, as soon as it arrives, and may overlap the decode step in flight.
-- Decode runs in lockstep: at most one decode step is in flight. A request whose token was just
-  sampled is *decode-ready*. When no decode step is in flight, the head sends one step carrying
-  every decode-ready request (the previous step's order kept, newcomers appended in the order
-  they became ready, so the stages' `BatchKVCache` rows need no permutation). When it returns,
-  the head samples every row, streams each request's token, ends the finished ones (EOS or
-  max tokens; their `end` frames go before the next step) and at once sends the next step with
-  every decode-ready request, including those whose prefill finished while the step was out.
+- Decode runs in micro-batches: up to M decode steps are in flight at once, each a *group* whose
+  rows the stages keep in one `BatchKVCache` (`SendDecodeStep.group`, the act's `mb`). M comes
+  from `policy` (kafilad/node/step_policy.py `StepPolicy`: the measured stage times, the throughput
+  model, a measured trial before leaving lockstep); M = 1 is lockstep. A request whose token was
+  just sampled is *decode-ready*. While fewer than M steps are out, the head sends a step with
+  ceil(ready / free groups) decode-ready requests: the rows of the first ready request's previous
+  group in their previous order (so the stages' batch rows need no permutation), then the others
+  in the order they became ready (newcomers join the first group that returns). When a step
+  returns, the head samples every row, streams each request's token, ends the finished ones (EOS
+  or max tokens; their `end` frames go before the next step) and at once sends the next steps.
+  With M = 1 a step carries every decode-ready request, as before micro-batches existed.
   A step of one request is sent in the single form, so a lone request decodes as generate_step.
 - With batching off (`KAFILA_BATCH=0`), every request decodes in its own one-request passes,
   pipelined round the ring; they are not counted as decode steps.
@@ -54,6 +59,7 @@ from typing import Iterable, Optional, Union
 import attrs
 
 from kafilad.errors import LocalProtocolError, RemoteProtocolError
+from kafilad.node.step_policy import StepPolicy
 
 #: mlx-lm's generate_step default prefill chunk (tokens); the head splits prompts by it.
 PREFILL_STEP_TOKENS = 2048
@@ -181,10 +187,12 @@ class SendPrefillChunk:
 
 @attrs.frozen
 class SendDecodeStep:
-    """Embed one token per request and send the step: the single form when len(reqs) == 1."""
+    """Embed one token per request and send the step: the single form when len(reqs) == 1.
+    `group`: the micro-batch it is (the stages keep one batch KV cache per group, proto_spec 05 §3)."""
 
     reqs: tuple[str, ...]
     tokens: tuple[int, ...]
+    group: int = 0
 
 
 @attrs.frozen
@@ -289,42 +297,56 @@ class StageStats:
 
 
 class HeadScheduler:
-    """The head's prefill queue, lockstep decode order, ending and statistics (module docstring).
+    """The head's prefill queue, decode micro-batches, ending and statistics (module docstring).
 
     Args:
         eos_token_ids: the tokenizer's end-of-sequence ids (never streamed; they end a request).
-        batching: lockstep batched decode (default) or per-request passes (`KAFILA_BATCH=0`).
+        batching: batched decode (default) or per-request passes (`KAFILA_BATCH=0`).
         prefill_step_tokens: the prefill chunk size (tokens).
+        policy: the StepPolicy choosing M (default: one stage, so lockstep until told the stages).
     Attributes:
         requests: req -> Request, every request not yet DONE, in arrival order.
-        decode_steps: lockstep steps sent; decode_rows: rows they carried in all;
-        max_batch_rows: the largest step sent. stats: the head's own StageStats.
-        broken: the reason the ring broke, or None.
+        decode_steps: decode steps sent; decode_rows: rows they carried in all;
+        max_batch_rows: the largest step sent; max_steps_in_flight: the most steps out at once.
+        stats: the head's own StageStats. broken: the reason the ring broke, or None.
     """
 
     def __init__(self, *, eos_token_ids: Iterable[int] = (), batching: bool = True,
-                 prefill_step_tokens: int = PREFILL_STEP_TOKENS):
+                 prefill_step_tokens: int = PREFILL_STEP_TOKENS, policy: Optional[StepPolicy] = None):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.batching = batching
         self.prefill_step_tokens = prefill_step_tokens
+        self.policy = policy if policy is not None else StepPolicy(stages=1)
         self.requests: dict[str, Request] = {}
         self.stats = StageStats()
         self.broken: Optional[str] = None
         self.decode_steps = 0
         self.decode_rows = 0
         self.max_batch_rows = 0
+        self.max_steps_in_flight = 0
         self._ready: dict[str, int] = {}  # decode-ready request -> its last token, in the order they became ready
-        self._in_flight: Optional[tuple[str, ...]] = None  # the lockstep step round the ring
-        self._last_order: tuple[str, ...] = ()
+        self._steps: dict[int, tuple[str, ...]] = {}  # group -> rows of its decode step, out or being sampled
+        self._sent_s: dict[int, float] = {}  # group -> when its step was decided (s)
+        self._returned_s: dict[int, float] = {}  # group -> when its step returned (s), while it is sampled
+        self._last_order: dict[int, tuple[str, ...]] = {}  # group -> its previous step's rows
+        self._group_of: dict[str, int] = {}  # request -> the group of its last step
+        self._overlapped: set[int] = set()  # groups whose step shared the ring with another step
 
     @property
     def decode_in_flight(self) -> Optional[tuple[str, ...]]:
-        """The rows of the lockstep decode step in flight (until its tokens are sampled), or None."""
-        return self._in_flight
+        """Rows of every decode step in flight (until its tokens are sampled), by group; None if none."""
+        if not self._steps:
+            return None
+        return tuple(r for g in sorted(self._steps) for r in self._steps[g])
+
+    @property
+    def steps_in_flight(self) -> dict[int, tuple[str, ...]]:
+        """group -> rows of its decode step in flight (until sampled)."""
+        return dict(self._steps)
 
     @property
     def decode_ready(self) -> tuple[str, ...]:
-        """Requests waiting for the next lockstep step, in the order they became ready."""
+        """Requests waiting for a decode step, in the order they became ready."""
         return tuple(self._ready)
 
     def handle(self, event: Event) -> list[Action]:
@@ -379,7 +401,11 @@ class HeadScheduler:
             if rec.error is None and ev.sample != (rec.phase is Phase.DECODING or len(rec.pending_prefill) == 0):
                 raise RemoteProtocolError(f"An act for request {r} returned with sample={ev.sample}, which the head "
                                           "did not send.")
-        step = self._in_flight is not None and ev.reqs == self._in_flight
+        group = self._group_by_rows(ev.reqs)
+        if group is not None:
+            self.policy.note_step(len(ev.reqs), ev.hops, ev.now_s - self._sent_s.get(group, ev.now_s),
+                                  alone=group not in self._overlapped)
+            self._returned_s[group] = ev.now_s
         actions: list[Action] = []
         live: list[Request] = []
         for r, rec in rows:
@@ -400,9 +426,9 @@ class HeadScheduler:
                 self._enter(rec, Phase.SAMPLING)
             temps = tuple(self.requests[r].temperature if r in self.requests else 0.0 for r in ev.reqs)
             return actions + [SampleTokens(ev.reqs, temps)]
-        if step:
-            self._in_flight = None
-        return actions + self._next_step()
+        if group is not None:
+            self._free(group)
+        return actions + self._next_steps(ev.now_s)
 
     def _on_sampled(self, ev: TokensSampled) -> list[Action]:
         if len(ev.tokens) != len(ev.reqs):
@@ -418,9 +444,14 @@ class HeadScheduler:
                 actions.append(self._end(rec))
             else:
                 actions += self._take_token(rec, int(token), ev.now_s, ev.logprobs[i] if ev.logprobs else None)
-        if self._in_flight is not None and ev.reqs == self._in_flight:
-            self._in_flight = None
-        return actions + self._next_step()
+        group = self._group_by_rows(ev.reqs)
+        if group is not None:
+            returned = self._returned_s.get(group)
+            if returned is not None:
+                self.policy.note_sampling(len(ev.reqs), ev.now_s - returned, alone=group not in self._overlapped)
+            self.policy.note_tokens(len(ev.reqs), len(self._ready) + sum(map(len, self._steps.values())), ev.now_s)
+            self._free(group)
+        return actions + self._next_steps(ev.now_s)
 
     def _take_token(self, rec: Request, token: int, now_s: float, logprob: Optional[tuple] = None) -> list[Action]:
         """Stream a sampled token (with its log-probability report); end the request, or queue its
@@ -444,22 +475,59 @@ class HeadScheduler:
             out.append(SendDecodeStep((rec.req,), (token,)))
         return out
 
-    def _next_step(self) -> list[Action]:
-        """One lockstep step with every decode-ready request, unless one is in flight."""
-        if not self.batching or self._in_flight is not None or not self._ready or self.broken is not None:
+    def _group_by_rows(self, reqs: tuple[str, ...]) -> Optional[int]:
+        for g, rows in self._steps.items():
+            if rows == reqs:
+                return g
+        return None
+
+    def _free(self, group: int) -> None:
+        self._steps.pop(group, None)
+        self._overlapped.discard(group)
+        self._sent_s.pop(group, None)
+        self._returned_s.pop(group, None)
+
+    def _next_steps(self, now_s: Optional[float] = None) -> list[Action]:
+        """Decode steps for the decode-ready requests while fewer than M are in flight (module docstring).
+
+        M comes from the policy for the K requests decoding (ready + in steps). Each step takes
+        ceil(ready / free groups) rows: the rows of the first ready request's previous group, in
+        their previous order, then the others in the order they became ready; it goes out as that
+        group when the group is free (its stages' batch caches are reused as they are), else as the
+        lowest free group.
+        """
+        if not self.batching or not self._ready or self.broken is not None:
             return []
-        kept = [r for r in self._last_order if r in self._ready]
-        rids = tuple(kept + [r for r in self._ready if r not in self._last_order])
-        tokens = tuple(self._ready.pop(r) for r in rids)
-        self._in_flight = self._last_order = rids
-        self.decode_steps += 1
-        self.decode_rows += len(rids)
-        self.max_batch_rows = max(self.max_batch_rows, len(rids))
-        for r in rids:
-            rec = self.requests[r]
-            rec.batch_rows.append(len(rids))
-            self._enter(rec, Phase.DECODING)
-        return [SendDecodeStep(rids, tokens)]
+        in_steps = sum(len(rows) for rows in self._steps.values())
+        m = max(1, self.policy.choose(len(self._ready) + in_steps, now_s if now_s is not None else 0.0))
+        actions: list[Action] = []
+        while self._ready and len(self._steps) < m:
+            free_groups = m - len(self._steps)
+            size = -(-len(self._ready) // free_groups)
+            first = next(iter(self._ready))
+            group = self._group_of.get(first)
+            if group is None or group in self._steps:
+                group = next(g for g in range(len(self._steps) + 1) if g not in self._steps)
+            prev = [r for r in self._last_order.get(group, ()) if r in self._ready]
+            rids = tuple((prev + [r for r in self._ready if r not in prev])[:size])
+            tokens = tuple(self._ready.pop(r) for r in rids)
+            if self._steps:  # it overlaps the steps out, and they it: none of them measures a stage alone
+                self._overlapped.update(self._steps)
+                self._overlapped.add(group)
+            self._steps[group] = self._last_order[group] = rids
+            self._sent_s[group] = now_s if now_s is not None else max(
+                (self.requests[r].pass_started_s for r in rids), default=0.0)
+            self.decode_steps += 1
+            self.decode_rows += len(rids)
+            self.max_batch_rows = max(self.max_batch_rows, len(rids))
+            self.max_steps_in_flight = max(self.max_steps_in_flight, len(self._steps))
+            for r in rids:
+                rec = self.requests[r]
+                rec.batch_rows.append(len(rids))
+                self._group_of[r] = group
+                self._enter(rec, Phase.DECODING)
+            actions.append(SendDecodeStep(rids, tokens, group))
+        return actions
 
     def _end(self, rec: Request) -> EndRequest:
         self._enter(rec, Phase.ENDING)
@@ -471,6 +539,7 @@ class HeadScheduler:
         self._enter(rec, Phase.DONE)
         self.requests.pop(rec.req, None)
         self._ready.pop(rec.req, None)
+        self._group_of.pop(rec.req, None)
         return FinishRequest(rec.req, rec.error, rec)
 
     def _on_end_returned(self, ev: EndReturned) -> list[Action]:
@@ -494,9 +563,10 @@ class HeadScheduler:
 
     def _on_failed(self, ev: PassFailed) -> list[Action]:
         actions: list[Action] = [self._finish(self.requests[r], ev.reason) for r in ev.reqs if r in self.requests]
-        if self._in_flight is not None and ev.reqs == self._in_flight:
-            self._in_flight = None
-            actions += self._next_step()
+        group = self._group_by_rows(ev.reqs)
+        if group is not None:
+            self._free(group)
+            actions += self._next_steps()
         return actions
 
     def _on_broken(self, ev: RingBroken) -> list[Action]:
@@ -504,7 +574,10 @@ class HeadScheduler:
             self.broken = ev.reason
         actions: list[Action] = [self._finish(rec, ev.reason) for rec in list(self.requests.values())]
         self._ready.clear()
-        self._in_flight = None
+        self._steps.clear()
+        self._overlapped.clear()
+        self._sent_s.clear()
+        self._returned_s.clear()
         self.stats.clear()
         return actions
 

@@ -124,3 +124,34 @@ def test_request_leaves_batch_and_continues_alone(stories260k):
         a.append(ring.runners[0].head_sample("a", h, 0.0))
     assert a == STORIES_REFERENCE_IDS[:11]
     assert all(r.batch_ids == [] or r.batch_ids == ["b"] for r in ring.runners)
+
+
+def test_micro_batch_groups_keep_their_own_caches_and_rows_move_between_groups(synth_dir):
+    """Two decode micro-batches at every stage (proto_spec 05 §3 `mb`): each group's batch cache
+    holds its rows; a row that moves to the other group carries its cache; tokens equal alone."""
+    ring = Ring(synth_dir, [(0, 1), (1, 2)])
+    prompts = {"a": [5, 6, 7], "b": [9, 3], "c": [4, 4, 4, 4], "d": [8]}
+    out = {rid: [ring.prefill(rid, p)] for rid, p in prompts.items()}
+
+    def step(rids, group):
+        head = ring.runners[0]
+        h = head.head_embed_and_run_batch(rids, [out[r][-1] for r in rids], group)
+        for r in ring.runners[1:]:
+            h = r.run_batch(rids, hop(h), group)
+        for rid, t in zip(rids, head.head_sample_batch(rids, hop(h), 0.0)):
+            out[rid].append(t)
+
+    for _ in range(3):
+        step(["a", "b"], 0)
+        step(["c", "d"], 1)
+    for r in ring.runners:
+        assert (r.group_ids(0), r.group_ids(1)) == (["a", "b"], ["c", "d"])
+    for _ in range(3):  # b moves to group 1, d to group 0
+        step(["a", "d"], 0)
+        step(["c", "b"], 1)
+    for r in ring.runners:
+        assert (r.group_ids(0), r.group_ids(1)) == (["a", "d"], ["c", "b"]) and r.batch_ids == ["a", "d", "c", "b"]
+    for rid, p in prompts.items():
+        assert out[rid] == generate_local(ring.runners, p, 7), rid
+    with pytest.raises(RemoteProtocolError, match="micro-batch group"):
+        ring.runners[1].run_batch(["a", "b"], hop(ring.runners[0].head_embed_and_run_batch(["a", "b"], [1, 2])), 99)

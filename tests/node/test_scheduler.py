@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kafilad.errors import LocalProtocolError, RemoteProtocolError
+from kafilad.node.step_policy import StepPolicy
 from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, EmitToken, EndRequest, EndReturned, FinishRequest,
                                     HeadScheduler, PassFailed, PassReturned, Phase, RequestArrived,
                                     RequestCancelled, RingBroken, SampleTokens, SendDecodeStep, SendPrefillChunk,
@@ -46,6 +47,7 @@ class Ring:
         self.sample = sample  # (req, index of its sampled token) -> token
         self.wire: deque = deque()  # ("act", reqs, sample, is_step) | ("end", req), oldest first
         self.steps: list[tuple] = []  # every lockstep decode step sent, in order
+        self.groups: list[int] = []  # the micro-batch group of each step in `steps`
         self.emitted: dict[str, list] = {}
         self.finished: dict[str, list] = {}
         self.records: dict = {}
@@ -66,6 +68,7 @@ class Ring:
                 step = self.sched.batching
                 if step:
                     self.steps.append(a.reqs)
+                    self.groups.append(a.group)
                 self._send(("act", a.reqs, True, step))
             elif isinstance(a, SampleTokens):
                 tokens = []
@@ -96,7 +99,8 @@ class Ring:
             for r in frame[1]:
                 assert not self._in_acts(r), f"{r} in two acts at once"
             if frame[3]:
-                assert not any(f[0] == "act" and f[3] for f in self.wire), "two decode steps in flight"
+                out = sum(1 for f in self.wire if f[0] == "act" and f[3])
+                assert out < (self.sched.policy.pinned or 1), f"{out + 1} decode steps in flight"
         self.wire.append(frame)
 
     def deliver(self, *, fail: bool = False) -> list:
@@ -205,6 +209,39 @@ def test_order_of_the_previous_step_wins_over_readiness_order():
     assert ring.sched.decode_ready == ("c",)
     ring.deliver()  # (a, b) back: a, b become ready after c; the step keeps a, b first
     assert ring.steps == [("a",), ("a", "b"), ("a", "b"), ("a", "b", "c")]
+
+
+def test_three_micro_batches_fill_free_groups_and_a_returning_group_takes_the_newcomer():
+    ring = Ring(HeadScheduler(batching=True, policy=StepPolicy(stages=3, pinned=3)))
+    for r in "abcd":
+        ring.feed(arrive(r, [1], max_tokens=9))
+    for _ in range(4):
+        ring.deliver()  # a, b, c, d sampled: a, b, c each go out in a free group; d waits (3 in flight)
+    assert list(zip(ring.steps, ring.groups)) == [(("a",), 0), (("b",), 1), (("c",), 2)]
+    assert ring.sched.decode_ready == ("d",) and ring.sched.steps_in_flight == {0: ("a",), 1: ("b",), 2: ("c",)}
+    ring.deliver()  # (a,) back: group 0 goes again with a first, then the newcomer d
+    assert (ring.steps[-1], ring.groups[-1]) == (("a", "d"), 0)
+    ring.deliver()  # (b,) back: b alone again in group 1
+    assert (ring.steps[-1], ring.groups[-1]) == (("b",), 1)
+    assert ring.sched.max_steps_in_flight == 3 and ring.sched.decode_in_flight == ("a", "d", "b", "c")
+    ring.drain()
+    assert ring.finished == {r: [None] for r in "abcd"} and all(ring.emitted[r] == [7] * 9 for r in "abcd")
+
+
+def test_when_m_falls_to_one_the_groups_merge_into_one_step():
+    policy = StepPolicy(stages=3, pinned=2)
+    ring = Ring(HeadScheduler(batching=True, policy=policy))
+    for r in "abc":
+        ring.feed(arrive(r, [1], max_tokens=9))
+    for _ in range(3):
+        ring.deliver()
+    assert list(zip(ring.steps, ring.groups)) == [(("a",), 0), (("b",), 1)]
+    policy.pinned = 1
+    ring.deliver()  # (a,) back: group 1 is out, so a and c wait for it
+    ring.deliver()  # (b,) back: one step with everyone, a's group first
+    assert (ring.steps[-1], ring.groups[-1]) == (("a", "c", "b"), 0)
+    ring.drain()
+    assert ring.finished == {r: [None] for r in "abc"}
 
 
 def test_batching_off_decodes_each_request_in_its_own_passes():
@@ -371,9 +408,10 @@ OPS = st.sampled_from(["arrive", "arrive", "deliver", "deliver", "deliver", "del
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.data(), st.booleans())
-def test_random_arrivals_every_request_ends_once_in_a_stable_lockstep(data, batching):
-    sched = HeadScheduler(eos_token_ids={EOS}, batching=batching, prefill_step_tokens=3)
+@given(st.data(), st.booleans(), st.integers(1, 3))
+def test_random_arrivals_every_request_ends_once_in_a_stable_lockstep(data, batching, micro_batches):
+    sched = HeadScheduler(eos_token_ids={EOS}, batching=batching, prefill_step_tokens=3,
+                          policy=StepPolicy(stages=3, pinned=micro_batches))
     ring = Ring(sched, sample=lambda req, n: data.draw(st.integers(0, 4), label=f"token {req}#{n}"))
     arrived: dict[str, RequestArrived] = {}
     cancelled: dict[str, str] = {}
@@ -416,11 +454,13 @@ def test_random_arrivals_every_request_ends_once_in_a_stable_lockstep(data, batc
             assert error == cancelled[req]
         if req in cancelled:  # a cancelled request streams nothing more
             assert len(rec.generated) == streamed_before_cancel[req]
-    if batching:  # lockstep rows: the previous step's order kept, newcomers after
+    if batching and micro_batches == 1:  # lockstep rows: the previous step's order kept, newcomers after
         for prev, nxt in zip(ring.steps, ring.steps[1:]):
             kept = [r for r in nxt if r in prev]
             assert list(nxt[:len(kept)]) == kept == [r for r in prev if r in nxt]
+    if batching:
         assert sched.decode_steps == len(ring.steps) and sched.decode_rows == sum(map(len, ring.steps))
+        assert sched.max_steps_in_flight <= micro_batches
     else:
         assert ring.steps == [] and sched.decode_steps == 0
 
@@ -428,9 +468,9 @@ def test_random_arrivals_every_request_ends_once_in_a_stable_lockstep(data, batc
 def check_invariants(ring: Ring) -> None:
     sched = ring.sched
     acts = [f for f in ring.wire if f[0] == "act"]
-    assert sum(f[3] for f in acts) <= 1  # never two decode steps in flight
-    if sched.decode_in_flight is not None:
-        assert any(f[1] == sched.decode_in_flight for f in acts)
+    assert sum(f[3] for f in acts) <= (sched.policy.pinned or 1)  # never more than M decode steps in flight
+    for rows in sched.steps_in_flight.values():
+        assert any(f[1] == rows for f in acts)
     for req, rec in sched.requests.items():
         out = sum(req in f[1] for f in acts)
         assert out == (1 if rec.phase in (Phase.PREFILLING, Phase.DECODING) else 0), (req, rec.phase)

@@ -1,0 +1,103 @@
+"""The decode micro-batch policy without MLX or sockets (kafilad/node/step_policy.py; DESIGN §6, §5.1)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kafilad.node import step_policy
+from kafilad.node.step_policy import BACKOFF_S, TRIAL_S, StepPolicy
+
+
+def fed(costs_ms, *, rows=(1, 2, 4), overhead_ms=1.0, sample_ms=0.0, stages=3) -> StepPolicy:
+    """A policy that saw lockstep steps of `rows` rows; costs_ms[i](B) is stage i's step time (ms),
+    stage 0 the head."""
+    p = StepPolicy(stages=stages)
+    for b in rows:
+        hops = [(f"p{i}", f(b) / 1e3) for i, f in enumerate(costs_ms)]
+        p.note_step(b, hops, sum(dt for _, dt in hops) + overhead_ms / 1e3)
+        p.note_sampling(b, sample_ms / 1e3)
+    return p
+
+
+def test_flat_costs_predict_lockstep_best():
+    p = fed([lambda b: 5.0] * 3)
+    # B rows cost what one row costs: one step of 4 rows per circuit of 3 x 5 + 1 ms
+    assert p.predict_tps(4, 1) == pytest.approx(4 / 0.016)
+    assert p.predict_tps(4, 2) == pytest.approx(4 / 0.016)  # cycle max(16 ms, 2 x 5 ms): no gain
+    assert p.choose(4, now_s=0.0) == 1
+
+
+def test_linear_costs_predict_the_model_exactly():
+    p = fed([lambda b: 1.0 + 4.0 * b] * 3, overhead_ms=3.0, sample_ms=0.0)
+    # K = 6 in M = 3 micro-batches of 2 rows: stage 9 ms, circuit 27 + 3 = 30 ms, 3 x 9 = 27 -> cycle 30 ms
+    assert p.predict_tps(6, 3) == pytest.approx(6 / 0.030)
+    # lockstep: B = 6 -> 25 ms a stage (the line a = 1, b = 4 ms/row), circuit 75 + 3 = 78 ms
+    assert p.predict_tps(6, 1) == pytest.approx(6 / 0.078)
+    snap = p.snapshot()
+    assert snap["stage_ms"]["<head>"] == [1.0, 4.0] and snap["overhead_ms"] == [3.0, 0.0]
+
+
+def test_the_head_sampling_counts_on_the_heads_device():
+    # members 2 ms, head 2 ms + 6 ms sampling: the head is the bottleneck at 8 ms a micro-batch
+    p = fed([lambda b: 2.0] * 3, overhead_ms=0.0, sample_ms=6.0)
+    assert p.predict_tps(3, 3) == pytest.approx(3 / max(0.012, 3 * 0.008))
+
+
+def test_a_move_up_is_a_trial_kept_only_when_it_beats_lockstep():
+    p = fed([lambda b: 1.0 + 4.0 * b] * 3)
+    for i in range(20):  # lockstep: 6 decoding requests, one token each per 50 ms
+        p.note_tokens(6, 6, now_s=i * 0.05)
+    assert p.choose(6, now_s=1.0) == 3 and p.snapshot()["trial"]  # 3 groups of 2: cycle 28 ms vs 78
+    for i in range(1, 45):  # the trial: twice the tokens per second
+        p.note_tokens(6, 6, now_s=1.0 + i * 0.025)
+    assert p.choose(6, now_s=1.0 + TRIAL_S / 2) == 3  # not judged yet
+    assert p.choose(6, now_s=1.0 + TRIAL_S + 0.1) == 3
+    (m, rate, base, kept), = p.trials
+    assert (m, kept) == (3, True) and rate == pytest.approx(2 * base, rel=0.05)
+
+
+def test_a_trial_slower_than_lockstep_returns_to_lockstep_and_backs_off():
+    p = fed([lambda b: 1.0 + 4.0 * b] * 3)
+    for i in range(20):
+        p.note_tokens(6, 6, now_s=i * 0.05)
+    assert p.choose(6, now_s=1.0) == 3
+    for i in range(1, 25):  # overlapped steps slow each other (members sharing cores): half the rate
+        p.note_tokens(6, 6, now_s=1.0 + i * 0.1)
+    t = 1.0 + 2.4
+    assert p.choose(6, now_s=t) == 1 and p.trials[-1][3] is False
+    for i in range(1, 30):  # lockstep again, measured afresh
+        p.note_tokens(6, 6, now_s=t + i * 0.05)
+    assert p.choose(6, now_s=t + BACKOFF_S - 0.1) == 1  # still backing off
+    assert p.choose(6, now_s=t + BACKOFF_S + 0.1) == 3  # the next trial
+    assert p._backoff_s == 2 * BACKOFF_S
+
+
+def test_overlapped_steps_are_not_fitted_and_a_pinned_m_is_kept():
+    p = StepPolicy(stages=3)
+    p.note_step(4, [("h", 0.5), ("m", 0.5)], 1.0, alone=False)
+    assert p.predict_tps(4, 1) is None and p.choose(4, now_s=0.0) == 1
+    assert StepPolicy(stages=3, pinned=2).choose(1, now_s=0.0) == 2
+
+
+def test_m_never_exceeds_the_stages_or_the_requests():
+    p = fed([lambda b: 1.0 + 10.0 * b] * 4, stages=4)
+    for i in range(20):
+        p.note_tokens(2, 2, now_s=i * 0.05)
+    assert p.choose(2, now_s=2.0) == 2  # two requests: at most two micro-batches
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 20.0), st.floats(0.0, 5.0)), min_size=1, max_size=5),
+       st.integers(1, 16), st.floats(0.0, 10.0), st.floats(0.0, 5.0))
+def test_the_chosen_m_is_the_best_predicted_within_hysteresis(lines, k, overhead_ms, sample_ms):
+    p = fed([(lambda a, b: (lambda rows: a + b * rows))(a, b) for a, b in lines], overhead_ms=overhead_ms,
+            sample_ms=sample_ms, stages=len(lines), rows=(1, 3, 8))
+    for i in range(20):
+        p.note_tokens(k, k, now_s=i * 0.05)
+    m = p.choose(k, now_s=2.0)
+    limit = max(1, min(len(lines), k))
+    assert 1 <= m <= limit
+    best = max((p.predict_tps(k, x) or 0.0) for x in range(1, limit + 1))
+    assert (p.predict_tps(k, m) or 0.0) * (1 + step_policy.HYSTERESIS) >= best
