@@ -20,7 +20,8 @@ between paths (kafilad/node/edgelink.py: sequence numbers, acknowledgements, res
                (frames not acknowledged are sent again; fails with a sentence naming the edge
                if the relay cannot be reached within FALLBACK_TIMEOUT_S)
       RELAYED: re-probe try=1,2,... ──verified──> Noise XX ──> `path_ready` ──> DIRECT (§7)
-               (after a fallback the re-probe wait is capped at REPROBE_FALLBACK_MAX_S)
+               (after a fallback the re-probe wait is capped at REPROBE_FALLBACK_MAX_S; a C-S or
+               S-S edge re-probes at once, by a birthday search on extra sockets, §7b)
       receiver: accepts the sender's fallback circuit at any time, answers its re-probes
 
 Everything an edge runs in the background runs in the path manager's nursery, so it ends with the
@@ -43,7 +44,9 @@ from kafilad.errors import HandshakeError, HandshakeRefused, HandshakeTimeout, K
 from kafilad.net.quic_transport import STALL_S, START_DATAGRAM_BYTES, QuicTransport
 from kafilad.node.edgelink import EdgeReceiver, EdgeSender, seq_of
 from kafilad.node.link import Link, LinkClosed, secure_link
+from kafilad.node.birthday import birthday_enabled
 from kafilad.node.paths import REPROBE_MAX_S, PathKind, PathManager, direct_enabled, reprobe_initial_s
+from kafilad.proto.birthday import role_for
 
 log = logging.getLogger("kafilad.edge")
 
@@ -63,6 +66,9 @@ BLACK_HOLE_CHECK_S = 1.0
 FALLBACK_TIMEOUT_S = 10.0
 #: Cap of the re-probe wait of an edge that was direct before (its path is likely to come back).
 REPROBE_FALLBACK_MAX_S = 30.0
+#: A C-S or S-S edge's first re-probe (a birthday search, proto_spec 07 §7b) starts this long after
+#: its relay is up, not after KAFILA_REPROBE_S: the ring serves relayed meanwhile.
+BIRTHDAY_FIRST_S = 0.0
 
 #: Errors that end one re-probe loop (logged; the edge stays relayed).
 _REPROBE_ENDS = (KafilaError, LinkClosed, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -114,6 +120,7 @@ class RingEdge:
         self._repair = trio.Event()
         self._repair_reason: Optional[str] = None
         self._trying: Optional[QuicTransport] = None  # the transport a re-probe is securing
+        self._relayed_at: Optional[float] = None  # trio time the edge's relayed path came up
 
     def __repr__(self) -> str:
         return f"<RingEdge {self.name} {self.record.path}>"
@@ -132,6 +139,7 @@ class RingEdge:
         link = await self._secure_direct(transport) if transport is not None else None
         if link is None:
             link = await self._relay()
+            self._relayed_at = trio.current_time()
         else:
             self.transport = transport
         self._use(link)
@@ -350,9 +358,14 @@ class RingEdge:
         self.transport = transport
         self._use(link)
         if upgrade:
-            self.record.upgraded(link if self.sender else None)
-            self.paths.event("edge_upgraded", edge=self.name, remote=self.record.remote, tries=self.record.tries)
+            after_s = None if self._relayed_at is None else round(trio.current_time() - self._relayed_at, 3)
+            self.record.upgraded(link if self.sender else None, direct_after_s=after_s)
+            fields = {"edge": self.name, "remote": self.record.remote, "tries": self.record.tries}
+            if self.record.birthday is not None:  # time to direct and the probes it took (§7b)
+                fields.update(via="birthday", probes=self.record.birthday["probes"], direct_after_s=after_s)
+            self.paths.event("edge_upgraded", **fields)
         else:
+            self._relayed_at = trio.current_time()
             self.record.fell_back(why, link if self.sender else None)
             fields = {"edge": self.name, "reason": why}
             if self.sender:
@@ -421,13 +434,18 @@ class RingEdge:
             What ``secure`` returned for the path (truthy); ``self._trying`` is its transport.
         """
         delay_s = reprobe_initial_s()
+        first_s = BIRTHDAY_FIRST_S if self.sender and self._birthday_pair() else None
         attempt = self.record.tries
         while True:
             if self.sender:
-                await trio.sleep(delay_s)
+                if first_s is not None:  # a birthday search right after the relay came up (§7b)
+                    await trio.sleep(first_s)
+                    first_s = None
+                else:
+                    await trio.sleep(delay_s)
+                    cap_s = REPROBE_FALLBACK_MAX_S if self.record.fallbacks else REPROBE_MAX_S
+                    delay_s = min(max(delay_s, 0.5) * 2, cap_s)
                 attempt += 1
-                cap_s = REPROBE_FALLBACK_MAX_S if self.record.fallbacks else REPROBE_MAX_S
-                delay_s = min(max(delay_s, 0.5) * 2, cap_s)
             else:
                 attempt = await self.paths.wait_reprobe(peer_id=self.peer_id)
             t = await self.paths.try_direct(self.record, peer_id=self.peer_id, peer_name=self.peer_name,
@@ -443,6 +461,11 @@ class RingEdge:
                 return out
             self.paths.release(t)
             self.record.pending = None
+
+    def _birthday_pair(self) -> bool:
+        """The ends' classes at the last attempt call for a birthday search (C-S or S-S, §7b)."""
+        classes = self.record.classes
+        return birthday_enabled() and role_for(classes.get(self.paths.name), classes.get(self.peer_name)) is not None
 
     async def _confirmed(self, transport: QuicTransport) -> Optional[tuple[Link, int]]:
         """Sender: (the new link, the receiver's delivered count) once it said `path_ready`, else None (§7 step 2)."""

@@ -71,6 +71,8 @@ class EdgeRecord:
     last_attempt: Optional[dict] = None    # {"try", "ok", "reason", "at"} of the last re-probe (§7)
     datagram_bytes: Optional[int] = None   # largest QUIC datagram the sender sends on the direct path (§4a)
     pmtu: Optional[dict] = None            # the sender's path MTU search: state, probes, black_holes (§4a)
+    birthday: Optional[dict] = None        # the birthday search that found the direct path in use (§7b)
+    direct_after_s: Optional[float] = None  # relay up -> the switch to that path, seconds (§7b)
 
     @property
     def link(self):
@@ -109,6 +111,7 @@ class EdgeRecord:
         """The edge uses (or stays on) the relayed circuit, for ``reason``."""
         self.path, self.reason, self.pending = PathKind.RELAYED, reason, None
         self.datagram_bytes = self.pmtu = None
+        self.birthday = self.direct_after_s = None
 
     def fell_back(self, reason: str, link=None) -> None:
         """The direct path went away mid-session and the edge now uses the relay (proto_spec 07 §7a)."""
@@ -118,10 +121,12 @@ class EdgeRecord:
         self.link = link
         log.warning("ring edge %s -> %s fell back to the relay: %s", self.src, self.dst, reason)
 
-    def upgraded(self, link=None) -> None:
-        """The ring now uses the re-probed direct path (``link`` on the sender; proto_spec 07 §7 step 3)."""
+    def upgraded(self, link=None, direct_after_s: Optional[float] = None) -> None:
+        """The ring now uses the re-probed direct path (``link`` on the sender; proto_spec 07 §7 step 3);
+        ``direct_after_s``: how long after the relay came up (§7b)."""
         found, self.pending = self.pending or {}, None
         self.verify_s, self.rtt_ms, self.remote = found.get("verify_s"), found.get("rtt_ms"), found.get("remote")
+        self.birthday, self.direct_after_s = found.get("birthday"), direct_after_s
         self.path, self.reason, self.upgraded_at = PathKind.DIRECT, "", time.time()
         self.link = link
         log.info("ring edge %s -> %s upgraded from relayed to direct via %s (re-probe %d)", self.src, self.dst,
@@ -152,6 +157,9 @@ class EdgeRecord:
             out["datagram_bytes"] = self.datagram_bytes
             if self.pmtu is not None:
                 out["pmtu"] = dict(self.pmtu)
+        if self.path == PathKind.DIRECT and self.birthday is not None:
+            out["birthday"] = dict(self.birthday)
+            out["direct_after_s"] = self.direct_after_s
         if self.links:  # frame bytes this end sent on the edge, over every path it used, now
             out["link_bytes_sent"] = sum(int(getattr(lk, "bytes_sent", 0) or 0) for lk in self.links)
         return out

@@ -55,26 +55,23 @@ import trio
 
 from kafilad.errors import SessionError, collapse_groups
 from kafilad.net.quic_transport import QuicTransport, quic_accept, quic_connect
-from kafilad.net.stun_client import classify_nat, local_address_toward, parse_host_port
+from kafilad.net.stun_client import local_address_toward, parse_host_port
 from kafilad.net.udp_endpoint import UdpEndpoint
+from kafilad.node import birthday
+from kafilad.node.pathclass import (CLASSIFY_RETRY_MAX_S, CLASSIFY_RETRY_S, CLASSIFY_TIMEOUT_S,  # noqa: F401 - re-exported
+                                    STUN_CONTACT_MEMORY_S, NatClassifier)
 from kafilad.node.pathrecords import INBOX_OFFERS, OFFER_TIMEOUT_S, EdgeRecord, OfferInbox, PathKind  # noqa: F401 - re-exported
+from kafilad.node.pathsize import PathSizes
 from kafilad.planner.ring import class_known, predict_path
 from kafilad.proto import ice
-from kafilad.proto.natclass import CLASSES, UNKNOWN_CLASS
-from kafilad.proto.pmtu import LADDER_BYTES, PROBE_TIMEOUT_MIN_S, PmtuSearch
+from kafilad.proto.birthday import role_for as bd_role_for
+from kafilad.proto.natclass import CLASSES
+from kafilad.proto.pmtu import LADDER_BYTES
 
 log = logging.getLogger("kafilad.paths")
 
 #: Bound on the QUIC handshake after a verified pair.
 QUIC_TIMEOUT_S = 8.0
-#: Bound on NAT classification at session start.
-CLASSIFY_TIMEOUT_S = 6.0
-#: An "unknown" class is classified again after this wait, doubling up to the cap (proto_spec 07 §1).
-CLASSIFY_RETRY_S = 5.0
-CLASSIFY_RETRY_MAX_S = 300.0
-#: How long a STUN address we sent to may keep a NAT filter open for it (Linux conntrack keeps a
-#: replied UDP flow 120 s): a rerun within it does not trust that address's filtering answers.
-STUN_CONTACT_MEMORY_S = 120.0
 #: Host candidates offered from the interface list, beside the routed one (RFC 8445 §5.1.1.1).
 MAX_HOST_CANDIDATES = 4
 #: Path events kept for status and tests (PathManager.events).
@@ -82,6 +79,10 @@ EVENTS_KEPT = 64
 #: Default first re-probe delay of a relayed edge, and the cap of its doubling (DESIGN §3 step 6).
 REPROBE_INITIAL_S = 10.0
 REPROBE_MAX_S = 300.0
+
+
+def _addr(a) -> str:
+    return f"{a[0]}:{a[1]}"
 
 
 def direct_enabled() -> bool:
@@ -105,7 +106,7 @@ def dropped_check_attempts() -> int:
         return 0
 
 
-class PathManager:
+class PathManager(NatClassifier, PathSizes):
     """Direct-path machinery of one daemon in one session (make it with :func:`open_session_paths`).
 
     Args:
@@ -154,6 +155,7 @@ class PathManager:
         self._wakers: dict = {}  # running ICE agent -> wakes its driver (to stop it at once)
         self._searches: "weakref.WeakKeyDictionary[QuicTransport, tuple]" = weakref.WeakKeyDictionary()
         self._size_waiters: dict = {}  # ICE agent -> (size probed, trio.Event set when answered)
+        self._pools: "weakref.WeakKeyDictionary[QuicTransport, birthday.SocketPool]" = weakref.WeakKeyDictionary()
         self._scope: Optional[trio.CancelScope] = None
 
     @property
@@ -187,86 +189,6 @@ class PathManager:
                 self.on_event(kind, dict(fields))
             except Exception:  # noqa: BLE001 - a trace writer's failure must not stop a path
                 log.exception("paths: the event hook failed on %s", kind)
-
-    # ---- classification ------------------------------------------------------------------------
-    def _stun_servers(self) -> list:
-        return [parse_host_port(s) if isinstance(s, str) else tuple(s)
-                for s in getattr(self.rdv, "stun_servers", None) or []]
-
-    async def classify(self) -> dict:
-        """Classify our NAT on the endpoint's socket (proto_spec 04 §4.4); the capability fields.
-
-        An "unknown" class (no STUN answer, a mapping test unanswered, a failure) is logged with
-        its reason, noted as a ``nat_class`` event, and classified again in the background with
-        backoff (:data:`CLASSIFY_RETRY_S` doubling to :data:`CLASSIFY_RETRY_MAX_S`) until a class
-        is measured or the session ends; later offers carry the new class (proto_spec 07 §1).
-
-        Returns:
-            {"nat_class", "rendezvous_rtt_ms"} (None values without STUN servers), plus
-            "nat_reason" when the class is "unknown".
-        """
-        if self._stun_servers():
-            await self._classify_once()
-            if self.nat_class == UNKNOWN_CLASS and not self._retrying_class and not self.closed:
-                self._retrying_class = True
-                self.nursery.start_soon(self._classify_again)
-        return self._capability_fields()
-
-    async def _classify_once(self) -> None:
-        self.classifications += 1
-        report, reason = None, ""
-        now = trio.current_time()
-        contacted = [a for a, at in self._stun_contacts.items() if now - at < STUN_CONTACT_MEMORY_S]
-        try:
-            report = await classify_nat(self.endpoint.stun_socket(), self._stun_servers(),
-                                        timeout_s=CLASSIFY_TIMEOUT_S, contacted=contacted)
-        except Exception as e:  # noqa: BLE001 - classification is advice: a failure must not stop the session
-            reason = f"the NAT classification failed: {e}"
-        if report is not None:
-            for a in report.probed:
-                self._stun_contacts[tuple(a)] = trio.current_time()
-        previous = self.nat_class
-        if report is not None:
-            self.report = report
-            self.nat_class, reason = report.nat_class, report.reason
-            if report.rtt_ms is not None:
-                self.rendezvous_rtt_ms = report.rtt_ms
-        else:
-            self.nat_class = UNKNOWN_CLASS
-        self.nat_reason = reason if self.nat_class == UNKNOWN_CLASS else ""
-        fields = {"nat_class": self.nat_class, "attempt": self.classifications}
-        if report is not None:
-            fields.update(probes=report.probes, discovery=report.discovery, mapping=report.mapping,
-                          filtering=report.filtering)
-        if self.nat_reason:
-            fields["reason"] = self.nat_reason
-            log.warning("NAT class unknown (classification %d): %s", self.classifications, self.nat_reason)
-        elif previous == UNKNOWN_CLASS:
-            log.info("NAT classified as %s on retry %d", self.nat_class, self.classifications - 1)
-        self.event("nat_class", **fields)
-
-    async def _classify_again(self) -> None:
-        """Retry an "unknown" classification with backoff until a class is measured."""
-        delay_s = CLASSIFY_RETRY_S
-        try:
-            while self.nat_class == UNKNOWN_CLASS and not self.closed:
-                await trio.sleep(delay_s)
-                delay_s = min(delay_s * 2, CLASSIFY_RETRY_MAX_S)
-                await self._classify_once()
-        finally:
-            self._retrying_class = False
-
-    def _capability_fields(self) -> dict:
-        out = {"nat_class": self.nat_class, "rendezvous_rtt_ms": self.rendezvous_rtt_ms}
-        if self.nat_reason:
-            out["nat_reason"] = self.nat_reason
-        return out
-
-    async def capability(self) -> dict:
-        """The capability frame's NAT fields (DESIGN §3 step 3; see :meth:`classify`); classifies once."""
-        if self.classifications == 0:
-            return await self.classify()
-        return self._capability_fields()
 
     async def candidates(self) -> list[str]:
         """Our candidates as SDP strings (proto_spec 07 §2), best first, at most 1 + MAX_HOST_CANDIDATES + 1:
@@ -402,7 +324,8 @@ class PathManager:
             return None, {"reason": "direct paths are disabled (KAFILA_DIRECT=0)"}
         creds = ice.new_credentials()
         offer = {"t": "ice_offer", "edge": edge, "try": attempt, "ufrag": creds.ufrag, "pwd": creds.pwd,
-                 "cands": await self.candidates(), "nat_class": self.nat_class}
+                 "cands": await self.candidates(), "nat_class": self.nat_class,
+                 "birthday": birthday.birthday_enabled()}
         if self.nat_reason:
             offer["nat_reason"] = self.nat_reason
         t0 = trio.current_time()
@@ -422,25 +345,43 @@ class PathManager:
             rec.predicted = PathKind.DIRECT  # one NAT or one LAN: the host candidates connect (§2)
         if rec.predicted == PathKind.RELAYED and attempt == 0:
             return None, {"reason": f"predicted relay ({self.nat_class}-{their_class})"}
-        agent = ice.IceAgent(controlling=sender, local=creds, remote=ice.Credentials(theirs["ufrag"], theirs["pwd"]),
-                             remote_candidates=their_cands,
-                             now=trio.current_time(), tie_breaker=int.from_bytes(os.urandom(8), "big"))
-        result = await self._run_checks(agent, rec, deaf=attempt < dropped_check_attempts())
-        if not isinstance(result, ice.PathVerified):
-            agent.close()
-            return None, {"reason": result.reason if result else "the checks stopped"}
-        found = {"verify_s": trio.current_time() - t0, "rtt_ms": result.rtt_ms,
-                 "remote": f"{result.remote[0]}:{result.remote[1]}"}
+        their_creds = ice.Credentials(theirs["ufrag"], theirs["pwd"])
+        deaf = attempt < dropped_check_attempts()
+        endpoint, pool, found = self.endpoint, None, {}
+        role, peer = self._birthday_role(theirs, their_class, their_cands, attempt)
+        if role is not None:  # C-S or S-S re-probe: search by birthday probing (§7b)
+            out = await birthday.search(self, rec, role=role, controlling=sender, local=creds, remote=their_creds,
+                                        peer=peer, deaf=deaf)
+            self.event("birthday", edge=f"{rec.src} -> {rec.dst}", tries=attempt, ok=out.verified is not None,
+                       **out.stats, **({"remote": _addr(out.verified.remote)} if out.verified else {"reason": out.reason}))
+            if out.verified is None:
+                return None, {"reason": out.reason}
+            agent, result, endpoint, pool = out.agent, out.verified, out.endpoint, out.pool
+            found["birthday"] = {k: out.stats[k] for k in ("role", "sockets", "probes", "search_s")}
+        else:
+            agent = ice.IceAgent(controlling=sender, local=creds, remote=their_creds, remote_candidates=their_cands,
+                                 now=trio.current_time(), tie_breaker=int.from_bytes(os.urandom(8), "big"))
+            result = await self._run_checks(agent, rec, deaf=deaf)
+            if not isinstance(result, ice.PathVerified):
+                agent.close()
+                return None, {"reason": result.reason if result else "the checks stopped"}
+        found.update(verify_s=trio.current_time() - t0, rtt_ms=result.rtt_ms, remote=_addr(result.remote))
+        t = None
         try:
             if sender:
-                t = await quic_connect(self.endpoint, result.remote, self.nursery, timeout_s=QUIC_TIMEOUT_S)
+                t = await quic_connect(endpoint, result.remote, self.nursery, timeout_s=QUIC_TIMEOUT_S)
             else:
-                t = await quic_accept(self.endpoint, result.remote, self.nursery, timeout_s=QUIC_TIMEOUT_S)
+                t = await quic_accept(endpoint, result.remote, self.nursery, timeout_s=QUIC_TIMEOUT_S)
         except trio.BrokenResourceError as e:
             self._stop_agent(agent)
             return None, {"reason": f"QUIC did not connect over the verified path: {e}"}
+        finally:
+            if t is None and pool is not None:  # the extra socket carries no path
+                pool.close()
         self._quic.add(t)
         self._agents[t] = (agent, self._wakers.get(agent))
+        if pool is not None:
+            self._pools[t] = pool
         t.watch()  # PINGs every LIVENESS_PING_S: the edge sees a dead path within seconds (§7a)
         if sender and t.datagram_bytes < max(LADDER_BYTES):  # a network path: find its size (§4a)
             self.nursery.start_soon(self._search_pmtu, t, agent, rec)
@@ -460,77 +401,17 @@ class PathManager:
             rec.class_reasons[peer_name] = their_reason if isinstance(their_reason, str) and their_reason else \
                 "the NAT classification did not finish"
 
-    # ---- datagram size (proto_spec 07 §4a) -----------------------------------------------------
-    async def _search_pmtu(self, t: QuicTransport, agent: ice.IceAgent, rec: EdgeRecord) -> None:
-        """Probe larger datagram sizes on ``t``'s path with the agent's padded checks and raise
-        ``t``'s size to each one answered (DPLPMTUD, RFC 8899), until the path is let go."""
-        search = PmtuSearch(now=trio.current_time())
-        wake = trio.Event()
-        self._searches[t] = (search, rec, lambda: wake.set())
-        rec.datagram_bytes, rec.pmtu = t.datagram_bytes, search.to_json()
-        while t.closed_reason is None and agent.state == ice.AgentState.VERIFIED:
-            now = trio.current_time()
-            size = search.next_probe(now)
-            if size is None:
-                with trio.move_on_at(search.wake_at() or now + 60.0):
-                    await wake.wait()
-                wake = trio.Event()
-                self._searches[t] = (search, rec, lambda: wake.set())
-                continue
-            rtt_s = t.conn._loss._rtt_smoothed or 0.0
-            answered = await self._probe_size(agent, size, max(PROBE_TIMEOUT_MIN_S, 3 * rtt_s))
-            now = trio.current_time()
-            if answered:
-                search.confirmed(size, now)
-                t.set_datagram_bytes(search.size)
-                log.info("ring edge %s -> %s: datagrams of %d bytes cross the direct path", rec.src, rec.dst, size)
-            else:
-                search.failed(size, now)
-            if t.closed_reason is None:
-                rec.datagram_bytes, rec.pmtu = t.datagram_bytes, search.to_json()
-            if search.probing is None:
-                self.event("pmtu", edge=f"{rec.src} -> {rec.dst}", datagram_bytes=search.size, probes=search.probes)
-
-    async def _probe_size(self, agent: ice.IceAgent, size: int, timeout_s: float) -> bool:
-        answered = trio.Event()
-        self._size_waiters[agent] = (size, answered)
-        try:
-            if not agent.send_size_probe(size, trio.current_time()):
-                return False
-            waker = self._wakers.get(agent)
-            if waker is not None:
-                waker()  # its driver sends the probe now
-            with trio.move_on_after(timeout_s):
-                await answered.wait()
-            return answered.is_set()
-        finally:
-            self._size_waiters.pop(agent, None)
-
-    async def small_datagrams_pass(self, t: QuicTransport, timeout_s: float = 1.0) -> bool:
-        """Whether ``t``'s path still answers a small authenticated check (a size probe without
-        padding, never bundled with data) within ``timeout_s``: tells a black hole for large
-        datagrams from a dead path (RFC 8899 §4.2)."""
-        agent, _ = self._agents.get(t, (None, None))
-        if agent is None:
-            return False
-        return await self._probe_size(agent, agent.min_probe_bytes(), timeout_s)
-
-    def black_hole(self, t: QuicTransport) -> int:
-        """``t``'s datagrams of the current size stopped crossing its path (the edge saw stream data
-        stall while PINGs pass): back to 1,200 bytes, search again later (RFC 8899 §4.2). The new size."""
-        entry = self._searches.get(t)
-        if entry is None:
-            t.set_datagram_bytes(1200)
-            return t.datagram_bytes
-        search, rec, wake = entry
-        before = t.datagram_bytes
-        t.set_datagram_bytes(search.black_hole(trio.current_time()))
-        rec.datagram_bytes, rec.pmtu = t.datagram_bytes, search.to_json()
-        log.warning("ring edge %s -> %s: datagrams of %d bytes stopped crossing the direct path; sending %d-byte "
-                    "datagrams", rec.src, rec.dst, before, t.datagram_bytes)
-        self.event("pmtu_black_hole", edge=f"{rec.src} -> {rec.dst}", from_bytes=before, datagram_bytes=t.datagram_bytes)
-        wake()
-        return t.datagram_bytes
+    def _birthday_role(self, theirs: dict, their_class: Optional[str], their_cands: list, attempt: int):
+        """(our role, the peer's server-reflexive address) when this attempt searches by birthday
+        probing (§7b): a re-probe between C and S or S and S, both ends willing, the peer's mapped
+        address known; else (None, None)."""
+        role = bd_role_for(self.nat_class, their_class)
+        if role is None or attempt < 1 or not birthday.birthday_enabled() or theirs.get("birthday") is not True:
+            return None, None
+        srflx = [c for c in their_cands if c.type == "srflx"]
+        if not srflx:
+            return None, None
+        return role, (srflx[0].host, srflx[0].port)
 
     def release(self, transport: Optional[QuicTransport]) -> None:
         """Let a direct path go: close its QUIC connection now and stop its ICE agent's keepalives
@@ -541,6 +422,9 @@ class PathManager:
         agent, waker = self._agents.pop(transport, (None, None))
         if agent is not None:
             self._stop_agent(agent)
+        pool = self._pools.pop(transport, None)
+        if pool is not None:  # the extra socket of a birthday path closes with it (§7b)
+            pool.close()
 
     def _stop_agent(self, agent: ice.IceAgent) -> None:
         agent.close()
@@ -548,15 +432,18 @@ class PathManager:
         if waker is not None:
             waker()
 
-    async def _run_checks(self, agent: ice.IceAgent, rec: EdgeRecord, *, deaf: bool = False):
+    async def _run_checks(self, agent: ice.IceAgent, rec: EdgeRecord, *, deaf: bool = False,
+                          endpoint: Optional[UdpEndpoint] = None):
         """Drive ``agent`` until it selects a pair or fails; it keeps running in the nursery afterwards
         (answering checks, keepalives every 15 s, proto_spec 07 §3) until the path is lost or the
         session's paths close.
 
         ``deaf`` (the ``KAFILA_TEST_DROP_CHECKS`` hook) leaves the agent unregistered with the
         endpoint: its checks go out but nothing addressed to it is delivered, so it fails after
-        its check timeout exactly as behind a firewall dropping the peer's datagrams.
+        its check timeout exactly as behind a firewall dropping the peer's datagrams. ``endpoint``:
+        the socket the pair lives on (default the daemon's; a birthday path's extra socket, §7b).
         """
+        ep = endpoint if endpoint is not None else self.endpoint
         wake = trio.Event()
 
         def on_stun(data: bytes, addr) -> bool:
@@ -569,7 +456,7 @@ class PathManager:
             log.warning("ring edge %s -> %s: ignoring this attempt's checks (KAFILA_TEST_DROP_CHECKS test hook)",
                         rec.src, rec.dst)
         else:
-            self.endpoint.add_stun_handler(on_stun)
+            ep.add_stun_handler(on_stun)
         outcome: dict = {}
         settled = trio.Event()
 
@@ -578,7 +465,7 @@ class PathManager:
             try:
                 while True:
                     for data, dst in agent.datagrams_to_send(trio.current_time()):
-                        await self.endpoint.sendto(data, dst)
+                        await ep.sendto(data, dst)
                     while (ev := agent.next_event()) is not None:
                         if isinstance(ev, (ice.PathVerified, ice.ChecksFailed)) and "ev" not in outcome:
                             outcome["ev"] = ev
@@ -601,7 +488,7 @@ class PathManager:
                         agent.handle_timer(now)
             finally:
                 if not deaf:
-                    self.endpoint.remove_stun_handler(on_stun)
+                    ep.remove_stun_handler(on_stun)
                 self._wakers.pop(agent, None)
                 settled.set()
 

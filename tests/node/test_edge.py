@@ -171,6 +171,7 @@ async def test_a_relayed_edge_is_reprobed_and_upgraded_make_before_break(clock, 
 @trio_test
 async def test_a_ring_forms_per_prediction_and_closing_a_session_ends_its_paths(clock, monkeypatch):
     monkeypatch.setenv("KAFILA_REPROBE_S", "1")
+    monkeypatch.setenv("KAFILA_BIRTHDAY", "0")  # ordinary checks on the C-S re-probe (birthday: tests/natlab)
     async with trio.open_nursery() as nursery:
         net, hub, p, roster = await _world(nursery, {"a": "O", "b": "C", "c": "S"})
         ring = [p[n].peer_id for n in "abc"]
@@ -248,6 +249,7 @@ async def test_form_ring_names_a_refused_edge_and_a_lone_member_has_none(clock):
 @trio_test
 async def test_forming_a_new_ring_closes_the_edges_of_the_last_one(clock, monkeypatch):
     monkeypatch.setenv("KAFILA_REPROBE_S", "1")
+    monkeypatch.setenv("KAFILA_BIRTHDAY", "0")  # ordinary checks on the C-S re-probe (birthday: tests/natlab)
     async with trio.open_nursery() as nursery:
         net, hub, p, roster = await _world(nursery, {"a": "O", "b": "C", "c": "S"})
 

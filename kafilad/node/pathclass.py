@@ -1,0 +1,111 @@
+"""NAT classification of a session's path manager (proto_spec 07 §1, 04 §4.4-§4.6).
+
+Split from kafilad/node/paths.py: :class:`NatClassifier` is a base of
+:class:`kafilad.node.paths.PathManager` (it uses its ``endpoint``, ``rdv``, ``nursery``,
+``closed`` and ``event``). Classification runs once at session start; an "unknown" class (no
+STUN answer) is noted with its reason and retried in the background with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from kafilad.net.stun_client import classify_nat, parse_host_port
+from kafilad.proto.natclass import UNKNOWN_CLASS
+
+log = logging.getLogger("kafilad.paths")
+
+#: Bound on NAT classification at session start.
+CLASSIFY_TIMEOUT_S = 6.0
+#: An "unknown" class is classified again after this wait, doubling up to the cap (proto_spec 07 §1).
+CLASSIFY_RETRY_S = 5.0
+CLASSIFY_RETRY_MAX_S = 300.0
+#: How long a STUN address we sent to may keep a NAT filter open for it (Linux conntrack keeps a
+#: replied UDP flow 120 s): a rerun within it does not trust that address's filtering answers.
+STUN_CONTACT_MEMORY_S = 120.0
+
+
+class NatClassifier:
+    """Classification state and methods of a PathManager (see :meth:`classify`)."""
+
+    def _stun_servers(self) -> list:
+        return [parse_host_port(s) if isinstance(s, str) else tuple(s)
+                for s in getattr(self.rdv, "stun_servers", None) or []]
+
+    async def classify(self) -> dict:
+        """Classify our NAT on the endpoint's socket (proto_spec 04 §4.4); the capability fields.
+
+        An "unknown" class (no STUN answer, a mapping test unanswered, a failure) is logged with
+        its reason, noted as a ``nat_class`` event, and classified again in the background with
+        backoff (:data:`CLASSIFY_RETRY_S` doubling to :data:`CLASSIFY_RETRY_MAX_S`) until a class
+        is measured or the session ends; later offers carry the new class (proto_spec 07 §1).
+
+        Returns:
+            {"nat_class", "rendezvous_rtt_ms"} (None values without STUN servers), plus
+            "nat_reason" when the class is "unknown".
+        """
+        if self._stun_servers():
+            await self._classify_once()
+            if self.nat_class == UNKNOWN_CLASS and not self._retrying_class and not self.closed:
+                self._retrying_class = True
+                self.nursery.start_soon(self._classify_again)
+        return self._capability_fields()
+
+    async def _classify_once(self) -> None:
+        self.classifications += 1
+        report, reason = None, ""
+        now = trio.current_time()
+        contacted = [a for a, at in self._stun_contacts.items() if now - at < STUN_CONTACT_MEMORY_S]
+        try:
+            report = await classify_nat(self.endpoint.stun_socket(), self._stun_servers(),
+                                        timeout_s=CLASSIFY_TIMEOUT_S, contacted=contacted)
+        except Exception as e:  # noqa: BLE001 - classification is advice: a failure must not stop the session
+            reason = f"the NAT classification failed: {e}"
+        if report is not None:
+            for a in report.probed:
+                self._stun_contacts[tuple(a)] = trio.current_time()
+        previous = self.nat_class
+        if report is not None:
+            self.report = report
+            self.nat_class, reason = report.nat_class, report.reason
+            if report.rtt_ms is not None:
+                self.rendezvous_rtt_ms = report.rtt_ms
+        else:
+            self.nat_class = UNKNOWN_CLASS
+        self.nat_reason = reason if self.nat_class == UNKNOWN_CLASS else ""
+        fields = {"nat_class": self.nat_class, "attempt": self.classifications}
+        if report is not None:
+            fields.update(probes=report.probes, discovery=report.discovery, mapping=report.mapping,
+                          filtering=report.filtering)
+        if self.nat_reason:
+            fields["reason"] = self.nat_reason
+            log.warning("NAT class unknown (classification %d): %s", self.classifications, self.nat_reason)
+        elif previous == UNKNOWN_CLASS:
+            log.info("NAT classified as %s on retry %d", self.nat_class, self.classifications - 1)
+        self.event("nat_class", **fields)
+
+    async def _classify_again(self) -> None:
+        """Retry an "unknown" classification with backoff until a class is measured."""
+        delay_s = CLASSIFY_RETRY_S
+        try:
+            while self.nat_class == UNKNOWN_CLASS and not self.closed:
+                await trio.sleep(delay_s)
+                delay_s = min(delay_s * 2, CLASSIFY_RETRY_MAX_S)
+                await self._classify_once()
+        finally:
+            self._retrying_class = False
+
+    def _capability_fields(self) -> dict:
+        out = {"nat_class": self.nat_class, "rendezvous_rtt_ms": self.rendezvous_rtt_ms}
+        if self.nat_reason:
+            out["nat_reason"] = self.nat_reason
+        return out
+
+    async def capability(self) -> dict:
+        """The capability frame's NAT fields (DESIGN §3 step 3; see :meth:`classify`); classifies once."""
+        if self.classifications == 0:
+            return await self.classify()
+        return self._capability_fields()
+
