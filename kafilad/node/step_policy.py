@@ -29,7 +29,9 @@ wrong; so costs are fitted only from lockstep steps (one step in flight: nothing
 and a move from lockstep to M > 1 is a *trial*: for `TRIAL_S` the head measures the tokens/s per
 decoding request it achieves and keeps M only if that beats the lockstep rate measured just
 before by `TRIAL_MARGIN`; otherwise it returns to lockstep and waits `BACKOFF_S` (doubling to
-`BACKOFF_MAX_S`) before the next trial. Measured on the 2-core dev VM (3 daemons sharing 2 cores,
+`BACKOFF_MAX_S`) before the next trial. A kept M stays watched: when its rate over the last
+`BASELINE_S` falls below the lockstep rate its trial beat, the head returns to lockstep (and
+backs off) as after a failed trial. Measured on the 2-core dev VM (3 daemons sharing 2 cores,
 `python scripts/bench_batching.py --modes lockstep,micro3`): 3 micro-batches in flight ran at
 0.38x lockstep, which the trial catches within `TRIAL_S`.
 
@@ -114,6 +116,7 @@ class StepPolicy:
     _order: list = attrs.field(factory=list)  # stage ids as first seen
     _lockstep: list = attrs.field(factory=list)  # [(now_s, tokens, k)] sampled in lockstep, last BASELINE_S
     _trial: Optional[dict] = None  # {"m", "start_s", "baseline", "events": [(now_s, tokens, k)]}
+    _kept: Optional[dict] = None  # a kept trial: {"baseline", "events"} (last BASELINE_S at M > 1)
     _blocked_until_s: float = 0.0
     _backoff_s: float = BACKOFF_S
     trials: list = attrs.field(factory=list)  # [(m, trial rate, lockstep rate, kept)] per request-row, for status
@@ -145,6 +148,11 @@ class StepPolicy:
         event = (now_s, tokens, max(1, k))
         if self._trial is not None:
             self._trial["events"].append(event)
+        elif self._kept is not None:
+            events = self._kept["events"]
+            events.append(event)
+            while events and events[0][0] < now_s - BASELINE_S:
+                events.pop(0)
         elif self.current == 1:
             self._lockstep.append(event)
             while self._lockstep and self._lockstep[0][0] < now_s - BASELINE_S:
@@ -184,6 +192,13 @@ class StepPolicy:
             return self.current
         if self._trial is not None:
             return self._judge(now_s)
+        if self._kept is not None:
+            events = self._kept["events"]
+            rate = self._rate(events)
+            if rate is not None and events[-1][0] - events[0][0] >= BASELINE_S / 2 and rate < self._kept["baseline"]:
+                self.trials.append((self.current, rate, self._kept["baseline"], False))
+                del self.trials[:-8]
+                return self._back_to_lockstep(now_s)
         limit = max(1, min(self.stages, k))
         if k < 1 or not self._stage:
             return self.current
@@ -193,6 +208,8 @@ class StepPolicy:
             tps = self.predict_tps(k, m) or 0.0
             if tps > best_tps * (1 + HYSTERESIS):
                 best, best_tps = m, tps
+        if best == 1:
+            self._kept = None
         if self.current == 1 and best > 1:
             baseline = self._rate(self._lockstep)
             if baseline is None or now_s < self._blocked_until_s:
@@ -212,8 +229,13 @@ class StepPolicy:
         self._trial = None
         if kept:
             self._backoff_s = BACKOFF_S
+            self._kept = {"baseline": trial["baseline"], "events": []}
             return self.current
+        return self._back_to_lockstep(now_s)
+
+    def _back_to_lockstep(self, now_s: float) -> int:
         self.current = 1
+        self._kept = None
         self._lockstep.clear()
         self._blocked_until_s = now_s + self._backoff_s
         self._backoff_s = min(BACKOFF_MAX_S, self._backoff_s * 2)

@@ -56,6 +56,14 @@ def test_a_move_up_is_a_trial_kept_only_when_it_beats_lockstep():
     assert p.choose(6, now_s=1.0 + TRIAL_S + 0.1) == 3
     (m, rate, base, kept), = p.trials
     assert (m, kept) == (3, True) and rate == pytest.approx(2 * base, rel=0.05)
+    t = 1.0 + TRIAL_S + 0.1
+    for i in range(1, 60):  # still faster: kept
+        p.note_tokens(6, 6, now_s=t + i * 0.025)
+    t += 59 * 0.025
+    assert p.choose(6, now_s=t) == 3
+    for i in range(1, 30):  # the kept M falls below the lockstep rate it beat: back to lockstep
+        p.note_tokens(6, 6, now_s=t + i * 0.1)
+    assert p.choose(6, now_s=t + 2.9) == 1 and p.trials[-1][3] is False
 
 
 def test_a_trial_slower_than_lockstep_returns_to_lockstep_and_backs_off():
