@@ -27,6 +27,7 @@ from typing import Optional
 import attrs
 
 from kafilad.errors import ModelFormatError
+from kafilad.planner.precision import DTYPE_BYTES as STAGE_DTYPE_BYTES
 from kafilad.planner.records import ModelProfile
 from kafilad.planner.workmem import arch_from_config
 
@@ -36,6 +37,10 @@ DTYPE_BYTES = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+#: safetensors float dtype -> the MLX dtype a stage holds it in when kept as stored (F64 and the
+#: F8 formats have no MLX stage dtype: float32 and bfloat16 stand for them).
+STAGE_DTYPE_OF = {"F64": "float32", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                  "F8_E4M3": "bfloat16", "F8_E5M2": "bfloat16"}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 _BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _HEAD_MARKERS = ("embed_tokens", "lm_head", "norm.weight", "norm.bias", "wte", "output.weight")
@@ -158,6 +163,36 @@ class ModelInfo:
         out = [t for t in self.tensors.values() if t.block is not None and start <= t.block < end]
         if head:
             out += self.head_tensors()
+        return out
+
+    @property
+    def float_dtype(self) -> str:
+        """The checkpoint's float dtype as a stage dtype ("bfloat16", "float16", "float32"): the
+        stored float dtype of the most bytes of block weights (of all tensors when there are no
+        blocks), "float32" when there are no float tensors. Members on Metal and CUDA hold it
+        (kafilad.planner.precision)."""
+        by_dtype: dict[str, int] = {}
+        tensors = [t for t in self.tensors.values() if t.block is not None] or list(self.tensors.values())
+        for t in tensors:
+            if t.dtype in FLOAT_DTYPES:
+                by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
+        if not by_dtype:
+            return "float32"
+        stored = max(sorted(by_dtype), key=lambda k: by_dtype[k])
+        return STAGE_DTYPE_OF[stored]
+
+    def profiles(self, dtypes) -> dict[str, ModelProfile]:
+        """{dtype: profile()} with floats held in each of `dtypes` (stage dtype names), the KV
+        cache and working memory in it too: the planner's per-device view (kafilad.planner.precision).
+
+        Raises:
+            ModelFormatError: a name that is not a stage dtype.
+        """
+        out = {}
+        for dt in dtypes:
+            if dt not in STAGE_DTYPE_BYTES:
+                raise ModelFormatError(f"A stage holds float32, bfloat16 or float16, not {dt!r}.")
+            out[dt] = self.profile(float_dtype_bytes=STAGE_DTYPE_BYTES[dt])
         return out
 
     def profile(self, float_dtype_bytes: Optional[int] = None, kv_dtype_bytes: Optional[int] = None) -> ModelProfile:

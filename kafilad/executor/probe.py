@@ -10,7 +10,11 @@
 - `measure_stage_Bps`: times blocks of the session's architecture and shape at batch 1 (one
   block, then two; random weights, so only config.json is needed; window means, DESIGN §9) and
   splits the time into a fixed per-step overhead and an effective bytes/s (DESIGN §5.1 "Best").
-- `measure_capability`: the report a member sends the host (issue 2 item 5).
+- `measure_capability`: the report a member sends the host (issue 2 item 5), with the dtype its
+  backend runs fastest with and the one it may fall back to (issue 12 item 4): Metal and CUDA
+  the checkpoint's float dtype, CPU float32 and, for a narrower checkpoint, that as the fallback
+  when an f32 stage does not fit (the planner decides per stage: kafilad/planner/precision.py).
+  The bandwidth is measured in the reported dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
+
+from kafilad.planner.precision import DEFAULT_DTYPE, backend_dtypes
 
 #: memory kept back for the Python runtime, MLX's allocator slack and transfer buffers (bytes).
 DEFAULT_RESERVE_BYTES = 256 * 1024 * 1024
@@ -234,7 +240,43 @@ def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", conte
     return per_block_bytes / per_block_s, max(0.0, t1 - per_block_s)
 
 
-def measure_capability(model_dir: Optional[str | Path | dict] = None, *, dtype: str = "float32",
+def backend_name(device_type: str, metal_available: bool) -> str:
+    """The MLX backend of a default device: "cpu", "metal" or "cuda".
+
+    Args:
+        device_type: "cpu" or "gpu" (`mx.default_device().type`'s name).
+        metal_available: `mx.metal.is_available()`; a GPU that is not Metal is CUDA.
+    """
+    if device_type != "gpu":
+        return "cpu"
+    return "metal" if metal_available else "cuda"
+
+
+def current_backend() -> str:
+    """This process's MLX backend (`backend_name` of the default device)."""
+    device_type = str(mx.default_device().type).rsplit(".", 1)[-1]
+    return backend_name(device_type, bool(mx.metal.is_available()))
+
+
+def checkpoint_dtype_of(model: Optional[str | Path | dict], given: Optional[str] = None) -> str:
+    """The checkpoint's float dtype: `given` (the host's `admitted` frame) when set; else, for a
+    model directory, its safetensors headers' (ModelInfo.float_dtype); else the config's
+    `torch_dtype` when it names a stage dtype; else float32."""
+    if given:
+        return given
+    if isinstance(model, (str, Path)):
+        from kafilad.modelinfo import read_model_info
+        try:
+            return read_model_info(model).float_dtype
+        except Exception:  # noqa: BLE001 - an unreadable directory fails later, where it is used
+            return DEFAULT_DTYPE
+    if isinstance(model, dict) and model.get("torch_dtype") in ("float32", "bfloat16", "float16"):
+        return str(model["torch_dtype"])
+    return DEFAULT_DTYPE
+
+
+def measure_capability(model_dir: Optional[str | Path | dict] = None, *, dtype: Optional[str] = None,
+                       checkpoint_dtype: Optional[str] = None, backend: Optional[str] = None,
                        reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> dict:
     """This member's capability report (issue 2 item 5; DESIGN §5.1). One to two seconds on small models.
 
@@ -244,10 +286,19 @@ def measure_capability(model_dir: Optional[str | Path | dict] = None, *, dtype: 
     step overhead is 0 (the what-if default). Every member of a session should be given the same
     config, so that all are measured the same way.
 
+    Args:
+        dtype: the dtype to report and time; None chooses it (`backend_dtypes` of the backend and
+            the checkpoint's dtype, `checkpoint_dtype_of`).
+        checkpoint_dtype: the checkpoint's float dtype, when known (the host's `admitted` dtype).
+        backend: "cpu", "metal" or "cuda"; None: this process's (`current_backend`).
     Returns:
         {"memory_bytes": int, "bandwidth_Bps": float, "step_overhead_s": float, "dtype": str,
-         "bandwidth_source": "stage" | "gemv"}
+         "fallback_dtype": str | None, "backend": str, "bandwidth_source": "stage" | "gemv"}
     """
+    backend = backend or current_backend()
+    fallback = None
+    if dtype is None:
+        dtype, fallback = backend_dtypes(backend, checkpoint_dtype_of(model_dir, checkpoint_dtype))
     memory = available_memory_bytes(reserve_bytes)
     bw, overhead, source = None, 0.0, "gemv"
     if model_dir is not None:
@@ -259,4 +310,4 @@ def measure_capability(model_dir: Optional[str | Path | dict] = None, *, dtype: 
     if bw is None:
         bw = measure_bandwidth_Bps(dtype)
     return {"memory_bytes": int(memory), "bandwidth_Bps": float(bw), "step_overhead_s": float(overhead),
-            "dtype": dtype, "bandwidth_source": source}
+            "dtype": dtype, "fallback_dtype": fallback, "backend": backend, "bandwidth_source": source}

@@ -44,7 +44,10 @@ Wire format of an activation: the array map of proto_spec 02 §4.2, checked by t
 `kafilad.proto.frames.encode_activation` / `decode_activation`::
     {"dtype": "float32" | "bfloat16" | "float16", "shape": [B, L, D], "data": bytes}
 where `data` is the array in C order, little-endian (bf16: its raw 16-bit patterns). This module
-only converts between MLX arrays and those bytes.
+only converts between MLX arrays and those bytes. An activation travels in its sender's dtype;
+stages of a ring may hold different dtypes (issue 12 item 4), and each casts what arrives to its
+own before its blocks and before the head's output projection (`Stage.cast_in`, called by
+`Stage.run_blocks` and `Stage.logits`), so the head samples from logits in its own dtype.
 """
 
 from __future__ import annotations

@@ -9,8 +9,14 @@ with `strict=True`, so a missing or surplus tensor is an error, never a silent r
 Shapes: hidden states are (B, L, D) float arrays (B = 1 per request, L tokens, D = hidden_size);
 logits are (B, V).
 
-On CPU members float weights are cast to float32 (DESIGN §6: MLX's bf16 CPU kernels are slow and
-the optimised BLAS only speeds up f32); pass dtype=None to keep the stored dtype.
+Precision (issue 12 item 4, kafilad/planner/precision.py): a stage holds its float weights in
+one dtype, the one the plan gave it: float32 on CPU members when it fits (DESIGN §6: MLX's bf16
+CPU kernels are slow and the optimised BLAS only speeds up f32), the checkpoint's own on Metal and
+CUDA; dtype=None keeps the stored dtype. `Stage.dtype` is that dtype, and a stage casts incoming
+hidden states to it before its blocks and its output projection (`Stage.cast_in`), so stages of
+different dtypes can follow each other on a ring: activations cross the wire in the sender's
+dtype (proto_spec 02 §4.2) and are cast on entry. A cast from float32 to float32 is none, so an
+all-f32 ring stays bit-identical to single-process mlx-lm.
 """
 
 from __future__ import annotations
@@ -126,6 +132,17 @@ class Stage:
         self._inner = _inner(model)
         self.layers = list(self._inner.layers)
         self._sliding_window = getattr(self._inner, "sliding_window", None) or config.get("sliding_window")
+        #: the float dtype this stage computes in (its float parameters' dtype, the most bytes of them)
+        self.dtype = _float_dtype(model)
+
+    @property
+    def dtype_name(self) -> str:
+        """`dtype` as its wire name: "float32", "bfloat16" or "float16" (proto_spec 02 §4.1)."""
+        return str(self.dtype).rsplit(".", 1)[-1]
+
+    def cast_in(self, h: mx.array) -> mx.array:
+        """h in this stage's dtype (the array itself when it already is; lazily otherwise)."""
+        return h if h.dtype == self.dtype else h.astype(self.dtype)
 
     @property
     def n_blocks(self) -> int:
@@ -151,9 +168,10 @@ class Stage:
 
         The attention masks are made as mlx-lm's model makes them (`create_attention_mask` from
         the first full-attention block's cache; sliding-window blocks get a windowed mask), so
-        the result is bit-identical to the same blocks inside the whole model. Returns (B, L, D),
-        lazily (call mx.eval).
+        the result is bit-identical to the same blocks inside the whole model. h is first cast to
+        the stage's dtype (`cast_in`). Returns (B, L, D) in the stage's dtype, lazily (call mx.eval).
         """
+        h = self.cast_in(h)
         if cache is None:
             cache = [None] * len(self.layers)
         full_mask = swa_mask = None
@@ -173,9 +191,10 @@ class Stage:
         return h
 
     def logits(self, h: mx.array) -> mx.array:
-        """Final norm and output projection of the last position. h: (B, L, D). Returns (B, V)."""
+        """Final norm and output projection of the last position. h: (B, L, D), cast to the stage's
+        dtype first. Returns (B, V) in the stage's dtype."""
         self._need_head("logits")
-        x = self._inner.norm(h[:, -1:, :])
+        x = self._inner.norm(self.cast_in(h[:, -1:, :]))
         if "lm_head" in self.model:
             out = self.model.lm_head(x)
         else:
@@ -185,6 +204,19 @@ class Stage:
     def _need_head(self, what: str) -> None:
         if not self.head:
             raise ModelFormatError(f"Stage [{self.start}, {self.end}) is not the head and cannot {what}.")
+
+
+def _float_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype of most bytes of `model`'s floating-point parameters (float32 when it has none)."""
+    from mlx.utils import tree_flatten
+
+    by_dtype: dict = {}
+    for _, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            by_dtype[v.dtype] = by_dtype.get(v.dtype, 0) + v.nbytes
+    if not by_dtype:
+        return mx.float32
+    return max(by_dtype, key=lambda d: (by_dtype[d], d.size))
 
 
 def _quantize(model: nn.Module, config: dict, weights: dict) -> None:

@@ -36,7 +36,6 @@ from kafilad.proto.identity import compose_session_code, peer_id as peer_id_of
 log = logging.getLogger("kafilad.host")
 
 DEFAULT_CONTEXT = 4096  # tokens, when --context is not given (capped at max_position_embeddings)
-HOLD_DTYPE_BYTES = 4  # CPU members hold f32 weights (DESIGN §6)
 #: rendezvous reconnect backoff: first delay and cap (s), each jittered by ±20 % (issue 8 §3)
 RECONNECT_FIRST_S = 1.0
 RECONNECT_MAX_S = 30.0
@@ -69,7 +68,8 @@ class HostSession(HostRequests):
         self.admission = Limiter(self.concurrency, queue_limit)
         self.machine = sm.HostMachine(
             host_peer_id=node.peer_id, host_name=node.name, host_key=node.public_key, expected=members,
-            open_=open_, admitted={"model_id": self.info.model_id, "config": self.info.config, "dtype": "float32",
+            open_=open_, admitted={"model_id": self.info.model_id, "config": self.info.config,
+                                   "dtype": self.info.float_dtype,  # the checkpoint's (kafilad/planner/precision.py)
                                    "context": self.context, "concurrency": self.concurrency})
         self.session_id = ""
         self.code = ""
@@ -437,10 +437,11 @@ class HostSession(HostRequests):
                                      bandwidth_Bps=e.capability.get("bandwidth_Bps"),
                                      step_overhead_s=float(e.capability.get("step_overhead_s") or 0.0),
                                      nat_class=e.capability.get("nat_class"),
-                                     rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"))
+                                     rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"),
+                                     dtype=e.capability.get("dtype"), fallback_dtype=e.capability.get("fallback_dtype"))
                               for e in order]
-        try:
-            plan = make_plan(self.fleet_devices, self.info.profile(float_dtype_bytes=HOLD_DTYPE_BYTES),
+        try:  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
+            plan = make_plan(self.fleet_devices, stagehost.plan_profiles(self.info, self.fleet_devices),
                              context=self.context, concurrency=self.concurrency, strategy=self.strategy)
         except KafilaError as e:
             await self._handle(sm.PlanFailed(str(e), seq))
@@ -476,7 +477,7 @@ class HostSession(HostRequests):
             files = await trio.to_thread.run_sync(self.files.file_table) if head else []
             await self._perform(sm.Send(pid, cf.PlanFrame(plan=planned.plan, ring=order, roster=roster, start=start,
                                                           end=end, head=head, tensors=tensors, files=files,
-                                                          epoch=epoch)))
+                                                          epoch=epoch, dtype=stagehost.stage_dtype(planned.plan, e.name))))
         if epoch == self.machine.epoch:
             self.nursery.start_soon(self._run_stage, roster, epoch)
 
@@ -501,7 +502,8 @@ class HostSession(HostRequests):
 
         def build():
             ex = stagehost.executor()
-            stage = ex.stage.load_stage_from_dir(self.model_dir, start, end, head)
+            stage = ex.stage.load_stage_from_dir(self.model_dir, start, end, head,
+                                                 dtype=stagehost.stage_dtype(self.machine.planned.plan, me.name))
             tok = ex.synth.load_tokenizer(self.model_dir) if head else None
             return stage, tok
 

@@ -270,7 +270,7 @@ class MemberSession:
 
     # ---- control loop ----------------------------------------------------------------------
     async def _control_loop(self) -> None:
-        cap = await run_on_mlx_thread(stagehost.measure_capability, self.machine.admitted.config)
+        cap = await run_on_mlx_thread(stagehost.measure_capability, self.machine.admitted)
         cap.update(await self.paths.capability())
         await self.link.send(cf.Capability.from_measurement(cap).to_wire())
         await self._handle(sm.CapabilitySent(cap))
@@ -354,7 +354,7 @@ class MemberSession:
                 arrays = {}
                 for t, data in weights:
                     info = TensorInfo(t["name"], t["file"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"], None)
-                    arrays[t["name"]] = ex.stage.tensor_from_bytes(info, data)
+                    arrays[t["name"]] = ex.stage.tensor_from_bytes(info, data, dtype=f.dtype or "float32")
                 stage = ex.stage.build_stage(config, f.start, f.end, f.head, arrays)
                 tok = ex.synth.load_tokenizer(tok_dir) if tok_dir else None
                 return stage, tok

@@ -20,6 +20,8 @@ from kafilad.node import edge
 from kafilad.node.link import Link
 from kafilad.node.paths import OfferInbox, PathManager, open_session_paths
 from kafilad.node.ring import RingMember
+from kafilad.planner.precision import device_dtypes
+from kafilad.proto import control as cf
 
 log = logging.getLogger("kafilad.stage")
 
@@ -36,16 +38,37 @@ def executor():
 TEST_CAPABILITY_ENV = "KAFILA_TEST_CAPABILITY"
 
 
-def measure_capability(model_dir: Optional[str]) -> dict:
-    """This device's capability report (DESIGN §5.1): memory_bytes, bandwidth_Bps, step_overhead_s."""
+def measure_capability(source) -> dict:
+    """This device's capability report (DESIGN §5.1): memory_bytes, bandwidth_Bps, step_overhead_s,
+    and the dtype its backend runs fastest with and its fallback (kafilad/planner/precision.py).
+
+    Args:
+        source: the model directory (the host), or the `admitted` frame (a member: the config
+            to time and the checkpoint's float dtype, proto_spec 05 §2), or a bare config.
+    """
     import json
     import os
     ex = executor()
-    cap = ex.probe.measure_capability(model_dir)
+    if isinstance(source, cf.Admitted):
+        cap = ex.probe.measure_capability(source.config, checkpoint_dtype=source.dtype)
+    else:
+        cap = ex.probe.measure_capability(source)
     override = os.environ.get(TEST_CAPABILITY_ENV)
     if override:
         cap.update(json.loads(override))
     return cap
+
+
+def plan_profiles(info, devices) -> dict:
+    """The model's byte profile in each dtype a device of `devices` may hold its stage in
+    ({dtype: ModelProfile}, kafilad/planner/precision.py), for the planner."""
+    wanted = sorted({dt for d in devices for dt in device_dtypes(d) if dt is not None})
+    return info.profiles(wanted)
+
+
+def stage_dtype(plan_json: Optional[dict], name: str) -> str:
+    """The dtype the plan gave member `name`'s stage (the plan JSON's `dtype`), float32 if none."""
+    return str(((plan_json or {}).get("dtype") or {}).get(name) or "float32")
 
 
 async def connect_ring(*, paths: Optional[PathManager] = None, session_id: str, ring: list[str], roster: dict,

@@ -37,22 +37,25 @@ Pure: no I/O. Cost is non-decreasing in b and non-increasing in a, which the exa
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from kafilad.errors import PlanError
+from kafilad.planner import precision
+from kafilad.planner.precision import Profiles
 from kafilad.planner.records import Device, ModelProfile
 from kafilad.planner.workmem import working_bytes
 
 TIERS = ("cost-model", "flops", "memory")
 
 
-def select_tier(devices: Sequence[Device], model: ModelProfile) -> str:
+def select_tier(devices: Sequence[Device], model: Profiles) -> str:
     """The best tier of DESIGN §5.4 every device supports.
 
     Returns:
         "cost-model" when every device has bandwidth_Bps; else "flops" when every device has
         flops_per_s and the profile has per-block FLOP counts; else "memory".
     """
+    model = precision.reference(model)
     if devices and all(d.bandwidth_Bps for d in devices):
         return "cost-model"
     if devices and all(d.flops_per_s for d in devices) and len(model.block_flops_per_token) == model.n_blocks:
@@ -83,6 +86,29 @@ def check_devices(devices: Sequence[Device]) -> None:
             raise PlanError(f"Device {d.name!r} has a negative batch_row_cost ({d.batch_row_cost}).")
         if d.step_overhead_s < 0:
             raise PlanError(f"Device {d.name!r} has a negative step_overhead_s ({d.step_overhead_s}).")
+        for field in ("dtype", "fallback_dtype"):
+            if getattr(d, field) is not None:
+                precision.check_dtype(getattr(d, field), f"Device {d.name!r}'s {field}")
+
+
+class _Holding:
+    """Prefix sums of one profile: what a device holding its stage in one dtype is charged."""
+
+    def __init__(self, dtype: Optional[str], model: ModelProfile, *, context: int, concurrency: int):
+        self.dtype = dtype
+        self.model = model
+        self.bytes = [0]
+        for x in model.block_bytes:
+            self.bytes.append(self.bytes[-1] + int(x))
+        self.kv_per_block = model.kv_bytes_per_block_token * int(context) * int(concurrency)
+        self.working = working_bytes(model.shape, context=context, concurrency=concurrency, head=False)
+        self.working_head = working_bytes(model.shape, context=context, concurrency=concurrency, head=True)
+
+    def resident(self, head: bool, a: int, b: int) -> int:
+        r = self.bytes[b] - self.bytes[a] + (b - a) * self.kv_per_block
+        if head:
+            return r + self.model.head_resident_bytes + self.working_head
+        return r + self.working
 
 
 class ChainCost:
@@ -90,77 +116,108 @@ class ChainCost:
 
     Args:
         chain: devices in chain order, head first; length m.
-        model: the model's byte profile (n blocks).
+        model: the model's byte profile (n blocks): one ModelProfile for every device, or one
+            per dtype (kafilad.planner.precision `Profiles`), each device then counted in its own.
         context: tokens of context each request may reach.
         concurrency: concurrent requests.
         tier: one of TIERS (see the module docstring).
 
+    Per-device precision (kafilad.planner.precision): device j's stage time is that of its
+    preferred dtype (the one its bandwidth was measured in); its resident bytes are those of the
+    dtype it holds [a, b) in (`dtype`): the preferred one when that fits, else its fallback. A
+    fallback stage is costed at the preferred dtype's time: nothing timed the fallback, and on
+    MLX's CPU backend (the one that falls back) a bf16 block runs no faster than an f32 one
+    (DESIGN §6). So stage_s stays monotone, and `fits` (either dtype fits) and `overflow_bytes`
+    (the smaller of the two shortfalls) are monotone too, as the partition needs.
+
     All block indices are half-open [a, b) with 0 <= a < b <= n.
     """
 
-    def __init__(self, chain: Sequence[Device], model: ModelProfile, *, context: int,
+    def __init__(self, chain: Sequence[Device], model: Profiles, *, context: int,
                  concurrency: int, tier: str):
         if tier not in TIERS:
             raise PlanError(f"Unknown planner tier {tier!r}; expected one of {', '.join(TIERS)}.")
         self.chain = tuple(chain)
-        self.model = model
+        self.model = precision.reference(model)
         self.tier = tier
-        self.n = model.n_blocks
+        self.n = self.model.n_blocks
         self.m = len(self.chain)
         # integer prefix sums keep resident bytes exact; work prefix sums are floats only in
         # the flops tier, and every caller computes a cost through stage_s, so equal inputs
-        # give bit-identical outputs (the exact search compares candidates with <=).
-        self._bytes = [0]
-        for x in model.block_bytes:
-            self._bytes.append(self._bytes[-1] + int(x))
-        if tier == "flops":
-            work = model.block_flops_per_token
-            self._head_work = float(model.head_flops_per_token)
-            self._rate = [float(d.flops_per_s) for d in self.chain]
-        else:
-            work = model.block_bytes
-            self._head_work = model.head_read_bytes
-            if tier == "cost-model":
-                self._rate = [float(d.bandwidth_Bps) for d in self.chain]
+        # give bit-identical outputs (the exact search compares candidates with <=). Devices
+        # holding the same dtype share one profile's sums.
+        shared: dict = {}
+
+        def holding(dtype, prof) -> _Holding:
+            key = id(prof)
+            if key not in shared:
+                shared[key] = _Holding(dtype, prof, context=context, concurrency=concurrency)
+            return shared[key]
+
+        self._hold = [[holding(dt, prof) for dt, prof in precision.device_profiles(model, d)] for d in self.chain]
+        works: dict = {}
+        self._work, self._head_work, self._rate = [], [], []
+        for d, opts in zip(self.chain, self._hold):
+            prof = opts[0].model
+            if tier == "flops":
+                work, head_work, rate = prof.block_flops_per_token, float(prof.head_flops_per_token), d.flops_per_s
             else:
-                self._rate = [float(d.memory_bytes) for d in self.chain]
-        self._work = [0]
-        for x in work:
-            self._work.append(self._work[-1] + x)
-        self._kv_per_block = model.kv_bytes_per_block_token * int(context) * int(concurrency)
-        self._working = working_bytes(model.shape, context=context, concurrency=concurrency, head=False)
-        self._working_head = working_bytes(model.shape, context=context, concurrency=concurrency, head=True)
+                work, head_work = prof.block_bytes, prof.head_read_bytes
+                rate = d.bandwidth_Bps if tier == "cost-model" else d.memory_bytes
+            key = (id(prof), tier)
+            if key not in works:
+                prefix = [0]
+                for x in work:
+                    prefix.append(prefix[-1] + x)
+                works[key] = prefix
+            self._work.append(works[key])
+            self._head_work.append(head_work)
+            self._rate.append(float(rate))
         self._mem = [int(d.memory_bytes) for d in self.chain]
         self._ov = [float(d.step_overhead_s) for d in self.chain]
 
     def stage_s(self, j: int, a: int, b: int) -> float:
         """Predicted per-token time of chain device j holding blocks [a, b), seconds (tier units)."""
-        work = self._work[b] - self._work[a]
+        work = self._work[j][b] - self._work[j][a]
         if j == 0:
-            work = work + self._head_work
+            work = work + self._head_work[j]
         return self._ov[j] + work / self._rate[j]
+
+    def _choice(self, j: int, a: int, b: int) -> _Holding:
+        """The holding of chain device j for [a, b): precision.stage_dtype's rule."""
+        opts = self._hold[j]
+        if len(opts) == 1:
+            return opts[0]
+        first, fb = opts
+        r0, r1 = first.resident(j == 0, a, b), fb.resident(j == 0, a, b)
+        dt = precision.stage_dtype(first.dtype, fb.dtype, self._mem[j], {first.dtype: r0, fb.dtype: r1})
+        return first if dt == first.dtype else fb
+
+    def dtype(self, j: int, a: int, b: int) -> Optional[str]:
+        """The dtype chain device j holds [a, b) in (None when one profile counts every device)."""
+        return self._choice(j, a, b).dtype
 
     def resident_bytes(self, j: int, a: int, b: int) -> int:
         """Bytes chain device j needs for blocks [a, b) at the declared context and concurrency:
-        weights, KV cache, head parts and working memory."""
-        r = self._bytes[b] - self._bytes[a] + (b - a) * self._kv_per_block
-        if j == 0:
-            r += self.model.head_resident_bytes + self._working_head
-        else:
-            r += self._working
-        return r
+        weights, KV cache, head parts and working memory, in the dtype it holds them in."""
+        return self._choice(j, a, b).resident(j == 0, a, b)
 
-    def working_bytes(self, j: int) -> int:
-        """The working-memory share of chain device j's resident bytes (kafilad.planner.workmem)."""
-        return self._working_head if j == 0 else self._working
+    def working_bytes(self, j: int, a: int = 0, b: Optional[int] = None) -> int:
+        """The working-memory share of chain device j's resident bytes for [a, b) (by default its
+        preferred dtype's; kafilad.planner.workmem)."""
+        h = self._hold[j][0] if b is None else self._choice(j, a, b)
+        return h.working_head if j == 0 else h.working
 
     def overflow_bytes(self, j: int, a: int, b: int) -> int:
-        """resident_bytes - memory_bytes (positive = shortfall) of chain device j on [a, b)."""
-        return self.resident_bytes(j, a, b) - self._mem[j]
+        """The least resident bytes - memory_bytes (positive = shortfall) of chain device j on
+        [a, b) over the dtypes it may hold them in: monotone in b (the refusal's search relies on
+        it); equal to resident_bytes - memory_bytes whenever [a, b) does not fit."""
+        return min(h.resident(j == 0, a, b) for h in self._hold[j]) - self._mem[j]
 
     def fits(self, j: int, a: int, b: int) -> bool:
-        """Whether chain device j can hold blocks [a, b) (plus the head parts if j == 0)."""
-        return self.resident_bytes(j, a, b) <= self._mem[j]
+        """Whether chain device j can hold blocks [a, b) (plus the head parts if j == 0) in a
+        dtype it may hold them in."""
+        return self.overflow_bytes(j, a, b) <= 0
 
 
 def summarize(stage_s: Sequence[float]) -> tuple[float, float, float]:

@@ -7,7 +7,8 @@
     {"name": "studio", "memory_bytes": 144000000000,          required
      "bandwidth_Bps": 8.0e11, "flops_per_s": 2.7e13,          optional measurements
      "step_overhead_s": 0.0, "nat_class": "O",                optional
-     "rendezvous_rtt_ms": 12.5, "batch_row_cost": 0.3, ...}  unknown keys ignored
+     "rendezvous_rtt_ms": 12.5, "batch_row_cost": 0.3,
+     "dtype": "float32", "fallback_dtype": "bfloat16", ...}   unknown keys ignored
   ],
   "context": 4096, "concurrency": 1                           optional (flags win)
 }
@@ -25,6 +26,7 @@ from typing import Any, Optional, Sequence
 import attrs
 
 from kafilad.errors import KafilaError
+from kafilad.planner.precision import DTYPE_BYTES
 from kafilad.planner.records import Device
 
 NAT_CLASSES = ("O", "C", "S", "UNKNOWN")  # unknown: no STUN answer; its edges are checked (DESIGN §3)
@@ -83,6 +85,12 @@ def _device(obj: Any, i: int) -> Device:
     if nat is not None and (not isinstance(nat, str) or nat.upper() not in NAT_CLASSES):
         raise FleetFormatError(f"{where}: 'nat_class' must be one of O, C, S or unknown, not {nat!r}.")
     ov = _num(obj, "step_overhead_s", where, positive=False)
+    dtypes = {}
+    for key in ("dtype", "fallback_dtype"):
+        v = obj.get(key)
+        if v is not None and v not in DTYPE_BYTES:
+            raise FleetFormatError(f"{where}: '{key}' must be one of {', '.join(DTYPE_BYTES)}, not {v!r}.")
+        dtypes[key] = v
     return Device(
         name=name,
         memory_bytes=_num(obj, "memory_bytes", where, integer=True, optional=False),
@@ -92,6 +100,7 @@ def _device(obj: Any, i: int) -> Device:
         nat_class=None if nat is None else ("unknown" if nat.upper() == "UNKNOWN" else nat.upper()),
         rendezvous_rtt_ms=_num(obj, "rendezvous_rtt_ms", where, positive=False),
         batch_row_cost=_num(obj, "batch_row_cost", where, positive=False),
+        **dtypes,
     )
 
 
@@ -153,6 +162,10 @@ def fleet_to_json(devices: Sequence[Device], context: Optional[int] = None,
             e["rendezvous_rtt_ms"] = d.rendezvous_rtt_ms
         if d.batch_row_cost is not None:
             e["batch_row_cost"] = d.batch_row_cost
+        if d.dtype is not None:
+            e["dtype"] = d.dtype
+        if d.fallback_dtype is not None:
+            e["fallback_dtype"] = d.fallback_dtype
         out["devices"].append(e)
     if context is not None:
         out["context"] = int(context)

@@ -18,6 +18,11 @@ fleet with the anchor as head unless the best candidate is more than μ faster p
 
 Every plan carries its predicted tokens/s for 1 and for K users, and resident bytes include
 the working memory of kafilad.planner.workmem.
+
+Per-device precision (issue 12 item 4, kafilad.planner.precision): given the model's profile per
+dtype, each device is counted in the dtype it holds its stage in (its reported one when that
+fits, else its fallback), and the plan says which (`Plan.dtype`); a refusal names the device that
+is short even in the narrowest dtype it may hold.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import itertools
 from typing import Optional, Sequence
 
 from kafilad.errors import AdmissionError, PlanError
-from kafilad.planner import baselines, partition, ring, throughput
+from kafilad.planner import baselines, partition, precision, ring, throughput
 from kafilad.planner.costmodel import ChainCost, check_devices, select_tier, summarize
-from kafilad.planner.records import Device, ModelProfile, Plan
+from kafilad.planner.precision import Profiles
+from kafilad.planner.records import Device, Plan
 
 STRATEGIES = ("kafila", "load", "uniform", "memory")
 DEFAULT_MU = 0.05
@@ -48,7 +54,7 @@ def ring_hop_s(order: Sequence[Device]) -> float:
     return total
 
 
-def build_plan(chain: Sequence[Device], model: ModelProfile, bounds: Sequence[int], *, tier: str,
+def build_plan(chain: Sequence[Device], model: Profiles, bounds: Sequence[int], *, tier: str,
                strategy: str, context: int, concurrency: int,
                rotation_bottleneck_s: Optional[dict] = None, standby: Sequence[Device] = (),
                full_fleet_tokens_per_s: Optional[float] = None) -> Plan:
@@ -64,6 +70,7 @@ def build_plan(chain: Sequence[Device], model: ModelProfile, bounds: Sequence[in
     """
     cc = ChainCost(chain, model, context=context, concurrency=concurrency, tier=tier)
     names = [d.name for d in chain]
+    dtypes = {names[j]: cc.dtype(j, bounds[j], bounds[j + 1]) for j in range(len(chain))}
     stage = [cc.stage_s(j, bounds[j], bounds[j + 1]) for j in range(len(chain))]
     bottleneck, util, imb = summarize(stage)
     edges, lat = [], []
@@ -90,17 +97,18 @@ def build_plan(chain: Sequence[Device], model: ModelProfile, bounds: Sequence[in
         tier=tier,
         strategy=strategy,
         edges=edges,
-        model_id=model.model_id,
-        n_blocks=model.n_blocks,
+        model_id=cc.model.model_id,
+        n_blocks=cc.n,
         context=context,
         concurrency=concurrency,
         memory_bytes={d.name: int(d.memory_bytes) for d in [*chain, *standby]},
         edge_latency_s=tuple(lat),
         rotation_bottleneck_s=dict(rotation_bottleneck_s or {}),
         standby=tuple(d.name for d in standby),
-        working_bytes={names[j]: cc.working_bytes(j) for j in range(len(chain))},
+        working_bytes={names[j]: cc.working_bytes(j, bounds[j], bounds[j + 1]) for j in range(len(chain))},
         throughput=tuple(rates),
         full_fleet_tokens_per_s=full_fleet_tokens_per_s,
+        dtype={n: dt for n, dt in dtypes.items() if dt is not None},
     )
 
 
@@ -108,9 +116,10 @@ def _admission_error(p: Plan, name: str, shortfall: int, best: bool) -> Admissio
     a, b = p.blocks[name]
     what = "even the division that best fits memory" if best else f"the {p.strategy} division"
     head = " and the head's embedding and output layers" if name == p.head else ""
+    dtype = f" in {p.dtype[name]}" if name in p.dtype else ""
     msg = (f"{p.model_id or 'The model'} does not fit this fleet at context {p.context} x "
            f"concurrency {p.concurrency}: {what} leaves device {name!r} short by {shortfall} bytes "
-           f"({_gb(shortfall)}); it would hold blocks [{a}, {b}){head}, {p.resident_bytes[name]} "
+           f"({_gb(shortfall)}); it would hold blocks [{a}, {b}){head}{dtype}, {p.resident_bytes[name]} "
            f"bytes, in {p.memory_bytes[name]} bytes available. Add memory or a device, or lower "
            f"the context or concurrency.")
     return AdmissionError(msg, name, shortfall)
@@ -129,7 +138,7 @@ def admit(p: Plan) -> Plan:
     return p
 
 
-def _refuse(order: list[Device], model: ModelProfile, *, tier: str, context: int,
+def _refuse(order: list[Device], model: Profiles, *, tier: str, context: int,
             concurrency: int) -> AdmissionError:
     """The AdmissionError for a fleet no rotation fits: the division minimising the worst
     shortfall (exact, over all rotations, anchor preferred on ties) names the device."""
@@ -137,7 +146,7 @@ def _refuse(order: list[Device], model: ModelProfile, *, tier: str, context: int
     for r in range(len(order)):
         chain = partition.rotate(order, r)
         cc = ChainCost(chain, model, context=context, concurrency=concurrency, tier=tier)
-        sol = partition.solve_chain(model.n_blocks, len(chain), cc.overflow_bytes)
+        sol = partition.solve_chain(cc.n, len(chain), cc.overflow_bytes)
         if sol is not None and (best is None or sol[0] < best[0]):
             best = (sol[0], chain, sol[1])
     assert best is not None  # n >= m was checked
@@ -148,7 +157,7 @@ def _refuse(order: list[Device], model: ModelProfile, *, tier: str, context: int
     return _admission_error(p, worst, p.resident_bytes[worst] - p.memory_bytes[worst], best=True)
 
 
-def _plan_load(devices: Sequence[Device], model: ModelProfile, mu: float, *, tier: str, context: int,
+def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: str, context: int,
                concurrency: int) -> Plan:
     """Strategy "load": the plan with the most predicted tokens/s at `concurrency` users.
 
@@ -162,7 +171,7 @@ def _plan_load(devices: Sequence[Device], model: ModelProfile, mu: float, *, tie
     Raises:
         AdmissionError: no subset fits (named for the full fleet, as strategy "kafila" would).
     """
-    n, m = model.n_blocks, len(devices)
+    n, m = precision.reference(model).n_blocks, len(devices)
     order = ring.order_ring(devices)
     kw = dict(tier=tier, context=context, concurrency=concurrency)
     # each member's cost rows as head and as a later stage, computed once (throughput.cost_rows)
@@ -211,13 +220,15 @@ def _plan_load(devices: Sequence[Device], model: ModelProfile, mu: float, *, tie
                       full_fleet_tokens_per_s=full_rate, **kw)
 
 
-def plan(devices: Sequence[Device], model: ModelProfile, *, context: int = 4096,
+def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
          concurrency: int = 1, strategy: str = "kafila", mu: float = DEFAULT_MU) -> Plan:
     """Divide `model` over `devices` (DESIGN §5).
 
     Args:
         devices: the fleet, anchor (the host) first.
-        model: the byte profile as the members will hold it (kafilad.modelinfo ... .profile()).
+        model: the byte profile as the members will hold it (kafilad.modelinfo ... .profile()),
+            or one per dtype ({dtype: profile}, ModelInfo.profiles): each device is then counted
+            in the dtype it holds its stage in (kafilad.planner.precision).
         context: tokens of context per request the KV cache must hold.
         concurrency: concurrent requests the KV cache must hold.
         strategy: "kafila" (exact partition + rotation rule), "load" (most tokens/s at
@@ -227,7 +238,7 @@ def plan(devices: Sequence[Device], model: ModelProfile, *, context: int = 4096,
         the Plan; `order` is the ring from the head.
     Raises:
         PlanError: no devices, duplicate names, bad values, fewer blocks than devices, unknown
-            strategy, or context/concurrency below 1.
+            strategy, context/concurrency below 1, or a device dtype the profiles lack.
         AdmissionError: a device cannot hold its share (names it and the shortfall in bytes).
     """
     if strategy not in STRATEGIES:
@@ -235,7 +246,9 @@ def plan(devices: Sequence[Device], model: ModelProfile, *, context: int = 4096,
     if context < 1 or concurrency < 1:
         raise PlanError(f"Context ({context}) and concurrency ({concurrency}) must both be at least 1.")
     check_devices(devices)
-    n, m = model.n_blocks, len(devices)
+    n, m = precision.reference(model).n_blocks, len(devices)
+    for d in devices:
+        precision.device_profiles(model, d)  # raises the PlanError for a dtype the profiles lack
     if n < m:
         baselines.uniform_counts(n, m)  # raises the PlanError with its message
     tier = select_tier(devices, model)

@@ -25,6 +25,10 @@ class Device:
         batch_row_cost: measured marginal cost of one more row in a batched step, as a fraction
             of a one-row step (rho of docs/planner.md "Throughput": a b-row step costs
             stage_s * (1 + rho * (b - 1))); None = unknown, planned as 1 (no gain from batching).
+        dtype: the float dtype the device's backend runs fastest with, in which bandwidth_Bps was
+            measured ("float32", "bfloat16", "float16"); None = "float32" (kafilad.planner.precision).
+        fallback_dtype: a narrower dtype the device holds a stage in when the stage does not fit
+            in `dtype` (a CPU member of a bf16 checkpoint: "bfloat16"); None = none.
     """
 
     name: str
@@ -35,6 +39,8 @@ class Device:
     nat_class: Optional[str] = None
     rendezvous_rtt_ms: Optional[float] = None
     batch_row_cost: Optional[float] = None
+    dtype: Optional[str] = None
+    fallback_dtype: Optional[str] = None
 
 
 @attrs.frozen
@@ -131,6 +137,8 @@ class Plan:
             records of kafilad.planner.throughput; one entry when concurrency is 1).
         full_fleet_tokens_per_s: strategy "load": the best rate for `concurrency` users with
             every member holding blocks (None when that cannot fit); else None.
+        dtype: name -> the float dtype the device holds its stage in (kafilad.planner.precision);
+            empty when the model was given as one profile for every device.
     """
 
     order: tuple[str, ...]
@@ -156,6 +164,7 @@ class Plan:
     working_bytes: dict = attrs.field(factory=dict)
     throughput: tuple = ()
     full_fleet_tokens_per_s: Optional[float] = None
+    dtype: dict = attrs.field(factory=dict)
 
     def counts(self) -> dict:
         """name -> number of blocks held."""
@@ -168,7 +177,8 @@ class Plan:
         utilization, imbalance, resident_bytes, tier, plus strategy, model_id, n_blocks, context,
         concurrency, memory_bytes, edges ([{from, to, path, latency_s}]), rotation_bottleneck_s,
         standby, working_bytes, throughput ([{users, tokens_per_s, round_s, micro_batches, rows,
-        circuit_s, bottleneck_s, bound}], 1 user first) and full_fleet_tokens_per_s.
+        circuit_s, bottleneck_s, bound}], 1 user first), full_fleet_tokens_per_s and dtype
+        ({name: dtype}, present when the plan decided each stage's dtype).
         """
         return {
             "order": list(self.order),
@@ -197,4 +207,5 @@ class Plan:
             "working_bytes": {n: int(v) for n, v in self.working_bytes.items()},
             "throughput": [t.to_json() for t in self.throughput],
             "full_fleet_tokens_per_s": self.full_fleet_tokens_per_s,
+            **({"dtype": dict(self.dtype)} if self.dtype else {}),
         }

@@ -11,8 +11,9 @@ frame closes that link", DESIGN §7). Unknown keys are ignored (forward compatib
 host -> member  Pending                         unknown key, held for `kafila-ctl admit`
 host -> member  Denied(reason)                  then the link closes
 host -> member  Admitted(session_id, model_id, config, dtype, context, concurrency, name)
-member -> host  Capability(memory_bytes, bandwidth_Bps?, step_overhead_s?, rendezvous_rtt_ms?, nat_class?)
-host -> member  PlanFrame(plan, ring, roster, start, end, head, tensors, files)
+member -> host  Capability(memory_bytes, bandwidth_Bps?, step_overhead_s?, rendezvous_rtt_ms?, nat_class?,
+                           dtype?, fallback_dtype?, backend?)
+host -> member  PlanFrame(plan, ring, roster, start, end, head, tensors, files, epoch?, dtype?)
 member -> host  Fetch(id, file, offset, length)
 host -> member  Data(id, data) | FetchError(id, reason)
 member -> host  Ready(fetched_bytes, cached_bytes, load_s, edges) | Failed(reason) | Leaving(reason)
@@ -38,6 +39,8 @@ from kafilad.errors import RemoteProtocolError
 #: NAT classes a capability may report (DESIGN §3 step 3; None = not classified; "unknown" =
 #: classification ran but the mapping was not measured, proto_spec 04 §4.6).
 NAT_CLASSES = (None, "O", "C", "S", "unknown")
+#: Float dtypes a stage may hold and a capability may report (proto_spec 05 §2; 02 §4.1).
+STAGE_DTYPES = ("float32", "bfloat16", "float16")
 #: Largest byte range one `fetch` may ask for (proto_spec 05 §2).
 FETCH_MAX_BYTES = 4 * 1024 * 1024
 
@@ -118,9 +121,14 @@ class Capability(ControlFrame):
     nat_class: Optional[str] = _field(str, optional=True)
     #: why the class is "unknown" (no STUN answer ...), a sentence (issue 11 honest classes)
     nat_reason: Optional[str] = _field(str, optional=True)
-    #: the dtype the member's probe timed, and where its bandwidth figure came from (kafilad/executor/probe.py)
+    #: the dtype the member's backend runs fastest with, which its probe timed, and where its bandwidth
+    #: figure came from (kafilad/executor/probe.py; kafilad/planner/precision.py)
     dtype: Optional[str] = _field(str, optional=True)
     bandwidth_source: Optional[str] = _field(str, optional=True)
+    #: the narrower dtype it holds a stage in when the stage does not fit in `dtype` (CPU: the checkpoint's)
+    fallback_dtype: Optional[str] = _field(str, optional=True)
+    #: the MLX backend it runs on: "cpu", "metal" or "cuda" (informational)
+    backend: Optional[str] = _field(str, optional=True)
 
     @classmethod
     def from_measurement(cls, cap: dict) -> "Capability":
@@ -131,7 +139,8 @@ class Capability(ControlFrame):
         """The planner's view (DESIGN §5.1): a dict with every key present."""
         return {"memory_bytes": self.memory_bytes, "bandwidth_Bps": self.bandwidth_Bps or None,
                 "step_overhead_s": float(self.step_overhead_s or 0.0), "rendezvous_rtt_ms": self.rendezvous_rtt_ms,
-                "nat_class": self.nat_class, "dtype": self.dtype, "bandwidth_source": self.bandwidth_source}
+                "nat_class": self.nat_class, "dtype": self.dtype, "bandwidth_source": self.bandwidth_source,
+                "fallback_dtype": self.fallback_dtype, "backend": self.backend}
 
 
 @_frame("plan")
@@ -146,6 +155,8 @@ class PlanFrame(ControlFrame):
     files: list = _field(list, default=attrs.Factory(list))
     #: the plan generation (1 at formation, +1 per replan); stale ready/ring_broken frames are ignored
     epoch: Optional[int] = _field(int, optional=True)
+    #: the float dtype the member holds its stage in (the plan's `dtype`); absent: float32
+    dtype: Optional[str] = _field(str, optional=True)
 
 
 @_frame("fetch")
@@ -350,6 +361,10 @@ def decode_control(d: Any) -> "ControlFrame | UnknownFrame":
     frame = cls(**kw)
     if isinstance(frame, Capability) and frame.nat_class not in NAT_CLASSES:
         raise RemoteProtocolError(f"malformed capability frame: 'nat_class' is {_short(frame.nat_class)}")
+    for name in ("dtype", "fallback_dtype"):
+        if isinstance(frame, (Capability, PlanFrame)) and getattr(frame, name, None) not in (None, *STAGE_DTYPES):
+            raise RemoteProtocolError(f"malformed {cls.T} frame: '{name}' is {_short(getattr(frame, name))}, "
+                                      f"not one of {', '.join(STAGE_DTYPES)}")
     if isinstance(frame, Fetch) and frame.length > FETCH_MAX_BYTES:
         raise RemoteProtocolError(f"malformed fetch frame: 'length' {frame.length} exceeds {FETCH_MAX_BYTES} bytes")
     return frame

@@ -8,9 +8,14 @@ import sys
 from pathlib import Path
 
 from kafilad.executor.blas import OPENBLAS_CANDIDATES
-from kafilad.executor.probe import (available_memory_bytes, cgroup_headroom_bytes, measure_bandwidth_Bps,
+import pytest
+
+from kafilad.errors import PlanError
+from kafilad.executor.probe import (available_memory_bytes, backend_name, cgroup_headroom_bytes,
+                                    checkpoint_dtype_of, current_backend, measure_bandwidth_Bps,
                                     measure_capability, measure_stage_Bps)
-from kafilad.executor.synth import synth_config
+from kafilad.executor.synth import synth_config, synthesize_model
+from kafilad.planner.precision import backend_dtypes, stage_dtype
 
 
 def mem_total_bytes() -> int:
@@ -46,8 +51,10 @@ def test_stage_probe_on_a_config_needs_no_weights():
 
 def test_capability_report(stories260k):
     cap = measure_capability(stories260k)
-    assert set(cap) == {"memory_bytes", "bandwidth_Bps", "step_overhead_s", "dtype", "bandwidth_source"}
+    assert set(cap) == {"memory_bytes", "bandwidth_Bps", "step_overhead_s", "dtype", "fallback_dtype", "backend",
+                        "bandwidth_source"}
     assert cap["dtype"] == "float32" and cap["bandwidth_source"] == "stage"
+    assert cap["fallback_dtype"] is None and cap["backend"] == current_backend()  # an f32 checkpoint: no fallback
     assert isinstance(cap["memory_bytes"], int) and cap["memory_bytes"] > 0
     assert cap["bandwidth_Bps"] > 1e6 and cap["step_overhead_s"] >= 0.0
 
@@ -91,3 +98,62 @@ def test_this_test_process_uses_openblas_when_installed():
     installed = [p for p in OPENBLAS_CANDIDATES if p.startswith("/") and Path(p).exists()]
     if os.environ.get("KAFILA_BLAS", "openblas") == "openblas":
         assert ex.BLAS_LIBRARY == (installed[0] if installed else None)
+
+
+# ---- the dtype a member reports (issue 12 item 4; kafilad/planner/precision.py) ---------------------
+@pytest.mark.parametrize("backend, checkpoint, want", [
+    ("metal", "bfloat16", ("bfloat16", None)),
+    ("cuda", "bfloat16", ("bfloat16", None)),
+    ("metal", "float16", ("float16", None)),
+    ("cuda", "float32", ("float32", None)),
+    ("cpu", "bfloat16", ("float32", "bfloat16")),
+    ("cpu", "float16", ("float32", "float16")),
+    ("cpu", "float32", ("float32", None)),
+])
+def test_backend_dtype_rule(backend, checkpoint, want):
+    assert backend_dtypes(backend, checkpoint) == want
+
+
+def test_backend_dtype_rule_refuses_what_it_does_not_know():
+    with pytest.raises(PlanError, match="Unknown backend 'tpu'"):
+        backend_dtypes("tpu", "bfloat16")
+    with pytest.raises(PlanError, match="dtype 'int8'"):
+        backend_dtypes("cpu", "int8")
+
+
+def test_cpu_holds_float32_when_memory_allows_else_the_checkpoint_dtype():
+    dtype, fallback = backend_dtypes("cpu", "bfloat16")
+    stage = {"float32": 2000, "bfloat16": 1000}
+    assert stage_dtype(dtype, fallback, 2000, stage) == "float32"  # the f32 stage fits exactly
+    assert stage_dtype(dtype, fallback, 1999, stage) == "bfloat16"  # one byte short: the checkpoint's
+    assert stage_dtype(dtype, fallback, 999, stage) == "bfloat16"  # nothing fits: the narrower, named in refusals
+    gpu, none = backend_dtypes("metal", "bfloat16")
+    assert stage_dtype(gpu, none, 10, {"bfloat16": 1000}) == "bfloat16"  # a GPU never widens
+
+
+def test_backend_of_the_default_device():
+    assert backend_name("cpu", True) == "cpu"
+    assert backend_name("gpu", True) == "metal"
+    assert backend_name("gpu", False) == "cuda"
+    assert current_backend() in ("cpu", "metal", "cuda")
+
+
+def test_checkpoint_dtype_from_headers_admitted_frame_or_config(tmp_path):
+    bf16 = synthesize_model(tmp_path / "bf", num_hidden_layers=2, dtype="bfloat16")
+    f32 = synthesize_model(tmp_path / "f", num_hidden_layers=2)
+    assert checkpoint_dtype_of(bf16) == "bfloat16" and checkpoint_dtype_of(f32) == "float32"
+    assert checkpoint_dtype_of({"torch_dtype": "float16"}) == "float16"
+    assert checkpoint_dtype_of({"torch_dtype": "float16"}, "bfloat16") == "bfloat16"  # the host's word wins
+    assert checkpoint_dtype_of({}) == "float32"
+
+
+def test_capability_reports_and_times_the_backend_dtype(tmp_path):
+    bf16 = synthesize_model(tmp_path, num_hidden_layers=2, dtype="bfloat16")
+    gpu = measure_capability(bf16, backend="cuda")  # a CUDA member's choice (timed here on this device)
+    assert (gpu["dtype"], gpu["fallback_dtype"], gpu["backend"]) == ("bfloat16", None, "cuda")
+    assert gpu["bandwidth_source"] == "stage" and gpu["bandwidth_Bps"] > 1e6
+    cpu = measure_capability(bf16, backend="cpu")
+    assert (cpu["dtype"], cpu["fallback_dtype"]) == ("float32", "bfloat16")
+    cfg = measure_capability(synth_config("llama", num_hidden_layers=2, hidden_size=64), backend="metal",
+                             checkpoint_dtype="float16")
+    assert (cfg["dtype"], cfg["fallback_dtype"]) == ("float16", None)

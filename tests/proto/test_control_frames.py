@@ -225,7 +225,28 @@ def test_capability_from_a_measurement_keeps_known_keys_only():
     assert cap == cf.Capability(memory_bytes=1 << 30, nat_class="O", dtype="float32")
     assert cap.as_record() == {"memory_bytes": 1 << 30, "bandwidth_Bps": None, "step_overhead_s": 0.0,
                                "rendezvous_rtt_ms": None, "nat_class": "O", "dtype": "float32",
-                               "bandwidth_source": None}
+                               "bandwidth_source": None, "fallback_dtype": None, "backend": None}
+
+
+def test_capability_carries_the_dtype_its_fallback_and_backend():
+    cap = cf.Capability.from_measurement({"memory_bytes": 1 << 30, "dtype": "float32",
+                                          "fallback_dtype": "bfloat16", "backend": "cpu"})
+    back = cf.decode_control(msgpack_trip(cap.to_wire()))
+    assert back == cap
+    rec = back.as_record()
+    assert (rec["dtype"], rec["fallback_dtype"], rec["backend"]) == ("float32", "bfloat16", "cpu")
+
+
+@pytest.mark.parametrize("t, field", [("capability", "dtype"), ("capability", "fallback_dtype"), ("plan", "dtype")])
+def test_a_dtype_a_stage_cannot_hold_is_refused(t, field):
+    for good in ("float32", "bfloat16", "float16"):
+        assert getattr(cf.decode_control(wire(t, **{field: good})), field) == good
+    rejects(wire(t, **{field: "int8"}), f"malformed {t} frame: '{field}' is 'int8', not one of float32")
+
+
+def test_a_plan_frame_carries_its_stage_dtype_and_defaults_to_none():
+    assert cf.decode_control(msgpack_trip(wire("plan", dtype="bfloat16"))).dtype == "bfloat16"
+    assert cf.decode_control(msgpack_trip(wire("plan", dtype=...))).dtype is None
 
 
 # ---- property: anything a peer can send ------------------------------------------------------------
