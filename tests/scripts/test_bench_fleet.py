@@ -1,0 +1,174 @@
+"""scripts/bench_fleet.py (issue 12 item 7): its pure parts, and a --quick smoke run without cgroups.
+
+The pure parts are the fleet and argument parsing, the capability a quota stands for, reading the
+plan's predictions and the `end` frames' stage rows out of a status snapshot, the sub-fleets and
+the planner's predictions for them, and the ratios and verdicts against issue 12's targets. The
+smoke run starts real daemons and a 3-rank mlx-lm pipeline on a tiny model (no quotas: its
+ratios mean nothing; it checks that every path runs and that nothing is left behind).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "bench_fleet.py"
+_spec = importlib.util.spec_from_file_location("bench_fleet", SCRIPT)
+bf = importlib.util.module_from_spec(_spec)
+sys.modules["bench_fleet"] = bf  # dataclasses look their module up while the class is made
+_spec.loader.exec_module(bf)
+
+
+def test_parse_fleet_reads_name_quota_memory_host_first():
+    fleet = bf.parse_fleet("fast:80:900, mid:40:1300,slow:20:700")
+    assert [(m.name, m.quota_pct, m.mem_mb) for m in fleet] == [("fast", 80, 900), ("mid", 40, 1300), ("slow", 20, 700)]
+    assert fleet[0].group == "bf_fast"
+    assert bf.total_quota_cores(fleet) == pytest.approx(1.4)
+    assert bf.total_quota_cores(bf.parse_fleet("a:0:0,b:50:0")) == pytest.approx(1.5)  # unlimited counts as a core
+
+
+@pytest.mark.parametrize("text, words", [
+    ("fast:80", "NAME:QUOTA_PCT:MEM_MB"), ("fast:x:900,b:1:1", "integers"), ("fast:120:900,b:1:1", "0-100"),
+    ("fast:80:900", "at least 2"), ("a:1:1,a:2:2", "unique"), ("a-b:1:1,c:1:1", "NAME:QUOTA_PCT:MEM_MB")])
+def test_parse_fleet_refuses_malformed(text, words):
+    with pytest.raises(ValueError, match=words):
+        bf.parse_fleet(text)
+
+
+def test_parse_args_defaults_and_quick():
+    full = bf.parse_args([])
+    assert (full.tokens, full.runs, full.concurrency, full.hidden, full.layers, full.sub_fleets) == (32, 3, 6, 512, 16, 2)
+    assert full.strategy_list == ["kafila", "uniform", "memory", "load"]
+    quick = bf.parse_args(["--quick", "--tokens", "5"])
+    assert quick.tokens == 5  # an explicit value wins over --quick
+    assert (quick.runs, quick.hidden, quick.layers, quick.concurrency, quick.sub_fleets) == (1, 128, 6, 2, 0)
+    with pytest.raises(SystemExit):
+        bf.parse_args(["--strategies", "kafila,fastest"])
+    with pytest.raises(SystemExit):
+        bf.parse_args(["--runs", "0"])
+
+
+def test_scaled_capability_is_base_times_quota():
+    base = {"bandwidth_Bps": 6e9, "step_overhead_s": 2e-4, "memory_bytes": 1}
+    assert bf.scaled_capability(base, 40) == {"bandwidth_Bps": pytest.approx(2.4e9), "step_overhead_s": pytest.approx(5e-4)}
+    assert bf.scaled_capability(base, 0) == {"bandwidth_Bps": 6e9, "step_overhead_s": 2e-4}  # unlimited
+    assert bf.scaled_capability({"bandwidth_Bps": 1e9}, 50)["step_overhead_s"] == 0.0
+
+
+def _status() -> dict:
+    """A host status snapshot as kafilad/node/host.py writes it, after one request."""
+    return {
+        "plan": {"order": ["fast", "mid", "slow"], "blocks": {"fast": [0, 9], "mid": [9, 14], "slow": [14, 16]},
+                 "stage_s": {"fast": 0.020, "mid": 0.025, "slow": 0.020},
+                 "throughput": [{"users": 1, "tokens_per_s": 15.0}, {"users": 6, "tokens_per_s": 40.5}]},
+        "members": [{"name": "fast", "peer_id": "P0"}, {"name": "slow", "peer_id": "P2"}, {"name": "mid", "peer_id": "P1"}],
+        # end-frame rows: [peer_id, steps, compute_s_total, decode_stage_s_median, bytes_sent]
+        "last_generation": {"stats": [["P0", 10, 0.22, 0.021, 100], ["P1", 10, 0.30, 0.027, 100],
+                                      ["P2", 10, 0.18, 0.017, 100]]},
+    }
+
+
+def test_throughput_at_reads_the_plan_rows():
+    plan = _status()["plan"]
+    assert bf.throughput_at(plan, 1) == 15.0
+    assert bf.throughput_at(plan, 6) == 40.5
+    assert bf.throughput_at(plan, 4) is None
+    assert bf.throughput_at({}, 1) is None
+
+
+def test_stage_rows_pair_end_frame_rows_with_predictions_in_ring_order():
+    rows = bf.stage_rows(_status())
+    assert [r["name"] for r in rows] == ["fast", "mid", "slow"]
+    fast, mid, slow = rows
+    assert fast["blocks"] == [0, 9] and fast["steps"] == 10
+    assert fast["mean_s"] == pytest.approx(0.022) and fast["mean_ratio"] == pytest.approx(1.1)
+    assert mid["median_s"] == 0.027 and mid["median_ratio"] == pytest.approx(1.08)
+    assert slow["mean_ratio"] == pytest.approx(0.9)
+
+
+def test_stage_rows_without_a_generation_have_no_ratio():
+    status = _status()
+    status["last_generation"] = {}
+    rows = bf.stage_rows(status)
+    assert all(r["mean_s"] is None and r["mean_ratio"] is None and r["steps"] == 0 for r in rows)
+    assert rows[0]["predicted_s"] == 0.020
+
+
+def test_sub_fleets_are_every_proper_subset_anchor_first():
+    fleet = {"context": 512, "devices": [{"name": n} for n in ("a", "b", "c")]}
+    subs = [[d["name"] for d in s["devices"]] for s in bf.sub_fleets(fleet)]
+    assert subs == [["a"], ["b"], ["c"], ["a", "b"], ["a", "c"], ["b", "c"]]
+    assert all(s["context"] == 512 for s in bf.sub_fleets(fleet))
+
+
+def test_predict_sub_fleets_uses_the_planner_and_drops_what_does_not_fit(tmp_path):
+    model = bf.synthesize_qwen2(tmp_path / "q2", hidden=64, layers=4)
+    assert json.loads((model / "config.json").read_text())["model_type"] == "qwen2"
+    index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.3.self_attn.q_proj.bias" in index and "lm_head.weight" in index
+    gib = 1 << 30
+    fleet = {"devices": [{"name": "fast", "memory_bytes": gib, "bandwidth_Bps": 4e9},
+                         {"name": "mid", "memory_bytes": gib, "bandwidth_Bps": 2e9},
+                         {"name": "tiny", "memory_bytes": 1000, "bandwidth_Bps": 8e9}]}  # holds nothing
+    preds = bf.predict_sub_fleets(fleet, str(model), context=256)
+    names = [p["names"] for p in preds]
+    assert all("tiny" not in n for n in names)
+    assert names[0] == ["fast"]  # one user: the fastest device alone beats any ring with a slower one
+    assert set(map(tuple, names)) == {("fast",), ("mid",), ("fast", "mid")}
+    rates = [p["tokens_per_s"] for p in preds]
+    assert rates == sorted(rates, reverse=True) and rates[0] > 0
+
+
+def test_summary_ratios_and_verdicts():
+    res = {"strategies": {"kafila": {"saturated_tps": 40.0, "one_user_tps": 12.0,
+                                     "stages": [{"mean_ratio": 1.05}, {"mean_ratio": 0.92}, {"mean_ratio": None}]},
+                          "uniform": {"saturated_tps": 20.0, "one_user_tps": 9.0},
+                          "memory": {"saturated_tps": 32.0, "one_user_tps": 7.0}},
+           "load_at_1": {"one_user_tps": 16.0},
+           "sub_fleets_measured": [{"one_user_tps": 15.0}, {"one_user_tps": None}],
+           "peers": {"ring_api_decode_tps": 30.0, "mlx_lm_single_tps": 40.0, "mlx_lm_pipeline_tps": 15.0}}
+    r = bf.summary_ratios(res)
+    assert r["kafila_over_uniform_saturated"] == 2.0
+    assert r["kafila_over_memory_saturated"] == 1.25
+    assert r["load_over_uniform_saturated"] is None
+    assert r["kafila_stage_measured_over_predicted_max_dev"] == pytest.approx(0.08)
+    assert r["one_user_load_at_1_over_best_sub_fleet"] == pytest.approx(16 / 15)
+    assert r["one_user_kafila_full_fleet_over_best_sub_fleet"] == pytest.approx(12 / 15)
+    assert r["ring_api_over_mlx_lm_single"] == 0.75
+    assert r["ring_api_over_mlx_lm_pipeline"] == 2.0
+    v = bf.verdicts(r)
+    assert v["kafila_over_uniform_saturated"] == "met"
+    assert v["kafila_over_memory_saturated"] == "not met"
+    assert v["kafila_stage_measured_over_predicted_max_dev"] == "met"
+    assert v["ring_api_over_mlx_lm_single"] == "not met"
+    assert bf.verdicts({})["ring_api_over_mlx_lm_pipeline"] == "not measured"
+
+
+def test_ratio_handles_missing_values():
+    assert bf.ratio(3.0, 2.0) == 1.5
+    assert bf.ratio(None, 2.0) is None and bf.ratio(1.0, None) is None and bf.ratio(1.0, 0.0) is None
+
+
+@pytest.mark.slow
+def test_quick_smoke_run_without_cgroups(tmp_path):
+    out = tmp_path / "res.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--no-cgroups", "--strategies", "kafila,uniform",
+                           "--json", str(out)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["strategies"]) == {"kafila", "uniform"}
+    for rec in res["strategies"].values():
+        assert rec["saturated_tps"] > 0 and rec["one_user_tps"] > 0
+        assert [r["name"] for r in rec["stages"]] == rec["plan"]["order"]
+        assert all(r["steps"] >= 2 and r["mean_s"] > 0 for r in rec["stages"])
+    peers = res["peers"]
+    assert peers["mlx_lm_pipeline"]["tokens"] == 8 and peers["mlx_lm_pipeline_tps"] > 0
+    assert peers["mlx_lm_single_tps"] > 0 and peers["ring_api_decode_tps"] > 0
+    assert res["ratios"]["kafila_over_uniform_saturated"] > 0
+    assert "ratios measured in this run" in proc.stdout
