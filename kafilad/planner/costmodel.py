@@ -31,6 +31,12 @@ Resident bytes (all tiers, DESIGN §5.1):
 working(j) is the prefill/decode working memory of kafilad.planner.workmem (0 when the profile
 has no shape); it does not depend on [a, b), so resident bytes stay monotone in b.
 
+Per-device precision (kafilad.planner.precision): given the model's profile per dtype, every
+byte term of device j (block_bytes, head bytes, KV bytes and working memory) is that of the dtype
+j holds [a, b) in: its own `dtype` when resident() in it fits, else its `fallback_dtype`. Its
+stage time is always that of its own `dtype` (the one its bandwidth was timed in). `fits` is "some
+dtype of j fits" and `overflow_bytes` the least shortfall over j's dtypes; both stay monotone.
+
 Pure: no I/O. Cost is non-decreasing in b and non-increasing in a, which the exact partition
 (kafilad.planner.partition) relies on.
 """
