@@ -595,7 +595,8 @@ class HostSession(HostRequests):
         if sched is None:
             return None
         return {**sched.policy.snapshot(), "decode_steps": sched.decode_steps, "decode_rows": sched.decode_rows,
-                "max_batch_rows": sched.max_batch_rows, "max_steps_in_flight": sched.max_steps_in_flight}
+                "max_batch_rows": sched.max_batch_rows, "max_steps_in_flight": sched.max_steps_in_flight,
+                "stalls": list(self.ring.stalls)}
 
     async def close(self, reason: str = "the host closed the session") -> None:
         """End the session for everyone, for good: members are told (they forget it), requests fail with `reason`."""

@@ -61,8 +61,9 @@ import trio
 from kafilad.errors import GenerationCancelled, GenerationError, RemoteProtocolError
 from kafilad.node.link import Link, LinkClosed
 from kafilad.proto.sampling import Sampling
-from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, EmitToken, EndRequest, EndReturned, FinishRequest,
-                                    HeadScheduler, PassFailed, PassReturned, Request, RequestArrived,
+from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, PROGRESS_FACTOR, PROGRESS_FLOOR_S, EmitToken, EndRequest,
+                                    EndReturned, FinishRequest, HeadScheduler, PassFailed, PassReturned,
+                                    PassTimedOut, Request, RequestArrived,
                                     RequestCancelled, RingBroken, SampleTokens, SendDecodeStep, SendPrefillChunk,
                                     StageStats, TokensSampled)
 from kafilad.node.step_policy import StepPolicy
@@ -80,6 +81,8 @@ BATCH_ENV = "KAFILA_BATCH"
 MICRO_BATCHES_ENV = "KAFILA_MICRO_BATCHES"
 #: cancels remembered for requests not yet started (a remote head's race, `cancel(before_start=True)`)
 EARLY_CANCELS = 64
+#: how often the head's ring loop checks the progress deadline when no frame arrives (s)
+PROGRESS_CHECK_S = 0.5
 #: put in the inbox by `fail_all` to wake the ring loop, which then drops every KV cache.
 _WAKE: dict = {"t": "wake"}
 
@@ -177,6 +180,8 @@ class RingMember:
         self.next_is_head = head
         self.prev_name: str = "?"
         self.next_name: str = "?"
+        self.ring_names: list[str] = []  # every member's name in ring order, head first (attach_ring)
+        self.stalls: list[dict] = []  # head: the last passes failed by the progress deadline, for status
         self._inbox_send, self._inbox_recv = trio.open_memory_channel(INBOX_FRAMES)
         self.scheduler: Optional[HeadScheduler] = None
         if head:
@@ -264,10 +269,22 @@ class RingMember:
             return await run_on_mlx_thread(timed)
 
     async def run(self) -> None:
-        """Process the inbox until cancelled."""
-        async for frame in self._inbox_recv:
+        """Process the inbox until cancelled; on the head, check the progress deadline every
+        PROGRESS_CHECK_S (kafilad/node/scheduler.py `HeadScheduler.overdue`)."""
+        while True:
+            frame = _WAKE
+            try:
+                if self.scheduler is None:
+                    frame = await self._inbox_recv.receive()
+                else:
+                    with trio.move_on_after(PROGRESS_CHECK_S):
+                        frame = await self._inbox_recv.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return
             if frame is not _WAKE:
                 await self._on_frame(frame)
+            if self.scheduler is not None and not self.broken:
+                await self._check_progress()
             while self._cancels and self.scheduler is not None:
                 req, reason = self._cancels.popitem()
                 await self._execute(self.scheduler.handle(RequestCancelled(req, reason)))
@@ -292,6 +309,22 @@ class RingMember:
         except GenerationError as e:
             if self.scheduler is not None:
                 await self._execute(self.scheduler.handle(PassFailed(tuple(_frame_reqs(frame)), str(e))))
+
+    async def _check_progress(self) -> None:
+        """Fail the rows of every pass past its progress deadline with a sentence (issue 11)."""
+        for o in self.scheduler.overdue(time.perf_counter()):
+            ring = " → ".join(self.ring_names + self.ring_names[:1]) if self.ring_names else "of this session"
+            basis = (f"{PROGRESS_FACTOR:g}x the measured {o.expected_s * 1e3:.0f} ms per pass"
+                     if o.expected_s is not None else "no pass of this kind was measured yet")
+            who = ", ".join(o.reqs)
+            reason = (f"Request {who} made no progress for {o.waited_s:.1f} s: its {o.kind} did not come back "
+                      f"round the ring {ring} within {o.bound_s:.1f} s ({basis}, at least {PROGRESS_FLOOR_S:g} s). "
+                      "A ring edge stalled without closing; `kafila-ctl status` shows each edge's path.")
+            log.warning("ring: %s", reason)
+            self.stalls.append({"reqs": list(o.reqs), "kind": o.kind, "waited_s": round(o.waited_s, 3),
+                                "bound_s": round(o.bound_s, 3), "at": time.time()})
+            del self.stalls[:-8]
+            await self._execute(self.scheduler.handle(PassTimedOut(o.reqs, reason)))
 
     # ---- every member ---------------------------------------------------------------------
     async def _on_act(self, frame: dict) -> None:

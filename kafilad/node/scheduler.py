@@ -63,6 +63,13 @@ from kafilad.node.step_policy import StepPolicy
 
 #: mlx-lm's generate_step default prefill chunk (tokens); the head splits prompts by it.
 PREFILL_STEP_TOKENS = 2048
+#: progress deadline (issue 11; proto_spec 05 §3): a pass may take this many times its expected
+#: circuit (measured: a decode pass's moving average, a prefill chunk's tokens x the measured
+#: seconds per prefill token) before its requests fail, but never less than PROGRESS_FLOOR_S
+PROGRESS_FACTOR = 20.0
+PROGRESS_FLOOR_S = 10.0
+#: a prefill chunk's bound before any prefill was measured: this much per token (s), over the floor
+PROGRESS_COLD_S_PER_TOKEN = 0.05
 
 
 def prefill_chunks(ids: Iterable[int], step_tokens: int = PREFILL_STEP_TOKENS) -> list[tuple[int, ...]]:
@@ -166,13 +173,36 @@ class PassFailed:
 
 
 @attrs.frozen
+class PassTimedOut:
+    """The pass carrying `reqs` did not come back within its progress deadline (`HeadScheduler.overdue`);
+    `reason` is the sentence its requests fail with."""
+
+    reqs: tuple[str, ...]
+    reason: str
+
+
+@attrs.frozen
 class RingBroken:
     """The ring cannot serve (a link or member was lost); `reason` names the member."""
 
     reason: str
 
 
-Event = Union[RequestArrived, PassReturned, TokensSampled, EndReturned, RequestCancelled, PassFailed, RingBroken]
+Event = Union[RequestArrived, PassReturned, TokensSampled, EndReturned, RequestCancelled, PassFailed, PassTimedOut,
+              RingBroken]
+
+
+@attrs.frozen
+class Overdue:
+    """A pass out longer than its progress deadline: its rows, `kind` ("decode step", "prefill chunk of
+    N tokens"), how long it has been out and the bound (s), and the expected circuit it is based on
+    (s, None before any was measured)."""
+
+    reqs: tuple[str, ...]
+    kind: str
+    waited_s: float
+    bound_s: float
+    expected_s: Optional[float]
 
 
 # ---- actions (scheduler → driver), executed in order ----------------------------------------
@@ -247,6 +277,7 @@ class Request:
     generated: list = attrs.field(factory=list)  # token ids streamed (EOS excluded)
     first_token_s: Optional[float] = None
     pass_started_s: float = 0.0
+    pass_tokens: int = 0  # tokens its pass out carries (a prefill chunk's length; 1 for decode)
     circuit_s: list = attrs.field(factory=list)  # one per pass: its start (or last sample) to its return
     hop_compute_s: dict = attrs.field(factory=dict)  # peer_id -> [decode compute_s]
     batch_rows: list = attrs.field(factory=list)  # B of every lockstep step it took part in
@@ -331,6 +362,9 @@ class HeadScheduler:
         self._last_order: dict[int, tuple[str, ...]] = {}  # group -> its previous step's rows
         self._group_of: dict[str, int] = {}  # request -> the group of its last step
         self._overlapped: set[int] = set()  # groups whose step shared the ring with another step
+        self._decode_circuit_s: Optional[float] = None  # moving average of a decode pass's circuit
+        self._prefill_s_per_token: Optional[float] = None  # the slowest prefill seconds per token seen
+        self._timed_out: set[tuple[str, ...]] = set()  # passes reported by `overdue`
 
     @property
     def decode_in_flight(self) -> Optional[tuple[str, ...]]:
@@ -386,6 +420,7 @@ class HeadScheduler:
         ids = rec.pending_prefill.pop(0)
         self._enter(rec, Phase.PREFILLING)
         rec.pass_started_s = now_s
+        rec.pass_tokens = len(ids)
         return SendPrefillChunk(rec.req, tuple(ids), sample=not rec.pending_prefill)
 
     def _on_returned(self, ev: PassReturned) -> list[Action]:
@@ -415,6 +450,7 @@ class HeadScheduler:
                 actions.append(self._end(rec))
                 continue
             rec.circuit_s.append(ev.now_s - rec.pass_started_s)
+            self._note_circuit(rec, ev.now_s, group)
             if rec.generated:  # decode passes only: a prefill pass carries more tokens
                 for pid, dt in ev.hops:
                     rec.hop_compute_s.setdefault(pid, []).append(dt)
@@ -474,6 +510,68 @@ class HeadScheduler:
             rec.pass_started_s = now_s
             out.append(SendDecodeStep((rec.req,), (token,)))
         return out
+
+    # ---- progress deadline --------------------------------------------------------------------
+    def _note_circuit(self, rec: Request, now_s: float, group: Optional[int]) -> None:
+        """Fold a returned pass into the expected circuits (decode: from its sending; prefill: per token)."""
+        if rec.phase is Phase.DECODING or rec.pass_tokens <= 1:
+            sent = self._sent_s.get(group, rec.pass_started_s) if group is not None else rec.pass_started_s
+            x = max(0.0, now_s - sent)
+            self._decode_circuit_s = x if self._decode_circuit_s is None else self._decode_circuit_s + 0.2 * (
+                x - self._decode_circuit_s)
+        else:
+            x = max(0.0, now_s - rec.pass_started_s) / rec.pass_tokens
+            self._prefill_s_per_token = x if self._prefill_s_per_token is None else max(x, self._prefill_s_per_token)
+
+    def overdue(self, now_s: float) -> list[Overdue]:
+        """Passes out longer than their progress deadline (module constants), each reported once.
+
+        A decode step's rows are one pass; a prefill chunk or a per-request decode pass is its
+        request's. The driver fails them with `PassTimedOut`.
+        """
+        out: list[Overdue] = []
+        seen: set[str] = set()
+        for group, rows in self._steps.items():
+            if group in self._returned_s or rows in self._timed_out:
+                continue
+            seen.update(rows)
+            out += self._check(rows, "decode step", now_s - self._sent_s.get(group, now_s), self._decode_circuit_s)
+        for rec in self.requests.values():
+            if rec.req in seen or rec.phase not in (Phase.PREFILLING, Phase.DECODING) or (rec.req,) in self._timed_out:
+                continue
+            if rec.phase is Phase.DECODING or rec.pass_tokens <= 1:
+                out += self._check((rec.req,), "decode step" if rec.generated else "first token",
+                                   now_s - rec.pass_started_s, self._decode_circuit_s)
+            else:
+                per = self._prefill_s_per_token
+                out += self._check((rec.req,), f"prefill chunk of {rec.pass_tokens} tokens", now_s - rec.pass_started_s,
+                                   None if per is None else per * rec.pass_tokens,
+                                   cold_s=PROGRESS_COLD_S_PER_TOKEN * rec.pass_tokens)
+        for o in out:
+            self._timed_out.add(o.reqs)
+        return out
+
+    @staticmethod
+    def _check(reqs, kind, waited_s, expected_s, cold_s: float = 0.0) -> list[Overdue]:
+        bound = max(PROGRESS_FLOOR_S, cold_s if expected_s is None else PROGRESS_FACTOR * expected_s)
+        return [Overdue(tuple(reqs), kind, waited_s, bound, expected_s)] if waited_s > bound else []
+
+    def _on_timed_out(self, ev: PassTimedOut) -> list[Action]:
+        """Fail the rows of a pass that did not come back: each ends (its `end` follows the lost pass on
+        the same edges, freeing the members' caches if the pass ever arrives) and finishes at once."""
+        actions: list[Action] = []
+        self._timed_out.discard(tuple(ev.reqs))
+        group = self._group_by_rows(ev.reqs)
+        for r in ev.reqs:
+            rec = self.requests.get(r)
+            if rec is None or rec.phase not in (Phase.PREFILLING, Phase.DECODING):
+                continue
+            rec.error = rec.error or ev.reason
+            actions += [self._end(rec), self._finish(rec, ev.reason)]
+        if group is not None:
+            self._free(group)
+            actions += self._next_steps()
+        return actions
 
     def _group_by_rows(self, reqs: tuple[str, ...]) -> Optional[int]:
         for g, rows in self._steps.items():
@@ -589,5 +687,6 @@ _HANDLERS = {
     EndReturned: HeadScheduler._on_end_returned,
     RequestCancelled: HeadScheduler._on_cancelled,
     PassFailed: HeadScheduler._on_failed,
+    PassTimedOut: HeadScheduler._on_timed_out,
     RingBroken: HeadScheduler._on_broken,
 }

@@ -236,6 +236,7 @@ def attach_ring(ring: RingMember, *, nursery, me: str, ring_order: list[str], na
     ring.prev_name = names[ring_order[(i - 1) % len(ring_order)]]
     if ring.scheduler is not None:  # the head: micro-batches in flight never exceed the stages (step_policy.py)
         ring.scheduler.policy.stages = len(ring_order)
+    ring.ring_names = [names.get(p, p) for p in ring_order]
     nursery.start_soon(ring.run)
     nursery.start_soon(watch, ring)
     if prev_link is not None:

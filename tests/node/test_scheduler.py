@@ -476,3 +476,43 @@ def check_invariants(ring: Ring) -> None:
         assert out == (1 if rec.phase in (Phase.PREFILLING, Phase.DECODING) else 0), (req, rec.phase)
         assert (req in sched.decode_ready) == (rec.phase is Phase.DECODE_READY)
         assert rec.phase is not Phase.SAMPLING  # the ring samples at once
+
+
+# ---- progress deadline ------------------------------------------------------------------------
+def test_a_step_that_does_not_return_within_its_deadline_fails_its_rows_and_the_others_go_on():
+    from kafilad.node.scheduler import PROGRESS_FACTOR, PROGRESS_FLOOR_S, PassTimedOut
+
+    ring = Ring(HeadScheduler(batching=True, policy=StepPolicy(stages=3, pinned=2)))
+    for r in "abc":
+        ring.feed(arrive(r, [1], max_tokens=50, now_s=ring.now_s))
+    for _ in range(3):
+        ring.deliver()  # a, b sampled: steps (a,) in group 0, (b,) in group 1; c waits
+    assert ring.sched.overdue(ring.now_s) == []
+    lost = ring.wire.popleft()  # (a,) is lost on an edge that went silent
+    assert lost[1] == ("a",)
+    sent_s = ring.sched._sent_s[0]
+    for _ in range(20):  # b and c go on, returning 1 s per pass
+        ring.deliver()
+    expected = ring.sched._decode_circuit_s
+    bound = max(PROGRESS_FLOOR_S, PROGRESS_FACTOR * expected)
+    assert ring.sched.overdue(sent_s + bound - 0.01) == []
+    (o,) = ring.sched.overdue(sent_s + bound + 1.0)
+    assert (o.reqs, o.kind, o.bound_s) == (("a",), "decode step", pytest.approx(bound))
+    assert ring.sched.overdue(sent_s + bound + 2.0) == []  # reported once
+    actions = ring.feed(PassTimedOut(o.reqs, "Request a made no progress."))
+    assert [type(a).__name__ for a in actions][:2] == ["EndRequest", "FinishRequest"]
+    assert ring.finished["a"] == ["Request a made no progress."] and "a" not in ring.sched.requests
+    ring.drain()
+    assert ring.finished["b"] == [None] and ring.finished["c"] == [None] and len(ring.emitted["b"]) == 50
+
+
+def test_a_prefill_chunk_is_bounded_by_its_tokens_before_and_after_measurement():
+    from kafilad.node.scheduler import PROGRESS_COLD_S_PER_TOKEN, PROGRESS_FLOOR_S
+
+    s = HeadScheduler(batching=True, prefill_step_tokens=1000)
+    s.handle(arrive("p", list(range(1, 2502)), now_s=0.0))  # chunks of 1000, 1000, 500, then 1
+    cold = max(PROGRESS_FLOOR_S, 1000 * PROGRESS_COLD_S_PER_TOKEN)
+    assert s.overdue(cold - 0.1) == []
+    s.handle(back(["p"], sample=False, now_s=2.0))  # 2 ms a token measured; the next chunk goes at 2.0
+    (o,) = s.overdue(2.0 + max(PROGRESS_FLOOR_S, 20 * 2.0) + 0.5)
+    assert o.kind == "prefill chunk of 1000 tokens" and o.expected_s == pytest.approx(2.0)
