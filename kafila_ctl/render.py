@@ -79,6 +79,17 @@ def status_renderable(snap: dict):
     if lg.get("decode_tokens_per_s"):
         head.append(f"\nlast generation: {lg['decode_tokens_per_s']:.1f} tokens/s decode, "
                     f"ttft {_ms(lg.get('ttft_s'))} ms")
+    sched = snap.get("schedule") or {}
+    if sched.get("decode_steps"):
+        head.append(f"\ndecode: {sched.get('micro_batches', 1)} micro-batch"
+                    f"{'es' if sched.get('micro_batches', 1) > 1 else ''} in flight"
+                    f"{' (pinned)' if sched.get('pinned') else ''}, {sched['decode_steps']} steps, "
+                    f"up to {sched.get('max_batch_rows', 0)} rows")
+    for stall in (sched.get("stalls") or [])[-3:]:
+        head.append(f"
+ring stalled {time.strftime('%H:%M:%S', time.localtime(stall.get('at', 0)))}: "
+                    f"{stall.get('kind')} of {', '.join(stall.get('reqs') or [])} not back after "
+                    f"{stall.get('waited_s', 0):.1f} s (deadline {stall.get('bound_s', 0):.1f} s)", style="red")
     members = snap.get("members") or []
     if snap.get("role") == "host" and members and not any(m.get("nat_class") for m in members) \
             and all(m.get("capability") for m in members):

@@ -56,3 +56,12 @@ def test_hint_when_no_member_has_a_nat_class():
     out = render({**SNAPSHOT, "members": members})
     assert "NAT classes unknown: the rendezvous serves no STUN" in out
     assert "NAT classes unknown" not in render(SNAPSHOT)
+
+
+def test_schedule_and_ring_stalls_are_shown():
+    sched = {"micro_batches": 2, "pinned": None, "decode_steps": 120, "max_batch_rows": 3,
+             "stalls": [{"reqs": ["r7"], "kind": "decode step", "waited_s": 10.4, "bound_s": 10.0, "at": 0}]}
+    out = render({**SNAPSHOT, "schedule": sched})
+    assert "decode: 2 micro-batches in flight, 120 steps, up to 3 rows" in out
+    assert "decode step of r7 not back after 10.4 s (deadline 10.0 s)" in out
+    assert "micro-batch" not in render(SNAPSHOT)
