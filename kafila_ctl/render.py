@@ -86,8 +86,7 @@ def status_renderable(snap: dict):
                     f"{' (pinned)' if sched.get('pinned') else ''}, {sched['decode_steps']} steps, "
                     f"up to {sched.get('max_batch_rows', 0)} rows")
     for stall in (sched.get("stalls") or [])[-3:]:
-        head.append(f"
-ring stalled {time.strftime('%H:%M:%S', time.localtime(stall.get('at', 0)))}: "
+        head.append(f"\nring stalled {time.strftime('%H:%M:%S', time.localtime(stall.get('at', 0)))}: "
                     f"{stall.get('kind')} of {', '.join(stall.get('reqs') or [])} not back after "
                     f"{stall.get('waited_s', 0):.1f} s (deadline {stall.get('bound_s', 0):.1f} s)", style="red")
     members = snap.get("members") or []
