@@ -1,0 +1,134 @@
+"""Parts of the ring driver that hold no ring state (kafilad/node/ring.py re-exports them).
+
+The environment switches of the head's schedule (`KAFILA_BATCH`, `KAFILA_MICRO_BATCHES`), a
+generation's `RequestState` as `RingMember.generate` returns it, the one MLX worker thread
+(`run_on_mlx_thread`, DESIGN §6) and small helpers of the driver.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import attrs
+import trio
+
+from kafilad.node.scheduler import Request
+from kafilad.proto.sampling import Sampling
+
+#: environment switch: "0" decodes every request in its own passes (no batching).
+BATCH_ENV = "KAFILA_BATCH"
+#: environment switch: pin the decode micro-batches in flight (kafilad/node/step_policy.py)
+MICRO_BATCHES_ENV = "KAFILA_MICRO_BATCHES"
+
+def pinned_micro_batches(environ=os.environ) -> Optional[int]:
+    """`KAFILA_MICRO_BATCHES=N` pins the decode micro-batches in flight (N ≥ 1); unset: chosen from
+    measured stage times (kafilad/node/step_policy.py).
+
+    Raises:
+        ValueError: a value that is not a positive integer (the daemon refuses to start with it).
+    """
+    raw = environ.get(MICRO_BATCHES_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{MICRO_BATCHES_ENV} must be a positive integer, not {raw!r}.")
+    return n
+
+
+def batching_enabled(environ=os.environ) -> bool:
+    """Whether decode steps are batched (the default) or per request (`KAFILA_BATCH=0`)."""
+    return environ.get(BATCH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _record_view(name: str) -> property:
+    return property(lambda self: getattr(self.record, name), doc=f"The scheduler record's `{name}`.")
+
+
+@attrs.define(eq=False)
+class RequestState:
+    """A generation at the head, as `RingMember.generate` returns it.
+
+    `text` is what was streamed (the detokenized `generated`); the statistics (`circuit_s`,
+    `end_stats`, ...) are read from the scheduler's record (kafilad/node/scheduler.py `Request`).
+    """
+
+    req: str
+    detok: object
+    events: trio.MemorySendChannel
+    record: Optional[Request] = None
+    text: str = ""
+    done: trio.Event = attrs.field(factory=trio.Event)
+    #: why the request was ended early (its client left or read too slowly), else None
+    cancelled: Optional[str] = None
+    #: tokens it had produced when it was ended early
+    cancelled_at_tokens: Optional[int] = None
+    #: it was ended through `RingMember.cancel` (its caller asked), not for a failing stream
+    cancel_requested: bool = False
+
+    prompt_ids = _record_view("prompt_ids")
+    max_tokens = _record_view("max_tokens")
+    temperature = _record_view("temperature")
+    generated = _record_view("generated")
+    started_s = _record_view("started_s")
+    first_token_s = _record_view("first_token_s")
+    circuit_s = _record_view("circuit_s")
+    hop_compute_s = _record_view("hop_compute_s")
+    batch_rows = _record_view("batch_rows")
+    end_stats = _record_view("end_stats")
+    error = _record_view("error")
+
+
+_mlx_pool: Optional[ThreadPoolExecutor] = None
+
+
+async def run_on_mlx_thread(fn, *args):
+    """Run `fn(*args)` on this process's one MLX worker thread, off the trio thread (DESIGN §6).
+
+    MLX binds a lazy array to a stream of the thread that built it ("There is no Stream(cpu, N)
+    in current thread" when another thread evaluates it), and a StageRunner leaves lazy cache
+    state behind (BatchKVCache `filter` on `drop`, `extract` when a request leaves a batch). All
+    runner calls therefore run on one thread. Waits uncancellably, as `trio.to_thread.run_sync`.
+    """
+    global _mlx_pool
+    if _mlx_pool is None:
+        _mlx_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kafila-mlx")
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+
+    def wake(_fut) -> None:
+        try:
+            token.run_sync_soon(done.set)
+        except trio.RunFinishedError:
+            pass
+    fut = _mlx_pool.submit(fn, *args)
+    fut.add_done_callback(wake)
+    with trio.CancelScope(shield=True):
+        await done.wait()
+    return fut.result()
+
+
+def _recent(rec: Request, n: int) -> list[int]:
+    """The last `n` ids of the request's prompt and generated tokens (what its penalties read)."""
+    gen = rec.generated
+    if len(gen) >= n:
+        return list(gen[-n:])
+    return list(rec.prompt_ids[len(rec.prompt_ids) - (n - len(gen)):] if n - len(gen) < len(rec.prompt_ids)
+                else rec.prompt_ids) + list(gen)
+
+
+def _plain(rec: Optional[Request]) -> Sampling:
+    """The Sampling of a row whose request gave only a temperature (or that ended meanwhile)."""
+    return Sampling(temperature=rec.temperature if rec is not None else 0.0)
+
+
+def _frame_reqs(frame: dict) -> list[str]:
+    """The request ids an `act` or `end` frame carries, in row order (proto_spec 05 §3)."""
+    if "reqs" in frame:
+        return [str(r) for r in frame["reqs"]]
+    return [frame["req"]] if frame.get("req") is not None else []
