@@ -27,12 +27,20 @@ outcome is noted on the edge's :class:`EdgeRecord` (§6). The life of one edge (
 Noise, falling back to the relay, re-probing, the make-before-break switch) is
 :class:`kafilad.node.edge.RingEdge`.
 
+A re-probe between C and S or S and S searches by birthday probing instead (§7b,
+kafilad/node/birthday.py): the S end's extra sockets and the C end's port sweep; the pair found is
+a (socket, remote) pair, and its ICE agent and QUIC connection live on that socket's endpoint,
+which :meth:`PathManager.release` closes with the path. Classification (§1) and the datagram size
+search (§4a) live in kafilad/node/pathclass.py and kafilad/node/pathsize.py (bases of PathManager).
+
 Environment (read when used, so each daemon can differ):
 
 - ``KAFILA_DIRECT=0``: relay every edge (benchmarks, debugging).
 - ``KAFILA_UDP_BIND=IP`` or ``IP:PORT``: where the daemon's one UDP socket binds (default
   ``0.0.0.0``, any port).
-- ``KAFILA_REPROBE_S``: first re-probe delay of a relayed edge in seconds (default 10).
+- ``KAFILA_REPROBE_S``: first re-probe delay of a relayed edge in seconds (default 10; a C–S or
+  S–S edge's first re-probe runs at once, §7b).
+- ``KAFILA_BIRTHDAY=0``: no birthday search (C–S and S–S re-probes run ordinary checks).
 - ``KAFILA_TEST_DROP_CHECKS=N`` (test hook, default 0): this daemon ignores every datagram
   addressed to the connectivity checks of attempts ``try < N`` of every edge, as a firewall
   dropping the peer's UDP would, so those attempts fail honestly (no answer within the check

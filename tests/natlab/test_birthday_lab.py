@@ -156,6 +156,12 @@ def test_a_c_s_session_relays_then_goes_direct_by_birthday_probing(natlab):
         trace = cluster.call(0, "trace")
         gen = [ev for ev in trace if ev["event"] == "generation"][-1]
         assert set(gen["path"].values()) == {"direct"}
+        # the host's own path events: its search (probes, time) and the upgrade it made
+        searches = [ev for ev in trace if ev["event"] == "path" and ev["path_event"] == "birthday"]
+        assert searches and all(ev["probes"] > 0 and ev["search_s"] < 10.0 for ev in searches), searches
+        assert any(ev["ok"] for ev in searches), searches
+        upgrades = [ev for ev in trace if ev["event"] == "path" and ev["path_event"] == "edge_upgraded"]
+        assert upgrades and all(ev["via"] == "birthday" and ev["direct_after_s"] < 10.0 for ev in upgrades), upgrades
         print("C,S session: " + "; ".join(f"{e['from']}->{e['to']} direct_after_s={e['direct_after_s']} "
                                           f"birthday={e['birthday']}" for e in edges))
     finally:
