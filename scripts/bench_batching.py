@@ -1,20 +1,20 @@
 #!/usr/bin/env python3
-"""Benchmark: batched decode vs per-request passes round a 3-daemon ring, in one run (DESIGN §6, §8, §9.4).
+"""Benchmark: the decode schedules round a 3-daemon ring, in one run (DESIGN §6, §8, §9.4).
 
-Two loopback clusters serve the same synthesised model with a few-ms stage: one with batched
-decode (the default) and one with `KAFILA_BATCH=0` (every request decodes in its own passes,
-pipelined round the ring). Each serves 1 and then K concurrent requests (different prompts);
-aggregate tokens/s = all generated tokens / wall time from the first request's start to the last
-one's end (prefill included; prompts are short). Reports the median of --runs timed rounds after
-one discarded cold round, and prints the ratios batched / per-request. Each cluster plans from
-its own capability probes, so the two plans may differ a little; both are printed.
+One loopback cluster per mode serves the same synthesised model with a few-ms stage. Each serves
+1 and then K concurrent requests (different prompts); aggregate tokens/s = all generated tokens /
+wall time from the first request's start to the last one's end (prefill included; prompts are
+short). Reports the median of --runs timed rounds after one discarded cold round, and prints the
+ratios between modes and K / 1 within each. Each cluster plans from its own capability probes,
+so the plans may differ a little; all are printed.
 
-Measured on the 2-core dev VM (hidden 512, 8 layers, 3 daemons, 48 tokens): 1 concurrent 0.95x
-(the same code path: a lone request decodes in single acts), 4 concurrent 2.16x (118.5 vs 54.8
-tokens/s; batched 4/1 = 2.87x, per-request 4/1 = 1.26x).
+Modes (--modes, the first is compared with the others): `auto` (the default schedule: decode
+micro-batches chosen by kafilad/node/step_policy.py), `lockstep` (KAFILA_MICRO_BATCHES=1),
+`per-request` (KAFILA_BATCH=0: every request its own passes, pipelined), `micro3`
+(KAFILA_MICRO_BATCHES=3). Results: docs/performance.md "Serving schedule".
 
     python scripts/bench_batching.py [--concurrency 4] [--tokens 48] [--runs 4]
-        [--hidden 512] [--layers 8] [--members 3]
+        [--hidden 512] [--layers 8] [--members 3] [--modes auto,lockstep,per-request]
 """
 
 from __future__ import annotations
@@ -83,12 +83,15 @@ def main() -> int:
                 rates[(mode, n)] = statistics.median(samples)
                 print(f"[{mode}] {n} concurrent: {rates[(mode, n)]:.1f} tokens/s aggregate "
                       f"(rounds: {', '.join(f'{s:.1f}' for s in samples)})")
-            st = c.call(0, "status")
-            if st.get("schedule"):
-                print(f"[{mode}] schedule: {st['schedule']}")
-            gen = st.get("last_generation") or {}
-            stages = {s[0]: round(s[3] * 1e3, 2) for s in gen.get("stats", [])}
-            print(f"[{mode}] last request's measured decode stage ms by peer: {stages}")
+                st = c.call(0, "status")
+                gen = st.get("last_generation") or {}
+                stages = {s[0]: round(s[3] * 1e3, 2) for s in gen.get("stats", [])}
+                print(f"[{mode}] {n} concurrent: the last request's median decode stage ms by peer: {stages}")
+            sched = st.get("schedule") or {}
+            if sched:
+                print(f"[{mode}] schedule: M={sched.get('micro_batches')} (most in flight "
+                      f"{sched.get('max_steps_in_flight')}), trials {sched.get('trials')}, "
+                      f"steps {sched.get('decode_steps')}, rows {sched.get('decode_rows')}")
     names = args.modes.split(",")
     for n in (1, k):
         for other in names[1:]:
