@@ -437,7 +437,7 @@ class HostSession(HostRequests):
                                      bandwidth_Bps=e.capability.get("bandwidth_Bps"),
                                      step_overhead_s=float(e.capability.get("step_overhead_s") or 0.0),
                                      nat_class=e.capability.get("nat_class"),
-                                     rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"),
+                                     rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"), batch_row_cost=e.capability.get("batch_row_cost"),
                                      dtype=e.capability.get("dtype"), fallback_dtype=e.capability.get("fallback_dtype"))
                               for e in order]
         try:  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
