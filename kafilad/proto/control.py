@@ -11,8 +11,8 @@ frame closes that link", DESIGN §7). Unknown keys are ignored (forward compatib
 host -> member  Pending                         unknown key, held for `kafila-ctl admit`
 host -> member  Denied(reason)                  then the link closes
 host -> member  Admitted(session_id, model_id, config, dtype, context, concurrency, name)
-member -> host  Capability(memory_bytes, bandwidth_Bps?, step_overhead_s?, rendezvous_rtt_ms?, nat_class?,
-                           dtype?, fallback_dtype?, backend?)
+member -> host  Capability(memory_bytes, bandwidth_Bps?, step_overhead_s?, batch_row_cost?, rendezvous_rtt_ms?,
+                           nat_class?, dtype?, fallback_dtype?, backend?)
 host -> member  PlanFrame(plan, ring, roster, start, end, head, tensors, files, epoch?, dtype?)
 member -> host  Fetch(id, file, offset, length)
 host -> member  Data(id, data) | FetchError(id, reason)
@@ -56,11 +56,13 @@ def _is(value: Any, kind) -> bool:
     return isinstance(value, kind)
 
 
-def _field(kind, *, optional: bool = False, minimum: Optional[float] = None, default=attrs.NOTHING):
-    """An attrs field carrying its wire type for :func:`decode_control`."""
+def _field(kind, *, optional: bool = False, minimum: Optional[float] = None, maximum: Optional[float] = None,
+           default=attrs.NOTHING):
+    """An attrs field carrying its wire type and bounds for :func:`decode_control`."""
     if optional and default is attrs.NOTHING:
         default = None
-    return attrs.field(default=default, metadata={"kind": kind, "optional": optional, "minimum": minimum})
+    return attrs.field(default=default, metadata={"kind": kind, "optional": optional, "minimum": minimum,
+                                                  "maximum": maximum})
 
 
 class ControlFrame:
@@ -117,6 +119,9 @@ class Capability(ControlFrame):
     memory_bytes: int = _field(int, minimum=1)
     bandwidth_Bps: Optional[float] = _field(_NUM, optional=True, minimum=0)
     step_overhead_s: Optional[float] = _field(_NUM, optional=True, minimum=0)
+    #: rho: the extra cost of each further row of a batched decode step, as a fraction of a one-row
+    #: step (kafilad/executor/probe.py times 4 rows against 1; kafilad/planner/throughput.py)
+    batch_row_cost: Optional[float] = _field(_NUM, optional=True, minimum=0, maximum=1)
     rendezvous_rtt_ms: Optional[float] = _field(_NUM, optional=True, minimum=0)
     nat_class: Optional[str] = _field(str, optional=True)
     #: why the class is "unknown" (no STUN answer ...), a sentence (issue 11 honest classes)
@@ -138,7 +143,8 @@ class Capability(ControlFrame):
     def as_record(self) -> dict:
         """The planner's view (DESIGN §5.1): a dict with every key present."""
         return {"memory_bytes": self.memory_bytes, "bandwidth_Bps": self.bandwidth_Bps or None,
-                "step_overhead_s": float(self.step_overhead_s or 0.0), "rendezvous_rtt_ms": self.rendezvous_rtt_ms,
+                "step_overhead_s": float(self.step_overhead_s or 0.0), "batch_row_cost": self.batch_row_cost,
+                "rendezvous_rtt_ms": self.rendezvous_rtt_ms,
                 "nat_class": self.nat_class, "dtype": self.dtype, "bandwidth_source": self.bandwidth_source,
                 "fallback_dtype": self.fallback_dtype, "backend": self.backend}
 
@@ -357,6 +363,8 @@ def decode_control(d: Any) -> "ControlFrame | UnknownFrame":
             raise RemoteProtocolError(f"malformed {cls.T} frame: '{a.name}' is {_short(v)}")
         if meta["minimum"] is not None and v < meta["minimum"]:
             raise RemoteProtocolError(f"malformed {cls.T} frame: '{a.name}' is {_short(v)}, below {meta['minimum']}")
+        if meta["maximum"] is not None and v > meta["maximum"]:
+            raise RemoteProtocolError(f"malformed {cls.T} frame: '{a.name}' is {_short(v)}, above {meta['maximum']}")
         kw[a.name] = v
     frame = cls(**kw)
     if isinstance(frame, Capability) and frame.nat_class not in NAT_CLASSES:

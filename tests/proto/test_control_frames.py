@@ -224,7 +224,7 @@ def test_capability_from_a_measurement_keeps_known_keys_only():
                                           "probe_blocks": 3, "dtype": "float32"})
     assert cap == cf.Capability(memory_bytes=1 << 30, nat_class="O", dtype="float32")
     assert cap.as_record() == {"memory_bytes": 1 << 30, "bandwidth_Bps": None, "step_overhead_s": 0.0,
-                               "rendezvous_rtt_ms": None, "nat_class": "O", "dtype": "float32",
+                               "batch_row_cost": None, "rendezvous_rtt_ms": None, "nat_class": "O", "dtype": "float32",
                                "bandwidth_source": None, "fallback_dtype": None, "backend": None}
 
 
@@ -235,6 +235,43 @@ def test_capability_carries_the_dtype_its_fallback_and_backend():
     assert back == cap
     rec = back.as_record()
     assert (rec["dtype"], rec["fallback_dtype"], rec["backend"]) == ("float32", "bfloat16", "cpu")
+
+
+# ---- batch_row_cost: rho in [0, 1] (proto_spec 05 §2.6, issue 12) ----------------------------------------
+@pytest.mark.parametrize("rho", [0, 0.0, 0.02, 0.5, 1, 1.0])
+def test_capability_carries_the_batch_row_cost(rho):
+    cap = cf.Capability.from_measurement({"memory_bytes": 1 << 30, "bandwidth_Bps": 5e9, "batch_row_cost": rho})
+    assert cap.to_wire()["batch_row_cost"] == rho
+    back = cf.decode_control(msgpack_trip(cap.to_wire()))
+    assert back == cap and back.batch_row_cost == rho
+    assert back.as_record()["batch_row_cost"] == rho
+
+
+def test_a_capability_without_a_batch_row_cost_records_none():
+    # an older member (or one whose probe could not batch): the host plans rho = 1 (Device None)
+    assert cf.decode_control(wire("capability", batch_row_cost=...)).as_record()["batch_row_cost"] is None
+    assert cf.Capability.from_measurement({"memory_bytes": 1, "batch_row_cost": None}).batch_row_cost is None
+
+
+@pytest.mark.parametrize("rho, fragment", [(1.001, "is 1.001, above 1"), (2, "is 2, above 1"), (1e300, "above 1"),
+                                           (-0.001, "is -0.001, below 0"), (-1, "is -1, below 0"),
+                                           (True, "is True"), ("0.1", "is '0.1'")])
+def test_a_batch_row_cost_outside_zero_to_one_is_refused(rho, fragment):
+    rejects(wire("capability", batch_row_cost=rho), "malformed capability frame: 'batch_row_cost'", fragment)
+
+
+@pytest.mark.parametrize("rho", [math.nan, math.inf, -math.inf])
+def test_a_batch_row_cost_must_be_finite(rho):
+    rejects(msgpack_trip(wire("capability", batch_row_cost=rho)), "malformed capability frame: 'batch_row_cost'")
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False))
+def test_a_batch_row_cost_is_accepted_exactly_in_zero_to_one(rho):
+    d = msgpack_trip(wire("capability", batch_row_cost=rho))
+    if 0.0 <= rho <= 1.0:
+        assert cf.decode_control(d).batch_row_cost == rho
+    else:
+        rejects(d, "malformed capability frame: 'batch_row_cost'", "above 1" if rho > 1 else "below 0")
 
 
 @pytest.mark.parametrize("t, field", [("capability", "dtype"), ("capability", "fallback_dtype"), ("plan", "dtype")])
