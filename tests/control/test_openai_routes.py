@@ -5,45 +5,28 @@ in-memory streams to a node that hosts no session, and the typed models are fed 
 from __future__ import annotations
 
 import json
-from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import trio
-import trio.testing
 
 from kafilad.control import openai_api
 from kafilad.control.api_common import HttpError, json_object, origin_allowed
-from kafilad.control.http_server import HttpServer
 from kafilad.control.ollama_api import GenerateRequest, _parse
 from kafilad.control.openai_schema import parse_chat, parse_completion
+
+from control.http_harness import exchange, http_request
 
 IDLE = SimpleNamespace(session=None, snapshot=lambda: {"role": None, "state": "idle"})
 
 
-async def exchange(raw: bytes, node=IDLE) -> tuple[int, dict, bytes]:
-    server = HttpServer(partial(openai_api.handle, node))
-    client, srv = trio.testing.memory_stream_pair()
-    out = bytearray()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(server.serve_stream, srv)
-        await client.send_all(raw)
-        while data := await client.receive_some(65536):
-            out += data
-    head, _, body = bytes(out).partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-    return int(lines[0].split()[1]), headers, body
-
-
 def request(method: str, path: str, headers: dict | None = None, body: bytes = b"") -> bytes:
-    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    return (f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: {len(body)}\r\n{extra}\r\n"
-            .encode() + body)
+    """A request with a `content-length` (0 without a body)."""
+    return http_request(method, path, headers, body)
 
 
 def run(raw: bytes) -> tuple[int, dict, bytes]:
-    return trio.run(exchange, raw)
+    return trio.run(exchange, raw, IDLE)
 
 
 def test_methods_paths_and_health_without_a_session():

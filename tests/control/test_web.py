@@ -11,15 +11,14 @@ from __future__ import annotations
 import json
 import re
 import tomllib
-from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import trio
-import trio.testing
 
-from kafilad.control import openai_api, web
-from kafilad.control.http_server import HttpServer
+from kafilad.control import web
+
+from control.http_harness import exchange, http_request as request
 
 WEB_DIR = Path(web.__file__).parent / "web"
 CODE = "kfl-7QX2-M9PA-4TRC-secretpart"
@@ -82,23 +81,7 @@ def test_public_status_of_an_idle_daemon_and_of_a_member():
 
 async def get(raw: bytes) -> tuple[int, dict, bytes]:
     """One request to the API's handler over memory streams; (status, headers, body)."""
-    node = SimpleNamespace(snapshot=lambda: HOST_SNAPSHOT, session=None)
-    server = HttpServer(partial(openai_api.handle, node))
-    client, srv = trio.testing.memory_stream_pair()
-    out = bytearray()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(server.serve_stream, srv)
-        await client.send_all(raw)
-        while data := await client.receive_some(65536):
-            out += data
-    head, _, body = bytes(out).partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-    return int(lines[0].split()[1]), headers, body
-
-
-def request(method: str, path: str) -> bytes:
-    return f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode()
+    return await exchange(raw, SimpleNamespace(snapshot=lambda: HOST_SNAPSHOT, session=None))
 
 
 def test_routes_serve_the_page_its_files_and_the_status_document():
