@@ -78,6 +78,35 @@ def row_costs(devices) -> list[float]:
     return [1.0 if d.batch_row_cost is None else float(d.batch_row_cost) for d in devices]
 
 
+def batch_row_cost_of(one_row_s: Sequence[float], batch_s: Sequence[float], rows: int) -> float:
+    """rho from paired timings of one decode step at 1 row and at `rows` rows (the inverse of
+    t(b) = t · (1 + rho·(b − 1)); kafilad/executor/probe.py `measure_stage` times the pairs).
+
+    The median over pairs of batch_s[i] / one_row_s[i] is the ratio r; rho = (r − 1) / (rows − 1),
+    clamped to [0, 1] (a batched step faster than one row, or dearer than `rows` separate steps, is
+    noise) and rounded to 3 digits.
+
+    Args:
+        one_row_s: seconds per 1-row step, one per repeat (> 0).
+        batch_s: seconds per `rows`-row step of the same repeats (same length, > 0).
+        rows: B >= 2, the rows of the batched step.
+    Returns:
+        rho in [0, 1], 3 decimals.
+    Raises:
+        ValueError: fewer than 2 rows, no pairs, unequal lengths, or a time that is not positive.
+    """
+    if rows < 2:
+        raise ValueError(f"A batched step needs at least 2 rows to give a row cost, not {rows}.")
+    if not one_row_s or len(one_row_s) != len(batch_s):
+        raise ValueError(f"Row cost needs equal, non-empty lists of timings ({len(one_row_s)} and {len(batch_s)}).")
+    if not all(t > 0 for t in (*one_row_s, *batch_s)):
+        raise ValueError("Row cost needs positive step times.")
+    ratios = sorted(b / a for a, b in zip(one_row_s, batch_s))
+    mid = len(ratios) // 2
+    ratio = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return round(min(1.0, max(0.0, (ratio - 1.0) / (rows - 1))), 3)
+
+
 def _scale(rho: Sequence[float], rows: int) -> list[float]:
     return [1.0 + r * (rows - 1) for r in rho]
 
