@@ -7,9 +7,12 @@
   decode step's Linear layers run at batch 1), bytes of W / median time. A plain `mx.sum` probe
   reads about half of what real decode achieves on CPU; the matrix-vector probe predicted stage
   time within ~20% here (DESIGN §5.1).
-- `measure_stage_Bps`: times blocks of the session's architecture and shape at batch 1 (one
+- `measure_stage`: times blocks of the session's architecture and shape at batch 1 (one
   block, then two; random weights, so only config.json is needed; window means, DESIGN §9) and
-  splits the time into a fixed per-step overhead and an effective bytes/s (DESIGN §5.1 "Best").
+  splits the time into a fixed per-step overhead and an effective bytes/s (DESIGN §5.1 "Best");
+  in the same rounds it times a 4-row batched decode step (mlx-lm batch caches, as the runner's
+  `run_batch`) against the one-row step for rho, `batch_row_cost` (issue 12; docs/planner.md
+  "Throughput"). `measure_stage_Bps` is its batch-1 part.
 - `measure_capability`: the report a member sends the host (issue 2 item 5), with the dtype its
   backend runs fastest with and the one it may fall back to (issue 12 item 4): Metal and CUDA
   the checkpoint's float dtype, CPU float32 and, for a narrower checkpoint, that as the fallback
@@ -24,9 +27,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import attrs
 import mlx.core as mx
 
 from kafilad.planner.precision import DEFAULT_DTYPE, backend_dtypes
+from kafilad.planner.throughput import batch_row_cost_of
 
 #: memory kept back for the Python runtime, MLX's allocator slack and transfer buffers (bytes).
 DEFAULT_RESERVE_BYTES = 256 * 1024 * 1024
@@ -34,6 +39,10 @@ DEFAULT_RESERVE_BYTES = 256 * 1024 * 1024
 DEFAULT_PROBE_BYTES = 64 * 1024 * 1024
 #: shortest timed window per block count in `measure_stage_Bps` (25 periods of a 10 ms CFS quota).
 DEFAULT_STAGE_WINDOW_S = 0.25
+#: rows of the batched decode step the capability probe times for rho (issue 12; a small decode batch)
+DEFAULT_BATCH_ROWS = 4
+#: the batched step's timed window, as a fraction of DEFAULT_STAGE_WINDOW_S (keeps the probe's growth ~15%)
+DEFAULT_BATCH_WINDOW_FRACTION = 0.3
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -151,38 +160,80 @@ def measure_bandwidth_Bps(dtype: str = "float32", nbytes: int = DEFAULT_PROBE_BY
     return n * n * dt.size / t
 
 
-def _interleaved_window_means_s(fns, min_steps: int, window_s: float, rounds: int = 5) -> list[float]:
-    """Mean seconds per call of each of `fns`, timed in alternating chunks (DESIGN §9 item 4).
+def _interleaved_chunks_s(fns, min_steps: int, windows_s: list[float], rounds: int = 5) -> list[list[tuple[float, int]]]:
+    """(seconds, calls) of each timed chunk of each of `fns`, run in alternating chunks (DESIGN §9 item 4).
 
-    Each function runs back to back in `rounds` chunks of window_s / rounds, the functions taking
-    turns, until each has run >= `window_s` in total and >= `min_steps` calls. Window means, not
-    medians of single calls: on a time-sliced CPU (a cgroup quota, a busy machine) single steps
-    are bimodal and a median of a few picks one mode. Interleaving makes a burst of interference
-    from a neighbour land on every function alike, so their difference stays clean.
+    Function i runs back to back in chunks of windows_s[i] / rounds, the functions taking turns
+    (round r runs chunk r of every function not yet done), until each has run >= windows_s[i] in
+    total and >= `min_steps` calls. Interleaving makes a burst of interference from a neighbour
+    land on every function alike, so their difference, or their ratio round by round, stays clean.
     """
     for fn in fns:
         fn()  # warm-up
     steps = [0] * len(fns)
     spent = [0.0] * len(fns)
-    chunk_s = window_s / rounds
-    while any(s < window_s or n < min_steps for s, n in zip(spent, steps)):
+    chunks: list[list[tuple[float, int]]] = [[] for _ in fns]
+    while any(s < w or n < min_steps for s, w, n in zip(spent, windows_s, steps)):
         for i, fn in enumerate(fns):
-            if spent[i] >= window_s and steps[i] >= min_steps:
+            if spent[i] >= windows_s[i] and steps[i] >= min_steps:
                 continue
+            chunk_s = windows_s[i] / rounds
             t0 = time.perf_counter()
+            calls = 0
             while True:
                 fn()
-                steps[i] += 1
+                calls += 1
                 el = time.perf_counter() - t0
                 if el >= chunk_s:
                     break
+            steps[i] += calls
             spent[i] += el
-    return [s / n for s, n in zip(spent, steps)]
+            chunks[i].append((el, calls))
+    return chunks
 
 
-def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", context_tokens: int = 16,
-                      repeats: int = 3, window_s: float = DEFAULT_STAGE_WINDOW_S) -> tuple[float, float]:
-    """Time blocks of the session's architecture at batch 1 (DESIGN §5.1 "Best").
+def _interleaved_window_means_s(fns, min_steps: int, window_s: float, rounds: int = 5) -> list[float]:
+    """Mean seconds per call of each of `fns`, timed in alternating chunks (`_interleaved_chunks_s`,
+    every function with the window `window_s`).
+
+    Window means, not medians of single calls: on a time-sliced CPU (a cgroup quota, a busy
+    machine) single steps are bimodal and a median of a few picks one mode.
+    """
+    chunks = _interleaved_chunks_s(fns, min_steps, [window_s] * len(fns), rounds)
+    return [sum(s for s, _ in c) / sum(n for _, n in c) for c in chunks]
+
+
+@attrs.frozen
+class StageTiming:
+    """What `measure_stage` read off blocks of the session's architecture (DESIGN §5.1).
+
+    Attributes:
+        bandwidth_Bps: effective bytes/s of the blocks' weights at batch 1.
+        step_overhead_s: fixed seconds per decode step, >= 0.
+        batch_row_cost: rho, the extra cost of each further row of a batched decode step as a
+            fraction of a one-row step (kafilad/planner/throughput.py), in [0, 1]; None when not
+            measured.
+    """
+
+    bandwidth_Bps: float
+    step_overhead_s: float
+    batch_row_cost: Optional[float] = None
+
+
+def _rewind(cache: list) -> None:
+    """Take the last decode step back out of each block's cache, so the context stays fixed
+    across repeats (KVCache and BatchKVCache: `trim(1)`; a cache that cannot trim, such as an
+    SSM state, just advances)."""
+    for c in cache:
+        if hasattr(c, "is_trimmable") and c.is_trimmable():
+            c.trim(1)
+
+
+def measure_stage(model: str | Path | dict, *, dtype: str = "float32", context_tokens: int = 16,
+                  repeats: int = 3, window_s: float = DEFAULT_STAGE_WINDOW_S, batch_rows: int = 0,
+                  batch_window_s: Optional[float] = None) -> StageTiming:
+    """Time blocks of the session's architecture at batch 1, and optionally at `batch_rows` rows
+    (DESIGN §5.1 "Best"; issue 12: rho).
 
     Only the config is needed (a member has not fetched any weights when it reports): two blocks
     of the model's own mlx-lm class are built with the class's random initialisation, held in
@@ -190,6 +241,13 @@ def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", conte
     prefill are run back to back through one block and through both, in alternating chunks, for
     >= `window_s` seconds and >= `repeats` steps each, and the window means are fitted as
     t(k blocks) = overhead + k * block_bytes / Bps.
+
+    With `batch_rows` B >= 2, a B-row decode step through the same blocks is timed in the same
+    rounds: the prefilled cache is merged B times into mlx-lm's batch caches (`merge`, as
+    kafilad/executor/runner.py `run_batch` builds them), and its chunk mean is paired with the
+    one-row chunk mean of the same round; `batch_row_cost_of` turns the pairs into rho (median of
+    the ratios). Its window, `batch_window_s` (default 0.3 x `window_s`), adds about 15% to the
+    probe on small models.
 
     Window means replaced medians of 7 single steps (scripts/validate_cost_model.py, eight runs on
     a shared 2-vCPU machine, docs/cost-model.md): the median-of-7 fit read a bandwidth-bound
@@ -200,8 +258,11 @@ def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", conte
         model: a model directory (only config.json is read) or its config dict.
         repeats: the fewest timed steps per block count.
         window_s: the shortest timed window per block count, seconds.
+        batch_rows: B, the rows of the batched step; below 2: rho is not measured.
+        batch_window_s: the shortest timed window of the batched step, seconds.
     Returns:
-        (effective bandwidth in bytes/s, fixed step overhead in seconds, >= 0).
+        the StageTiming (batch_row_cost None when not measured, or when this architecture's
+        caches cannot batch).
     Raises:
         ModelFormatError: unreadable config or an architecture mlx-lm lacks.
     """
@@ -223,21 +284,49 @@ def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", conte
         def one():
             stage.layers = layers[:k]
             mx.eval(stage.run_blocks(h, cache[:k]))
-            for c in cache[:k]:  # keep the context length fixed across repeats
-                c.offset -= 1
+            _rewind(cache[:k])
         return one
 
+    fns = [step(1), step(2)] if n == 2 else [step(1)]
+    windows = [window_s] * len(fns)
+    if batch_rows >= 2:
+        try:
+            batch_cache = [c.merge([c] * batch_rows) for c in cache]
+        except Exception:  # noqa: BLE001 - a cache type mlx-lm cannot batch: no rho, the rest stands
+            batch_cache = None
+        if batch_cache is not None:
+            hb = mx.full((batch_rows, 1, D), 0.1, dtype=dt)
+
+            def batched():
+                stage.layers = layers
+                mx.eval(stage.run_blocks(hb, batch_cache))
+                _rewind(batch_cache)
+
+            fns.append(batched)
+            windows.append(DEFAULT_BATCH_WINDOW_FRACTION * window_s if batch_window_s is None else batch_window_s)
     try:
-        if n == 2:
-            t1, t2 = _interleaved_window_means_s([step(1), step(2)], repeats, window_s)
-        else:
-            (t1,), t2 = _interleaved_window_means_s([step(1)], repeats, window_s), None
+        chunks = _interleaved_chunks_s(fns, repeats, windows)
     finally:
         stage.layers = layers
+    means = [sum(s for s, _ in c) / sum(k for _, k in c) for c in chunks]
+    rho = None
+    if len(fns) > n:  # the batched step ran: pair its chunks with the n-block one-row chunks, round by round
+        pairs = list(zip(chunks[n - 1], chunks[n]))
+        rho = batch_row_cost_of([a[0] / a[1] for a, _ in pairs], [b[0] / b[1] for _, b in pairs], batch_rows)
+    t1 = means[0]
+    t2 = means[1] if n == 2 else None
     if t2 is None or t2 <= t1:  # one block, or noise swamped a tiny block: no overhead split
-        return per_block_bytes / t1, 0.0
+        return StageTiming(per_block_bytes / t1, 0.0, rho)
     per_block_s = t2 - t1
-    return per_block_bytes / per_block_s, max(0.0, t1 - per_block_s)
+    return StageTiming(per_block_bytes / per_block_s, max(0.0, t1 - per_block_s), rho)
+
+
+def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", context_tokens: int = 16,
+                      repeats: int = 3, window_s: float = DEFAULT_STAGE_WINDOW_S) -> tuple[float, float]:
+    """`measure_stage` at batch 1 only: (effective bandwidth in bytes/s, fixed step overhead in
+    seconds, >= 0). Same arguments and errors."""
+    t = measure_stage(model, dtype=dtype, context_tokens=context_tokens, repeats=repeats, window_s=window_s)
+    return t.bandwidth_Bps, t.step_overhead_s
 
 
 def backend_name(device_type: str, metal_available: bool) -> str:
@@ -277,37 +366,41 @@ def checkpoint_dtype_of(model: Optional[str | Path | dict], given: Optional[str]
 
 def measure_capability(model_dir: Optional[str | Path | dict] = None, *, dtype: Optional[str] = None,
                        checkpoint_dtype: Optional[str] = None, backend: Optional[str] = None,
-                       reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> dict:
+                       reserve_bytes: int = DEFAULT_RESERVE_BYTES, batch_rows: int = DEFAULT_BATCH_ROWS) -> dict:
     """This member's capability report (issue 2 item 5; DESIGN §5.1). One to two seconds on small models.
 
     With `model_dir` (a directory, of which only config.json is read, or the config dict the host
-    sent), bandwidth and step overhead come from timing blocks of that architecture
-    (`measure_stage_Bps`); without it, or if that fails, the matrix-vector probe is used and the
-    step overhead is 0 (the what-if default). Every member of a session should be given the same
-    config, so that all are measured the same way.
+    sent), bandwidth, step overhead and the batch row cost rho come from timing blocks of that
+    architecture (`measure_stage`, a `batch_rows`-row decode step against the one-row step:
+    issue 12); without it, or if that fails, the matrix-vector probe is used, the step overhead
+    is 0 (the what-if default) and rho is None (unknown: the planner counts 1). Every member of a
+    session should be given the same config, so that all are measured the same way.
 
     Args:
         dtype: the dtype to report and time; None chooses it (`backend_dtypes` of the backend and
             the checkpoint's dtype, `checkpoint_dtype_of`).
         checkpoint_dtype: the checkpoint's float dtype, when known (the host's `admitted` dtype).
         backend: "cpu", "metal" or "cuda"; None: this process's (`current_backend`).
+        batch_rows: B of the batched step timed for rho (below 2: rho is not measured).
     Returns:
-        {"memory_bytes": int, "bandwidth_Bps": float, "step_overhead_s": float, "dtype": str,
-         "fallback_dtype": str | None, "backend": str, "bandwidth_source": "stage" | "gemv"}
+        {"memory_bytes": int, "bandwidth_Bps": float, "step_overhead_s": float,
+         "batch_row_cost": float in [0, 1] | None, "dtype": str, "fallback_dtype": str | None,
+         "backend": str, "bandwidth_source": "stage" | "gemv"}
     """
     backend = backend or current_backend()
     fallback = None
     if dtype is None:
         dtype, fallback = backend_dtypes(backend, checkpoint_dtype_of(model_dir, checkpoint_dtype))
     memory = available_memory_bytes(reserve_bytes)
-    bw, overhead, source = None, 0.0, "gemv"
+    bw, overhead, rho, source = None, 0.0, None, "gemv"
     if model_dir is not None:
         try:
-            bw, overhead = measure_stage_Bps(model_dir, dtype=dtype)
-            source = "stage"
+            timing = measure_stage(model_dir, dtype=dtype, batch_rows=batch_rows)
+            bw, overhead, rho, source = timing.bandwidth_Bps, timing.step_overhead_s, timing.batch_row_cost, "stage"
         except Exception:  # noqa: BLE001 - a probe failure must not stop the member; fall back
             bw = None
     if bw is None:
         bw = measure_bandwidth_Bps(dtype)
     return {"memory_bytes": int(memory), "bandwidth_Bps": float(bw), "step_overhead_s": float(overhead),
-            "dtype": dtype, "fallback_dtype": fallback, "backend": backend, "bandwidth_source": source}
+            "batch_row_cost": rho, "dtype": dtype, "fallback_dtype": fallback, "backend": backend,
+            "bandwidth_source": source}

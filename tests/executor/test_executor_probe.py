@@ -13,7 +13,7 @@ import pytest
 from kafilad.errors import PlanError
 from kafilad.executor.probe import (available_memory_bytes, backend_name, cgroup_headroom_bytes,
                                     checkpoint_dtype_of, current_backend, measure_bandwidth_Bps,
-                                    measure_capability, measure_stage_Bps)
+                                    measure_capability, measure_stage, measure_stage_Bps, _rewind)
 from kafilad.executor.synth import synth_config, synthesize_model
 from kafilad.planner.precision import backend_dtypes, stage_dtype
 
@@ -51,12 +51,14 @@ def test_stage_probe_on_a_config_needs_no_weights():
 
 def test_capability_report(stories260k):
     cap = measure_capability(stories260k)
-    assert set(cap) == {"memory_bytes", "bandwidth_Bps", "step_overhead_s", "dtype", "fallback_dtype", "backend",
-                        "bandwidth_source"}
+    assert set(cap) == {"memory_bytes", "bandwidth_Bps", "step_overhead_s", "batch_row_cost", "dtype",
+                        "fallback_dtype", "backend", "bandwidth_source"}
     assert cap["dtype"] == "float32" and cap["bandwidth_source"] == "stage"
     assert cap["fallback_dtype"] is None and cap["backend"] == current_backend()  # an f32 checkpoint: no fallback
     assert isinstance(cap["memory_bytes"], int) and cap["memory_bytes"] > 0
     assert cap["bandwidth_Bps"] > 1e6 and cap["step_overhead_s"] >= 0.0
+    rho = cap["batch_row_cost"]  # a 4-row batched decode step against the 1-row one (issue 12)
+    assert isinstance(rho, float) and 0.0 <= rho <= 1.0 and round(rho, 3) == rho
 
 
 def test_capability_report_synth_twin(tmp_path):
@@ -64,8 +66,49 @@ def test_capability_report_synth_twin(tmp_path):
 
     cap = measure_capability(synthesize_model(tmp_path, num_hidden_layers=2))
     assert cap["bandwidth_source"] == "stage" and cap["bandwidth_Bps"] > 1e6 and cap["memory_bytes"] > 0
+    assert 0.0 <= cap["batch_row_cost"] <= 1.0
     gemv = measure_capability(None)
     assert gemv["bandwidth_source"] == "gemv" and gemv["step_overhead_s"] == 0.0 and gemv["bandwidth_Bps"] > 1e8
+    assert gemv["batch_row_cost"] is None  # nothing to batch: unknown, planned as 1
+
+
+# ---- rho: the batch row cost (issue 12; proto_spec 05 §2.6) ----------------------------------------
+@pytest.mark.parametrize("arch, layers", [("llama", 8), ("qwen3", 2), ("llama", 1)])
+def test_the_stage_probe_measures_rho_of_a_batched_decode_step(arch, layers):
+    cfg = synth_config(arch, num_hidden_layers=layers, hidden_size=128)
+    t = measure_stage(cfg, batch_rows=4, window_s=0.05)
+    assert 0.0 <= t.batch_row_cost <= 1.0 and round(t.batch_row_cost, 3) == t.batch_row_cost
+    assert 1e6 < t.bandwidth_Bps < 1e13 and t.step_overhead_s >= 0.0
+    assert measure_stage(cfg, window_s=0.05).batch_row_cost is None  # batch 1 only: not measured
+
+
+def test_rewinding_keeps_single_and_batched_caches_at_the_context():
+    import mlx.core as mx
+
+    from kafilad.executor.stage import build_random_stage
+
+    stage = build_random_stage(synth_config("llama", num_hidden_layers=2, hidden_size=64), 2)
+    cache = stage.make_cache()
+    mx.eval(stage.run_blocks(mx.zeros((1, 16, 64)), cache))
+    batch = [c.merge([c] * 4) for c in cache]  # as the runner's run_batch builds them
+    for _ in range(3):
+        mx.eval(stage.run_blocks(mx.full((1, 1, 64), 0.1), cache))
+        _rewind(cache)
+        out = stage.run_blocks(mx.full((4, 1, 64), 0.1), batch)
+        mx.eval(out)
+        assert out.shape == (4, 1, 64)
+        _rewind(batch)
+    assert [c.offset for c in cache] == [16, 16]
+    assert [c.offset.tolist() for c in batch] == [[16] * 4] * 2 and [c._idx for c in batch] == [16, 16]
+
+
+def test_a_measured_rho_crosses_the_capability_frame():
+    from kafilad.proto import control as cf
+
+    cap = measure_capability(synth_config("llama", num_hidden_layers=2, hidden_size=64))
+    assert cap["bandwidth_source"] == "stage" and cap["batch_row_cost"] is not None
+    frame = cf.decode_control(cf.Capability.from_measurement(cap).to_wire())
+    assert frame.batch_row_cost == cap["batch_row_cost"] and frame.as_record()["batch_row_cost"] == cap["batch_row_cost"]
 
 
 def _blas_in_child(env_extra: dict) -> list[str]:
