@@ -26,6 +26,7 @@ from kafilad.node.link import Link, secure_link
 from kafilad.node.liveness import Liveness
 from kafilad.node.modelfiles import ModelFiles
 from kafilad.node.rdv_client import CurrentRendezvous
+from kafilad.node.session_driver import SessionDriver
 from kafilad.node.ring import run_on_mlx_thread
 from kafilad.planner import plan as make_plan
 from kafilad.planner.records import Device
@@ -41,7 +42,7 @@ RECONNECT_FIRST_S = 1.0
 RECONNECT_MAX_S = 30.0
 
 
-class HostSession(HostRequests):
+class HostSession(HostRequests, SessionDriver):
     """One session hosted by this daemon. Runs inside the node's root nursery.
 
     Attributes:
@@ -53,7 +54,7 @@ class HostSession(HostRequests):
     def __init__(self, node, *, model_dir: str, members: int, context: Optional[int], concurrency: int,
                  rendezvous: str, open_: bool, admit_timeout_s: float, queue_limit: Optional[int] = None,
                  strategy: str = "kafila"):
-        self.node = node
+        super().__init__(node)
         self.strategy = strategy  # the planner's division (DESIGN §5.3, §5.5; `host --strategy`)
         self.model_dir = str(Path(model_dir).resolve())
         self.expected = members
@@ -77,31 +78,16 @@ class HostSession(HostRequests):
         self._decided: dict[str, trio.Event] = {}
         self.plan = None
         self.fleet_devices: list[Device] = []
-        self.ring = None
         self.generations: dict[str, trio.MemorySendChannel] = {}
         self.formed_s: Optional[float] = None
         self.measured_stage_s: dict[str, float] = {}
         self.last_generation: dict = {}
         self._chat_tokenizer = None
-        self._ring_incoming_send, self._ring_incoming = trio.open_memory_channel(8)
         self.trace = None
-        self.rdv = None
-        self.paths = None  # the session's PathManager (kafilad/node/paths.py), open while it runs
-        self.reconnecting: Optional[dict] = None  # {"attempt", "next_in_s", "reason"} while the rendezvous is away
         self._serving = trio.Event()
         self._t0 = time.perf_counter()
-        self._stage_scope: Optional[trio.CancelScope] = None
-        self._stage_links: tuple = ()
 
-    # ---- the machine's view ----------------------------------------------------------------
-    @property
-    def state(self) -> sm.HostState:
-        return self.machine.state
-
-    @property
-    def error(self) -> Optional[str]:
-        return self.machine.error
-
+    # ---- the machine's view (state, error, rendezvous_lost: SessionDriver) ----------------
     @property
     def members(self) -> dict:
         return self.machine.members
@@ -109,10 +95,6 @@ class HostSession(HostRequests):
     @property
     def ring_order(self) -> list[str]:
         return self.machine.ring_order
-
-    @property
-    def rendezvous_lost(self) -> Optional[str]:
-        return self.machine.rendezvous_lost
 
     def _validate(self) -> None:
         """Refuse arguments no plan could honour, before anyone joins (DESIGN §5.4).
@@ -136,15 +118,7 @@ class HostSession(HostRequests):
             raise KafilaError(f"--context {self.context} exceeds {self.info.model_id}'s max_position_embeddings "
                               f"({int(limit)}); pass --context {int(limit)} or less.")
 
-    # ---- the one place events enter ----------------------------------------------------------
-    async def _handle(self, event) -> None:
-        """Feed one event to the machine and perform its actions in order; tell watchers once."""
-        for action in self.machine.handle(event):
-            await self._perform(action)
-        if self.machine.changed:
-            self.machine.changed = False
-            self.node.changed()
-
+    # ---- the machine's actions (events enter through SessionDriver._handle) -------------------
     async def _perform(self, a) -> None:
         if isinstance(a, sm.Send):
             link = self.links.get(a.peer_id)
@@ -450,16 +424,6 @@ class HostSession(HostRequests):
         await self._handle(sm.Planned(plan=plan.to_json(), blocks=dict(plan.blocks), head=plan.head,
                                       order=tuple(plan.order), seq=seq, standby=tuple(plan.standby)))
 
-    async def _drop_stage(self) -> None:
-        """End the host's stage of an earlier plan: its ring tasks and both of its ring links."""
-        if self._stage_scope is not None:
-            self._stage_scope.cancel()
-            self._stage_scope = None
-        for link in self._stage_links:
-            if link is not None:
-                await link.close("the session replanned")
-        self._stage_links = ()
-
     async def _distribute(self, planned: sm.Planned, epoch: int) -> None:
         """Send each remote member its share (proto_spec 05 §2 `plan`), then load our own stage."""
         order = list(self.ring_order)  # this plan's ring; a later loss replans with a new list
@@ -483,16 +447,12 @@ class HostSession(HostRequests):
 
     async def _run_stage(self, roster: dict, epoch: int) -> None:
         """The host's stage of plan `epoch`, in its own cancel scope (a replan ends it)."""
-        with trio.CancelScope() as scope:
-            self._stage_scope = scope
-            try:
-                with collapse_groups():
-                    async with trio.open_nursery() as stage_nursery:
-                        await self._load_own(roster, epoch, stage_nursery)
-            except KafilaError as e:
-                log.warning("the host's own stage did not join the ring: %s", e)
-                await self._rendezvous_first()
-                await self._handle(sm.RingFailed(None, str(e), epoch))
+        async def failed(e: KafilaError) -> None:
+            log.warning("the host's own stage did not join the ring: %s", e)
+            await self._rendezvous_first()
+            await self._handle(sm.RingFailed(None, str(e), epoch))
+
+        await self._in_stage_scope(lambda stage_nursery: self._load_own(roster, epoch, stage_nursery), failed)
 
     async def _load_own(self, roster: dict, epoch: int, stage_nursery) -> None:
         t0 = time.perf_counter()
@@ -511,17 +471,13 @@ class HostSession(HostRequests):
             stage, tok = await run_on_mlx_thread(build)
         if epoch != self.machine.epoch:
             return  # replanned while building
-        self.ring = stagehost.make_ring_member(self.node, stage=stage, head=head, tokenizer=tok)
-        self.ring.epoch = epoch
-        nxt, prv = await stagehost.connect_ring(paths=self.paths, session_id=self.session_id,
-                                                ring=self.ring_order, roster=roster, incoming=self._ring_incoming,
-                                                member=self.ring, on_edges=self._own_edges_changed)
-        self._stage_links = (nxt, prv)
-        stagehost.attach_ring(self.ring, nursery=stage_nursery, me=self.node.peer_id, ring_order=self.ring_order,
-                              names={pid: e.name for pid, e in self.members.items()}, next_link=nxt, prev_link=prv,
-                              watch=self._watch_ring)
+        await self._join_ring(stage, tok, head=head, epoch=epoch, roster=roster, on_edges=self._own_edges_changed,
+                              stage_nursery=stage_nursery)
         await self._handle(sm.OwnStageLoaded({"fetched_bytes": 0, "cached_bytes": 0,
                                               "load_s": time.perf_counter() - t0}, epoch))
+
+    def _ring_names(self) -> dict:
+        return {pid: e.name for pid, e in self.members.items()}
 
     async def _own_edges_changed(self) -> None:
         self._write_trace("edges", edges=stagehost.session_edges(self), cause="upgrade", reporter=self.node.name)

@@ -21,6 +21,7 @@ from kafilad.node.host_requests import result_of
 from kafilad.node.link import Link, secure_link
 from kafilad.node.liveness import Liveness
 from kafilad.node.ring import run_on_mlx_thread
+from kafilad.node.session_driver import SessionDriver
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
 from kafilad.proto.identity import fingerprint, fingerprint_matches, parse_session_code, peer_id as peer_id_of
@@ -28,60 +29,36 @@ from kafilad.proto.identity import fingerprint, fingerprint_matches, parse_sessi
 log = logging.getLogger("kafilad.member")
 
 
-class MemberSession:
+class MemberSession(SessionDriver):
     """This daemon as a member of someone else's session. Runs inside the node's root nursery."""
 
     role = "member"
 
     def __init__(self, node, *, code: str, rendezvous: str):
-        self.node = node
+        super().__init__(node)
         self.code = code
         self.session_id, self.host_fingerprint = parse_session_code(code)
         self.rdv_url = rendezvous
         self.machine = sm.MemberMachine()
         self.host_name = "?"
         self.link: Optional[Link] = None
-        self.ring = None
         self.ring_order: list[str] = []
         self.roster: dict = {}
         self.load: dict = {}
-        self._ring_incoming_send, self._ring_incoming = trio.open_memory_channel(8)
         self.fetcher: Optional[Fetcher] = None
-        self.rdv = None
-        self.paths = None  # the session's PathManager (kafilad/node/paths.py), open once admitted
         self._admitted = trio.Event()
         self._over = trio.Event()  # set once the session failed or closed: the control loop ends
         self.liveness: Optional[Liveness] = None  # keepalives on the ctl link once admitted
-        self.reconnecting: Optional[dict] = None
-        self._stage_scope: Optional[trio.CancelScope] = None
-        self._stage_links: tuple = ()
 
-    # ---- the machine's view ----------------------------------------------------------------
-    @property
-    def state(self) -> sm.MemberState:
-        return self.machine.state
-
-    @property
-    def error(self) -> Optional[str]:
-        return self.machine.error
-
-    @property
-    def rendezvous_lost(self) -> Optional[str]:
-        return self.machine.rendezvous_lost
-
+    # ---- the machine's view (state, error, rendezvous_lost: SessionDriver) ----------------
     @property
     def capability(self) -> Optional[dict]:
         return self.machine.capability
 
-    # ---- the one place events enter ----------------------------------------------------------
-    async def _handle(self, event) -> None:
-        for action in self.machine.handle(event):
-            await self._perform(action)
+    # ---- the machine's actions (events enter through SessionDriver._handle) -------------------
+    def _handled(self) -> None:
         if self.state in (sm.MemberState.FAILED, sm.MemberState.CLOSED):
             self._over.set()
-        if self.machine.changed:
-            self.machine.changed = False
-            self.node.changed()
 
     async def _perform(self, a) -> None:
         if isinstance(a, sm.Send):
@@ -292,29 +269,20 @@ class MemberSession:
                 await self._handle(f)
 
     async def _drop_stage(self) -> None:
-        """End the stage of an earlier plan (a replan, DESIGN §3 healing): its ring tasks and links."""
-        if self._stage_scope is not None:
-            self._stage_scope.cancel()
-            self._stage_scope = None
-        for link in self._stage_links:
-            if link is not None:
-                await link.close("the session replanned")
-        self._stage_links = ()
+        """End the stage of an earlier plan (a replan, DESIGN §3 healing): its ring tasks and links, and
+        the requests it ran."""
+        await super()._drop_stage()
         if self.ring is not None:
             self.ring.fail_all("The session was replanned while this request ran (a member was lost or the ring "
                                "re-formed); send it again.", member=None)
 
     async def _run_stage(self, f: cf.PlanFrame) -> None:
-        with trio.CancelScope() as scope:
-            self._stage_scope = scope
-            try:
-                with collapse_groups():
-                    async with trio.open_nursery() as stage_nursery:
-                        await self._load(f, stage_nursery)
-            except KafilaError as e:  # a ring task of this stage failed (its loading is reported in _load)
-                log.warning("the stage of plan %s ended: %s", f.epoch, e)
-                if self.state in (sm.MemberState.LOADING, sm.MemberState.READY):
-                    await self._handle(sm.RingFailed(None, str(e), f.epoch))
+        async def failed(e: KafilaError) -> None:  # a ring task of this stage failed (its loading: _load)
+            log.warning("the stage of plan %s ended: %s", f.epoch, e)
+            if self.state in (sm.MemberState.LOADING, sm.MemberState.READY):
+                await self._handle(sm.RingFailed(None, str(e), f.epoch))
+
+        await self._in_stage_scope(lambda stage_nursery: self._load(f, stage_nursery), failed)
 
     async def _load(self, f: cf.PlanFrame, stage_nursery) -> None:
         t0 = time.perf_counter()
@@ -365,17 +333,9 @@ class MemberSession:
                 stage, tok = await run_on_mlx_thread(build)
             self.load["progress"] = "joining the ring"
             self.node.changed()
-            self.ring = stagehost.make_ring_member(self.node, stage=stage, head=f.head, tokenizer=tok)
-            self.ring.epoch = epoch
-            nxt, prv = await stagehost.connect_ring(paths=self.paths, session_id=self.session_id,
-                                                    ring=self.ring_order, roster=self.roster,
-                                                    incoming=self._ring_incoming, member=self.ring,
-                                                    on_edges=lambda: self.link.send(
-                                                        cf.Edges(self.paths.edge_list()).to_wire()))
-            self._stage_links = (nxt, prv)
-            stagehost.attach_ring(self.ring, nursery=stage_nursery, me=self.node.peer_id, ring_order=self.ring_order,
-                                  names={pid: r["name"] for pid, r in self.roster.items()}, next_link=nxt,
-                                  prev_link=prv, watch=self._watch_ring)
+            await self._join_ring(stage, tok, head=f.head, epoch=epoch, roster=self.roster,
+                                  on_edges=lambda: self.link.send(cf.Edges(self.paths.edge_list()).to_wire()),
+                                  stage_nursery=stage_nursery)
             self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "hf_cache_bytes": hf_cached,
                          "load_s": time.perf_counter() - t0,
                          "edges": self.paths.edge_list()}
@@ -388,6 +348,9 @@ class MemberSession:
             if self.state == sm.MemberState.LOADING and epoch == ((self.machine.plan.epoch or 0)
                                                                   if self.machine.plan else 0):
                 await self._handle(sm.LoadFailed(reason))
+
+    def _ring_names(self) -> dict:
+        return {pid: r["name"] for pid, r in self.roster.items()}
 
     async def _watch_ring(self, ring) -> None:
         await ring.broken_event.wait()

@@ -1,0 +1,131 @@
+"""What the two session drivers share: :class:`SessionDriver`, base of kafilad/node/host.py's
+``HostSession`` and kafilad/node/member.py's ``MemberSession``.
+
+Each driver is a thin driver of a pure machine (kafilad/proto/session.py ``HostMachine``,
+kafilad/proto/session_member.py ``MemberMachine``; base kafilad/proto/session_machine.py): the
+machine decides, the driver does the I/O. Every event goes through :meth:`SessionDriver._handle`,
+which performs the machine's actions in order (the driver's ``_perform``) and tells status
+watchers once. Besides that one entry point, the base holds the plumbing both drivers need: the
+machine's view (``state``, ``error``, ``rendezvous_lost``), the stage of the current plan (its
+cancel scope and ring links, DESIGN §3 healing), joining the ring once a stage is built
+(DESIGN §6), and the rendezvous reconnect backoff and status text (issue 8 §3).
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable, Optional
+
+import trio
+
+from kafilad.errors import KafilaError, collapse_groups
+from kafilad.node import stagehost
+
+
+class SessionDriver:
+    """The plumbing of a session driver; subclasses set ``machine`` and define ``_perform``.
+
+    Attributes:
+        node: the daemon (kafilad/node/daemon.py ``Node``): its identity, state dir, ``changed()``.
+        machine: the session's machine; ``state``, ``error`` and ``rendezvous_lost`` read it.
+        ring: this node's RingMember (kafilad/node/ring.py) once its stage joined a ring.
+        rdv: the rendezvous (client, or the host's CurrentRendezvous) once reached.
+        paths: the session's PathManager (kafilad/node/paths.py) while it is open.
+        reconnecting: {"attempt", "at", ...} while the rendezvous is away and being re-tried.
+    """
+
+    machine = None
+
+    def __init__(self, node):
+        self.node = node
+        self.ring = None
+        self.rdv = None
+        self.paths = None
+        self.reconnecting: Optional[dict] = None
+        self._ring_incoming_send, self._ring_incoming = trio.open_memory_channel(8)
+        self._stage_scope: Optional[trio.CancelScope] = None
+        self._stage_links: tuple = ()
+
+    # ---- the machine's view ----------------------------------------------------------------
+    @property
+    def state(self):
+        return self.machine.state
+
+    @property
+    def error(self) -> Optional[str]:
+        return self.machine.error
+
+    @property
+    def rendezvous_lost(self) -> Optional[str]:
+        return self.machine.rendezvous_lost
+
+    # ---- the one place events enter ----------------------------------------------------------
+    async def _handle(self, event) -> None:
+        """Feed one event to the machine and perform its actions in order; tell watchers once."""
+        for action in self.machine.handle(event):
+            await self._perform(action)
+        self._handled()
+        if self.machine.changed:
+            self.machine.changed = False
+            self.node.changed()
+
+    async def _perform(self, action) -> None:  # pragma: no cover - each driver defines it
+        raise NotImplementedError
+
+    def _handled(self) -> None:
+        """After an event's actions, before watchers are told: the driver's own bookkeeping."""
+
+    # ---- the stage of the current plan ---------------------------------------------------------
+    async def _drop_stage(self) -> None:
+        """End this node's stage of an earlier plan: its ring tasks and both of its ring links."""
+        if self._stage_scope is not None:
+            self._stage_scope.cancel()
+            self._stage_scope = None
+        for link in self._stage_links:
+            if link is not None:
+                await link.close("the session replanned")
+        self._stage_links = ()
+
+    async def _in_stage_scope(self, load: Callable[[trio.Nursery], Awaitable[None]],
+                              failed: Callable[[KafilaError], Awaitable[None]]) -> None:
+        """Run the stage of one plan in its own cancel scope (:meth:`_drop_stage` ends it).
+
+        Args:
+            load: awaited with the stage's nursery (the ring's tasks run in it).
+            failed: awaited, still inside that scope, with the KafilaError that ended the stage.
+        """
+        with trio.CancelScope() as scope:
+            self._stage_scope = scope
+            try:
+                with collapse_groups():
+                    async with trio.open_nursery() as stage_nursery:
+                        await load(stage_nursery)
+            except KafilaError as e:
+                await failed(e)
+
+    async def _join_ring(self, stage, tokenizer, *, head: bool, epoch: int, roster: dict,
+                         on_edges: Callable[[], Awaitable[None]], stage_nursery: trio.Nursery) -> None:
+        """Make the built stage this node's RingMember of plan `epoch` and join the ring (DESIGN §6).
+
+        Args:
+            stage, tokenizer: the stage built for this plan; the tokenizer at the head, else None.
+            roster: {peer_id: {"name", "public_key"}} of the ring's members.
+            on_edges: awaited when a ring edge changes path (an upgrade).
+            stage_nursery: where the ring's tasks run (the stage's scope).
+        Raises:
+            KafilaError: a ring link could not be made.
+        """
+        self.ring = stagehost.make_ring_member(self.node, stage=stage, head=head, tokenizer=tokenizer)
+        self.ring.epoch = epoch
+        nxt, prv = await stagehost.connect_ring(paths=self.paths, session_id=self.session_id,
+                                                ring=self.ring_order, roster=roster, incoming=self._ring_incoming,
+                                                member=self.ring, on_edges=on_edges)
+        self._stage_links = (nxt, prv)
+        stagehost.attach_ring(self.ring, nursery=stage_nursery, me=self.node.peer_id, ring_order=self.ring_order,
+                              names=self._ring_names(), next_link=nxt, prev_link=prv, watch=self._watch_ring)
+
+    def _ring_names(self) -> dict:  # pragma: no cover - each driver defines it
+        """{peer_id: name} of the session's members, for the ring's messages."""
+        raise NotImplementedError
+
+    async def _watch_ring(self, ring) -> None:  # pragma: no cover - each driver defines it
+        raise NotImplementedError
