@@ -10,7 +10,6 @@ which performs the machine's actions and tells status watchers once.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,7 +25,7 @@ from kafilad.node.link import Link, secure_link
 from kafilad.node.liveness import Liveness
 from kafilad.node.modelfiles import ModelFiles
 from kafilad.node.rdv_client import CurrentRendezvous
-from kafilad.node.session_driver import SessionDriver
+from kafilad.node.session_driver import SessionDriver, reconnect_delay_s
 from kafilad.node.ring import run_on_mlx_thread
 from kafilad.planner import plan as make_plan
 from kafilad.planner.records import Device
@@ -37,9 +36,6 @@ from kafilad.proto.identity import compose_session_code, peer_id as peer_id_of
 log = logging.getLogger("kafilad.host")
 
 DEFAULT_CONTEXT = 4096  # tokens, when --context is not given (capped at max_position_embeddings)
-#: rendezvous reconnect backoff: first delay and cap (s), each jittered by ±20 % (issue 8 §3)
-RECONNECT_FIRST_S = 1.0
-RECONNECT_MAX_S = 30.0
 
 
 class HostSession(HostRequests, SessionDriver):
@@ -258,10 +254,8 @@ class HostSession(HostRequests, SessionDriver):
                 return
             await self._rendezvous_gone(reason)
             attempt += 1
-            delay_s = min(RECONNECT_MAX_S, RECONNECT_FIRST_S * 2 ** (attempt - 1)) * random.uniform(0.8, 1.2)
-            self.reconnecting = {"attempt": attempt, "next_in_s": round(delay_s, 1), "reason": reason,
-                                 "at": time.time() + delay_s}
-            self.node.changed()
+            delay_s = reconnect_delay_s(attempt)
+            self._note_reconnect(attempt, delay_s, next_in_s=round(delay_s, 1), reason=reason)
             log.warning("session %s: rendezvous lost (%s); reconnecting in %.1f s (attempt %d)",
                         self.session_id, reason, delay_s, attempt)
             await trio.sleep(delay_s)
@@ -502,14 +496,8 @@ class HostSession(HostRequests, SessionDriver):
         from kafilad.planner import fleet_to_json
         return fleet_to_json(self.fleet_devices, self.context, self.concurrency)
 
-    def _rendezvous_status(self):
-        """"connected", or "reconnecting (attempt n, next in s)" while it is away (issue 8 §3)."""
-        if self.reconnecting is not None:
-            left_s = max(0.0, self.reconnecting["at"] - time.time())
-            return f"reconnecting (attempt {self.reconnecting['attempt']}, next in {left_s:.0f} s)"
-        if self.rendezvous_lost:
-            return "lost"
-        return "connected" if isinstance(self.rdv, CurrentRendezvous) and self.rdv.client is not None else None
+    def _rendezvous_connected(self) -> bool:
+        return isinstance(self.rdv, CurrentRendezvous) and self.rdv.client is not None
 
     def snapshot(self) -> dict:
         plan = self.plan

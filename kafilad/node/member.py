@@ -21,7 +21,7 @@ from kafilad.node.host_requests import result_of
 from kafilad.node.link import Link, secure_link
 from kafilad.node.liveness import Liveness
 from kafilad.node.ring import run_on_mlx_thread
-from kafilad.node.session_driver import SessionDriver
+from kafilad.node.session_driver import SessionDriver, reconnect_delay_s
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
 from kafilad.proto.identity import fingerprint, fingerprint_matches, parse_session_code, peer_id as peer_id_of
@@ -227,14 +227,12 @@ class MemberSession(SessionDriver):
     async def _await_rendezvous_back(self) -> None:
         """While the stage serves on without the rendezvous, probe it (capped, jittered backoff); once
         it answers, end this session so the daemon rejoins it with a fresh ctl link (issue 8 §3)."""
-        import random
         from kafilad.node.rdv_client import open_rendezvous
         attempt = 0
         while not self._over.is_set():
             attempt += 1
-            delay_s = min(30.0, 2.0 ** (attempt - 1)) * random.uniform(0.8, 1.2)
-            self.reconnecting = {"attempt": attempt, "at": time.time() + delay_s}
-            self.node.changed()
+            delay_s = reconnect_delay_s(attempt)
+            self._note_reconnect(attempt, delay_s)
             await trio.sleep(delay_s)
             try:
                 async with open_rendezvous(self.rdv_url, static_private=self.node.static_private,
@@ -398,13 +396,16 @@ class MemberSession(SessionDriver):
                             "predicted_stage_s": plan.get("stage_s", {}).get(name), "measured_stage_s": None})
         return {"role": "member", "session_id": self.session_id, "code": self.code, "state": self.state.value,
                 "error": self.error, "host": self.host_name, "members": members,
-                "rendezvous": (f"reconnecting (attempt {self.reconnecting['attempt']}, next in "
-                               f"{max(0.0, self.reconnecting['at'] - time.time()):.0f} s)") if self.reconnecting and
-                              not self._over.is_set() else
-                              ("lost" if self.rendezvous_lost else ("connected" if self.rdv else None)),
+                "rendezvous": self._rendezvous_status(),
                 "control": "down" if self.rendezvous_lost else ("up" if self.link else None),
                 "blocks": [p.start, p.end] if p else None, "head": bool(p and p.head),
                 "capability": self.capability, "load": self.load, "plan": plan or None}
+
+    def _still_reconnecting(self) -> bool:
+        return not self._over.is_set()
+
+    def _rendezvous_connected(self) -> bool:
+        return bool(self.rdv)
 
     async def close(self, reason: str = "its user ran `kafila-ctl leave`") -> None:
         """Leave the session: the host is told why (`leaving`, proto_spec 05 §2)."""

@@ -13,12 +13,31 @@ cancel scope and ring links, DESIGN §3 healing), joining the ring once a stage 
 
 from __future__ import annotations
 
+import random
+import time
 from typing import Awaitable, Callable, Optional
 
 import trio
 
 from kafilad.errors import KafilaError, collapse_groups
 from kafilad.node import stagehost
+
+
+#: rendezvous reconnect backoff: first delay and cap (s), each jittered by ±20 % (issue 8 §3)
+RECONNECT_FIRST_S = 1.0
+RECONNECT_MAX_S = 30.0
+
+
+def reconnect_delay_s(attempt: int) -> float:
+    """The wait before rendezvous attempt `attempt` (1, 2, ...): doubling from RECONNECT_FIRST_S,
+    capped at RECONNECT_MAX_S, jittered by ±20 % (issue 8 §3).
+
+    Args:
+        attempt: how many attempts this wait precedes, counting from 1.
+    Returns:
+        The delay in seconds.
+    """
+    return min(RECONNECT_MAX_S, RECONNECT_FIRST_S * 2 ** (attempt - 1)) * random.uniform(0.8, 1.2)
 
 
 class SessionDriver:
@@ -128,4 +147,31 @@ class SessionDriver:
         raise NotImplementedError
 
     async def _watch_ring(self, ring) -> None:  # pragma: no cover - each driver defines it
+        raise NotImplementedError
+
+    # ---- the rendezvous ------------------------------------------------------------------------
+    def _note_reconnect(self, attempt: int, delay_s: float, **about) -> None:
+        """The rendezvous is away: attempt `attempt` comes in `delay_s` (status shows it); tell watchers.
+
+        Args:
+            about: more keys for ``reconnecting``, before its "at".
+        """
+        self.reconnecting = {"attempt": attempt, **about, "at": time.time() + delay_s}
+        self.node.changed()
+
+    def _rendezvous_status(self) -> Optional[str]:
+        """"connected", "lost", or "reconnecting (attempt n, next in s)" while it is away (issue 8 §3);
+        None before the rendezvous was reached."""
+        if self.reconnecting is not None and self._still_reconnecting():
+            left_s = max(0.0, self.reconnecting["at"] - time.time())
+            return f"reconnecting (attempt {self.reconnecting['attempt']}, next in {left_s:.0f} s)"
+        if self.rendezvous_lost:
+            return "lost"
+        return "connected" if self._rendezvous_connected() else None
+
+    def _still_reconnecting(self) -> bool:
+        """Whether ``reconnecting`` still describes the session (not once it is over)."""
+        return True
+
+    def _rendezvous_connected(self) -> bool:  # pragma: no cover - each driver defines it
         raise NotImplementedError
