@@ -20,7 +20,7 @@ from kafilad.errors import HandshakeError, KafilaError, LinkClosed, RemoteProtoc
 from kafilad.modelinfo import read_model_info
 from kafilad.node import paths, stagehost
 from kafilad.node.admission import Limiter
-from kafilad.node.host_requests import HostRequests
+from kafilad.node.host_requests import HostRequests, RequestFailed
 from kafilad.node.link import Link, secure_link
 from kafilad.node.liveness import Liveness
 from kafilad.node.modelfiles import ModelFiles
@@ -171,9 +171,9 @@ class HostSession(HostRequests, SessionDriver):
             self.trace.write(event, **{k: v for k, v in fields.items() if k != "event"})
 
     def _fail_requests(self, reason: str, member: Optional[str]) -> None:
-        for ch in list(self.generations.values()):
+        for req, ch in list(self.generations.items()):
             try:
-                ch.send_nowait({"t": "gen_error", "message": reason})
+                ch.send_nowait(RequestFailed(req=req, message=reason))
             except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
         if self.ring is not None:

@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import Optional, Sequence
 
+import attrs
 import trio
 
 from kafilad.errors import (ContextTooLongError, GenerationCancelled, GenerationError, KafilaError, LinkClosed,
@@ -33,6 +34,14 @@ CANCEL_WAIT_S = 10.0
 CANCEL_SEND_S = 5.0
 #: the reason a request ended by its stop sequence gives the ring (it then completes, finish "stop")
 STOPPED = "A stop sequence was generated."
+
+
+@attrs.frozen
+class RequestFailed(cf.GenError):
+    """The host's own `gen_error` for a request on a remote head: the session failed it (a member
+    lost, the ring broken, the session ended; the machine's FailRequests). Put on the request's
+    channel by ``HostSession._fail_requests``; unlike the head's `gen_error`, it fails the request
+    even once a `cancel` was sent."""
 
 
 class HostRequests:
@@ -99,7 +108,7 @@ class HostRequests:
                     ring.cancel(req, reason)
                 elif req in self.generations:
                     try:
-                        self.generations[req].send_nowait({"t": "cancel", "reason": reason})
+                        self.generations[req].send_nowait(cf.Cancel(req=req, reason=reason))
                     except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
 
@@ -177,9 +186,10 @@ class HostRequests:
 
     async def _generate_remote(self, head, req: str, prompt: str, max_tokens: int, temperature: float,
                                emit, sampling: Optional[Sampling] = None) -> dict:
-        """The request through a remote head (proto_spec 05 §2 `gen`); `{"t": "cancel"}` put on its
-        channel (by `generate`), or `emit` raising, sends the head a `cancel` frame; the result then
-        has `"finish_reason": "cancelled"` once the head answered (or CANCEL_WAIT_S passed)."""
+        """The request through a remote head (proto_spec 05 §2 `gen`); a `Cancel` put on its channel
+        (by `generate`), or `emit` raising, sends the head a `cancel` frame; the result then has
+        `"finish_reason": "cancelled"` once the head answered (or CANCEL_WAIT_S passed). A
+        `RequestFailed` on the channel (the session failed the request) raises GenerationError."""
         link = self.links.get(head.peer_id)
         if link is None:
             raise GenerationError(f"member {head.name} is unreachable: its control link is down")
@@ -225,14 +235,14 @@ class HostRequests:
                     elif isinstance(f, cf.GenDone):
                         return {**f.result.to_wire(), **({"finish_reason": "cancelled", **cancelled}
                                                          if cancelled else {})}
+                    elif isinstance(f, RequestFailed):  # the session failed it (HostSession._fail_requests)
+                        raise GenerationError(f.message or "generation failed")
                     elif isinstance(f, cf.GenError):
                         if cancelled:
                             return partial()
                         raise GenerationError(f.message or "generation failed")
-                    elif f.get("t") == "cancel":  # from `generate`: the client went away
-                        await request_cancel(str(f.get("reason")), wait)
-                    else:  # the session failed: {"t": "gen_error", "message"} from _fail_requests
-                        raise GenerationError(f.get("message") or "generation failed")
+                    elif isinstance(f, cf.Cancel):  # from `generate`: the client went away
+                        await request_cancel(str(f.reason), wait)
             if cancelled:  # the head did not answer within CANCEL_WAIT_S
                 log.warning("request %s: the head %s did not confirm its cancellation within %g s", req, head.name,
                             CANCEL_WAIT_S)
