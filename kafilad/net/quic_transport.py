@@ -1,137 +1,136 @@
-"""QUIC on the daemon's UDP endpoint: aioquic's sans-IO QuicConnection driven by trio (DESIGN §4; proto_spec 07 §4).
+"""QUIC on the daemon's UDP endpoint: qh3's sans-IO QuicConnection driven by trio (DESIGN §4; proto_spec 07 §4).
 
 One QUIC connection per direct ring edge. The edge's sender is the QUIC client, its receiver the
 server (fixed roles, never both clients). The connection carries one bidirectional stream (id 0,
 opened by the client) framed as proto_spec 01 §5.1 (u16 big-endian length + message), so it is a
 :class:`kafilad.net.transport.MessageTransport` and the Noise channel of kafilad/node/link.py runs
 inside it unchanged. TLS certificates are self-signed, generated per process and not checked:
-Noise authenticates the peer (DESIGN §4 "QUIC").
+Noise authenticates the peer (DESIGN §4 "QUIC"). Settings and qh3 specifics: kafilad/net/quic_config.py.
 
 The driver (:meth:`QuicTransport.run`) is the aioquic asyncio protocol's loop in trio: feed
 datagrams as the endpoint delivers them, process events, flush ``datagrams_to_send(now)`` and
 re-arm ``get_timer()``. For latency, as in aioquic's asyncio protocol, work happens where it
 arises rather than one scheduler pass later: events are processed as each datagram arrives (the
-endpoint reads bursts, so the driver wakes once per burst), ``send_message`` transmits at once
-and only moves the sleeping driver's deadline, and a pending ACK rides on outgoing stream data.
+endpoint reads bursts, so the driver wakes once per burst), and ``send_message`` transmits at once
+and only moves the sleeping driver's deadline.
+
 Datagrams start at 1,200 bytes on a network path (RFC 9000 §14.1; the edge's sender then raises
 the size as path MTU probes confirm it, :meth:`QuicTransport.set_datagram_bytes`, proto_spec 07
-§4a) and are 16,000 bytes toward this host (:func:`path_datagram_bytes`).
+§4a) and are 16,000 bytes toward this host (:func:`path_datagram_bytes`). qh3 can lower a
+connection's size but not raise it, so a raise opens a *successor* connection at the new size on
+the same sockets and hands stream 0 over to it, in order, without losing a byte::
+
+    client (sender)                                  server (receiver)
+    gen g carries stream 0 ...
+    set_datagram_bytes(larger): Initial of gen g+1 --> DCID = successor_dcid(gen g's) is routed here
+    gen g+1 handshake completes
+    open stream 0 on g+1; FIN on g's stream 0 -------> read g until its FIN, then read g+1
+                                                       (g+1's stream 0 open): FIN on g, send on g+1
+    read g until its FIN, then g+1 <----------------- FIN on g
+    close gen g ("superseded") ---------------------> gen g retired; its close is no end
+
+Each side sends on the newest handed-over generation and reads generations in order, each to
+its FIN, so messages stay whole and ordered across the switch.
 """
 
 from __future__ import annotations
 
-import collections
-import datetime
-import ipaddress
 import logging
-import socket
-import ssl
 from typing import Optional
 
 import trio
-from aioquic import tls
-from aioquic.quic import events as qe
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
+from qh3.quic import events as qe
+from qh3.quic.connection import QuicConnection, QuicConnectionError
 
 from kafilad.errors import RemoteProtocolError
+from kafilad.net.quic_config import (ALPN, FLOW_WINDOW_BYTES, IDLE_TIMEOUT_S, MAX_DATAGRAM_BYTES,  # noqa: F401
+                                     MAX_SETTABLE_DATAGRAM_BYTES, SAME_HOST_DATAGRAM_BYTES, START_DATAGRAM_BYTES,
+                                     cap_datagram_bytes, configuration, datagram_bytes_of, path_datagram_bytes,
+                                     self_signed_certificate, successor_dcid)
 from kafilad.net.udp_endpoint import UdpEndpoint
 from kafilad.proto.quic_header import quic_dcid
 from kafilad.proto.transport_messages import MessageDecoder, encode_message
 
 log = logging.getLogger("kafilad.quic")
 
+
+class _QuietPeerClose(logging.Filter):
+    """qh3 logs every CONNECTION_CLOSE from the peer as a warning; an application close with
+    NO_ERROR (ours at every hand-over and link close) is routine, and its reason reaches
+    :attr:`QuicTransport.closed_reason` anyway."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        native = args[0] if args and isinstance(args[0], tuple) else ()
+        return not (str(record.msg).startswith("Native peer close") and len(native) > 2 and native[2] == 0)
+
+
+logging.getLogger("quic").addFilter(_QuietPeerClose())
+
 Address = tuple[str, int]
 
-ALPN = "kafila/1"
-#: Datagram size of a network path until path MTU probes raise it: the size every QUIC path must
-#: carry (RFC 9000 §14.1), so a handshake never depends on fragments (proto_spec 07 §4a).
-START_DATAGRAM_BYTES = 1200
-#: An Internet-sized datagram (fits a 1500-byte MTU with IPv6 + UDP headers and some tunnel
-#: overhead); benchmarks use it on loopback (scripts/bench_paths.py).
-MAX_DATAGRAM_BYTES = 1350
 #: Stream data unacknowledged this long while PINGs are acknowledged: the datagram size is
 #: black-holed on the path (RFC 8899 §4.2); see :meth:`QuicTransport.stalled_for_s`.
 STALL_S = 2.0
-#: Datagram size toward a peer on this host (loopback, or one of our own addresses), where the
-#: path is the loopback interface (MTU 65,536) and nothing on it fragments or drops large
-#: datagrams. Capped below 16,383: aioquic writes packet and STREAM frame lengths as 2-byte varints.
-SAME_HOST_DATAGRAM_BYTES = 16000
-#: QUIC idle timeout; keepalive PINGs go out well before it (aioquic closes silently after it).
-IDLE_TIMEOUT_S = 60.0
 PING_INTERVAL_S = 15.0
 #: PING interval of a watched path (a ring edge, proto_spec 07 §7a): each acknowledged PING
 #: proves the path carries datagrams both ways, so silence is seen within a few seconds.
 LIVENESS_PING_S = 0.5
 #: Unacknowledged stream bytes a sender may queue before send_message waits (backpressure).
 SEND_WINDOW_BYTES = 4 * 1024 * 1024
-#: QUIC flow-control windows (aioquic's 1 MiB default stalls a fast sender between MAX_DATA updates).
-FLOW_WINDOW_BYTES = 16 * 1024 * 1024
-
-_CERT: Optional[tuple] = None
-
-
-def self_signed_certificate() -> tuple:
-    """(certificate, private_key) for aioquic: EC P-256, self-signed, generated once per process."""
-    global _CERT
-    if _CERT is None:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import NameOID
-
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kafila")])
-        now = datetime.datetime.now(datetime.timezone.utc)
-        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(days=1))
-                .not_valid_after(now + datetime.timedelta(days=30))
-                .sign(key, hashes.SHA256()))
-        _CERT = (cert, key)
-    return _CERT
+#: A successor connection (a raised datagram size) that does not complete its handshake in this
+#: long is given up; the transport keeps its current size.
+SUCCESSOR_TIMEOUT_S = 5.0
+#: Reason phrase of a generation closed after its stream was handed over (not an end of the link).
+SUPERSEDED = "superseded"
 
 
-def path_datagram_bytes(remote: Address) -> int:
-    """QUIC datagram size for the path to ``remote`` (ip, port) (proto_spec 07 §4).
+class _Gen:
+    """One QUIC connection of a transport: a generation of its stream 0 (see the module docstring).
 
-    SAME_HOST_DATAGRAM_BYTES when ``remote`` is a loopback address or an address of this host (the
-    kernel picks it as its own source toward it, so the path never leaves the loopback
-    interface); START_DATAGRAM_BYTES otherwise, since an interface's MTU says nothing about the
-    rest of an Internet path (probes raise it later). Asks the kernel's routing table; sends nothing.
+    Attributes:
+        conn: the qh3 connection. odcid: its original destination connection id.
+        decoder: proto_spec 01 §5.1 messages read from its stream 0.
+        fin_received / fin_sent: stream 0 ended by the peer / by us.
+        stream_seen: the peer's stream 0 exists here (a server may send on it).
+        retired: handed over both ways; its termination is expected.
     """
-    try:
-        ip = ipaddress.ip_address(remote[0])
-    except ValueError:
-        return START_DATAGRAM_BYTES
-    if getattr(ip, "ipv4_mapped", None) is not None:
-        ip = ip.ipv4_mapped
-    if ip.is_loopback:
-        return SAME_HOST_DATAGRAM_BYTES
-    if ip.is_unspecified or ip.is_multicast:
-        return START_DATAGRAM_BYTES
-    try:
-        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((str(ip), int(remote[1]) or 9))
-            local = ipaddress.ip_address(s.getsockname()[0].split("%")[0])
-    except (OSError, ValueError):
-        return START_DATAGRAM_BYTES
-    return SAME_HOST_DATAGRAM_BYTES if local == ip else START_DATAGRAM_BYTES
 
+    __slots__ = ("t", "conn", "odcid", "decoder", "connected", "fin_received", "fin_sent", "stream_seen",
+                 "retired", "terminated", "dead", "started_s")
 
-def configuration(*, is_client: bool, datagram_bytes: int = START_DATAGRAM_BYTES) -> QuicConfiguration:
-    """aioquic configuration of one edge (proto_spec 07 §4); ``datagram_bytes`` is the largest
-    UDP payload this side sends (1200 .. 16,383)."""
-    cfg = QuicConfiguration(is_client=is_client, alpn_protocols=[ALPN], idle_timeout=IDLE_TIMEOUT_S,
-                            max_datagram_size=datagram_bytes, verify_mode=ssl.CERT_NONE,
-                            server_name="kafila", max_data=FLOW_WINDOW_BYTES, max_stream_data=FLOW_WINDOW_BYTES)
-    if not is_client:
-        cfg.certificate, cfg.private_key = self_signed_certificate()
-    return cfg
+    def __init__(self, t: "QuicTransport", conn: QuicConnection, odcid: bytes, now: float):
+        self.t, self.conn, self.odcid = t, conn, bytes(odcid)
+        self.decoder = MessageDecoder()
+        self.connected = self.fin_received = self.fin_sent = self.retired = self.terminated = self.dead = False
+        self.stream_seen = conn.configuration.is_client
+        self.started_s = now
+
+    def on_datagram(self, data: bytes, addr: Address) -> None:
+        if self.dead:
+            return
+        try:
+            self.conn.receive_datagram(data, addr, trio.current_time())
+        except QuicConnectionError as e:
+            self.t._broken(self, e)
+        self.t._process_events(self)  # readers wake now, not one scheduler pass later via the driver
+        self.t._wake.set()
+
+    def on_datagrams(self, datagrams: list[bytes], addr: Address) -> None:
+        """A burst of short-header datagrams (UdpEndpoint batch route): one qh3 call for all."""
+        if self.dead:
+            return
+        try:
+            self.conn.receive_many_datagrams(datagrams, addr, trio.current_time())
+        except QuicConnectionError as e:
+            self.t._broken(self, e)
+        self.t._process_events(self)
+        self.t._wake.set()
 
 
 class QuicTransport:
-    """A MessageTransport over stream 0 of one QUIC connection on a shared :class:`UdpEndpoint`.
+    """A MessageTransport over stream 0 of one QUIC connection (and its successors) on a shared
+    :class:`UdpEndpoint`.
 
     Make it with :func:`quic_connect` (client) or :func:`quic_accept` (server); both return once
     the QUIC handshake completed and the driver runs in ``nursery``.
@@ -140,24 +139,21 @@ class QuicTransport:
         remote: the peer's (ip, port).
         bytes_sent, bytes_received: stream payload bytes (framing included).
         ping_interval_s: PING cadence (PING_INTERVAL_S keepalives; LIVENESS_PING_S on a watched path).
-        datagram_bytes: the largest UDP payload this side sends now (:meth:`set_datagram_bytes`).
         last_ack_s: trio time the peer last acknowledged one of our PINGs (or the handshake
             completed): :meth:`silent_for_s` measures from it.
+        generations: QUIC connections this transport has used (1 + raises of the datagram size).
     """
 
     def __init__(self, endpoint: UdpEndpoint, conn: QuicConnection, remote: Address):
         self.endpoint = endpoint
-        self.conn = conn
         self.remote = remote
         self.is_client = conn.configuration.is_client
-        self.stream_id = 0
         self.bytes_sent = 0
         self.bytes_received = 0
         self.connected = trio.Event()
         self.closed_reason: Optional[str] = None
         self._local_closed = False
         self._eof = False
-        self._decoder = MessageDecoder()  # proto_spec 01 §5.1 on stream 0
         self._wake = trio.Event()
         self._readable = trio.Event()
         self._writable = trio.Event()
@@ -166,130 +162,300 @@ class QuicTransport:
         self._ping_uid = 0
         self.ping_interval_s = PING_INTERVAL_S
         self.last_ack_s: Optional[float] = None
-        self._acked_offset = 0           # stream bytes acknowledged from the start, as last seen
-        self._progress_s: Optional[float] = None  # when that offset last moved (or nothing was unacked)
-        self._data_queued = False
-        self._backlog: collections.deque[tuple[bytes, Address]] = collections.deque()
+        self._backlog: list[tuple[bytes, Address]] = []
         self._sleep_scope: Optional[trio.CancelScope] = None
-        endpoint.route_cid(conn.host_cid, self._on_datagram)
+        self._gens: list[_Gen] = []
+        self.generations = 0
+        first = self._add_gen(conn, conn.original_destination_connection_id)
+        self._tx = self._rx = first
+        self._target_bytes = int(conn.configuration.max_datagram_size)
+        # stalled_for_s: large packets outstanding when last looked, loss count then, since when no progress
+        self._big_seen: set[int] = set()
+        self._loss_seen = 0
+        self._progress_s: Optional[float] = None
 
-    # ---- endpoint side -------------------------------------------------------------------------
-    def _on_datagram(self, data: bytes, addr: Address) -> None:
-        self.conn.receive_datagram(data, addr, trio.current_time())
-        self._process_events()  # readers wake now, not one scheduler pass later via the driver
+    # ---- generations ---------------------------------------------------------------------------
+    @property
+    def conn(self) -> QuicConnection:
+        """The QUIC connection that carries what we send now."""
+        return self._tx.conn
+
+    @property
+    def stream_id(self) -> int:
+        return 0
+
+    def _add_gen(self, conn: QuicConnection, odcid: bytes) -> _Gen:
+        g = _Gen(self, conn, odcid, trio.current_time())
+        self._gens.append(g)
+        self.generations += 1
+        self.endpoint.route_cid(conn.host_cid, g.on_datagram, g.on_datagrams)
+        if not self.is_client:  # the Initial of a successor (a raised size) finds us by its DCID
+            self.endpoint.route_cid(successor_dcid(g.odcid), self._on_successor_initial)
+        return g
+
+    def _after(self, g: _Gen) -> Optional[_Gen]:
+        gens = self._gens
+        i = gens.index(g) if g in gens else len(gens)
+        return gens[i + 1] if i + 1 < len(gens) else None
+
+    def _on_successor_initial(self, data: bytes, addr: Address) -> None:
+        """Server: the first datagram of the client's next generation (proto_spec 07 §4a)."""
+        dcid = quic_dcid(data)
+        last = self._gens[-1]
+        if dcid is None or dcid != successor_dcid(last.odcid) or self.closed_reason is not None:
+            return
+        conn = QuicConnection(configuration=configuration(is_client=False, datagram_bytes=self._target_bytes),
+                              original_destination_connection_id=dcid)
+        g = self._add_gen(conn, dcid)
+        self.endpoint.route_cid(dcid, g.on_datagram)  # the client's retransmitted Initials
+        g.on_datagram(data, addr)
+
+    def _start_successor(self, n: int) -> None:
+        """Client: open the next generation at ``n``-byte datagrams (the handshake runs in the driver)."""
+        conn = QuicConnection(configuration=configuration(is_client=True, datagram_bytes=n))
+        odcid = successor_dcid(self._gens[-1].odcid)
+        conn._original_destination_connection_id = odcid  # qh3 2.1.0: read by connect()
+        conn.connect(self.remote, now=trio.current_time())
+        self._add_gen(conn, odcid)
         self._wake.set()
 
-    def _process_events(self) -> None:
-        while (ev := self.conn.next_event()) is not None:
-            if isinstance(ev, qe.HandshakeCompleted):
-                self.last_ack_s = trio.current_time()
-                self.connected.set()
+    def _hand_over(self) -> None:
+        """Move sending to the next generation where the protocol allows it (module docstring)."""
+        nxt = self._after(self._tx)
+        if nxt is None or self._tx.fin_sent or self.closed_reason is not None:
+            return
+        old = self._tx
+        if self.is_client:
+            if not nxt.connected:
+                return
+            nxt.conn.send_stream_data(0, b"")  # opens stream 0 so the server may answer on it
+        elif not (old.fin_received and nxt.stream_seen):
+            return
+        old.conn.send_stream_data(0, b"", end_stream=True)
+        old.fin_sent = True
+        self._tx = nxt
+        if not self.is_client:
+            old.retired = True
+        elif old.fin_received:
+            self._retire(old)
+        if self.is_client:
+            size = datagram_bytes_of(nxt.conn)
+            if self._target_bytes < size:
+                cap_datagram_bytes(nxt.conn, self._target_bytes)
+            elif self._target_bytes > size and self._after(nxt) is None:
+                self._start_successor(self._target_bytes)  # raised again while this one connected
+        self._progress_s = None
+        self._writable.set()
+        self._wake.set()
+
+    def _retire(self, g: _Gen) -> None:
+        """Client: both directions of ``g`` ended at a hand-over; close it."""
+        g.retired = True
+        g.conn.close(error_code=0, reason_phrase=SUPERSEDED)
+        self._wake.set()
+
+    # ---- endpoint side -------------------------------------------------------------------------
+    def _process_events(self, g: _Gen) -> None:
+        conn = g.conn
+        while (ev := conn.next_event()) is not None:
+            if isinstance(ev, qe.StreamDataReceived):
+                if ev.stream_id != 0:
+                    continue
+                g.stream_seen = True
+                if ev.data:
+                    g.decoder.receive_data(ev.data)
+                    self.bytes_received += len(ev.data)
+                if ev.end_stream:
+                    g.fin_received = True
+                    if g.fin_sent and self.is_client and not g.retired and g is not self._tx:
+                        self._retire(g)
+                    self._hand_over()
+                elif g is not self._tx and not self.is_client:
+                    self._hand_over()  # a successor's stream 0 opened
+                self._readable.set()
             elif isinstance(ev, qe.PingAcknowledged):
                 self.last_ack_s = trio.current_time()
-            elif isinstance(ev, qe.ConnectionIdIssued):
-                self.endpoint.route_cid(ev.connection_id, self._on_datagram)
-            elif isinstance(ev, qe.StreamDataReceived) and ev.stream_id == self.stream_id:
-                self._decoder.receive_data(ev.data)
-                self.bytes_received += len(ev.data)
-                if ev.end_stream:
-                    self._eof = True
-                self._readable.set()
-            elif isinstance(ev, qe.ConnectionTerminated):
-                if ev.error_code == 0 and ev.frame_type is None:
-                    self._eof = True  # a NO_ERROR close by the application: a clean end of stream
-                self.closed_reason = self.closed_reason or (
-                    f"the QUIC connection to {self.remote[0]}:{self.remote[1]} ended "
-                    f"(error {ev.error_code}{': ' + ev.reason_phrase if ev.reason_phrase else ''})")
-                self._readable.set()
-                self._writable.set()
+            elif isinstance(ev, qe.HandshakeCompleted):
+                g.connected = True
+                self.last_ack_s = trio.current_time()
                 self.connected.set()
+                if g is not self._tx:
+                    self._hand_over()
+            elif isinstance(ev, qe.ConnectionIdIssued):
+                self.endpoint.route_cid(ev.connection_id, g.on_datagram, g.on_datagrams)
+            elif isinstance(ev, qe.ConnectionTerminated):
+                self._terminated(g, ev)
+        close = conn._close_event  # qh3 reports a peer's CONNECTION_CLOSE here, its event only after draining
+        if close is not None and not g.terminated:
+            if (close.error_code == 0 and close.frame_type is None and (g is self._rx or g is self._tx)
+                    and not g.retired and close.reason_phrase != SUPERSEDED):
+                # A clean close by the peer: the stream has ended (reads end now); the connection
+                # drains for 3 PTOs (RFC 9000 §10.2.2) before it is over, as with aioquic
+                self._eof = True
+                self._readable.set()
+            else:
+                self._terminated(g, close)
+
+    def _terminated(self, g: _Gen, ev: qe.ConnectionTerminated) -> None:
+        if g.terminated:
+            return
+        g.terminated = True
+        if g.retired or ev.reason_phrase == SUPERSEDED:
+            return  # handed over: expected
+        if g is not self._tx and g is not self._rx and g in self._gens and self._tx in self._gens \
+                and self._gens.index(g) > self._gens.index(self._tx):
+            # a successor that never took over: keep the current generation and its size
+            log.info("quic: a connection at %d-byte datagrams to %s:%d did not take over (%s)",
+                     datagram_bytes_of(g.conn), self.remote[0], self.remote[1], ev.reason_phrase or ev.error_code)
+            if self.is_client:
+                self._target_bytes = datagram_bytes_of(self._tx.conn)
+            return
+        if ev.error_code == 0 and ev.frame_type is None:
+            self._eof = True  # a NO_ERROR close by the application: a clean end of stream
+        self.closed_reason = self.closed_reason or (
+            f"the QUIC connection to {self.remote[0]}:{self.remote[1]} ended "
+            f"(error {ev.error_code}{': ' + ev.reason_phrase if ev.reason_phrase else ''})")
+        self._readable.set()
+        self._writable.set()
+        self.connected.set()
+
+    def _broken(self, g: _Gen, e: QuicConnectionError) -> None:
+        """qh3 raised inside ``g``'s connection (its core refuses to go on): ``g`` ends there."""
+        log.debug("quic: the connection to %s:%d failed inside qh3: %s", self.remote[0], self.remote[1], e)
+        g.dead = True
+        close = g.conn._close_event
+        self._terminated(g, close if close is not None else
+                         qe.ConnectionTerminated(e.error_code, e.frame_type, e.reason_phrase))
 
     def _transmit(self) -> None:
-        """Send every datagram aioquic has ready now, in one burst and without yielding; what the
+        """Send every datagram qh3 has ready now, in one burst and without yielding; what the
         kernel buffer cannot take waits in the backlog for :meth:`_flush`."""
         now = trio.current_time()
-        if self._data_queued:
-            self._data_queued = False
-            # A pending ACK rides on the stream packets about to go out (RFC 9000 §13.2.1) rather
-            # than leaving in its own datagram when aioquic's ACK delay expires; aioquic only
-            # bundles ACKs that are already due.
-            space = self.conn._spaces.get(tls.Epoch.ONE_RTT)
-            if space is not None and space.ack_at is not None and space.ack_at > now:
-                space.ack_at = now
-        out = self.conn.datagrams_to_send(now)
-        if self._backlog:
-            self._backlog.extend(out)  # keep the order
-        else:
-            send = self.endpoint.send_nowait
-            for i, (data, addr) in enumerate(out):
-                if not send(data, addr):
-                    self._backlog.extend(out[i:])
-                    break
-        if not self._backlog and self._unacked_bytes() < SEND_WINDOW_BYTES:
+        send_many = self.endpoint.send_many_nowait
+        backlog = self._backlog
+        for g in self._gens:
+            if g.dead:
+                continue
+            core = g.conn._core
+            if core is None:
+                continue
+            out = []
+            try:  # qh3's datagrams_to_send without its per-datagram logging hooks (no QUIC logger here)
+                while (tr := core.poll_transmit(now)) is not None:
+                    out.append((tr[0], tr[1]))
+            except RuntimeError as e:  # what datagrams_to_send raises as QuicConnectionError
+                self._broken(g, QuicConnectionError(1, None, str(e)))  # INTERNAL_ERROR
+                continue
+            if not out:
+                continue
+            if backlog:
+                backlog.extend(out)  # keep the order
+                continue
+            sent = send_many(out)
+            if sent < len(out):
+                backlog.extend(out[sent:])
+        if not backlog and self._unacked_bytes() < SEND_WINDOW_BYTES:
             self._writable.set()
 
     def _rearm(self) -> None:
         """After a transmit outside the driver: bring the sleeping driver's deadline forward to
-        aioquic's timer (loss detection, pacing), or wake the driver if it is not asleep or a
+        qh3's timer (loss detection, pacing), or wake the driver if it is not asleep or a
         backlog waits for the kernel buffer. Saves a driver pass per message sent."""
         scope = self._sleep_scope
         if scope is None or self._backlog:
             self._wake.set()
             return
-        t = self.conn.get_timer()
+        t = self._tx.conn.get_timer()
         if t is not None and t < scope.deadline:
             scope.deadline = t
 
     async def _flush(self) -> None:
         self._transmit()
-        while self._backlog:
-            data, addr = self._backlog[0]
+        backlog = self._backlog
+        while backlog:
+            data, addr = backlog[0]
             await self.endpoint.sendto(data, addr)  # waits for room in the kernel buffer
-            self._backlog.popleft()
+            del backlog[0]
+            del backlog[:self.endpoint.send_many_nowait(backlog)]
         if self._unacked_bytes() < SEND_WINDOW_BYTES:
             self._writable.set()
 
     def _unacked_bytes(self) -> int:
-        stream = self.conn._streams.get(self.stream_id)  # aioquic exposes no public gauge for this
-        if stream is None:
+        """Stream bytes queued or in flight on the sending generation (qh3's gauges)."""
+        conn = self._tx.conn
+        core = conn._core
+        if core is None:
             return 0
-        sender = stream.sender
-        return sender._buffer_stop - sender._buffer_start
+        return core.get_send_buffer_size(0) + core.bytes_in_flight
+
+    def _next_timer(self) -> Optional[float]:
+        timer = None
+        for g in self._gens:
+            t = None if g.dead else g.conn.get_timer()
+            if t is not None and (timer is None or t < timer):
+                timer = t
+        return timer
 
     async def run(self) -> None:
-        """Drive the connection until it terminates (run it in a nursery)."""
+        """Drive the connection(s) until the transport ends (run it in a nursery)."""
         try:
             while True:
-                self._process_events()
+                for g in self._gens:
+                    self._process_events(g)
                 await self._flush()
-                if self.closed_reason is not None and self.conn._state.name in ("TERMINATED",):
-                    return
-                timer = self.conn.get_timer()
                 now = trio.current_time()
+                if self._drop_finished(now):
+                    return
+                timer = self._next_timer()
                 if self.connected.is_set() and self.closed_reason is None:
                     if now >= self._next_ping_s:
                         self._ping_uid += 1
-                        self.conn.send_ping(self._ping_uid)
+                        self._tx.conn.send_ping(self._ping_uid)
                         self._next_ping_s = now + self.ping_interval_s
                         continue
                     timer = min(timer if timer is not None else float("inf"), self._next_ping_s)
+                    pending = self._gens[-1]
+                    if self.is_client and not pending.connected and not pending.terminated and pending is not self._tx:
+                        timer = min(timer, pending.started_s + SUCCESSOR_TIMEOUT_S)
                 with trio.move_on_at(timer if timer is not None else float("inf")) as scope:
                     self._sleep_scope = scope
                     await self._wake.wait()
                 self._sleep_scope = None
                 self._wake = trio.Event()
                 now = trio.current_time()
-                t = self.conn.get_timer()
-                if t is not None and now >= t:
-                    self.conn.handle_timer(now)
+                for g in self._gens:
+                    t = None if g.dead else g.conn.get_timer()
+                    if t is not None and now >= t:
+                        try:
+                            g.conn.handle_timer(now)
+                        except QuicConnectionError as e:
+                            self._broken(g, e)
         finally:
-            self.endpoint.unroute(self._on_datagram)
+            for g in self._gens:
+                self.endpoint.unroute(g.on_datagram)
+            self.endpoint.unroute(self._on_successor_initial)
             self.closed_reason = self.closed_reason or "the QUIC driver stopped"
             self._readable.set()
             self._writable.set()
             self.connected.set()
 
-    # ---- liveness (proto_spec 07 §7a) ----------------------------------------------------------
+    def _drop_finished(self, now: float) -> bool:
+        """Forget generations that are over (terminated, or a successor past its time); True when
+        the transport is closed and every generation is over (the driver's end)."""
+        over = self.closed_reason is not None
+        for g in list(self._gens):
+            if (self.is_client and not g.connected and not g.terminated and g is not self._tx
+                    and self.closed_reason is None and now >= g.started_s + SUCCESSOR_TIMEOUT_S):
+                g.conn.close(error_code=0, reason_phrase=SUPERSEDED)
+                self._terminated(g, qe.ConnectionTerminated(0, None, "the handshake did not finish"))
+            ended = g.dead or g.conn._state.name == "TERMINATED" or (g.terminated and g.conn._core is None)
+            over = over and ended
+            if ended and g is not self._tx and g is not self._rx:
+                self._gens.remove(g)
+                self.endpoint.unroute(g.on_datagram)
+        return over
+
+    # ---- liveness and datagram size (proto_spec 07 §4a, §7a) --------------------------------------
     def watch(self, ping_interval_s: float = LIVENESS_PING_S) -> None:
         """PING every ``ping_interval_s`` from now on, so :meth:`silent_for_s` stays small on a live path."""
         self.ping_interval_s = ping_interval_s
@@ -298,43 +464,68 @@ class QuicTransport:
 
     @property
     def datagram_bytes(self) -> int:
-        return self.conn._max_datagram_size
+        """The largest UDP payload this side sends from now on (a raise is in effect once its
+        successor connection has taken over, one round trip later)."""
+        return self._target_bytes
+
+    @property
+    def smoothed_rtt_s(self) -> float:
+        """The sending connection's smoothed RTT (RFC 9002 §5.3), 0.0 before a sample."""
+        core = self._tx.conn._core
+        return (core.smoothed_rtt or 0.0) if core is not None else 0.0
 
     def set_datagram_bytes(self, n: int) -> None:
         """Send datagrams of at most ``n`` bytes from now on (1,200 .. 16,383; proto_spec 07 §4a).
 
-        aioquic fixes the size at creation; this sets it where its packet builder, pacer and
-        congestion controller read it (aioquic==1.7.2 internals, pinned). Data already lost in
-        larger datagrams is sent again in datagrams of the new size (RFC 9000 §13.3).
+        Lowering takes effect at once, and data already lost in larger datagrams is sent again in
+        datagrams of the new size (RFC 9000 §13.3). Raising opens a successor connection at ``n``
+        bytes (the client's side; see the module docstring); the server's own datagrams (mostly
+        acknowledgements) keep their size.
         """
-        n = max(1200, min(int(n), 16383))
-        conn = self.conn
-        if n < conn._max_datagram_size and self.connected.is_set() and self.closed_reason is None:
-            # Shrinking after a black hole: probe at once (a PTO probe, now small) so that the
-            # larger packets in flight are declared lost and sent again sooner (RFC 9002 §6.2.4),
-            # and give the smaller size a full SILENCE window of its own (the PINGs were riding
-            # in the lost large packets too).
-            conn._loss._pto_count = 0
-            conn._send_probe()
+        n = max(START_DATAGRAM_BYTES, min(int(n), MAX_SETTABLE_DATAGRAM_BYTES))
+        self._target_bytes = n
+        tx = self._tx
+        current = datagram_bytes_of(tx.conn)
+        if n < current and cap_datagram_bytes(tx.conn, n) and self.connected.is_set() and self.closed_reason is None:
+            # Shrinking after a black hole: an ack-eliciting PING now (small) gets the larger
+            # packets in flight declared lost and sent again sooner (RFC 9002 §6.1.2), and the
+            # smaller size gets a full SILENCE window of its own (the PINGs were riding in the
+            # lost large packets too).
+            self._ping_uid += 1
+            tx.conn.send_ping(self._ping_uid)
             self.last_ack_s = trio.current_time()
-        conn._max_datagram_size = n
-        conn._loss._pacer._max_datagram_size = n
-        cc = conn._loss._cc
-        for attr in ("_max_datagram_size", "additive_increase_factor"):
-            if hasattr(cc, attr):
-                setattr(cc, attr, n)
+        pending = self._gens[-1] if self._gens[-1] is not tx else None
+        if pending is not None and not pending.terminated and n != datagram_bytes_of(pending.conn):
+            if n < datagram_bytes_of(pending.conn):
+                cap_datagram_bytes(pending.conn, n)  # no-op before its handshake: _hand_over caps it
+        elif self.is_client and n > current and pending is None and self.connected.is_set() and self.closed_reason is None:
+            self._start_successor(n)
         self._progress_s = None  # a stall is measured anew at the new size
         self._wake.set()
 
     def stalled_for_s(self, now: float) -> float:
-        """Seconds stream data has waited for an acknowledgement without the acknowledged offset
-        moving (0 when nothing is unacknowledged). With PINGs still acknowledged
-        (:meth:`silent_for_s` small) a stall of STALL_S means the data's datagrams are black-holed:
-        too large for the path (RFC 8899 §4.2)."""
-        stream = self.conn._streams.get(self.stream_id)
-        acked = stream.sender._buffer_start if stream is not None else 0
-        if acked != self._acked_offset or self._unacked_bytes() == 0 or self._progress_s is None:
-            self._acked_offset, self._progress_s = acked, now
+        """Seconds full-sized datagrams have gone unacknowledged while some were outstanding or
+        lost (0 when none are). With PINGs still acknowledged (:meth:`silent_for_s` small) a stall
+        of STALL_S means datagrams of the current size are black-holed: too large for the path
+        (RFC 8899 §4.2).
+
+        qh3 reports packets, not stream offsets: a "full-sized" packet is one above
+        min(1,200, size - 100) bytes, so PINGs and acknowledgements never count; the sender made
+        progress when more of the full-sized packets seen last time left flight than packets
+        were declared lost meanwhile.
+        """
+        core = self._tx.conn._core
+        if core is None:
+            return 0.0
+        big = min(START_DATAGRAM_BYTES, datagram_bytes_of(self._tx.conn) - 100)
+        out = {pn for pn, size, _ in core.outstanding_application_packets if size > big}
+        lost = core.loss_total
+        left = sum(1 for pn in self._big_seen if pn not in out)
+        progressed = left > lost - self._loss_seen
+        idle = not out and lost == self._loss_seen and core.get_send_buffer_size(0) == 0
+        self._big_seen, self._loss_seen = out, lost
+        if progressed or idle or self._progress_s is None:
+            self._progress_s = now
             return 0.0
         return now - self._progress_s
 
@@ -368,15 +559,15 @@ class QuicTransport:
                     raise trio.ClosedResourceError("this QUIC transport was closed")
                 if self.closed_reason is not None:
                     raise trio.BrokenResourceError(self.closed_reason)
-                if self._unacked_bytes() < SEND_WINDOW_BYTES:
+                if self._eof or (self._unacked_bytes() < SEND_WINDOW_BYTES and not self._tx.fin_sent):
                     break
                 self._writable = trio.Event()
                 await self._writable.wait()
-            self.conn.send_stream_data(self.stream_id, framed)
-            self.bytes_sent += len(framed)
-            self._data_queued = True
-            self._transmit()  # as aioquic's asyncio protocol does: the data leaves before we yield
-            self._rearm()
+            if not self._eof:  # else the peer closed cleanly and the connection drains: nothing goes out
+                self._tx.conn.send_stream_data(0, framed)
+                self.bytes_sent += len(framed)
+                self._transmit()  # as aioquic's asyncio protocol does: the data leaves before we yield
+                self._rearm()
         finally:
             self._send_lock.release()
         await trio.lowlevel.cancel_shielded_checkpoint()
@@ -385,15 +576,22 @@ class QuicTransport:
         while True:
             if self._local_closed:
                 raise trio.ClosedResourceError("this QUIC transport was closed")
-            msg = self._decoder.next_message()
+            rx = self._rx
+            msg = rx.decoder.next_message()
             if msg is not None:
                 await trio.lowlevel.checkpoint()
                 return msg
-            if self._eof:
+            if rx.fin_received:
                 try:
-                    self._decoder.receive_eof()
+                    rx.decoder.receive_eof()
                 except RemoteProtocolError as exc:  # proto_spec 01 §5.1: an end inside a message is a loss
                     raise trio.BrokenResourceError(str(exc)) from None
+                nxt = self._after(rx)
+                if nxt is not None:  # handed over: read the next generation
+                    self._rx = nxt
+                    continue
+                raise trio.EndOfChannel
+            if self._eof:
                 raise trio.EndOfChannel
             if self.closed_reason is not None:
                 raise trio.BrokenResourceError(self.closed_reason)
@@ -418,11 +616,22 @@ class QuicTransport:
         if not self._local_closed:
             self._local_closed = True
             if self.closed_reason is None:
-                try:
-                    self.conn.send_stream_data(self.stream_id, b"", end_stream=True)
-                except Exception:  # the stream may be closed already: the connection close follows anyway
-                    pass
-                self.conn.close(error_code=0, reason_phrase="closed")
+                tx = self._tx
+                if not tx.fin_sent and tx.stream_seen and not tx.terminated and not tx.dead:
+                    # qh3 drops unsent stream data at close(): the FIN leaves first, so the peer
+                    # reads a clean end of stream before it learns the connection closed
+                    try:
+                        tx.conn.send_stream_data(0, b"", end_stream=True)
+                        tx.fin_sent = True
+                        self._transmit()
+                    except QuicConnectionError:
+                        pass  # the close below says the same
+                for g in self._gens:
+                    if not g.terminated and not g.dead:
+                        try:
+                            g.conn.close(error_code=0, reason_phrase="closed")
+                        except QuicConnectionError:  # its core gave up already: nothing to say
+                            g.dead = True
                 self.closed_reason = "closed locally"
                 self._wake.set()
         self._readable.set()
@@ -462,7 +671,7 @@ async def quic_accept(endpoint: UdpEndpoint, remote: Address, nursery, *, timeou
 
     def on_initial(data: bytes, addr: Address) -> None:
         if "t" in got:
-            got["t"]._on_datagram(data, addr)
+            got["t"]._gens[0].on_datagram(data, addr)
             return
         dcid = quic_dcid(data)  # a long-header Initial: the DCID the client chose
         if dcid is None:
@@ -470,9 +679,10 @@ async def quic_accept(endpoint: UdpEndpoint, remote: Address, nursery, *, timeou
         conn = QuicConnection(configuration=configuration(is_client=False, datagram_bytes=size),
                               original_destination_connection_id=dcid)
         t = QuicTransport(endpoint, conn, addr)
-        endpoint.route_cid(dcid, t._on_datagram)
+        first = t._gens[0]
+        endpoint.route_cid(dcid, first.on_datagram)
         got["t"] = t
-        t._on_datagram(data, addr)
+        first.on_datagram(data, addr)
         arrived.set()
 
     endpoint.expect_quic_client(remote, on_initial)
@@ -496,8 +706,6 @@ async def _established(t: QuicTransport, timeout_s: float) -> QuicTransport:
         await t.aclose()
         raise trio.BrokenResourceError(reason)
     if t.is_client:
-        t.stream_id = t.conn.get_next_available_stream_id()
-        t.conn.send_stream_data(t.stream_id, b"")  # opens stream 0 so the server sees it at once
+        t.conn.send_stream_data(0, b"")  # opens stream 0 so the server sees it at once
         t._wake.set()
     return t
-

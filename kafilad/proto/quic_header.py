@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-#: Length of the connection ids we issue (aioquic's QuicConfiguration.connection_id_length default).
+#: Length of the connection ids we issue (qh3's QuicConfiguration.connection_id_length default, which kafilad/net/quic_config.py sets).
 CID_BYTES = 8
 #: Longest connection id QUIC v1 allows (RFC 9000 §17.2).
 MAX_CID_BYTES = 20

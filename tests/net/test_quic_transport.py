@@ -1,4 +1,4 @@
-"""QUIC (aioquic sans-IO driven by trio) on the shared UDP endpoint, with Noise inside (kafilad.net.quic_transport)."""
+"""QUIC (qh3 sans-IO driven by trio) on the shared UDP endpoint, with Noise inside (kafilad.net.quic_transport)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def own_address() -> str | None:
 
 
 def test_datagram_size_is_large_only_toward_this_host():
-    assert SAME_HOST_DATAGRAM_BYTES < 16383 < SAME_HOST_DATAGRAM_BYTES * 2  # aioquic's 2-byte length fields
+    assert SAME_HOST_DATAGRAM_BYTES < 16383 < SAME_HOST_DATAGRAM_BYTES * 2  # QUIC's 2-byte length varints
     assert path_datagram_bytes(("127.0.0.1", 4000)) == SAME_HOST_DATAGRAM_BYTES
     assert path_datagram_bytes(("127.8.9.10", 4000)) == SAME_HOST_DATAGRAM_BYTES
     assert path_datagram_bytes(("::1", 4000)) == SAME_HOST_DATAGRAM_BYTES
@@ -181,5 +181,64 @@ async def test_a_stream_that_ends_inside_a_message_is_a_lost_link():
             client._transmit()
             assert await server.receive_message() == b"whole"
             with pytest.raises(trio.BrokenResourceError, match=r"ended inside a message \(6 bytes"):
+                await server.receive_message()
+            nursery.cancel_scope.cancel()
+
+
+class _SizeWatch:
+    """Records the length of every datagram the endpoint ``e`` sends (its real socket sends them)."""
+
+    def __init__(self, e: UdpEndpoint):
+        self.sizes: list[int] = []
+        e.gso = False  # one send_nowait per datagram, so each one's length is seen here
+        send = e.send_nowait
+
+        def watched(data, addr):
+            self.sizes.append(len(data))
+            return send(data, addr)
+        e.send_nowait = watched
+
+
+@trio_test
+async def test_raising_the_datagram_size_hands_the_stream_to_a_successor_connection_in_order():
+    """qh3 cannot raise a connection's size: a successor connection takes over stream 0 mid-transfer
+    (module docstring of kafilad/net/quic_transport.py), and lowering works in place."""
+    a, b = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
+    watch = _SizeWatch(a)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.serve)
+            await nursery.start(b.serve)
+            client, server = await connected_pair(nursery, a, b, datagram_bytes=START_DATAGRAM_BYTES)
+            blob = os.urandom(20_000)
+            count = 300
+            got = []
+
+            async def read_all():
+                for _ in range(count):
+                    got.append(await server.receive_message())
+            nursery.start_soon(read_all)
+            for i in range(count):
+                if i == 100:
+                    assert max(watch.sizes) <= START_DATAGRAM_BYTES
+                    client.set_datagram_bytes(1350)  # raise: a successor at 1,350 bytes
+                    assert client.datagram_bytes == 1350
+                    mark = len(watch.sizes)
+                if i == 200:
+                    while client.generations < 2 or client.conn is client._gens[0].conn:
+                        await trio.sleep(0.01)
+                    assert 1300 < max(watch.sizes[mark:]) <= 1350
+                    client.set_datagram_bytes(1252)  # lower: in place, on the same connection
+                    mark = len(watch.sizes)
+                await client.send_message(blob[:-2] + i.to_bytes(2, "big"))
+            while len(got) < count:
+                await trio.sleep(0.01)
+            assert got == [blob[:-2] + i.to_bytes(2, "big") for i in range(count)]  # whole, in order, once
+            assert client.generations == server.generations == 2
+            assert 1200 < max(watch.sizes[mark:]) <= 1252 and client.datagram_bytes == 1252
+            await server.send_message(b"back")  # the server answers on the successor too
+            assert await client.receive_message() == b"back"
+            await client.aclose()
+            with pytest.raises(trio.EndOfChannel):
                 await server.receive_message()
             nursery.cancel_scope.cancel()

@@ -137,3 +137,46 @@ def test_fuzz_any_datagram_is_routed_or_dropped_never_raises(datagrams, prefix):
     assert ep.received == len(datagrams)
     assert agent.state.value == "checking"
     raw.close()
+
+
+@trio_test
+async def test_a_burst_for_one_connection_id_reaches_its_batch_route_in_one_call_in_order():
+    a, b = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
+    cid, other = os.urandom(8), os.urandom(8)
+    calls: list[tuple[list[bytes], tuple]] = []
+    singles: list[bytes] = []
+    b.route_cid(cid, lambda d, addr: singles.append(d), lambda ds, addr: calls.append((ds, addr)))
+    b.route_cid(other, lambda d, addr: singles.append(d))  # no batch route: one call per datagram
+    burst = [bytes([0x41]) + cid + i.to_bytes(2, "big") + bytes(100) for i in range(10)]
+    for d in burst[:6] + [bytes([0x41]) + other + b"x"] + burst[6:]:
+        a.send_nowait(d, b.local_address)  # queued in b's socket before b reads: one burst
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        with trio.fail_after(5):
+            while sum(len(ds) for ds, _ in calls) < 10:
+                await trio.sleep(0.01)
+        assert [len(ds) for ds, _ in calls] == [6, 4]  # the datagram for `other` splits the run
+        assert [d for ds, _ in calls for d in ds] == burst and calls[0][1] == a.local_address
+        assert singles == [bytes([0x41]) + other + b"x"] and b.received == 11
+        b.unroute(b._by_cid[cid])
+        assert b._batch == {}
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_send_many_cuts_equal_runs_into_the_same_datagrams_with_or_without_segmentation_offload():
+    for gso in (True, False):
+        a, b = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
+        a.gso = a.gso and gso
+        got: list[bytes] = []
+        b.route_cid(b"\x07" * 8, lambda d, addr: got.append(d))
+        out = [bytes([0x41]) + b"\x07" * 8 + os.urandom(1312) for _ in range(100)]
+        out += [bytes([0x41]) + b"\x07" * 8 + b"short", bytes([0x41]) + b"\x07" * 8 + os.urandom(1400)]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(b.serve)
+            assert a.send_many_nowait([(d, b.local_address) for d in out]) == len(out)
+            with trio.fail_after(5):
+                while len(got) < len(out):
+                    await trio.sleep(0.01)
+            assert got == out  # the same datagrams, in order: a shorter one ends a run, a longer one starts one
+            nursery.cancel_scope.cancel()

@@ -1,9 +1,9 @@
-"""First-byte demultiplexing and QUIC DCIDs (kafilad/proto/quic_header.py), with aioquic as the oracle."""
+"""First-byte demultiplexing and QUIC DCIDs (kafilad/proto/quic_header.py), with qh3 (the QUIC stack) as the oracle."""
 
 from __future__ import annotations
 
-from aioquic.buffer import Buffer
-from aioquic.quic.packet import pull_quic_header
+from qh3._hazmat import Buffer
+from qh3.quic.packet import pull_quic_header
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,12 +47,12 @@ def _long_header(first: int, version: int, dcid: bytes, scid: bytes, rest: bytes
         st.binary(max_size=64),
     )
 )
-def test_dcid_agrees_with_aioquic_wherever_aioquic_parses_the_header(packet):
-    """Whatever aioquic (the QUIC stack behind the demultiplexer) parses, we route by the same DCID."""
+def test_dcid_agrees_with_qh3_wherever_qh3_parses_the_header(packet):
+    """Whatever qh3 (the QUIC stack behind the demultiplexer) parses, we route by the same DCID."""
     try:
         header = pull_quic_header(Buffer(data=packet), host_cid_length=CID_BYTES)
-    except Exception:  # aioquic raises ValueError or BufferReadError on junk
+    except Exception:  # qh3 raises ValueError or BufferReadError on junk
         return
     if protocol_of(packet) != "quic":
-        return  # aioquic reads first bytes outside RFC 9443's QUIC range; the endpoint drops them earlier
+        return  # qh3 reads first bytes outside RFC 9443's QUIC range; the endpoint drops them earlier
     assert quic_dcid(packet) == header.destination_cid
