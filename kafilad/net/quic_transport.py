@@ -47,25 +47,14 @@ from kafilad.net.quic_config import (ALPN, FLOW_WINDOW_BYTES, IDLE_TIMEOUT_S, MA
                                      MAX_SETTABLE_DATAGRAM_BYTES, SAME_HOST_DATAGRAM_BYTES, START_DATAGRAM_BYTES,
                                      cap_datagram_bytes, configuration, datagram_bytes_of, path_datagram_bytes,
                                      self_signed_certificate, successor_dcid)
+from kafilad.net.quic_gen import SUPERSEDED, Generation, StallMeter
 from kafilad.net.udp_endpoint import UdpEndpoint
 from kafilad.proto.quic_header import quic_dcid
-from kafilad.proto.transport_messages import MessageDecoder, encode_message
+from kafilad.proto.transport_messages import encode_message
 
 log = logging.getLogger("kafilad.quic")
 
 
-class _QuietPeerClose(logging.Filter):
-    """qh3 logs every CONNECTION_CLOSE from the peer as a warning; an application close with
-    NO_ERROR (ours at every hand-over and link close) is routine, and its reason reaches
-    :attr:`QuicTransport.closed_reason` anyway."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args if isinstance(record.args, tuple) else ()
-        native = args[0] if args and isinstance(args[0], tuple) else ()
-        return not (str(record.msg).startswith("Native peer close") and len(native) > 2 and native[2] == 0)
-
-
-logging.getLogger("quic").addFilter(_QuietPeerClose())
 
 Address = tuple[str, int]
 
@@ -81,51 +70,6 @@ SEND_WINDOW_BYTES = 4 * 1024 * 1024
 #: A successor connection (a raised datagram size) that does not complete its handshake in this
 #: long is given up; the transport keeps its current size.
 SUCCESSOR_TIMEOUT_S = 5.0
-#: Reason phrase of a generation closed after its stream was handed over (not an end of the link).
-SUPERSEDED = "superseded"
-
-
-class _Gen:
-    """One QUIC connection of a transport: a generation of its stream 0 (see the module docstring).
-
-    Attributes:
-        conn: the qh3 connection. odcid: its original destination connection id.
-        decoder: proto_spec 01 §5.1 messages read from its stream 0.
-        fin_received / fin_sent: stream 0 ended by the peer / by us.
-        stream_seen: the peer's stream 0 exists here (a server may send on it).
-        retired: handed over both ways; its termination is expected.
-    """
-
-    __slots__ = ("t", "conn", "odcid", "decoder", "connected", "fin_received", "fin_sent", "stream_seen",
-                 "retired", "terminated", "dead", "started_s")
-
-    def __init__(self, t: "QuicTransport", conn: QuicConnection, odcid: bytes, now: float):
-        self.t, self.conn, self.odcid = t, conn, bytes(odcid)
-        self.decoder = MessageDecoder()
-        self.connected = self.fin_received = self.fin_sent = self.retired = self.terminated = self.dead = False
-        self.stream_seen = conn.configuration.is_client
-        self.started_s = now
-
-    def on_datagram(self, data: bytes, addr: Address) -> None:
-        if self.dead:
-            return
-        try:
-            self.conn.receive_datagram(data, addr, trio.current_time())
-        except QuicConnectionError as e:
-            self.t._broken(self, e)
-        self.t._process_events(self)  # readers wake now, not one scheduler pass later via the driver
-        self.t._wake.set()
-
-    def on_datagrams(self, datagrams: list[bytes], addr: Address) -> None:
-        """A burst of short-header datagrams (UdpEndpoint batch route): one qh3 call for all."""
-        if self.dead:
-            return
-        try:
-            self.conn.receive_many_datagrams(datagrams, addr, trio.current_time())
-        except QuicConnectionError as e:
-            self.t._broken(self, e)
-        self.t._process_events(self)
-        self.t._wake.set()
 
 
 class QuicTransport:
@@ -164,15 +108,12 @@ class QuicTransport:
         self.last_ack_s: Optional[float] = None
         self._backlog: list[tuple[bytes, Address]] = []
         self._sleep_scope: Optional[trio.CancelScope] = None
-        self._gens: list[_Gen] = []
+        self._gens: list[Generation] = []
         self.generations = 0
         first = self._add_gen(conn, conn.original_destination_connection_id)
         self._tx = self._rx = first
         self._target_bytes = int(conn.configuration.max_datagram_size)
-        # stalled_for_s: large packets outstanding when last looked, loss count then, since when no progress
-        self._big_seen: set[int] = set()
-        self._loss_seen = 0
-        self._progress_s: Optional[float] = None
+        self._stall = StallMeter()
 
     # ---- generations ---------------------------------------------------------------------------
     @property
@@ -184,8 +125,8 @@ class QuicTransport:
     def stream_id(self) -> int:
         return 0
 
-    def _add_gen(self, conn: QuicConnection, odcid: bytes) -> _Gen:
-        g = _Gen(self, conn, odcid, trio.current_time())
+    def _add_gen(self, conn: QuicConnection, odcid: bytes) -> Generation:
+        g = Generation(self, conn, odcid, trio.current_time())
         self._gens.append(g)
         self.generations += 1
         self.endpoint.route_cid(conn.host_cid, g.on_datagram, g.on_datagrams)
@@ -193,7 +134,7 @@ class QuicTransport:
             self.endpoint.route_cid(successor_dcid(g.odcid), self._on_successor_initial)
         return g
 
-    def _after(self, g: _Gen) -> Optional[_Gen]:
+    def _after(self, g: Generation) -> Optional[Generation]:
         gens = self._gens
         i = gens.index(g) if g in gens else len(gens)
         return gens[i + 1] if i + 1 < len(gens) else None
@@ -225,13 +166,15 @@ class QuicTransport:
         if nxt is None or self._tx.fin_sent or self.closed_reason is not None:
             return
         old = self._tx
-        if self.is_client:
-            if not nxt.connected:
-                return
-            nxt.conn.send_stream_data(0, b"")  # opens stream 0 so the server may answer on it
-        elif not (old.fin_received and nxt.stream_seen):
+        if self.is_client and not nxt.connected or not self.is_client and not (old.fin_received and nxt.stream_seen):
             return
-        old.conn.send_stream_data(0, b"", end_stream=True)
+        try:
+            if self.is_client:
+                nxt.conn.send_stream_data(0, b"")  # opens stream 0 so the server may answer on it
+            old.conn.send_stream_data(0, b"", end_stream=True)
+        except QuicConnectionError as e:  # one of them closed under us: its termination says why
+            self._broken(old if old.conn._close_event is not None else nxt, e)
+            return
         old.fin_sent = True
         self._tx = nxt
         if not self.is_client:
@@ -244,18 +187,18 @@ class QuicTransport:
                 cap_datagram_bytes(nxt.conn, self._target_bytes)
             elif self._target_bytes > size and self._after(nxt) is None:
                 self._start_successor(self._target_bytes)  # raised again while this one connected
-        self._progress_s = None
+        self._stall.reset()
         self._writable.set()
         self._wake.set()
 
-    def _retire(self, g: _Gen) -> None:
+    def _retire(self, g: Generation) -> None:
         """Client: both directions of ``g`` ended at a hand-over; close it."""
         g.retired = True
         g.conn.close(error_code=0, reason_phrase=SUPERSEDED)
         self._wake.set()
 
     # ---- endpoint side -------------------------------------------------------------------------
-    def _process_events(self, g: _Gen) -> None:
+    def _process_events(self, g: Generation) -> None:
         conn = g.conn
         while (ev := conn.next_event()) is not None:
             if isinstance(ev, qe.StreamDataReceived):
@@ -296,7 +239,7 @@ class QuicTransport:
             else:
                 self._terminated(g, close)
 
-    def _terminated(self, g: _Gen, ev: qe.ConnectionTerminated) -> None:
+    def _terminated(self, g: Generation, ev: qe.ConnectionTerminated) -> None:
         if g.terminated:
             return
         g.terminated = True
@@ -319,7 +262,7 @@ class QuicTransport:
         self._writable.set()
         self.connected.set()
 
-    def _broken(self, g: _Gen, e: QuicConnectionError) -> None:
+    def _broken(self, g: Generation, e: QuicConnectionError) -> None:
         """qh3 raised inside ``g``'s connection (its core refuses to go on): ``g`` ends there."""
         log.debug("quic: the connection to %s:%d failed inside qh3: %s", self.remote[0], self.remote[1], e)
         g.dead = True
@@ -410,7 +353,10 @@ class QuicTransport:
                 if self.connected.is_set() and self.closed_reason is None:
                     if now >= self._next_ping_s:
                         self._ping_uid += 1
-                        self._tx.conn.send_ping(self._ping_uid)
+                        try:
+                            self._tx.conn.send_ping(self._ping_uid)
+                        except QuicConnectionError as e:
+                            self._broken(self._tx, e)
                         self._next_ping_s = now + self.ping_interval_s
                         continue
                     timer = min(timer if timer is not None else float("inf"), self._next_ping_s)
@@ -500,34 +446,15 @@ class QuicTransport:
                 cap_datagram_bytes(pending.conn, n)  # no-op before its handshake: _hand_over caps it
         elif self.is_client and n > current and pending is None and self.connected.is_set() and self.closed_reason is None:
             self._start_successor(n)
-        self._progress_s = None  # a stall is measured anew at the new size
+        self._stall.reset()  # a stall is measured anew at the new size
         self._wake.set()
 
     def stalled_for_s(self, now: float) -> float:
         """Seconds full-sized datagrams have gone unacknowledged while some were outstanding or
-        lost (0 when none are). With PINGs still acknowledged (:meth:`silent_for_s` small) a stall
-        of STALL_S means datagrams of the current size are black-holed: too large for the path
-        (RFC 8899 §4.2).
-
-        qh3 reports packets, not stream offsets: a "full-sized" packet is one above
-        min(1,200, size - 100) bytes, so PINGs and acknowledgements never count; the sender made
-        progress when more of the full-sized packets seen last time left flight than packets
-        were declared lost meanwhile.
-        """
-        core = self._tx.conn._core
-        if core is None:
-            return 0.0
-        big = min(START_DATAGRAM_BYTES, datagram_bytes_of(self._tx.conn) - 100)
-        out = {pn for pn, size, _ in core.outstanding_application_packets if size > big}
-        lost = core.loss_total
-        left = sum(1 for pn in self._big_seen if pn not in out)
-        progressed = left > lost - self._loss_seen
-        idle = not out and lost == self._loss_seen and core.get_send_buffer_size(0) == 0
-        self._big_seen, self._loss_seen = out, lost
-        if progressed or idle or self._progress_s is None:
-            self._progress_s = now
-            return 0.0
-        return now - self._progress_s
+        lost (0 when none are; :class:`kafilad.net.quic_gen.StallMeter`). With PINGs still
+        acknowledged (:meth:`silent_for_s` small) a stall of STALL_S means datagrams of the current
+        size are black-holed: too large for the path (RFC 8899 §4.2)."""
+        return self._stall.stalled_for_s(self._tx.conn, now)
 
     @property
     def ended_cleanly(self) -> bool:
@@ -564,7 +491,12 @@ class QuicTransport:
                 self._writable = trio.Event()
                 await self._writable.wait()
             if not self._eof:  # else the peer closed cleanly and the connection drains: nothing goes out
-                self._tx.conn.send_stream_data(0, framed)
+                tx = self._tx
+                try:
+                    tx.conn.send_stream_data(0, framed)
+                except QuicConnectionError as e:  # qh3 closed it before we saw the event
+                    self._broken(tx, e)
+                    raise trio.BrokenResourceError(self.closed_reason or str(e)) from None
                 self.bytes_sent += len(framed)
                 self._transmit()  # as aioquic's asyncio protocol does: the data leaves before we yield
                 self._rearm()
@@ -706,6 +638,10 @@ async def _established(t: QuicTransport, timeout_s: float) -> QuicTransport:
         await t.aclose()
         raise trio.BrokenResourceError(reason)
     if t.is_client:
-        t.conn.send_stream_data(0, b"")  # opens stream 0 so the server sees it at once
+        try:
+            t.conn.send_stream_data(0, b"")  # opens stream 0 so the server sees it at once
+        except QuicConnectionError as e:
+            await t.aclose()
+            raise trio.BrokenResourceError(f"the QUIC connection to {t.remote[0]}:{t.remote[1]} failed: {e}") from None
         t._wake.set()
     return t
