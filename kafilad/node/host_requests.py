@@ -307,6 +307,7 @@ def result_of(st) -> dict:
             "ttft_s": ttft, "decode_tokens": len(decode),
             "decode_tokens_per_s": (len(decode) / decode_s) if decode_s > 0 else None,
             "circuit_s_median": _median(decode),
+            "batch_rows_median": _median(list(getattr(st, "batch_rows", None) or [])),
             "stats": getattr(st, "end_stats", [])}
 
 

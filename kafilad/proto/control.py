@@ -250,6 +250,7 @@ class GenResult:
     decode_tokens_per_s: Optional[float]
     circuit_s_median: Optional[float]
     stats: list
+    batch_rows_median: Optional[float] = None  # median rows of the request's decode steps (proto_spec 05 §3)
 
     @classmethod
     def from_wire(cls, d: Any) -> "GenResult":
@@ -276,7 +277,8 @@ class GenResult:
         return cls(text=need("text", str), token_ids=list(ids), prompt_tokens=need("prompt_tokens", int),
                    ttft_s=need("ttft_s", _NUM, True), decode_tokens=need("decode_tokens", int),
                    decode_tokens_per_s=need("decode_tokens_per_s", _NUM, True),
-                   circuit_s_median=need("circuit_s_median", _NUM, True), stats=[list(r) for r in stats])
+                   circuit_s_median=need("circuit_s_median", _NUM, True), stats=[list(r) for r in stats],
+                   batch_rows_median=need("batch_rows_median", _NUM, True))
 
     def to_wire(self) -> dict:
         return attrs.asdict(self)

@@ -172,3 +172,17 @@ def test_quick_smoke_run_without_cgroups(tmp_path):
     assert peers["mlx_lm_single_tps"] > 0 and peers["ring_api_decode_tps"] > 0
     assert res["ratios"]["kafila_over_uniform_saturated"] > 0
     assert "ratios measured in this run" in proc.stdout
+
+
+def test_saturated_stage_rows_scale_the_prediction_by_the_rows_and_rho():
+    from scripts.bench_fleet import saturated_stage_rows
+
+    status = {"plan": {"order": ["a", "b"], "stage_s": {"a": 0.010, "b": 0.020}},
+              "fleet": {"devices": [{"name": "a", "batch_row_cost": 0.1}, {"name": "b"}]},
+              "members": [{"name": "a", "peer_id": "pa"}, {"name": "b", "peer_id": "pb"}],
+              "last_generation": {"batch_rows_median": 5,
+                                  "stats": [["pa", 40, 0.1, 0.0154, 0], ["pb", 40, 0.5, 0.09, 0]]}}
+    a, b = saturated_stage_rows(status)
+    assert a["predicted_s"] == pytest.approx(0.010 * 1.4) and a["median_ratio"] == pytest.approx(1.1)
+    assert b["rho"] is None and b["predicted_s"] == pytest.approx(0.020 * 5)  # unknown rho: 1.0, as planned
+    assert b["median_ratio"] == pytest.approx(0.9)
