@@ -132,16 +132,12 @@ class HostSession(HostRequests, SessionDriver):
                 if entry is not None and entry.lost is None and a.reason and \
                         self.state not in (sm.HostState.FAILED, sm.HostState.CLOSED):  # a protocol error: a loss
                     self.nursery.start_soon(self._handle, sm.MemberLost(a.peer_id, a.reason))
-            ev = self._decided.pop(a.peer_id, None)
-            if ev is not None:
-                ev.set()
+            self._decided_on(a.peer_id)
         elif isinstance(a, sm.Remember):
             roster = self.node.state.load_roster()
             roster[a.peer_id] = {"public_key": a.public_key.hex(), "name": a.name}
             self.node.state.save_roster(roster)
-            ev = self._decided.pop(a.peer_id, None)
-            if ev is not None:
-                ev.set()
+            self._decided_on(a.peer_id)
         elif isinstance(a, sm.MakePlan):
             self.nursery.start_soon(self._make_plan, a.order, a.seq)
         elif isinstance(a, sm.DistributePlan):
@@ -165,6 +161,12 @@ class HostSession(HostRequests, SessionDriver):
             self._write_trace("edges", edges=stagehost.session_edges(self), cause="upgrade", reporter=a.reporter)
         else:  # pragma: no cover - a new action without a driver is a bug
             raise KafilaError(f"no driver for the host action {a!r}")
+
+    def _decided_on(self, peer_id: str) -> None:
+        """The pending peer `peer_id` was admitted or turned away: its ctl task waits no longer."""
+        ev = self._decided.pop(peer_id, None)
+        if ev is not None:
+            ev.set()
 
     def _write_trace(self, event: str, **fields) -> None:
         if self.trace is not None:
@@ -336,8 +338,7 @@ class HostSession(HostRequests, SessionDriver):
                     watch.start_soon(live.run)
                     await self._member_loop(pid, link, live)
         except LinkClosed as e:
-            client = self.rdv.client if isinstance(self.rdv, CurrentRendezvous) else self.rdv
-            lost = getattr(client, "lost", None)
+            lost = getattr(self._rdv_client(), "lost", None)
             if lost is not None and self.rendezvous_lost is None:
                 await self._rendezvous_gone(lost)  # its ctl circuit died with the rendezvous (DESIGN §2)
             if self.links.get(pid) is link:
@@ -486,7 +487,7 @@ class HostSession(HostRequests, SessionDriver):
         """A ring that broke because the rendezvous went (relayed edges, members' links) is the
         rendezvous's loss, handled as such first: re-forming a ring through a rendezvous that is away
         would only fail again (issue 8 §3)."""
-        client = self.rdv.client if isinstance(self.rdv, CurrentRendezvous) else self.rdv
+        client = self._rdv_client()
         lost = "the connection closed" if client is None else getattr(client, "lost", None)
         if lost is not None and self.rendezvous_lost is None:
             await self._rendezvous_gone(lost)
@@ -495,6 +496,10 @@ class HostSession(HostRequests, SessionDriver):
     def fleet_json(self) -> dict:
         from kafilad.planner import fleet_to_json
         return fleet_to_json(self.fleet_devices, self.context, self.concurrency)
+
+    def _rdv_client(self):
+        """The rendezvous client of the moment (None while it is away)."""
+        return self.rdv.client if isinstance(self.rdv, CurrentRendezvous) else self.rdv
 
     def _rendezvous_connected(self) -> bool:
         return isinstance(self.rdv, CurrentRendezvous) and self.rdv.client is not None
