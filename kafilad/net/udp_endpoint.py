@@ -74,6 +74,15 @@ def _gso_supported(sock) -> bool:
         return False
 
 
+def _is_loopback(ip: str) -> bool:
+    try:
+        a = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(a, "ipv4_mapped", None)
+    return (mapped or a).is_loopback
+
+
 def usable_interface_ip(ip: str) -> bool:
     """True for an address worth offering as a host candidate (RFC 8445 §5.1.1.1): not loopback,
     link-local, unspecified or multicast (nor IPv4-mapped / deprecated site-local IPv6)."""
@@ -171,6 +180,7 @@ class UdpEndpoint:
         #: Whether :meth:`send_many_nowait` may hand the kernel equal-sized runs in one call (UDP
         #: generic segmentation offload, Linux ``UDP_SEGMENT``): real sockets from :meth:`bind` only.
         self.gso = False
+        self._loopback: dict[str, bool] = {}
 
     @classmethod
     async def bind(cls, host: str = "0.0.0.0", port: int = 0) -> "UdpEndpoint":
@@ -244,9 +254,12 @@ class UdpEndpoint:
         """Send datagrams in order now without yielding; the number sent (fewer when the kernel
         send buffer filled: send the rest with :meth:`sendto`).
 
-        With :attr:`gso`, each run of up to GSO_SEGMENTS equal-sized datagrams to one address (the
-        run's last may be shorter) leaves in one ``sendmsg`` with ``UDP_SEGMENT``: the kernel cuts
-        it into the same datagrams, for one system call instead of one per datagram.
+        With :attr:`gso`, each run of up to GSO_SEGMENTS equal-sized datagrams to one loopback
+        address (the run's last may be shorter) leaves in one ``sendmsg`` with ``UDP_SEGMENT``: the
+        kernel cuts it into the same datagrams, for one system call instead of one per datagram.
+        Toward other addresses the kernel may hand the unsegmented packet to a virtual link (veth,
+        a bridge), where a router or firewall on the same host sees one long packet: the NAT lab's
+        "MTU 1280, fragments dropped" path drops it (tests/natlab), so those go one by one.
         """
         if not self.gso:
             for i, (data, addr) in enumerate(datagrams):
@@ -260,7 +273,10 @@ class UdpEndpoint:
             size = len(data)
             j = i + 1
             total = size
-            while (j < n and j - i < GSO_SEGMENTS and datagrams[j][1] == addr and len(datagrams[j][0]) <= size
+            loopback = self._loopback.get(addr[0])
+            if loopback is None:
+                loopback = self._loopback[addr[0]] = _is_loopback(addr[0])
+            while (loopback and j < n and j - i < GSO_SEGMENTS and datagrams[j][1] == addr and len(datagrams[j][0]) <= size
                    and total + len(datagrams[j][0]) <= GSO_MAX_BYTES):
                 total += len(datagrams[j][0])
                 j += 1
