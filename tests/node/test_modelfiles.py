@@ -47,7 +47,7 @@ def test_capability_frames_are_type_checked():
                          "nat_class": "C", "rendezvous_rtt_ms": 12.5}).as_record()
     assert ok == {"memory_bytes": 10**9, "bandwidth_Bps": 5e9, "step_overhead_s": 1e-4,
                   "rendezvous_rtt_ms": 12.5, "nat_class": "C", "dtype": None, "bandwidth_source": None,
-                  "fallback_dtype": None, "backend": None}
+                  "fallback_dtype": None, "backend": None, "batch_row_cost": None}
     for bad in ({"memory_bytes": "lots"}, {"memory_bytes": 0}, {"memory_bytes": True},
                 {"memory_bytes": 1, "bandwidth_Bps": float("nan")}, {"memory_bytes": 1, "nat_class": "X"},
                 {"memory_bytes": 1, "step_overhead_s": -1}):
