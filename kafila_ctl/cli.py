@@ -309,6 +309,14 @@ def cmd_leave(args) -> int:
     return 0
 
 
+def cmd_schedule(args) -> int:
+    r = _call(args, "schedule", mode=args.mode)
+    print(f"decode schedule: {r['mode']}"
+          + (f" ({r['micro_batches']} micro-batch{'es' if r['micro_batches'] > 1 else ''} in flight now)"
+             if r["mode"] != "per-request" else ""))
+    return 0
+
+
 def cmd_stop(args) -> int:
     _call(args, "stop")
     print("kafilad is stopping")
@@ -448,6 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_leave)
     s = sub.add_parser("stop", help="stop the daemon")
     s.set_defaults(func=cmd_stop)
+    s = sub.add_parser("schedule", help="show or set the head's decode schedule (host as head)")
+    s.add_argument("mode", nargs="?", default=None,
+                   help="auto (micro-batches from measured stage times, the default), lockstep, per-request, "
+                        "or a number of micro-batches in flight")
+    s.set_defaults(func=cmd_schedule)
 
     s = sub.add_parser("demo", help="rendezvous + daemons on loopback: form a session, generate, stop")
     which = s.add_mutually_exclusive_group()

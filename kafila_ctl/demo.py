@@ -129,16 +129,18 @@ class LoopbackCluster:
         return trio.run(lambda: self.client(i).call(op, **args))
 
     def form(self, model_dir: str, *, members: Optional[int] = None, context: int = 512, concurrency: int = 1,
-             timeout_s: float = 120.0, rendezvous: Optional[str] = None) -> dict:
+             timeout_s: float = 120.0, rendezvous: Optional[str] = None, strategy: Optional[str] = None) -> dict:
         """Host on daemon 0 (open session), join with the others, wait until ready; return timings.
 
         Args:
             rendezvous: URL for host and joins instead of the daemons' default (e.g. a test proxy).
+            strategy: the host's division strategy (kafila-ctl host --strategy), None for its default.
         """
         members = members or self.n
         t0 = time.perf_counter()
         code = self.call(0, "host", model_dir=str(Path(model_dir).resolve()), members=members, context=context,
-                         concurrency=concurrency, open=True, rendezvous=rendezvous)["code"]
+                         concurrency=concurrency, open=True, rendezvous=rendezvous,
+                         **({"strategy": strategy} if strategy else {}))["code"]
 
         async def join_all():
             async with trio.open_nursery() as nursery:

@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
 """Benchmark: the decode schedules round a 3-daemon ring, in one run (DESIGN §6, §8, §9.4).
 
-One loopback cluster per mode serves the same synthesised model with a few-ms stage. Each serves
-1 and then K concurrent requests (different prompts); aggregate tokens/s = all generated tokens /
-wall time from the first request's start to the last one's end (prefill included; prompts are
-short). Reports the median of --runs timed rounds after one discarded cold round, and prints the
-ratios between modes and K / 1 within each. Each cluster plans from its own capability probes,
-so the plans may differ a little; all are printed.
+One loopback cluster serves a synthesised model with a few-ms stage, divided uniformly (so the
+host is the ring's head, and the daemons are alike),
+and the control API's `schedule` op (kafila-ctl schedule) switches its decode schedule between
+requests, so every mode runs on the same plan and the same processes. In each round every mode
+serves 1 and then K concurrent requests (different prompts); aggregate tokens/s = all generated
+tokens / wall time from the first request's start to the last one's end (prefill included;
+prompts are short). Rounds interleave the modes (drift on a shared machine hits each alike);
+round 0 is discarded; each figure is the median of --runs rounds. Prints the ratios between modes
+and K / 1 within each.
 
 Modes (--modes, the first is compared with the others): `auto` (the default schedule: decode
-micro-batches chosen by kafilad/node/step_policy.py), `lockstep` (KAFILA_MICRO_BATCHES=1),
-`per-request` (KAFILA_BATCH=0: every request its own passes, pipelined), `micro3`
-(KAFILA_MICRO_BATCHES=3). Results: docs/performance.md "Serving schedule".
+micro-batches chosen by kafilad/node/step_policy.py), `lockstep` (M = 1), `per-request` (every
+request its own passes, pipelined, as KAFILA_BATCH=0), `micro2`, `micro3` (M pinned).
+Results: docs/performance.md "Serving schedule".
 
     python scripts/bench_batching.py [--concurrency 4] [--tokens 48] [--runs 4]
         [--hidden 512] [--layers 8] [--members 3] [--modes auto,lockstep,per-request]
@@ -28,6 +31,9 @@ import trio
 
 import kafilad.executor  # noqa: F401 - loads the optimised BLAS before mlx (DESIGN §6)
 from kafila_ctl.demo import LoopbackCluster
+
+#: --modes name -> the control API's `schedule` mode (kafila-ctl schedule)
+MODES = {"auto": "auto", "lockstep": "lockstep", "per-request": "per-request", "micro2": 2, "micro3": 3}
 
 PROMPTS = ["Once upon a time", "The caravan left at dawn", "Kafila serves a model", "A ring of machines",
            "In the beginning", "Tokens travel round", "Seven camels", "Under the desert sky"]
@@ -69,30 +75,31 @@ def main() -> int:
     print(f"model: synthesised llama, hidden {args.hidden}, {args.layers} layers ({model}); "
           f"{args.members} daemons on loopback; {args.tokens} tokens per request; median of {args.runs} rounds")
     rates: dict[tuple[str, int], float] = {}
-    modes = {"auto": {}, "lockstep": {"KAFILA_MICRO_BATCHES": "1"}, "per-request": {"KAFILA_BATCH": "0"},
-             "micro3": {"KAFILA_MICRO_BATCHES": "3"}}
-    for mode in args.modes.split(","):
-        env = modes[mode]
-        with LoopbackCluster(args.members, env=env) as c:
-            formed = c.form(str(model), concurrency=k)
-            plan = formed["status"]["plan"]
-            print(f"[{mode}] formed in {formed['form_s']:.1f} s; blocks {plan['blocks']}, "
-                  f"predicted bottleneck {plan['bottleneck_s'] * 1e3:.2f} ms")
-            for n in (1, k):
-                samples = [aggregate_tps(c, n, args.tokens) for _ in range(args.runs + 1)][1:]
-                rates[(mode, n)] = statistics.median(samples)
-                print(f"[{mode}] {n} concurrent: {rates[(mode, n)]:.1f} tokens/s aggregate "
-                      f"(rounds: {', '.join(f'{s:.1f}' for s in samples)})")
-                st = c.call(0, "status")
-                gen = st.get("last_generation") or {}
-                stages = {s[0]: round(s[3] * 1e3, 2) for s in gen.get("stats", [])}
-                print(f"[{mode}] {n} concurrent: the last request's median decode stage ms by peer: {stages}")
-            sched = st.get("schedule") or {}
-            if sched:
-                print(f"[{mode}] schedule: M={sched.get('micro_batches')} (most in flight "
-                      f"{sched.get('max_steps_in_flight')}), trials {sched.get('trials')}, "
-                      f"steps {sched.get('decode_steps')}, rows {sched.get('decode_rows')}")
     names = args.modes.split(",")
+    with LoopbackCluster(args.members) as c:
+        formed = c.form(str(model), concurrency=k, strategy="uniform")  # uniform: the head on the host
+        plan = formed["status"]["plan"]
+        print(f"formed in {formed['form_s']:.1f} s; blocks {plan['blocks']}, head {plan['head']}, "
+              f"predicted bottleneck {plan['bottleneck_s'] * 1e3:.2f} ms")
+        for rnd in range(args.runs + 1):  # round 0 warms up; modes interleave, so drift hits each alike
+            for mode in names:
+                c.call(0, "schedule", mode=MODES[mode])
+                for n in (1, k):
+                    tps = aggregate_tps(c, n, args.tokens)
+                    if rnd:
+                        rates.setdefault((mode, n), []).append(tps)
+                        st = c.call(0, "status")
+                        gen = st.get("last_generation") or {}
+                        stages = {s[0]: round(s[3] * 1e3, 2) for s in gen.get("stats", [])}
+                        print(f"[{mode}] round {rnd}, {n} concurrent: {tps:.1f} tokens/s; the last request's median "
+                              f"decode stage ms by peer {stages}, rows {gen.get('batch_rows_median')}")
+                sched = c.call(0, "status").get("schedule") or {}
+                if rnd == args.runs and sched:
+                    print(f"[{mode}] schedule: M={sched.get('micro_batches')} (most in flight "
+                          f"{sched.get('max_steps_in_flight')}), trials {sched.get('trials')}")
+    for key, samples in list(rates.items()):
+        rates[key] = statistics.median(samples)
+        print(f"[{key[0]}] {key[1]} concurrent: median {rates[key]:.1f} tokens/s over {len(samples)} rounds")
     for n in (1, k):
         for other in names[1:]:
             print(f"{n} concurrent: {names[0]} / {other} = {rates[(names[0], n)] / rates[(other, n)]:.2f}")

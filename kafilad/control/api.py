@@ -38,6 +38,7 @@ OPS = {
     "generate": "generate from a prompt (streams tokens)",
     "watch": "stream status snapshots on every change",
     "trace": "the session trace records",
+    "schedule": "the head's decode schedule: mode auto | lockstep | per-request | M (micro-batches); none: show it",
     "leave": "leave or close the current session",
     "stop": "stop the daemon",
 }

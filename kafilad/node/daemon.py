@@ -383,6 +383,28 @@ class Node:
         return await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=emit,
                                 gone=getattr(emit, "client_gone", None))
 
+    async def op_schedule(self, args: dict, emit) -> dict:
+        """Show or set the head's decode schedule (kafilad/node/ring_parts.py `apply_schedule`); the
+        host must be the ring's head. A setting lasts for the session, replans included."""
+        from kafilad.node.ring_parts import apply_schedule
+        s = self._host_session()
+        sched = getattr(s.ring, "scheduler", None)
+        if sched is None:
+            head = (s.plan.head if s.plan is not None else None) or "not chosen yet"
+            raise KafilaError(f"This host is not the ring's head (the head is {head}); set KAFILA_MICRO_BATCHES "
+                              "or KAFILA_BATCH in the head daemon's environment instead.")
+        mode = args.get("mode")
+        if mode is not None:
+            try:
+                apply_schedule(sched, mode)
+            except ValueError as e:
+                raise KafilaError(str(e)) from None
+            s.schedule_mode = mode
+            self.changed()
+        return {"mode": "per-request" if not sched.batching else ("auto" if sched.policy.pinned is None else
+                                                                   sched.policy.pinned),
+                **sched.policy.snapshot()}
+
     async def op_trace(self, args: dict, emit) -> list:
         """The session trace (DESIGN §8), which only the host writes.
 

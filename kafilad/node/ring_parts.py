@@ -41,6 +41,46 @@ def pinned_micro_batches(environ=os.environ) -> Optional[int]:
     return n
 
 
+#: schedule modes of `apply_schedule` (the control API's `schedule` op): besides these, an integer M ≥ 1
+SCHEDULE_MODES = ("auto", "lockstep", "per-request")
+
+
+def parse_schedule(mode) -> object:
+    """A schedule mode as `apply_schedule` takes it: "auto", "lockstep", "per-request" or an int M ≥ 1
+    (also given as a string of digits).
+
+    Raises:
+        ValueError: anything else, with a sentence.
+    """
+    if isinstance(mode, str) and mode.strip().isdigit():
+        mode = int(mode.strip())
+    if isinstance(mode, int) and not isinstance(mode, bool):
+        if mode < 1:
+            raise ValueError(f"A schedule of {mode} micro-batches is not possible; give 1 or more.")
+        return mode
+    if mode in SCHEDULE_MODES:
+        return mode
+    raise ValueError(f"Unknown schedule {mode!r}; give auto, lockstep, per-request or a number of micro-batches.")
+
+
+def apply_schedule(scheduler, mode) -> None:
+    """Set the head's decode schedule (kafilad/node/scheduler.py, step_policy.py): "auto" (micro-batches
+    chosen from measured stage times, the default), "lockstep" (M = 1), "per-request" (every request
+    its own passes, as `KAFILA_BATCH=0`) or an int M (pinned, as `KAFILA_MICRO_BATCHES=M`).
+
+    Raises:
+        ValueError: a bad mode (parse_schedule), or requests running (the schedule changes between requests).
+    """
+    mode = parse_schedule(mode)
+    if scheduler.requests:
+        raise ValueError(f"The schedule changes between requests; {len(scheduler.requests)} are running now.")
+    policy = scheduler.policy
+    scheduler.batching = mode != "per-request"
+    policy.pinned = {"auto": None, "lockstep": 1, "per-request": None}.get(mode, mode)
+    policy.current = policy.pinned or 1
+    policy.trials.clear()
+
+
 def batching_enabled(environ=os.environ) -> bool:
     """Whether decode steps are batched (the default) or per request (`KAFILA_BATCH=0`)."""
     return environ.get(BATCH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")

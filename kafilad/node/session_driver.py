@@ -21,6 +21,7 @@ import trio
 
 from kafilad.errors import KafilaError, collapse_groups
 from kafilad.node import stagehost
+from kafilad.node.ring_parts import apply_schedule
 
 
 #: rendezvous reconnect backoff: first delay and cap (s), each jittered by ±20 % (issue 8 §3)
@@ -58,6 +59,7 @@ class SessionDriver:
         self.node = node
         self.ring = None
         self.rdv = None
+        self.schedule_mode = None  # the head's decode schedule set by `kafila-ctl schedule` (ring_parts.apply_schedule)
         self.paths = None
         self.reconnecting: Optional[dict] = None
         self._ring_incoming_send, self._ring_incoming = trio.open_memory_channel(8)
@@ -135,6 +137,8 @@ class SessionDriver:
         """
         self.ring = stagehost.make_ring_member(self.node, stage=stage, head=head, tokenizer=tokenizer)
         self.ring.epoch = epoch
+        if self.ring.scheduler is not None and getattr(self, "schedule_mode", None) is not None:
+            apply_schedule(self.ring.scheduler, self.schedule_mode)  # `kafila-ctl schedule` outlives a replan
         nxt, prv = await stagehost.connect_ring(paths=self.paths, session_id=self.session_id,
                                                 ring=self.ring_order, roster=roster, incoming=self._ring_incoming,
                                                 member=self.ring, on_edges=on_edges)

@@ -117,3 +117,27 @@ def test_member_killed_mid_batch_fails_every_request_with_its_name(tmp_path, syn
         for i, p in enumerate(c.daemons):
             if i != vi:
                 assert p.poll() is None and c.call(i, "keys")["name"] == c.names[i]
+
+
+def test_the_schedule_op_switches_modes_between_requests_and_tokens_stay_the_same(tmp_path, synth_llama):
+    """`kafila-ctl schedule`: per-request passes, M pinned, back to auto — the same tokens each time."""
+    with LoopbackCluster(3, root=str(tmp_path / "c")) as c:
+        status = c.form(str(synth_llama), concurrency=4, strategy="uniform")["status"]
+        assert next(m["name"] for m in status["members"] if m["head"]) == "m0"  # uniform: the head on the host
+        assert c.call(0, "schedule")["mode"] == "auto"
+        alone = {p: c.generate(p, n)["token_ids"] for p, n in JOBS}
+        assert c.call(0, "schedule", mode="per-request")["mode"] == "per-request"
+        steps = c.call(0, "status")["schedule"]["decode_steps"]
+        got = run_concurrently(c, JOBS)
+        assert {p: r["token_ids"] for p, r in got.items()} == alone
+        assert c.call(0, "status")["schedule"]["decode_steps"] == steps  # no batched steps: each its own passes
+        assert c.call(0, "schedule", mode="2")["mode"] == 2
+        got = run_concurrently(c, JOBS)
+        assert {p: r["token_ids"] for p, r in got.items()} == alone
+        sched = c.call(0, "status")["schedule"]
+        assert sched["pinned"] == 2 and sched["max_steps_in_flight"] == 2 and sched["decode_steps"] > steps
+        with pytest.raises(KafilaError, match="Unknown schedule 'fast'"):
+            c.call(0, "schedule", mode="fast")
+        with pytest.raises(KafilaError, match="not possible"):
+            c.call(0, "schedule", mode=0)
+        assert c.call(0, "schedule", mode="auto")["mode"] == "auto"

@@ -109,3 +109,24 @@ def test_the_chosen_m_is_the_best_predicted_within_hysteresis(lines, k, overhead
     assert 1 <= m <= limit
     best = max((p.predict_tps(k, x) or 0.0) for x in range(1, limit + 1))
     assert (p.predict_tps(k, m) or 0.0) * (1 + step_policy.HYSTERESIS) >= best
+
+
+def test_apply_schedule_sets_modes_only_between_requests():
+    from kafilad.node.ring_parts import apply_schedule, parse_schedule
+    from kafilad.node.scheduler import HeadScheduler, RequestArrived
+
+    s = HeadScheduler(policy=StepPolicy(stages=3))
+    apply_schedule(s, "per-request")
+    assert s.batching is False and s.policy.pinned is None
+    apply_schedule(s, "3")
+    assert s.batching and s.policy.pinned == 3 and s.policy.choose(1) == 3
+    apply_schedule(s, "lockstep")
+    assert s.policy.pinned == 1
+    apply_schedule(s, "auto")
+    assert s.policy.pinned is None and s.policy.current == 1
+    for bad, msg in ((0, "not possible"), ("fast", "Unknown schedule"), (True, "Unknown schedule"), (None, "Unknown")):
+        with pytest.raises(ValueError, match=msg):
+            parse_schedule(bad)
+    s.handle(RequestArrived("r", (1, 2), 4, 0.0, 0.0))
+    with pytest.raises(ValueError, match="1 are running now"):
+        apply_schedule(s, "lockstep")
