@@ -21,7 +21,8 @@ measured on this CPU, a 4-row step of 8 Llama blocks costs 1.05x a 1-row step) M
 is best; with costs that grow with rows (compute-bound devices, e.g. under CPU quotas) several
 micro-batches overlap the stages' work and M up to the number of stages wins. M never exceeds
 the number of stages P (a further micro-batch would only queue) nor K. A change of M needs a
-predicted gain of `HYSTERESIS` (5 %), so noise does not flip the schedule.
+predicted gain of `HYSTERESIS` (5 %), and leaving lockstep one of `TRIAL_GAIN` (15 %), so noise
+does not flip the schedule.
 
 The model assumes the stages run on separate devices. Where they do not (several members share
 cores, as on a one-machine test ring), overlapping steps slow each other and the prediction is
@@ -50,6 +51,10 @@ import attrs
 EWMA_ALPHA = 0.25
 #: relative predicted gain needed before M changes
 HYSTERESIS = 0.05
+#: predicted gain needed to leave lockstep for a trial: the overlap model's error on members that
+#: share cores (3 daemons on 2 cores: 3 micro-batches ran at 0.38x lockstep) is larger than 5 %;
+#: costs that grow with rows (compute-bound devices) predict gains of 1.5-3x
+TRIAL_GAIN = 0.15
 #: how long a trial of M > 1 runs before it is judged (s)
 TRIAL_S = 1.0
 #: a trial must beat the lockstep rate by this fraction to stay
@@ -203,11 +208,14 @@ class StepPolicy:
         if k < 1 or not self._stage:
             return self.current
         now = min(self.current, limit)
-        best, best_tps = now, self.predict_tps(k, now) or 0.0
+        now_tps = self.predict_tps(k, now) or 0.0
+        best, best_tps = now, now_tps
         for m in range(1, limit + 1):
             tps = self.predict_tps(k, m) or 0.0
             if tps > best_tps * (1 + HYSTERESIS):
                 best, best_tps = m, tps
+        if now == 1 and best > 1 and best_tps < now_tps * (1 + TRIAL_GAIN):
+            best = 1  # a small predicted gain is within the model's error where members share cores
         if best == 1:
             self._kept = None
         if self.current == 1 and best > 1:

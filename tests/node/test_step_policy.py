@@ -108,7 +108,8 @@ def test_the_chosen_m_is_the_best_predicted_within_hysteresis(lines, k, overhead
     limit = max(1, min(len(lines), k))
     assert 1 <= m <= limit
     best = max((p.predict_tps(k, x) or 0.0) for x in range(1, limit + 1))
-    assert (p.predict_tps(k, m) or 0.0) * (1 + step_policy.HYSTERESIS) >= best
+    margin = step_policy.TRIAL_GAIN if m == 1 else step_policy.HYSTERESIS  # leaving lockstep needs more
+    assert (p.predict_tps(k, m) or 0.0) * (1 + margin) >= best
 
 
 def test_apply_schedule_sets_modes_only_between_requests():
@@ -130,3 +131,13 @@ def test_apply_schedule_sets_modes_only_between_requests():
     s.handle(RequestArrived("r", (1, 2), 4, 0.0, 0.0))
     with pytest.raises(ValueError, match="1 are running now"):
         apply_schedule(s, "lockstep")
+
+
+def test_a_small_predicted_gain_does_not_leave_lockstep():
+    # near-flat costs: 3 groups of 2 rows predict ~5-10 % over one step of 6 rows; not worth a trial
+    p = fed([lambda b: 5.0 + 0.2 * b] * 3, overhead_ms=3.0)
+    for i in range(20):
+        p.note_tokens(6, 6, now_s=i * 0.05)
+    gain = p.predict_tps(6, 2) / p.predict_tps(6, 1)
+    assert 1.05 < gain < 1.15
+    assert p.choose(6, now_s=2.0) == 1 and not p.snapshot()["trial"]
