@@ -32,7 +32,10 @@ decoding request it achieves and keeps M only if that beats the lockstep rate me
 before by `TRIAL_MARGIN`; otherwise it returns to lockstep and waits `BACKOFF_S` (doubling to
 `BACKOFF_MAX_S`) before the next trial. A kept M stays watched: when its rate over the last
 `BASELINE_S` falls below the lockstep rate its trial beat, the head returns to lockstep (and
-backs off) as after a failed trial. Measured on the 2-core dev VM (3 daemons sharing 2 cores,
+backs off) as after a failed trial. Each trial also calibrates the model: its measured gain over
+lockstep ÷ the gain it predicted multiplies every later prediction with M > 1 (`overlap_factor`),
+so on members that share cores (where overlapping steps gained 0.74x lockstep against a predicted
+1.2x) the model stops proposing trials, while on separate devices it keeps its prediction. Measured on the 2-core dev VM (3 daemons sharing 2 cores,
 `python scripts/bench_batching.py --modes lockstep,micro3`): 3 micro-batches in flight ran at
 0.38x lockstep, which the trial catches within `TRIAL_S`.
 
@@ -125,6 +128,8 @@ class StepPolicy:
     _blocked_until_s: float = 0.0
     _backoff_s: float = BACKOFF_S
     trials: list = attrs.field(factory=list)  # [(m, trial rate, lockstep rate, kept)] per request-row, for status
+    #: measured ÷ predicted gain of the last trial, applied to every prediction with M > 1 (module docstring)
+    overlap_factor: float = 1.0
 
     def note_step(self, rows: int, hops: Iterable[tuple[str, float]], circuit_s: float, *, alone: bool = True) -> None:
         """A decode step of `rows` rows returned: each stage's `dt` (the first hop is the head's) and
@@ -186,7 +191,9 @@ class StepPolicy:
         members = [v for key, v in t.items() if key != HEAD]
         bottleneck = max(max(members, default=0.0), t.get(HEAD, 0.0) + h)
         cycle = max(circuit, m * bottleneck)
-        return k / cycle if cycle > 0 else None
+        if cycle <= 0:
+            return None
+        return k / cycle * (self.overlap_factor if m > 1 else 1.0)
 
     def choose(self, k: int, now_s: float = 0.0) -> int:
         """M for `k` requests decoding at `now_s` (≥ 1): pinned; or a trial's M until it is judged;
@@ -209,12 +216,13 @@ class StepPolicy:
             return self.current
         now = min(self.current, limit)
         now_tps = self.predict_tps(k, now) or 0.0
-        best, best_tps = now, now_tps
+        best, best_tps, top_tps = now, now_tps, now_tps
         for m in range(1, limit + 1):
             tps = self.predict_tps(k, m) or 0.0
+            top_tps = max(top_tps, tps)
             if tps > best_tps * (1 + HYSTERESIS):
                 best, best_tps = m, tps
-        if now == 1 and best > 1 and best_tps < now_tps * (1 + TRIAL_GAIN):
+        if now == 1 and best > 1 and top_tps < now_tps * (1 + TRIAL_GAIN):
             best = 1  # a small predicted gain is within the model's error where members share cores
         if best == 1:
             self._kept = None
@@ -222,7 +230,8 @@ class StepPolicy:
             baseline = self._rate(self._lockstep)
             if baseline is None or now_s < self._blocked_until_s:
                 return 1
-            self._trial = {"m": best, "start_s": now_s, "baseline": baseline, "events": []}
+            self._trial = {"m": best, "start_s": now_s, "baseline": baseline, "events": [],
+                           "predicted_gain": best_tps / now_tps if now_tps > 0 else 1.0}
         self.current = best
         return best
 
@@ -232,6 +241,9 @@ class StepPolicy:
             return self.current
         rate = self._rate(trial["events"])
         kept = rate is not None and rate >= trial["baseline"] * (1 + TRIAL_MARGIN)
+        if rate is not None and trial["baseline"] > 0:  # what overlapping really gave, against the model
+            measured_gain = rate / trial["baseline"]
+            self.overlap_factor = min(2.0, max(0.1, self.overlap_factor * measured_gain / trial["predicted_gain"]))
         self.trials.append((trial["m"], rate, trial["baseline"], kept))
         del self.trials[:-8]
         self._trial = None
@@ -255,6 +267,7 @@ class StepPolicy:
             a, b = fit.line()
             return [round(a * 1e3, 3), round(b * 1e3, 3)]
         return {"micro_batches": self.current, "pinned": self.pinned, "trial": bool(self._trial),
+                "overlap_factor": round(self.overlap_factor, 3),
                 "trials": [[m, None if r is None else round(r, 3), round(b, 3), kept] for m, r, b, kept in self.trials],
                 "stage_ms": {key: ms(self._stage[key]) for key in self._order},
                 "sample_ms": ms(self._sample), "overhead_ms": ms(self._overhead)}

@@ -78,6 +78,7 @@ def test_a_trial_slower_than_lockstep_returns_to_lockstep_and_backs_off():
     for i in range(1, 30):  # lockstep again, measured afresh
         p.note_tokens(6, 6, now_s=t + i * 0.05)
     assert p.choose(6, now_s=t + BACKOFF_S - 0.1) == 1  # still backing off
+    p.overlap_factor = 1.0  # as if the fleet changed: the model predicts a gain again
     assert p.choose(6, now_s=t + BACKOFF_S + 0.1) == 3  # the next trial
     assert p._backoff_s == 2 * BACKOFF_S
 
@@ -141,3 +142,19 @@ def test_a_small_predicted_gain_does_not_leave_lockstep():
     gain = p.predict_tps(6, 2) / p.predict_tps(6, 1)
     assert 1.05 < gain < 1.15
     assert p.choose(6, now_s=2.0) == 1 and not p.snapshot()["trial"]
+
+
+def test_a_failed_trial_calibrates_the_model_so_the_next_prediction_of_overlap_is_lower():
+    p = fed([lambda b: 1.0 + 4.0 * b] * 3)
+    for i in range(20):
+        p.note_tokens(6, 6, now_s=i * 0.05)
+    predicted_gain = p.predict_tps(6, 3) / p.predict_tps(6, 1)
+    assert p.choose(6, now_s=1.0) == 3
+    for i in range(1, 25):  # the trial runs at half the lockstep rate
+        p.note_tokens(6, 6, now_s=1.0 + i * 0.1)
+    assert p.choose(6, now_s=3.4) == 1
+    assert p.overlap_factor == pytest.approx(0.5 / predicted_gain, rel=0.1)
+    assert p.predict_tps(6, 3) / p.predict_tps(6, 1) == pytest.approx(0.5, rel=0.1)
+    for i in range(1, 300):  # lockstep again; long after the back-off no trial starts: overlap measured slower
+        p.note_tokens(6, 6, now_s=3.4 + i * 0.05)
+    assert p.choose(6, now_s=3.4 + 300 * 0.05) == 1 and not p.snapshot()["trial"]
