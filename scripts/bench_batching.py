@@ -8,7 +8,9 @@ requests, so every mode runs on the same plan and the same processes. In each ro
 serves 1 and then K concurrent requests (different prompts); aggregate tokens/s = all generated
 tokens / wall time from the first request's start to the last one's end (prefill included;
 prompts are short). Rounds interleave the modes (drift on a shared machine hits each alike);
-round 0 is discarded; each figure is the median of --runs rounds. Prints the ratios between modes
+the first --warmup rounds are discarded (auto's policy spends one 1-s trial learning whether
+overlapped steps pay on this machine, once per daemon); each figure is the median of --runs
+rounds. Prints the ratios between modes
 and K / 1 within each.
 
 Modes (--modes, the first is compared with the others): `auto` (the default schedule: decode
@@ -64,6 +66,9 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--members", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="rounds discarded first (auto's policy may spend one learning that overlapped steps do "
+                         "not pay on this machine: a 1-s trial, once per daemon)")
     ap.add_argument("--modes", default="auto,lockstep,per-request",
                     help="comma list of auto (the default schedule), lockstep (KAFILA_MICRO_BATCHES=1), "
                          "per-request (KAFILA_BATCH=0), micro3 (KAFILA_MICRO_BATCHES=3); the first is compared "
@@ -81,12 +86,12 @@ def main() -> int:
         plan = formed["status"]["plan"]
         print(f"formed in {formed['form_s']:.1f} s; blocks {plan['blocks']}, head {plan['head']}, "
               f"predicted bottleneck {plan['bottleneck_s'] * 1e3:.2f} ms")
-        for rnd in range(args.runs + 1):  # round 0 warms up; modes interleave, so drift hits each alike
+        for rnd in range(1 - args.warmup, args.runs + 1):  # rounds ≤ 0 warm up; modes interleave (drift hits each alike)
             for mode in names:
                 c.call(0, "schedule", mode=MODES[mode])
                 for n in (1, k):
                     tps = aggregate_tps(c, n, args.tokens)
-                    if rnd:
+                    if rnd > 0:
                         rates.setdefault((mode, n), []).append(tps)
                         st = c.call(0, "status")
                         gen = st.get("last_generation") or {}
