@@ -388,7 +388,10 @@ class Node:
         host must be the ring's head. A setting lasts for the session, replans included."""
         from kafilad.node.ring_parts import apply_schedule
         s = self._host_session()
-        sched = getattr(s.ring, "scheduler", None)
+        if s.ring is None:
+            raise KafilaError(f"The session has no ring yet (it is {getattr(s.state, 'value', s.state)}); "
+                              "set the schedule once it is ready.")
+        sched = s.ring.scheduler
         if sched is None:
             head = (s.plan.head if s.plan is not None else None) or "not chosen yet"
             raise KafilaError(f"This host is not the ring's head (the head is {head}); set KAFILA_MICRO_BATCHES "
