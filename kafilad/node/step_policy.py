@@ -35,9 +35,11 @@ before by `TRIAL_MARGIN`; otherwise it returns to lockstep and waits `BACKOFF_S`
 backs off) as after a failed trial. Each trial also calibrates the model: its measured gain over
 lockstep ÷ the gain it predicted multiplies every later prediction with M > 1 (`overlap_factor`),
 so on members that share cores (where overlapping steps gained 0.74x lockstep against a predicted
-1.2x) the model stops proposing trials, while on separate devices it keeps its prediction. Measured on the 2-core dev VM (3 daemons sharing 2 cores,
-`python scripts/bench_batching.py --modes lockstep,micro3`): 3 micro-batches in flight ran at
-0.38x lockstep, which the trial catches within `TRIAL_S`.
+1.2x) the model stops proposing trials, while on separate devices it keeps its prediction.
+Measured on the 2-core dev VM (3 daemons sharing 2 cores, `python scripts/bench_batching.py
+--modes lockstep,micro3`): 3 micro-batches in flight ran at 0.38x lockstep, which the trial
+catches within `TRIAL_S`; after its first trial the policy stays in lockstep there
+(docs/performance.md "Serving schedule").
 
 `KAFILA_MICRO_BATCHES=N` (read by the driver) pins M; `KAFILA_BATCH=0` is per-request pipelining
 (every request its own micro-batch, no cap), which the scheduler handles without this policy.
