@@ -267,7 +267,10 @@ def test_ctrl_c_of_kafila_ctl_generate_ends_the_request(cluster):
     c = cluster
     seen = generations(c)
     p = subprocess.Popen([sys.executable, "-m", "kafila_ctl.cli", "--state-dir", str(c.state_dir(0)), "generate",
-                          "Once upon a time", "--max-tokens", str(LONG)], stdout=subprocess.PIPE, text=True)
+                          "Once upon a time", "--max-tokens", str(LONG)], stdout=subprocess.PIPE, text=True,
+                         # as from a terminal: a suite started in the background (`cmd &`) passes SIGINT on
+                         # ignored, and Python then installs no KeyboardInterrupt handler
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = p.stdout.read(8)  # tokens are streaming
     assert first
     time.sleep(0.5)
