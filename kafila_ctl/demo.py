@@ -26,6 +26,11 @@ from kafila_ctl.client import ControlClient, DaemonNotRunning
 START_TIMEOUT_S = 30.0
 
 
+#: prompts of the concurrent load `LoopbackCluster.aggregate_tps` sends (different prompts, short)
+LOAD_PROMPTS = ("Once upon a time", "The caravan left at dawn", "Kafila serves a model", "A ring of machines",
+                "In the beginning", "Tokens travel round", "Seven camels", "Under the desert sky")
+
+
 class LoopbackCluster:
     """A rendezvous plus `n` kafilad processes on 127.0.0.1, each with its own state dir.
 
@@ -149,6 +154,24 @@ class LoopbackCluster:
         trio.run(join_all)
         snap = self.call(0, "wait", states=["ready"], timeout_s=timeout_s)
         return {"code": code, "form_s": time.perf_counter() - t0, "status": snap}
+
+    def aggregate_tps(self, k: int, tokens: int, prompts=LOAD_PROMPTS) -> float:
+        """Run `k` greedy requests of `tokens` tokens at once through the host's control socket
+        (prompts[i % len(prompts)]); return all generated tokens / wall seconds (prefill included).
+        The load of scripts/bench_batching.py and scripts/bench_fleet.py."""
+        counts = []
+
+        async def one(prompt):
+            r = await self.client(0).call("generate", prompt=prompt, max_tokens=tokens)
+            counts.append(len(r["token_ids"]))
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                for i in range(k):
+                    nursery.start_soon(one, prompts[i % len(prompts)])
+        t0 = time.perf_counter()
+        trio.run(main)
+        return sum(counts) / (time.perf_counter() - t0)
 
     def generate(self, prompt: str, max_tokens: int, temperature: float = 0.0) -> dict:
         return self.call(0, "generate", prompt=prompt, max_tokens=max_tokens, temperature=temperature)

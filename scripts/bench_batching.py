@@ -27,35 +27,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-
-import trio
 
 import kafilad.executor  # noqa: F401 - loads the optimised BLAS before mlx (DESIGN §6)
 from kafila_ctl.demo import LoopbackCluster
 
 #: --modes name -> the control API's `schedule` mode (kafila-ctl schedule)
 MODES = {"auto": "auto", "lockstep": "lockstep", "per-request": "per-request", "micro2": 2, "micro3": 3}
-
-PROMPTS = ["Once upon a time", "The caravan left at dawn", "Kafila serves a model", "A ring of machines",
-           "In the beginning", "Tokens travel round", "Seven camels", "Under the desert sky"]
-
-
-def aggregate_tps(c: LoopbackCluster, k: int, tokens: int) -> float:
-    """Run k requests at once through the host; return generated tokens / wall seconds."""
-    counts = []
-
-    async def one(prompt):
-        r = await c.client(0).call("generate", prompt=prompt, max_tokens=tokens)
-        counts.append(len(r["token_ids"]))
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            for i in range(k):
-                nursery.start_soon(one, PROMPTS[i % len(PROMPTS)])
-    t0 = time.perf_counter()
-    trio.run(main)
-    return sum(counts) / (time.perf_counter() - t0)
 
 
 def main() -> int:
@@ -90,7 +67,7 @@ def main() -> int:
             for mode in names:
                 c.call(0, "schedule", mode=MODES[mode])
                 for n in (1, k):
-                    tps = aggregate_tps(c, n, args.tokens)
+                    tps = c.aggregate_tps(n, args.tokens)
                     if rnd > 0:
                         rates.setdefault((mode, n), []).append(tps)
                         st = c.call(0, "status")

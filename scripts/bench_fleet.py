@@ -67,8 +67,7 @@ PERIOD_US = 10_000  # DESIGN §9 item 4: the default 100 ms period makes steps b
 GROUP_PREFIX = "bf_"  # cg.sh names the groups fleet_<NAME>: fleet_bf_<member>
 STRATEGIES = ("kafila", "uniform", "memory", "load")
 DEFAULT_FLEET = "fast:80:900,mid:40:1300,slow:20:700"
-PROMPTS = ["Once upon a time", "The caravan left at dawn", "Kafila serves a model", "A ring of machines",
-           "In the beginning", "Tokens travel round", "Seven camels", "Under the desert sky"]
+PROMPTS = ["Once upon a time"]  # the peers' prompt (the load's are kafila_ctl.demo.LOAD_PROMPTS)
 #: what `--quick` changes (a smoke run of every code path)
 QUICK = {"tokens": 8, "runs": 1, "hidden": 128, "layers": 6, "concurrency": 2, "sub_fleets": 0, "peer_tokens": 8}
 
@@ -437,24 +436,6 @@ def form(c, model_dir: Path, *, strategy: str, concurrency: int, context: int, t
     return c.call(0, "wait", states=["ready"], timeout_s=timeout_s)
 
 
-def aggregate_tps(c, k: int, tokens: int) -> float:
-    """k requests at once through the host's control socket; generated tokens / wall seconds."""
-    import trio
-    counts = []
-
-    async def one(prompt):
-        r = await c.client(0).call("generate", prompt=prompt, max_tokens=tokens)
-        counts.append(len(r["token_ids"]))
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            for i in range(k):
-                nursery.start_soon(one, PROMPTS[i % len(PROMPTS)])
-    t0 = time.perf_counter()
-    trio.run(main)
-    return sum(counts) / (time.perf_counter() - t0)
-
-
 def rounds(fn, runs: int) -> tuple[float, list[float]]:
     """Median of `runs` calls after one discarded warm-up call, and the samples."""
     samples = [fn() for _ in range(runs + 1)][1:]
@@ -490,7 +471,7 @@ def _measure(args, members, cgroups, base_cap, model_dir, *, strategy, concurren
                "fleet": snap.get("fleet"), "form_s": form_s}
         if saturated:
             rec["saturated_tps"], rec["saturated_samples"] = rounds(
-                lambda: aggregate_tps(c, concurrency, args.tokens), args.runs)
+                lambda: c.aggregate_tps(concurrency, args.tokens), args.runs)
             rec["saturated_predicted_tps"] = throughput_at(plan, concurrency)
             log(f"[{strategy}] {concurrency} concurrent: {rec['saturated_tps']:.2f} tokens/s "
                 f"(rounds {[round(s, 2) for s in rec['saturated_samples']]}; predicted {rec['saturated_predicted_tps']})")
@@ -501,7 +482,7 @@ def _measure(args, members, cgroups, base_cap, model_dir, *, strategy, concurren
                 f"{r['name']} B={r['rows']} rho={r['rho']} predicted {(r['predicted_s'] or 0) * 1e3:.1f} ms, "
                 f"median {(r['median_s'] or 0) * 1e3:.1f} ({r['median_ratio'] or 0:.2f}x)" for r in rec["saturated_stages"])
                 + f"; schedule M={(rec['schedule'] or {}).get('micro_batches')} trials {(rec['schedule'] or {}).get('trials')}")
-        rec["one_user_tps"], rec["one_user_samples"] = rounds(lambda: aggregate_tps(c, 1, args.tokens), args.runs)
+        rec["one_user_tps"], rec["one_user_samples"] = rounds(lambda: c.aggregate_tps(1, args.tokens), args.runs)
         rec["one_user_predicted_tps"] = throughput_at(plan, 1)
         status = c.call(0, "status")
         rec["stages"] = stage_rows(status)
