@@ -49,7 +49,6 @@ Drive it like the ICE agent, with a socket index on every datagram:
 from __future__ import annotations
 
 import enum
-import ipaddress
 import math
 import os
 import random
@@ -57,10 +56,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Optional, Union
 
 import attrs
-from aioice.candidate import candidate_priority
 from aioice.stun import Class, Message, Method
 
-from kafilad.proto.ice import COMPONENT, Credentials
+from kafilad.proto.ice import (Credentials, authentic, binding_response, check_request,
+                               normalize_address, request_from)
 from kafilad.proto.stun import decode
 
 Address = tuple[str, int]
@@ -213,13 +212,6 @@ class SearchFailed:
 Event = Union[Answered, Nominated, SearchFailed]
 
 
-def _norm(addr: Sequence) -> Optional[Address]:
-    try:
-        return (str(ipaddress.ip_address(addr[0])), int(addr[1]))
-    except (ValueError, TypeError, IndexError):
-        return None
-
-
 class BirthdaySearch:
     """One end's birthday search on one edge (module docstring).
 
@@ -245,7 +237,7 @@ class BirthdaySearch:
                  tie_breaker: int = 0, burst: Optional[int] = None, tick_s: float = TICK_S,
                  sweep_delay_s: float = SWEEP_DELAY_S, resend_s: Sequence[float] = POOL_RESEND_S,
                  rng: Optional[random.Random] = None, random_bytes: Callable[[int], bytes] = os.urandom):
-        peer_addr = _norm(peer)
+        peer_addr = normalize_address(peer)
         if peer_addr is None:
             raise ValueError(f"not an address: {peer!r}")
         if sockets < 1:
@@ -325,7 +317,7 @@ class BirthdaySearch:
 
     def receive_datagram(self, socket: int, data: bytes, addr: Sequence, now: float) -> bool:
         """One STUN datagram that arrived on ``socket``; True if it belonged to this search."""
-        src = _norm(addr)
+        src = normalize_address(addr)
         if src is None or self.state == SearchState.CLOSED:
             return False
         msg = decode(bytes(data))
@@ -360,17 +352,10 @@ class BirthdaySearch:
             self._next_tick_s = now + self.tick_s
             return
 
-    def _request(self, txid: bytes, *, use_candidate: bool) -> Message:
-        attrs_ = {"USERNAME": f"{self.remote.ufrag}:{self.local.ufrag}",
-                  "PRIORITY": candidate_priority(COMPONENT, "prflx")}
-        attrs_["ICE-CONTROLLING" if self.controlling else "ICE-CONTROLLED"] = self.tie_breaker
-        if use_candidate:
-            attrs_["USE-CANDIDATE"] = None
-        return Message(Method.BINDING, Class.REQUEST, transaction_id=txid, attributes=attrs_)
-
     def _send_check(self, socket: int, dst: Address, now: float, *, use_candidate: bool) -> None:
         txid = self._random(12)
-        msg = self._request(txid, use_candidate=use_candidate)
+        msg = check_request(txid, local=self.local, remote=self.remote, controlling=self.controlling,
+                            tie_breaker=self.tie_breaker, use_candidate=use_candidate)
         msg.add_message_integrity(self.remote.pwd.encode())
         msg.add_fingerprint()
         self._tx[txid] = (socket, dst, now)
@@ -378,28 +363,17 @@ class BirthdaySearch:
         self._out.append((socket, bytes(msg), dst))
 
     def _on_request(self, socket: int, msg: Message, src: Address, now: float) -> bool:
-        username = msg.attributes.get("USERNAME")
-        if not isinstance(username, str) or username.split(":", 1)[0] != self.local.ufrag:
+        verdict = request_from(msg, self.local, self.remote)
+        if verdict is None:
             return False
-        if username != f"{self.local.ufrag}:{self.remote.ufrag}":
-            return True
-        try:
-            if not msg.check_message_integrity(self.local.pwd.encode()):
-                return True
-        except (ValueError, TypeError, AttributeError):
-            return True
-        if self.state != SearchState.SEARCHING:
+        if not verdict or self.state != SearchState.SEARCHING:
             return True
         if "USE-CANDIDATE" in msg.attributes and not self.controlling:
             self.state = SearchState.FOUND
             self.found = (socket, src)
             self._events.append(Nominated(socket, src, self.probes_sent, now - self.started_s))
             return True  # unanswered: the ICE agent taking the pair answers the repeat
-        resp = Message(Method.BINDING, Class.RESPONSE, transaction_id=msg.transaction_id,
-                       attributes={"XOR-MAPPED-ADDRESS": src})
-        resp.add_message_integrity(self.local.pwd.encode())
-        resp.add_fingerprint()
-        self._out.append((socket, bytes(resp), src))
+        self._out.append((socket, binding_response(msg, src, self.local), src))
         self.answers_sent += 1
         if self.triggered_sent < MAX_TRIGGERED:  # triggered check (RFC 8445 §7.3.1.4): proves our direction
             self.triggered_sent += 1
@@ -411,13 +385,9 @@ class BirthdaySearch:
         if entry is None:
             return False
         sent_socket, dst, sent_s = entry
-        if msg.message_class != Class.RESPONSE or src != dst or socket != sent_socket:
-            return True  # an error answer, or not a symmetric pair (RFC 8445 §7.2.5.2.1)
-        try:
-            if not msg.check_message_integrity(self.remote.pwd.encode()):
-                return True
-        except (ValueError, TypeError, AttributeError):
-            return True
+        if (msg.message_class != Class.RESPONSE or src != dst or socket != sent_socket
+                or not authentic(msg, self.remote.pwd)):
+            return True  # an error answer, not a symmetric pair (RFC 8445 §7.2.5.2.1), or not authentic
         del self._tx[msg.transaction_id]
         if self.state != SearchState.SEARCHING:
             return True

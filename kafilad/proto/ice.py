@@ -155,11 +155,52 @@ class _Pair:
     checks: int = 0
 
 
-def _norm(addr: Sequence) -> Optional[Address]:
+def normalize_address(addr: Sequence) -> Optional[Address]:
+    """(ip, port) with the IP in canonical text form, or None for anything that is not an address."""
     try:
         return (str(ipaddress.ip_address(addr[0])), int(addr[1]))
     except (ValueError, TypeError, IndexError):
         return None
+
+
+def check_request(txid: bytes, *, local: Credentials, remote: Credentials, controlling: bool, tie_breaker: int,
+                  use_candidate: bool) -> Message:
+    """A connectivity check (RFC 8445 §7.2.2: BINDING request, USERNAME remote:local, PRIORITY of a
+    peer-reflexive candidate, our role and tie-breaker, USE-CANDIDATE when nominating), not yet
+    signed: the caller may pad it (a size probe) before MESSAGE-INTEGRITY with `remote.pwd` and
+    FINGERPRINT. Shared by IceAgent and kafilad/proto/birthday.py."""
+    attrs_ = {"USERNAME": f"{remote.ufrag}:{local.ufrag}", "PRIORITY": candidate_priority(COMPONENT, "prflx")}
+    attrs_["ICE-CONTROLLING" if controlling else "ICE-CONTROLLED"] = tie_breaker
+    if use_candidate:
+        attrs_["USE-CANDIDATE"] = None
+    return Message(Method.BINDING, Class.REQUEST, transaction_id=txid, attributes=attrs_)
+
+
+def authentic(msg: Message, pwd: str) -> bool:
+    """Whether `msg` carries a valid MESSAGE-INTEGRITY for `pwd` (a malformed one is not valid)."""
+    try:
+        return bool(msg.check_message_integrity(pwd.encode()))
+    except (ValueError, TypeError, AttributeError):
+        return False
+
+
+def request_from(msg: Message, local: Credentials, remote: Credentials) -> Optional[bool]:
+    """Whose check a BINDING request is: None when its USERNAME is not for our ufrag (not ours: the
+    caller passes it on), False when it is ours but not from this peer or not authentic (drop;
+    RFC 8445 §7.3 would answer 401), True for an authentic check from this peer."""
+    username = msg.attributes.get("USERNAME")
+    if not isinstance(username, str) or username.split(":", 1)[0] != local.ufrag:
+        return None
+    return username == f"{local.ufrag}:{remote.ufrag}" and authentic(msg, local.pwd)
+
+
+def binding_response(msg: Message, src: Address, local: Credentials) -> bytes:
+    """The success answer to check `msg` from `src`: XOR-MAPPED-ADDRESS, signed with `local.pwd`."""
+    resp = Message(Method.BINDING, Class.RESPONSE, transaction_id=msg.transaction_id,
+                   attributes={"XOR-MAPPED-ADDRESS": src})
+    resp.add_message_integrity(local.pwd.encode())
+    resp.add_fingerprint()
+    return bytes(resp)
 
 
 class IceAgent:
@@ -208,7 +249,7 @@ class IceAgent:
 
     # ---- sans-IO interface --------------------------------------------------------------------
     def add_remote_candidate(self, addr: Sequence, priority: int = 0) -> None:
-        a = _norm(addr)
+        a = normalize_address(addr)
         if a is None or a in self._pairs or len(self._pairs) >= 32:
             return
         self._pairs[a] = _Pair(a, priority)
@@ -301,7 +342,7 @@ class IceAgent:
 
     def receive_datagram(self, data: bytes, addr: Sequence, now: float) -> bool:
         """Process one STUN datagram; True if it belonged to this agent (even if then dropped)."""
-        src = _norm(addr)
+        src = normalize_address(addr)
         if src is None:
             return False
         msg = decode(bytes(data))
@@ -331,12 +372,8 @@ class IceAgent:
         self._next_check_s = now + self.pace_s
 
     def _request(self, txid: bytes, *, use_candidate: bool) -> Message:
-        attrs_ = {"USERNAME": f"{self.remote.ufrag}:{self.local.ufrag}",
-                  "PRIORITY": candidate_priority(COMPONENT, "prflx")}
-        attrs_["ICE-CONTROLLING" if self.controlling else "ICE-CONTROLLED"] = self.tie_breaker
-        if use_candidate:
-            attrs_["USE-CANDIDATE"] = None
-        return Message(Method.BINDING, Class.REQUEST, transaction_id=txid, attributes=attrs_)
+        return check_request(txid, local=self.local, remote=self.remote, controlling=self.controlling,
+                             tie_breaker=self.tie_breaker, use_candidate=use_candidate)
 
     def _send_check(self, remote: Address, now: float, *, use_candidate: bool) -> None:
         txid = self._random(12)
@@ -351,23 +388,14 @@ class IceAgent:
         self._out.append((bytes(msg), remote))
 
     def _on_request(self, msg: Message, src: Address, now: float) -> bool:
-        username = msg.attributes.get("USERNAME")
-        if not isinstance(username, str) or username.split(":", 1)[0] != self.local.ufrag:
+        verdict = request_from(msg, self.local, self.remote)
+        if verdict is None:
             return False
-        if username != f"{self.local.ufrag}:{self.remote.ufrag}":
-            return True  # ours, but not from this peer: drop (RFC 8445 §7.3 would answer 401)
-        try:
-            if not msg.check_message_integrity(self.local.pwd.encode()):
-                return True
-        except (ValueError, TypeError, AttributeError):
-            return True
+        if not verdict:
+            return True  # ours, but not from this peer or not authentic: drop (RFC 8445 §7.3 would answer 401)
         if self.state in (AgentState.FAILED, AgentState.LOST, AgentState.CLOSED):
             return True
-        resp = Message(Method.BINDING, Class.RESPONSE, transaction_id=msg.transaction_id,
-                       attributes={"XOR-MAPPED-ADDRESS": src})
-        resp.add_message_integrity(self.local.pwd.encode())
-        resp.add_fingerprint()
-        self._out.append((bytes(resp), src))
+        self._out.append((binding_response(msg, src, self.local), src))
         if src not in self._pairs:
             self.add_remote_candidate(src, int(msg.attributes.get("PRIORITY") or 0))
         if src not in self._pairs:
@@ -385,13 +413,8 @@ class IceAgent:
         if entry is None:
             return False
         remote, sent_s, use_candidate = entry
-        if msg.message_class != Class.RESPONSE or src != remote:
-            return True  # an error answer, or not a symmetric pair (RFC 8445 §7.2.5.2.1)
-        try:
-            if not msg.check_message_integrity(self.remote.pwd.encode()):
-                return True
-        except (ValueError, TypeError, AttributeError):
-            return True
+        if msg.message_class != Class.RESPONSE or src != remote or not authentic(msg, self.remote.pwd):
+            return True  # an error answer, not a symmetric pair (RFC 8445 §7.2.5.2.1), or not authentic
         pair = self._pairs[remote]
         rtt_ms = (now - sent_s) * 1000.0
         size = self._size_tx.pop(msg.transaction_id, None)
