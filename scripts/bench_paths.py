@@ -24,7 +24,8 @@ import time
 
 import trio
 
-from kafilad.net.quic_transport import MAX_DATAGRAM_BYTES, quic_accept, quic_connect
+from kafilad.net.quic_open import quic_accept, quic_connect
+from kafilad.net.quic_transport import MAX_DATAGRAM_BYTES
 from kafilad.net.udp_endpoint import UdpEndpoint
 from kafilad.node.link import secure_link
 from kafilad.node.rdv_client import open_rendezvous

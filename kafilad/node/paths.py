@@ -62,7 +62,8 @@ from urllib.parse import urlparse
 import trio
 
 from kafilad.errors import SessionError, collapse_groups
-from kafilad.net.quic_transport import QuicTransport, quic_accept, quic_connect
+from kafilad.net.quic_open import quic_accept, quic_connect
+from kafilad.net.quic_transport import QuicTransport
 from kafilad.net.stun_client import local_address_toward, parse_host_port
 from kafilad.net.udp_endpoint import UdpEndpoint
 from kafilad.node import birthday
