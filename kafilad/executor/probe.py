@@ -9,7 +9,8 @@
   time within ~20% here (DESIGN §5.1).
 - `measure_stage`: times blocks of the session's architecture and shape at batch 1 (one
   block, then two; random weights, so only config.json is needed; window means, DESIGN §9) and
-  splits the time into a fixed per-step overhead and an effective bytes/s (DESIGN §5.1 "Best");
+  splits the time into a fixed per-step overhead and an effective bytes/s (DESIGN §5.1 "Best"; medians
+  of paired rounds, more rounds while a time-sliced CPU scatters them);
   in the same rounds it times a 4-row batched decode step (mlx-lm batch caches, as the runner's
   `run_batch`) against the one-row step for rho, `batch_row_cost` (issue 12; docs/planner.md
   "Throughput"). `measure_stage_Bps` is its batch-1 part.
@@ -43,6 +44,10 @@ DEFAULT_STAGE_WINDOW_S = 0.25
 DEFAULT_BATCH_ROWS = 4
 #: the batched step's timed window, as a fraction of DEFAULT_STAGE_WINDOW_S (keeps the probe's growth ~15%)
 DEFAULT_BATCH_WINDOW_FRACTION = 0.3
+#: `measure_stage` runs further rounds while a one-row chunk mean's relative standard error is above this
+DEFAULT_STABLE_WITHIN = 0.02
+#: ... up to this many rounds in all (5 base rounds: at most 3x the base window)
+DEFAULT_MAX_ROUNDS = 15
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -160,35 +165,65 @@ def measure_bandwidth_Bps(dtype: str = "float32", nbytes: int = DEFAULT_PROBE_BY
     return n * n * dt.size / t
 
 
-def _interleaved_chunks_s(fns, min_steps: int, windows_s: list[float], rounds: int = 5) -> list[list[tuple[float, int]]]:
+def _relative_se(chunks: list[tuple[float, int]]) -> float:
+    """Relative standard error of the mean of per-chunk seconds per call (inf with < 2 chunks)."""
+    means = [s / n for s, n in chunks]
+    if len(means) < 2 or statistics.fmean(means) <= 0:
+        return float("inf")
+    return statistics.stdev(means) / statistics.fmean(means) / len(means) ** 0.5
+
+
+def _interleaved_chunks_s(fns, min_steps: int, windows_s: list[float], rounds: int = 5, *,
+                          stable_within: float = 0.0, max_rounds: Optional[int] = None,
+                          watched: Optional[int] = None) -> list[list[tuple[float, int]]]:
     """(seconds, calls) of each timed chunk of each of `fns`, run in alternating chunks (DESIGN §9 item 4).
 
     Function i runs back to back in chunks of windows_s[i] / rounds, the functions taking turns
     (round r runs chunk r of every function not yet done), until each has run >= windows_s[i] in
     total and >= `min_steps` calls. Interleaving makes a burst of interference from a neighbour
     land on every function alike, so their difference, or their ratio round by round, stays clean.
+
+    On a time-sliced CPU (a busy machine's scheduler, a CPU quota) a chunk's end falls anywhere in
+    a time slice, so each chunk mean is off by up to one descheduled gap / chunk length. With
+    `stable_within` > 0 further rounds (every function one more chunk) run while the relative
+    standard error of the chunk means of any of the first `watched` functions (default all) is
+    above it, up to `max_rounds` rounds in all (default 3 x `rounds`): a quiet CPU stops at
+    `rounds`, a jittery one runs longer.
+
+    Returns:
+        per function, its chunks as (seconds, calls).
     """
     for fn in fns:
         fn()  # warm-up
     steps = [0] * len(fns)
     spent = [0.0] * len(fns)
     chunks: list[list[tuple[float, int]]] = [[] for _ in fns]
+    watched = len(fns) if watched is None else watched
+    max_rounds = 3 * rounds if max_rounds is None else max_rounds
+
+    def run_chunk(i: int, fn) -> None:
+        chunk_s = windows_s[i] / rounds
+        t0 = time.perf_counter()
+        calls = 0
+        while True:
+            fn()
+            calls += 1
+            el = time.perf_counter() - t0
+            if el >= chunk_s:
+                break
+        steps[i] += calls
+        spent[i] += el
+        chunks[i].append((el, calls))
+
     while any(s < w or n < min_steps for s, w, n in zip(spent, windows_s, steps)):
         for i, fn in enumerate(fns):
             if spent[i] >= windows_s[i] and steps[i] >= min_steps:
                 continue
-            chunk_s = windows_s[i] / rounds
-            t0 = time.perf_counter()
-            calls = 0
-            while True:
-                fn()
-                calls += 1
-                el = time.perf_counter() - t0
-                if el >= chunk_s:
-                    break
-            steps[i] += calls
-            spent[i] += el
-            chunks[i].append((el, calls))
+            run_chunk(i, fn)
+    while (stable_within > 0 and min(len(c) for c in chunks) < max_rounds
+           and any(_relative_se(c) > stable_within for c in chunks[:watched])):
+        for i, fn in enumerate(fns):
+            run_chunk(i, fn)
     return chunks
 
 
@@ -231,7 +266,8 @@ def _rewind(cache: list) -> None:
 
 def measure_stage(model: str | Path | dict, *, dtype: str = "float32", context_tokens: int = 16,
                   repeats: int = 3, window_s: float = DEFAULT_STAGE_WINDOW_S, batch_rows: int = 0,
-                  batch_window_s: Optional[float] = None) -> StageTiming:
+                  batch_window_s: Optional[float] = None, stable_within: float = DEFAULT_STABLE_WITHIN,
+                  max_rounds: int = DEFAULT_MAX_ROUNDS) -> StageTiming:
     """Time blocks of the session's architecture at batch 1, and optionally at `batch_rows` rows
     (DESIGN §5.1 "Best"; issue 12: rho).
 
@@ -239,8 +275,19 @@ def measure_stage(model: str | Path | dict, *, dtype: str = "float32", context_t
     of the model's own mlx-lm class are built with the class's random initialisation, held in
     `dtype` and quantised as the config says, then decode steps after a `context_tokens`
     prefill are run back to back through one block and through both, in alternating chunks, for
-    >= `window_s` seconds and >= `repeats` steps each, and the window means are fitted as
-    t(k blocks) = overhead + k * block_bytes / Bps.
+    >= `window_s` seconds and >= `repeats` steps each (5 rounds of chunks), and fitted as
+    t(k blocks) = overhead + k * block_bytes / Bps: the per-block time is the median over rounds
+    of (two-block chunk mean - one-block chunk mean of the same round), t(1) the median of the
+    one-block chunk means, the overhead their difference (>= 0).
+
+    On a time-sliced CPU (a busy machine, a CPU quota: DESIGN §9 item 4) a chunk's end falls
+    anywhere in a time slice, so chunk means scatter by up to a descheduled gap / chunk length,
+    and a two-point fit turns that into a per-block time off by tens of percent (measured at 20%
+    of a core with a 10 ms CFS period: per-block time 6.2-13.1 ms over three 0.25 s probes,
+    docs/cost-model.md "Probing under a quota"). So rounds continue while the relative standard
+    error of either one-row chunk mean is above `stable_within`, up to `max_rounds` rounds (at
+    most 3x the window with the defaults): a quiet device stops after the first 5, and the
+    medians of paired rounds drop a round a neighbour's burst hit.
 
     With `batch_rows` B >= 2, a B-row decode step through the same blocks is timed in the same
     rounds: the prefilled cache is merged B times into mlx-lm's batch caches (`merge`, as
@@ -305,20 +352,35 @@ def measure_stage(model: str | Path | dict, *, dtype: str = "float32", context_t
             fns.append(batched)
             windows.append(DEFAULT_BATCH_WINDOW_FRACTION * window_s if batch_window_s is None else batch_window_s)
     try:
-        chunks = _interleaved_chunks_s(fns, repeats, windows)
+        chunks = _interleaved_chunks_s(fns, repeats, windows, stable_within=stable_within, max_rounds=max_rounds,
+                                       watched=n)
     finally:
         stage.layers = layers
-    means = [sum(s for s, _ in c) / sum(k for _, k in c) for c in chunks]
     rho = None
     if len(fns) > n:  # the batched step ran: pair its chunks with the n-block one-row chunks, round by round
         pairs = list(zip(chunks[n - 1], chunks[n]))
         rho = batch_row_cost_of([a[0] / a[1] for a, _ in pairs], [b[0] / b[1] for _, b in pairs], batch_rows)
-    t1 = means[0]
-    t2 = means[1] if n == 2 else None
-    if t2 is None or t2 <= t1:  # one block, or noise swamped a tiny block: no overhead split
-        return StageTiming(per_block_bytes / t1, 0.0, rho)
-    per_block_s = t2 - t1
-    return StageTiming(per_block_bytes / per_block_s, max(0.0, t1 - per_block_s), rho)
+    per_block_s, overhead_s = fit_block_overhead_s(chunks[0], chunks[1] if n == 2 else None)
+    return StageTiming(per_block_bytes / per_block_s, overhead_s, rho)
+
+
+def fit_block_overhead_s(one_block: list[tuple[float, int]],
+                         two_blocks: Optional[list[tuple[float, int]]]) -> tuple[float, float]:
+    """(seconds per block, fixed seconds per step >= 0) from the (seconds, calls) chunks of one-block
+    and two-block steps, timed in alternating rounds (`_interleaved_chunks_s`).
+
+    t(1) is the median of the one-block chunk means; the per-block time the median over rounds of
+    the two-block minus the one-block chunk mean of the same round. Without two-block chunks, or
+    when that difference is not positive (noise swamped a tiny block), there is no split: the
+    whole t(1) is the block's and the overhead is 0.
+    """
+    t1 = statistics.median(s / k for s, k in one_block)
+    if not two_blocks:
+        return t1, 0.0
+    per_block_s = statistics.median(b[0] / b[1] - a[0] / a[1] for a, b in zip(one_block, two_blocks))
+    if per_block_s <= 0:
+        return t1, 0.0
+    return per_block_s, max(0.0, t1 - per_block_s)
 
 
 def measure_stage_Bps(model: str | Path | dict, *, dtype: str = "float32", context_tokens: int = 16,
@@ -367,7 +429,8 @@ def checkpoint_dtype_of(model: Optional[str | Path | dict], given: Optional[str]
 def measure_capability(model_dir: Optional[str | Path | dict] = None, *, dtype: Optional[str] = None,
                        checkpoint_dtype: Optional[str] = None, backend: Optional[str] = None,
                        reserve_bytes: int = DEFAULT_RESERVE_BYTES, batch_rows: int = DEFAULT_BATCH_ROWS) -> dict:
-    """This member's capability report (issue 2 item 5; DESIGN §5.1). One to two seconds on small models.
+    """This member's capability report (issue 2 item 5; DESIGN §5.1). One to two seconds on small models,
+    up to three times that on a time-sliced CPU (`measure_stage`'s further rounds).
 
     With `model_dir` (a directory, of which only config.json is read, or the config dict the host
     sent), bandwidth, step overhead and the batch row cost rho come from timing blocks of that

@@ -200,3 +200,60 @@ def test_capability_reports_and_times_the_backend_dtype(tmp_path):
     cfg = measure_capability(synth_config("llama", num_hidden_layers=2, hidden_size=64), backend="metal",
                              checkpoint_dtype="float16")
     assert (cfg["dtype"], cfg["fallback_dtype"]) == ("float16", None)
+
+
+# ---- the fit and the rounds under a time-sliced CPU (a busy machine, a CPU quota) -------------------
+def test_fit_takes_medians_of_paired_rounds_so_one_disturbed_round_does_not_move_it():
+    from kafilad.executor.probe import fit_block_overhead_s
+
+    ms = 1e-3
+    one = [(10 * ms * 5, 5), (10 * ms * 5, 5), (30 * ms * 5, 5), (10 * ms * 5, 5), (11 * ms * 5, 5)]
+    two = [(18 * ms * 4, 4), (18 * ms * 4, 4), (60 * ms * 4, 4), (18 * ms * 4, 4), (19 * ms * 4, 4)]
+    per_block_s, overhead_s = fit_block_overhead_s(one, two)
+    assert per_block_s == pytest.approx(8 * ms) and overhead_s == pytest.approx(2 * ms)
+    # the window means would have read (t2 - t1) = 26.6 - 14.2 ms: a 55 % higher per-block time
+    assert fit_block_overhead_s(one, None) == (pytest.approx(10 * ms), 0.0)  # one block: no split
+    slower_one = [(20 * ms, 1)] * 3
+    assert fit_block_overhead_s(slower_one, [(15 * ms, 1)] * 3) == (pytest.approx(20 * ms), 0.0)  # no positive slope
+
+
+class _FakeClock:
+    """time.perf_counter for `_interleaved_chunks_s`: calls advance it by the durations given."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _timed(clock: _FakeClock, durations_s):
+    it = iter(durations_s)
+
+    def fn():
+        clock.now += next(it)
+    return fn
+
+
+def test_rounds_stop_at_the_base_window_when_chunks_agree_and_go_on_while_they_scatter(monkeypatch):
+    import itertools
+
+    from kafilad.executor import probe
+
+    clock = _FakeClock()
+    monkeypatch.setattr(probe.time, "perf_counter", clock)
+    steady = _timed(clock, itertools.repeat(0.01))
+    chunks = probe._interleaved_chunks_s([steady], 1, [0.25], rounds=5, stable_within=0.02, max_rounds=15)
+    assert len(chunks[0]) == 5 and all(n in (5, 6) for _, n in chunks[0])  # 50 ms chunks of 10 ms calls (+ rounding)
+    # chunks alternately 10 ms and 30 ms per call (a quota's gaps landing in some chunks): the relative
+    # standard error stays above 2 %, so rounds continue up to max_rounds
+    jitter = _timed(clock, itertools.cycle([0.01] * 6 + [0.03] * 2))
+    watched_only = _timed(clock, itertools.repeat(0.01))
+    chunks = probe._interleaved_chunks_s([watched_only, jitter], 1, [0.25, 0.25], rounds=5, stable_within=0.02,
+                                         max_rounds=15, watched=2)
+    assert [len(c) for c in chunks] == [15, 15]
+    chunks = probe._interleaved_chunks_s([steady, jitter], 1, [0.25, 0.25], rounds=5, stable_within=0.02,
+                                         max_rounds=15, watched=1)  # the scattered one is not watched
+    assert [len(c) for c in chunks] == [5, 5]
+    chunks = probe._interleaved_chunks_s([jitter], 1, [0.25], rounds=5)  # stable_within 0: the base window only
+    assert len(chunks[0]) <= 5 and sum(s for s, _ in chunks[0]) >= 0.25
