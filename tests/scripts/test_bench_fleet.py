@@ -1,4 +1,5 @@
-"""scripts/bench_fleet.py (issue 12 item 7): its pure parts, and a --quick smoke run without cgroups.
+"""scripts/bench_fleet.py and its fleet_harness / fleet_report modules (issue 12 item 7): the pure
+parts, and a --quick smoke run without cgroups.
 
 The pure parts are the fleet and argument parsing, the capability a quota stands for, reading the
 plan's predictions and the `end` frames' stage rows out of a status snapshot, the sub-fleets and
@@ -23,14 +24,16 @@ _spec = importlib.util.spec_from_file_location("bench_fleet", SCRIPT)
 bf = importlib.util.module_from_spec(_spec)
 sys.modules["bench_fleet"] = bf  # dataclasses look their module up while the class is made
 _spec.loader.exec_module(bf)
+import fleet_harness as fh  # noqa: E402 - beside the script, on sys.path once it is loaded
+import fleet_report as fr  # noqa: E402
 
 
 def test_parse_fleet_reads_name_quota_memory_host_first():
-    fleet = bf.parse_fleet("fast:80:900, mid:40:1300,slow:20:700")
+    fleet = fh.parse_fleet("fast:80:900, mid:40:1300,slow:20:700")
     assert [(m.name, m.quota_pct, m.mem_mb) for m in fleet] == [("fast", 80, 900), ("mid", 40, 1300), ("slow", 20, 700)]
     assert fleet[0].group == "bf_fast"
-    assert bf.total_quota_cores(fleet) == pytest.approx(1.4)
-    assert bf.total_quota_cores(bf.parse_fleet("a:0:0,b:50:0")) == pytest.approx(1.5)  # unlimited counts as a core
+    assert fh.total_quota_cores(fleet) == pytest.approx(1.4)
+    assert fh.total_quota_cores(fh.parse_fleet("a:0:0,b:50:0")) == pytest.approx(1.5)  # unlimited counts as a core
 
 
 @pytest.mark.parametrize("text, words", [
@@ -38,7 +41,7 @@ def test_parse_fleet_reads_name_quota_memory_host_first():
     ("fast:80:900", "at least 2"), ("a:1:1,a:2:2", "unique"), ("a-b:1:1,c:1:1", "NAME:QUOTA_PCT:MEM_MB")])
 def test_parse_fleet_refuses_malformed(text, words):
     with pytest.raises(ValueError, match=words):
-        bf.parse_fleet(text)
+        fh.parse_fleet(text)
 
 
 def test_parse_args_defaults_and_quick():
@@ -56,9 +59,50 @@ def test_parse_args_defaults_and_quick():
 
 def test_scaled_capability_is_base_times_quota():
     base = {"bandwidth_Bps": 6e9, "step_overhead_s": 2e-4, "memory_bytes": 1}
-    assert bf.scaled_capability(base, 40) == {"bandwidth_Bps": pytest.approx(2.4e9), "step_overhead_s": pytest.approx(5e-4)}
-    assert bf.scaled_capability(base, 0) == {"bandwidth_Bps": 6e9, "step_overhead_s": 2e-4}  # unlimited
-    assert bf.scaled_capability({"bandwidth_Bps": 1e9}, 50)["step_overhead_s"] == 0.0
+    assert fh.scaled_capability(base, 40) == {"bandwidth_Bps": pytest.approx(2.4e9), "step_overhead_s": pytest.approx(5e-4)}
+    assert fh.scaled_capability(base, 0) == {"bandwidth_Bps": 6e9, "step_overhead_s": 2e-4}  # unlimited
+    assert fh.scaled_capability({"bandwidth_Bps": 1e9}, 50)["step_overhead_s"] == 0.0
+
+
+def test_parse_args_calibration_defaults_to_the_probe_inside_the_groups():
+    assert bf.parse_args([]).calibration == "probe"
+    assert bf.parse_args(["--calibration", "scaled"]).calibration == "scaled"
+    with pytest.raises(SystemExit):
+        bf.parse_args(["--calibration", "guess"])
+
+
+def test_probe_calibration_starts_daemons_in_both_groups_scaled_in_the_memory_group_only():
+    member = fh.Member("nosuch_member_xyz", 20, 700)
+    argv = ["python", "-m", "kafilad.main"]
+    probe = fh.Cgroups([member], enabled=True, calibration="probe")
+    scaled = fh.Cgroups([member], enabled=True, calibration="scaled")
+    assert probe.wrap(member, argv) == ["bash", str(fh.CG), "run", "bf_nosuch_member_xyz", *argv]
+    assert scaled.wrap(member, argv) == ["bash", str(fh.CG), "runmem", "bf_nosuch_member_xyz", *argv]
+    assert fh.Cgroups([member], enabled=False, calibration="probe").wrap(member, argv) == argv
+    probe.throttle(member, 1)  # already in its CPU group: nothing to move (the group does not exist here)
+    with pytest.raises(OSError):  # scaled moves the daemon: here into a group that does not exist
+        scaled.throttle(member, 1)
+    with pytest.raises(ValueError, match="calibration"):
+        fh.Cgroups([member], enabled=True, calibration="guess")
+
+
+def test_capability_env_overrides_only_for_the_scaled_calibration():
+    from kafilad.node.stagehost import TEST_CAPABILITY_ENV
+
+    member = fh.Member("slow", 20, 700)
+    assert fh.capability_env(None, member) == {}  # the daemon reports its own probe
+    env = fh.capability_env({"bandwidth_Bps": 8e9, "step_overhead_s": 1e-4}, member)
+    assert json.loads(env[TEST_CAPABILITY_ENV]) == {"bandwidth_Bps": pytest.approx(1.6e9),
+                                                    "step_overhead_s": pytest.approx(5e-4)}
+
+
+def test_reported_capabilities_read_the_sessions_fleet():
+    fleet = {"devices": [{"name": "fast", "bandwidth_Bps": 5.5e9, "batch_row_cost": 0.02, "memory_bytes": 1},
+                         {"name": "slow", "bandwidth_Bps": 1.4e9, "step_overhead_s": 3e-4}]}
+    assert fh.reported_capabilities(fleet) == {
+        "fast": {"bandwidth_Bps": 5.5e9, "step_overhead_s": None, "batch_row_cost": 0.02},
+        "slow": {"bandwidth_Bps": 1.4e9, "step_overhead_s": 3e-4, "batch_row_cost": None}}
+    assert fh.reported_capabilities(None) == {}
 
 
 def _status() -> dict:
@@ -76,14 +120,14 @@ def _status() -> dict:
 
 def test_throughput_at_reads_the_plan_rows():
     plan = _status()["plan"]
-    assert bf.throughput_at(plan, 1) == 15.0
-    assert bf.throughput_at(plan, 6) == 40.5
-    assert bf.throughput_at(plan, 4) is None
-    assert bf.throughput_at({}, 1) is None
+    assert fr.throughput_at(plan, 1) == 15.0
+    assert fr.throughput_at(plan, 6) == 40.5
+    assert fr.throughput_at(plan, 4) is None
+    assert fr.throughput_at({}, 1) is None
 
 
 def test_stage_rows_pair_end_frame_rows_with_predictions_in_ring_order():
-    rows = bf.stage_rows(_status())
+    rows = fr.stage_rows(_status())
     assert [r["name"] for r in rows] == ["fast", "mid", "slow"]
     fast, mid, slow = rows
     assert fast["blocks"] == [0, 9] and fast["steps"] == 10
@@ -95,20 +139,20 @@ def test_stage_rows_pair_end_frame_rows_with_predictions_in_ring_order():
 def test_stage_rows_without_a_generation_have_no_ratio():
     status = _status()
     status["last_generation"] = {}
-    rows = bf.stage_rows(status)
+    rows = fr.stage_rows(status)
     assert all(r["mean_s"] is None and r["mean_ratio"] is None and r["steps"] == 0 for r in rows)
     assert rows[0]["predicted_s"] == 0.020
 
 
 def test_sub_fleets_are_every_proper_subset_anchor_first():
     fleet = {"context": 512, "devices": [{"name": n} for n in ("a", "b", "c")]}
-    subs = [[d["name"] for d in s["devices"]] for s in bf.sub_fleets(fleet)]
+    subs = [[d["name"] for d in s["devices"]] for s in fr.sub_fleets(fleet)]
     assert subs == [["a"], ["b"], ["c"], ["a", "b"], ["a", "c"], ["b", "c"]]
-    assert all(s["context"] == 512 for s in bf.sub_fleets(fleet))
+    assert all(s["context"] == 512 for s in fr.sub_fleets(fleet))
 
 
 def test_predict_sub_fleets_uses_the_planner_and_drops_what_does_not_fit(tmp_path):
-    model = bf.synthesize_qwen2(tmp_path / "q2", hidden=64, layers=4)
+    model = fh.synthesize_qwen2(tmp_path / "q2", hidden=64, layers=4)
     assert json.loads((model / "config.json").read_text())["model_type"] == "qwen2"
     index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.3.self_attn.q_proj.bias" in index and "lm_head.weight" in index
@@ -116,7 +160,7 @@ def test_predict_sub_fleets_uses_the_planner_and_drops_what_does_not_fit(tmp_pat
     fleet = {"devices": [{"name": "fast", "memory_bytes": gib, "bandwidth_Bps": 4e9},
                          {"name": "mid", "memory_bytes": gib, "bandwidth_Bps": 2e9},
                          {"name": "tiny", "memory_bytes": 1000, "bandwidth_Bps": 8e9}]}  # holds nothing
-    preds = bf.predict_sub_fleets(fleet, str(model), context=256)
+    preds = fr.predict_sub_fleets(fleet, str(model), context=256)
     names = [p["names"] for p in preds]
     assert all("tiny" not in n for n in names)
     assert names[0] == ["fast"]  # one user: the fastest device alone beats any ring with a slower one
@@ -133,7 +177,7 @@ def test_summary_ratios_and_verdicts():
            "load_at_1": {"one_user_tps": 16.0},
            "sub_fleets_measured": [{"one_user_tps": 15.0}, {"one_user_tps": None}],
            "peers": {"ring_api_decode_tps": 30.0, "mlx_lm_single_tps": 40.0, "mlx_lm_pipeline_tps": 15.0}}
-    r = bf.summary_ratios(res)
+    r = fr.summary_ratios(res)
     assert r["kafila_over_uniform_saturated"] == 2.0
     assert r["kafila_over_memory_saturated"] == 1.25
     assert r["load_over_uniform_saturated"] is None
@@ -142,17 +186,17 @@ def test_summary_ratios_and_verdicts():
     assert r["one_user_kafila_full_fleet_over_best_sub_fleet"] == pytest.approx(12 / 15)
     assert r["ring_api_over_mlx_lm_single"] == 0.75
     assert r["ring_api_over_mlx_lm_pipeline"] == 2.0
-    v = bf.verdicts(r)
+    v = fr.verdicts(r)
     assert v["kafila_over_uniform_saturated"] == "met"
     assert v["kafila_over_memory_saturated"] == "not met"
     assert v["kafila_stage_measured_over_predicted_max_dev"] == "met"
     assert v["ring_api_over_mlx_lm_single"] == "not met"
-    assert bf.verdicts({})["ring_api_over_mlx_lm_pipeline"] == "not measured"
+    assert fr.verdicts({})["ring_api_over_mlx_lm_pipeline"] == "not measured"
 
 
 def test_ratio_handles_missing_values():
-    assert bf.ratio(3.0, 2.0) == 1.5
-    assert bf.ratio(None, 2.0) is None and bf.ratio(1.0, None) is None and bf.ratio(1.0, 0.0) is None
+    assert fr.ratio(3.0, 2.0) == 1.5
+    assert fr.ratio(None, 2.0) is None and fr.ratio(1.0, None) is None and fr.ratio(1.0, 0.0) is None
 
 
 @pytest.mark.slow
@@ -175,14 +219,12 @@ def test_quick_smoke_run_without_cgroups(tmp_path):
 
 
 def test_saturated_stage_rows_scale_the_prediction_by_the_rows_and_rho():
-    from scripts.bench_fleet import saturated_stage_rows
-
     status = {"plan": {"order": ["a", "b"], "stage_s": {"a": 0.010, "b": 0.020}},
               "fleet": {"devices": [{"name": "a", "batch_row_cost": 0.1}, {"name": "b"}]},
               "members": [{"name": "a", "peer_id": "pa"}, {"name": "b", "peer_id": "pb"}],
               "last_generation": {"batch_rows_median": 5,
                                   "stats": [["pa", 40, 0.1, 0.0154, 0], ["pb", 40, 0.5, 0.09, 0]]}}
-    a, b = saturated_stage_rows(status)
+    a, b = fr.saturated_stage_rows(status)
     assert a["predicted_s"] == pytest.approx(0.010 * 1.4) and a["median_ratio"] == pytest.approx(1.1)
     assert b["rho"] is None and b["predicted_s"] == pytest.approx(0.020 * 5)  # unknown rho: 1.0, as planned
     assert b["median_ratio"] == pytest.approx(0.9)
