@@ -5,15 +5,27 @@ Prints the time to form the session, decode tokens/s of the ring and of single-p
 the same model (median of 4 generations after one discarded cold one), their ratio, and the bytes
 the rendezvous relayed per generated token.
 
-    python scripts/bench_ring.py [--model DIR] [--members 3] [--tokens 64]
+With `--api`, the ring's rate is taken as a client sees it: one streamed `/v1/completions`
+request at a time, (completion tokens - 1) / (last chunk - first chunk). `--synth H,L` serves a
+synthesised Llama of hidden size H and L blocks (f32; 512,8 is the 100 MB model of issue 12).
+`--timeline` (with --api) runs the daemons with KAFILA_STEP_TIMELINE (kafilad/node/step_timeline.py)
+and prints where one decode step's milliseconds go: the median over the decode steps of every
+measured request of each segment between consecutive marks of the head (h), the members in ring
+order (m1, m2, ...) and the client (cl).
+
+    python scripts/bench_ring.py [--model DIR | --synth 512,8] [--members 3] [--tokens 64]
+        [--api] [--runs 5] [--modes relayed,direct] [--timeline]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import kafilad.executor  # noqa: F401 - loads the optimised BLAS before mlx (DESIGN §6)
@@ -21,14 +33,14 @@ from kafila_ctl.demo import LoopbackCluster
 from kafilad.proto.rendezvous import parse_relay_record
 
 
-def single_process_tps(model_dir: str, prompt: str, tokens: int) -> float:
+def single_process_tps(model_dir: str, prompt: str, tokens: int, runs: int = 4) -> float:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step
     model, tok = load(model_dir)
     ids = mx.array(tok.encode(prompt))
     rates = []
-    for run in range(5):
+    for run in range(runs + 1):
         t_first = None
         n = 0
         for (t, _), _ in zip(generate_step(ids, model, max_tokens=tokens), range(tokens)):
@@ -42,6 +54,115 @@ def single_process_tps(model_dir: str, prompt: str, tokens: int) -> float:
     return statistics.median(rates)
 
 
+def api_decode(http_base: str, prompt: str, tokens: int) -> tuple[float, list[float]]:
+    """One streamed /v1/completions request: ((tokens - 1) / (last chunk - first chunk), chunk times)."""
+    import httpx
+    body = {"prompt": prompt, "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
+    times, n = [], 0
+    with httpx.stream("POST", f"{http_base}/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter())
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+    return ((n - 1) / (times[-1] - times[0]) if n > 1 and len(times) > 1 else 0.0), times
+
+
+def timeline_breakdown(marks: list[tuple[float, str, str]]) -> list[tuple[str, float]]:
+    """Median ms of each segment of one decode step, in step order.
+
+    Args:
+        marks: (t_s, kind, who) in time order, who "h" (head), "m1".. (members in ring order),
+            "cl" (client); one request in flight. A step runs from a decode act's return to the
+            head (`h:rx`) to the next one's. Segments: each process's consecutive marks (the
+            head's two MLX calls named `sample` and `embed+run`), and each hop from a sender's
+            `tx` to the receiver's `rx`; the HTTP layer's `sse` and the client's `chunk` are
+            measured from the step's `emit`.
+    Returns:
+        [(segment name, median ms)]: the segments, then "emit → sse", "emit → client", "token interval".
+    """
+    whos = sorted({w for _, _, w in marks if w.startswith("m")}, key=lambda w: int(w[1:]))
+    ring = ["h"] + whos
+    rx = [t for t, k, w in marks if w == "h" and k == "rx"]
+    seg: dict[str, list[float]] = defaultdict(list)
+    order: list[str] = []
+
+    def add(name: str, ms: float) -> None:
+        if name not in seg:
+            order.append(name)
+        seg[name].append(ms)
+    for a, b in zip(rx, rx[1:]):
+        step = [(t, k, w) for t, k, w in marks if a <= t < b]
+        head = [(t, k) for t, k, w in step if w == "h" and k not in ("sse",)]
+        kinds = [k for _, k in head]
+        if b - a > 1.0 or kinds.count("c0") != 2 or "emit" not in kinds or "tx" not in kinds:
+            continue  # between requests, the prefill or the end of a request
+        calls = iter(("sample", "embed+run"))
+        for (t0, k0), (t1, k1) in zip(head, head[1:]):
+            name = f"h:{k0} → h:{k1}"
+            if k0 == "c0":
+                name = f"h: MLX {next(calls)}"
+            add(name, (t1 - t0) * 1e3)
+        for i, w in enumerate(ring):
+            nxt = ring[(i + 1) % len(ring)]
+            t_tx = [t for t, k, ww in step if ww == w and k == "tx"]
+            t_rx = [t for t, k, ww in step if ww == nxt and k == "rx" and (not t_tx or t > t_tx[0])]
+            if nxt == "h":
+                t_rx = [b]
+            if t_tx and t_rx:
+                add(f"hop {w} → {nxt} (tx → rx)", (t_rx[0] - t_tx[0]) * 1e3)
+            if w == "h":
+                continue
+            own = [(t, k) for t, k, ww in step if ww == w]
+            for (t0, k0), (t1, k1) in zip(own, own[1:]):
+                add(f"{w}: MLX {w} blocks" if k0 == "c0" else f"{w}:{k0} → {w}:{k1}", (t1 - t0) * 1e3)
+        t_emit = next(t for t, k in head if k == "emit")
+        for kind, w in (("sse", "h"), ("chunk", "cl")):
+            after = [t for t, k, ww in step if ww == w and k == kind and t >= t_emit]
+            if after:
+                add(f"emit → {kind}", (after[0] - t_emit) * 1e3)
+        add("token interval", (b - a) * 1e3)
+    return [(n, statistics.median(seg[n])) for n in order]
+
+
+def ring_timeline(tl_dir: Path, client: list[float]) -> list[tuple[str, float]]:
+    """Merge the daemons' timeline files and the client's chunk times; name each process (the head
+    is the one that emits tokens; the others by the order in which a decode step reaches them)."""
+    from kafilad.node.step_timeline import read_timeline
+    raw = read_timeline(tl_dir)
+    head = next(pid for _, k, pid in raw if k == "emit")
+    t_emit = next(t for t, k, pid in raw if k == "emit")
+    who = {head: "h"}
+    for _, k, pid in (m for m in raw if m[0] > t_emit):
+        if k == "rx" and pid not in who:
+            who[pid] = f"m{len(who)}"
+    marks = [(t, k, who.get(pid, str(pid))) for t, k, pid in raw] + [(t, "chunk", "cl") for t in client]
+    marks.sort()
+    return timeline_breakdown(marks)
+
+
+def api_rates(c, args, formed: dict, mode: str) -> float:
+    """Median decode tokens/s through the API over --runs requests after one discarded; print the timeline."""
+    http = c.call(0, "status").get("http")
+    rates, client_times = [], []
+    for run in range(args.runs + 1):
+        tps, times = api_decode(http, args.prompt, args.tokens)
+        if run:
+            rates.append(tps)
+            client_times += times
+    print(f"[{mode}] through the API: {[round(r, 1) for r in rates]} tokens/s")
+    if args.timeline:
+        c.generate(args.prompt, 2)  # its end flushes the head's last marks of the measured requests
+        print(f"[{mode}] one decode step (median ms over the measured requests' steps):")
+        for name, ms in ring_timeline(Path(c.env["KAFILA_STEP_TIMELINE"]), client_times):
+            print(f"    {ms:7.3f}  {name}")
+    return statistics.median(rates)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K"
@@ -49,23 +170,37 @@ def main() -> int:
     ap.add_argument("--members", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", default="Once upon a time")
+    ap.add_argument("--synth", default=None, help="H,L: a synthesised Llama of hidden size H and L blocks")
+    ap.add_argument("--api", action="store_true", help="measure the ring through the OpenAI API (streamed)")
+    ap.add_argument("--runs", type=int, default=4, help="measured generations (after one discarded)")
+    ap.add_argument("--modes", default="relayed,direct")
+    ap.add_argument("--timeline", action="store_true", help="with --api: where a decode step's time goes")
     args = ap.parse_args()
     model = args.model
+    if args.synth:
+        from kafilad.executor.synth import default_synth_model_dir
+        hidden, layers = (int(x) for x in args.synth.split(","))
+        model = str(default_synth_model_dir(hidden_size=hidden, num_hidden_layers=layers))
     if model is None:
         from kafilad.executor.synth import default_synth_model_dir
         model = str(default_synth_model_dir())
     print(f"model {model}, {args.members} daemons on loopback, {args.tokens} tokens per generation")
     results = {}
-    for mode in ("relayed", "direct"):
+    for mode in args.modes.split(","):
         env = {"KAFILA_DIRECT": "0" if mode == "relayed" else "1"}
+        if args.timeline:
+            env["KAFILA_STEP_TIMELINE"] = tempfile.mkdtemp(prefix="kafila-timeline-")
         with LoopbackCluster(args.members, record_relay=True, env=env) as c:
             formed = c.form(model)
             edges = [e["path"] for e in formed["status"].get("edges", [])]
             print(f"[{mode}] time to form the session: {formed['form_s']:.2f} s "
                   f"(blocks {formed['status']['plan']['blocks']}, head {formed['status']['plan']['head']}, edges {edges})")
+            if args.api:
+                results[mode] = api_rates(c, args, formed, mode)
+                continue
             rates, tokens_total = [], 0
             relayed_before = sum(len(p) for _, p in parse_relay_record(c.record_path.read_bytes()))
-            for run in range(5):
+            for run in range(args.runs + 1):
                 r = c.generate(args.prompt, args.tokens)
                 tokens_total += len(r["token_ids"])
                 if run and r.get("decode_tokens_per_s"):
@@ -74,7 +209,7 @@ def main() -> int:
             results[mode] = statistics.median(rates)
             print(f"[{mode}] relayed through the rendezvous during generation: {relayed} bytes for {tokens_total} "
                   f"tokens = {relayed / tokens_total:.0f} bytes per generated token (prefill included)")
-    single_tps = single_process_tps(model, args.prompt, args.tokens)
+    single_tps = single_process_tps(model, args.prompt, args.tokens, args.runs)
     print(f"single-process mlx-lm: {single_tps:.1f} tokens/s")
     for mode, tps in results.items():
         print(f"ring ({mode} edges): {tps:.1f} tokens/s; ratio ring/single = {tps / single_tps:.3f}")

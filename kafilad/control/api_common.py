@@ -33,6 +33,7 @@ import trio
 
 from kafilad.control.http_server import ClientGone
 from kafilad.errors import GenerationCancelled, HostBusyError, KafilaError
+from kafilad.node.step_timeline import TIMELINE
 
 log = logging.getLogger("kafilad.http")
 
@@ -426,6 +427,7 @@ async def stream_generation(s, res, generate: Callable[[Callable], Awaitable[dic
                     if not res.started:
                         await res.start(200, [("content-type", content_type), ("cache-control", "no-cache")])
                     await res.write(data)
+                    TIMELINE.mark("sse")
             except ClientGone:
                 state["gone"] = True
 

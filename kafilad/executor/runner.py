@@ -57,6 +57,7 @@ from typing import Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, categorical_sampling,
                                  make_logits_processors, make_sampler)
 
@@ -257,6 +258,39 @@ class StageRunner:
             logits = self.stage.logits(h)
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
             return int(sampler(logprobs).item())
+
+    def head_sample_and_run(self, request_id: str, h: mx.array, temperature: float = 0.0) -> tuple[int, Optional[mx.array]]:
+        """Head, a request decoding alone: `head_sample` and, in the same MLX graph, the next step's
+        `head_embed_and_run(request_id, [token])` (as generate_step feeds its sampled `y` to the
+        model lazily), so one evaluation and one hand-off serve both. Same operations, same bits.
+
+        The request's caches then hold the sampled token: if that step is not sent (the request
+        ends, or joins a batch), `trim_last` takes it back. Only mlx-lm's plain `KVCache` is
+        trimmed so (a rotating cache may have dropped what a trim would need): with any other
+        cache the next step is not run here.
+
+        Returns:
+            (token, the next step's (1, 1, D) output, or None when it was not run).
+        """
+        with self._lock:
+            sampler = self._samplers.get(temperature)
+            if sampler is None:
+                sampler = self._samplers[temperature] = make_sampler(temp=temperature)
+            logits = self.stage.logits(h)
+            y = sampler(logits - mx.logsumexp(logits, keepdims=True))
+            cache = self._cache(request_id)
+            if not all(type(c) is KVCache for c in cache):
+                return int(y.item()), None
+            out = self.stage.run_blocks(self.stage.embed(y), cache)
+            mx.eval(y, out)
+            return int(y.item()), out
+
+    def trim_last(self, request_id: str) -> None:
+        """Take the last token back out of the request's single caches (`head_sample_and_run`'s
+        step that was not sent); nothing if the request has none."""
+        with self._lock:
+            for c in self._caches.get(request_id) or ():
+                c.trim(1)
 
     def head_embed_and_run_batch(self, request_ids: list[str], tokens: list[int], group: int = 0) -> mx.array:
         """Head, batched decode: embed one token per request and run the head's blocks.

@@ -62,6 +62,7 @@ from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, PROGRESS_FACTOR, PROGRE
                                     RequestCancelled, RingBroken, SampleTokens, SendDecodeStep, SendPrefillChunk,
                                     StageStats, TokensSampled)
 from kafilad.node.step_policy import StepPolicy
+from kafilad.node.step_timeline import TIMELINE
 from kafilad.node.ring_parts import (BATCH_ENV, MICRO_BATCHES_ENV, RequestState, _frame_reqs, _plain,  # noqa: F401
                                      _recent, batching_enabled, pinned_micro_batches, run_on_mlx_thread)
 
@@ -128,6 +129,9 @@ class RingMember:
         self._drop_caches = False  # fail_all asked the ring loop to drop every KV cache
         self._cancels: dict[str, str] = {}  # head: req -> reason, for the ring loop (`cancel`)
         self._early_cancels: dict[str, str] = {}  # head: cancelled before `generate` started (bounded)
+        #: head: (req, token, wire output, seconds) of a next decode step run with its sampling
+        #: (`_sample`), sent by `_send_decode_step` or taken back (`_unspeculate`)
+        self._spec: Optional[tuple[str, int, dict, float]] = None
 
     # ---- views for status and tests --------------------------------------------------------
     @property
@@ -167,6 +171,7 @@ class RingMember:
         try:
             while True:
                 frame = await link.receive()
+                TIMELINE.mark("rx")
                 if frame.get("t") == "path_switched":  # [paths] the sender moved this edge to a new link (proto_spec 07 §7)
                     await link.close()  # [paths] every frame it sent here came before the marker: the old path is drained
                     return  # [paths]
@@ -178,11 +183,13 @@ class RingMember:
         if self.next_link is None:
             await self._inbox_send.send(frame)
             return
+        TIMELINE.mark("tx")
         try:
             n = await self.next_link.send(frame)
         except LinkClosed as e:
             self.fail_all(f"{e.reason}", member=self.next_name)
             return
+        TIMELINE.mark("sent")
         if frame.get("t") == "act":  # an `end` goes after its request's statistics were taken
             self.stats.note_sent(_frame_reqs(frame), n)
 
@@ -195,10 +202,15 @@ class RingMember:
         def timed():
             t0 = time.perf_counter()
             out = fn(*args)
-            return out, time.perf_counter() - t0
+            t1 = time.perf_counter()
+            if TIMELINE.enabled:
+                TIMELINE.marks += [(t0, "c0"), (t1, "c1")]
+            return out, t1 - t0
 
         async with self.mlx_lock:
-            return await run_on_mlx_thread(timed)
+            result = await run_on_mlx_thread(timed)
+        TIMELINE.mark("back")
+        return result
 
     async def run(self) -> None:
         """Process the inbox until cancelled; on the head, check the progress deadline every
@@ -260,6 +272,7 @@ class RingMember:
 
     # ---- every member ---------------------------------------------------------------------
     async def _on_act(self, frame: dict) -> None:
+        TIMELINE.mark("on_act")
         if self.head:
             await self._head_on_return(frame)
             return
@@ -300,6 +313,7 @@ class RingMember:
         await self._compute(self.runner.drop, req)
         stats = list(frame.get("stats", [])) + [self.stats.take_row(self.peer_id, req)]
         await self._send_next({"t": "end", "req": req, "stats": stats})
+        TIMELINE.flush()
 
     # ---- head -------------------------------------------------------------------------------
     async def generate(self, req: str, prompt: str, *, max_tokens: int, temperature: float,
@@ -378,6 +392,7 @@ class RingMember:
                     if a.logprob is not None:
                         event["logprob"], event["top_logprobs"] = a.logprob[0], [list(p) for p in a.logprob[1]]
                     await self._deliver(st, event)
+                    TIMELINE.mark("emit")
             elif isinstance(a, EndRequest):
                 await self._end_request(a.req)
             elif isinstance(a, FinishRequest):
@@ -386,6 +401,14 @@ class RingMember:
                 raise AssertionError(f"unknown scheduler action {a!r}")
 
     async def _send_decode_step(self, rids: list[str], tokens: list[int], group: int = 0) -> None:
+        spec, self._spec = self._spec, None
+        if spec is not None and [spec[0]] == rids and [spec[1]] == tokens:  # run with its sampling (`_sample`)
+            self.stats.note_step(rids, spec[3])
+            await self._send_next({"t": "act", "req": rids[0], "sample": True, "h": spec[2],
+                                   "hops": [[self.peer_id, spec[3]]]})
+            return
+        if spec is not None:
+            await self._unspeculate(spec[0])
         if len(rids) == 1:  # the single form: a lone request decodes exactly as generate_step
             out, dt = await self._compute(self._head_embed_wire, rids[0], tokens)
             frame = {"t": "act", "req": rids[0], "sample": True, "h": out}
@@ -404,6 +427,12 @@ class RingMember:
             if batched:
                 tokens, _ = await self._compute(self._head_sample_batch_wire, list(a.reqs), h_wire,
                                                 list(a.temperatures))
+            elif self._may_run_next(a.reqs[0]):  # sample and run the next step in one MLX call
+                (token, out), dt = await self._compute(self._head_sample_and_run_wire, a.reqs[0], h_wire,
+                                                       a.temperatures[0])
+                tokens = [token]
+                if out is not None:
+                    self._spec = (a.reqs[0], token, out, dt)
             else:
                 token, _ = await self._compute(self._head_sample_wire, a.reqs[0], h_wire, a.temperatures[0])
                 tokens = [token]
@@ -419,6 +448,24 @@ class RingMember:
             logprobs = tuple(lp for _, lp in rows)
         await self._execute(self.scheduler.handle(TokensSampled(a.reqs, tuple(tokens), now_s=time.perf_counter(),
                                                                 logprobs=logprobs)))
+        if self._spec is not None:  # its step was not sent (it waits, or joins a batch): take it back
+            req, self._spec = self._spec[0], None
+            await self._unspeculate(req)
+
+    def _may_run_next(self, req: str) -> bool:
+        """Whether the head runs a request's next decode step with its sampling (`_sample`): it will
+        go on after this token and, as far as the head knows now, decode alone."""
+        rec = self.scheduler.requests.get(req)
+        return (rec is not None and len(rec.generated) + 1 < rec.max_tokens and req not in self._cancels
+                and (not self.scheduler.batching or len(self.scheduler.requests) == 1))
+
+    async def _unspeculate(self, req: str) -> None:
+        """Take a next step run by `_sample` but not sent back out of the request's caches here."""
+        await self._compute(self.runner.trim_last, req)
+
+    def _head_sample_and_run_wire(self, req: str, h_wire: dict, temperature: float) -> tuple:
+        token, out = self.runner.head_sample_and_run(req, self.ex.array_from_wire(h_wire), temperature)
+        return token, (self.ex.array_to_wire(out) if out is not None else None)
 
     def _head_embed_wire(self, req: str, ids: list) -> dict:
         return self.ex.array_to_wire(self.runner.head_embed_and_run(req, ids))
@@ -490,6 +537,8 @@ class RingMember:
 
     async def _end_request(self, req: str) -> None:
         """Flush the request's last text, drop its KV rows here, send its `end` with our stats row."""
+        if self._spec is not None and self._spec[0] == req:
+            self._spec = None  # its caches are dropped below
         st = self._streams.get(req)
         if st is not None:
             st.detok.finalize()
@@ -505,6 +554,7 @@ class RingMember:
         row = self.stats.take_row(self.peer_id, req)
         if not self.broken:
             await self._send_next({"t": "end", "req": req, "stats": [row]})
+        TIMELINE.flush()
 
     def _finish(self, a: FinishRequest) -> None:
         st = self._streams.pop(a.req, None)
@@ -537,6 +587,7 @@ class RingMember:
         """Drop every request's KV rows (single and batched) from the runner, on the MLX thread, and
         forget their statistics."""
         self.stats.clear()
+        self._spec = None
         await self._compute(self._drop_every_request)
 
     def _drop_every_request(self) -> None:

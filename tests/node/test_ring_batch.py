@@ -157,6 +157,28 @@ async def test_batching_off_decodes_per_request_with_the_same_tokens(synth_model
 
 
 @trio_test
+async def test_a_next_step_run_with_sampling_but_batched_is_taken_back(synth_model, monkeypatch):
+    """The head runs a request's next step with its sampling when it will decode alone (ring.py
+    `_sample`); forced to do so always, every step that goes out batched instead is taken back
+    from the request's caches (`_unspeculate`), and each request still gets its tokens alone."""
+    with trio.fail_after(120):
+        expected = await alone(synth_model, BOUNDS, JOBS)
+        taken_back = []
+        real = RingMember._unspeculate
+
+        async def counting(self, req):
+            taken_back.append(req)
+            await real(self, req)
+        monkeypatch.setattr(RingMember, "_may_run_next", lambda self, req: True)
+        monkeypatch.setattr(RingMember, "_unspeculate", counting)
+        async with ring_of(synth_model, BOUNDS) as ring:
+            states = await generate_all(ring[0], JOBS)
+            assert {r: st.generated for r, st in states.items()} == expected
+            assert ring[0].max_batch_rows >= 3 and len(taken_back) >= 3
+            check_stats(states, ring)
+
+
+@trio_test
 async def test_a_ring_of_one_batches_too(synth_model):
     jobs = {k: v for k, v in JOBS.items() if k != "d"}
     with trio.fail_after(120):
