@@ -42,9 +42,10 @@ DEFAULT_PROBE_BYTES = 64 * 1024 * 1024
 DEFAULT_STAGE_WINDOW_S = 0.25
 #: rows of the batched decode step the capability probe times for rho (issue 12; a small decode batch)
 DEFAULT_BATCH_ROWS = 4
-#: the batched step's timed window, as a fraction of DEFAULT_STAGE_WINDOW_S (keeps the probe's growth ~15%)
-DEFAULT_BATCH_WINDOW_FRACTION = 0.3
-#: `measure_stage` runs further rounds while a one-row chunk mean's relative standard error is above this
+#: the batched step's timed window, as a fraction of DEFAULT_STAGE_WINDOW_S: chunks as long as the one-row
+#: ones (at 0.3, 15 ms chunks under a 10 ms CFS period read rho anywhere in 0.01-0.12, docs/cost-model.md)
+DEFAULT_BATCH_WINDOW_FRACTION = 1.0
+#: `measure_stage` runs further rounds while a chunk mean's relative standard error is above this
 DEFAULT_STABLE_WITHIN = 0.02
 #: ... up to this many rounds in all (5 base rounds: at most 3x the base window)
 DEFAULT_MAX_ROUNDS = 15
@@ -285,7 +286,7 @@ def measure_stage(model: str | Path | dict, *, dtype: str = "float32", context_t
     and a two-point fit turns that into a per-block time off by tens of percent (measured at 20%
     of a core with a 10 ms CFS period: per-block time 6.2-13.1 ms over three 0.25 s probes,
     docs/cost-model.md "Probing under a quota"). So rounds continue while the relative standard
-    error of either one-row chunk mean is above `stable_within`, up to `max_rounds` rounds (at
+    error of any chunk mean (one-row or batched) is above `stable_within`, up to `max_rounds` rounds (at
     most 3x the window with the defaults): a quiet device stops after the first 5, and the
     medians of paired rounds drop a round a neighbour's burst hit.
 
@@ -293,8 +294,10 @@ def measure_stage(model: str | Path | dict, *, dtype: str = "float32", context_t
     rounds: the prefilled cache is merged B times into mlx-lm's batch caches (`merge`, as
     kafilad/executor/runner.py `run_batch` builds them), and its chunk mean is paired with the
     one-row chunk mean of the same round; `batch_row_cost_of` turns the pairs into rho (median of
-    the ratios). Its window, `batch_window_s` (default 0.3 x `window_s`), adds about 15% to the
-    probe on small models.
+    the ratios). Its window, `batch_window_s`, defaults to `window_s`, so that its chunks are as
+    long as the one-row ones and its chunk means scatter as little (a third of the window made
+    15 ms chunks, which a 10 ms quota period turned into rho anywhere in 0.01-0.12); its scatter
+    counts for the further rounds too.
 
     Window means replaced medians of 7 single steps (scripts/validate_cost_model.py, eight runs on
     a shared 2-vCPU machine, docs/cost-model.md): the median-of-7 fit read a bandwidth-bound
@@ -353,7 +356,7 @@ def measure_stage(model: str | Path | dict, *, dtype: str = "float32", context_t
             windows.append(DEFAULT_BATCH_WINDOW_FRACTION * window_s if batch_window_s is None else batch_window_s)
     try:
         chunks = _interleaved_chunks_s(fns, repeats, windows, stable_within=stable_within, max_rounds=max_rounds,
-                                       watched=n)
+                                       watched=len(fns))
     finally:
         stage.layers = layers
     rho = None
