@@ -12,7 +12,7 @@ from pathlib import Path
 import trio
 
 from kafilad.errors import KafilaError
-from kafilad.planner.plan import STRATEGIES
+from kafilad.planner.plan import DEFAULT_STRATEGY, STRATEGIES
 from kafilad.proto import session_events as sm
 from kafila_ctl.client import ControlClient
 
@@ -393,10 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rendezvous", help="rendezvous URL (default: the daemon's)")
     s.add_argument("--open", action="store_true", help="admit any holder of the code without approval")
     s.add_argument("--admit-timeout", type=float, default=120.0, help="seconds a pending key waits (default 120)")
-    s.add_argument("--strategy", choices=STRATEGIES, default="kafila",
-                   help="division to serve with (as `plan` has): kafila (the exact partition, least bottleneck), "
-                        "load (most tokens/s at --concurrency; members may stand by), uniform or memory "
-                        "(the baselines of DESIGN §5.5; default kafila)")
+    s.add_argument("--strategy", choices=STRATEGIES, default=DEFAULT_STRATEGY,
+                   help="division to serve with (as `plan` has): load (most tokens/s at --concurrency; members "
+                        "may stand by), kafila (the paper's exact partition, least bottleneck, every member "
+                        f"holds blocks), uniform or memory (the baselines of DESIGN §5.5; default {DEFAULT_STRATEGY})")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_host)
 

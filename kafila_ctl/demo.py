@@ -25,6 +25,11 @@ from kafila_ctl.client import ControlClient, DaemonNotRunning
 
 START_TIMEOUT_S = 30.0
 
+#: the division `LoopbackCluster.form` asks for unless told: the paper's, every member holds blocks.
+#: Equal daemons on one machine would otherwise be served by the host alone (the default strategy,
+#: "load", lets members stand by when that is faster), and a loopback cluster exists to run a ring.
+RING_STRATEGY = "kafila"
+
 
 #: prompts of the concurrent load `LoopbackCluster.aggregate_tps` sends (different prompts, short)
 LOAD_PROMPTS = ("Once upon a time", "The caravan left at dawn", "Kafila serves a model", "A ring of machines",
@@ -134,12 +139,14 @@ class LoopbackCluster:
         return trio.run(lambda: self.client(i).call(op, **args))
 
     def form(self, model_dir: str, *, members: Optional[int] = None, context: int = 512, concurrency: int = 1,
-             timeout_s: float = 120.0, rendezvous: Optional[str] = None, strategy: Optional[str] = None) -> dict:
+             timeout_s: float = 120.0, rendezvous: Optional[str] = None,
+             strategy: Optional[str] = RING_STRATEGY) -> dict:
         """Host on daemon 0 (open session), join with the others, wait until ready; return timings.
 
         Args:
             rendezvous: URL for host and joins instead of the daemons' default (e.g. a test proxy).
-            strategy: the host's division strategy (kafila-ctl host --strategy), None for its default.
+            strategy: the host's division strategy (kafila-ctl host --strategy); default RING_STRATEGY,
+                None for the host's own default (kafilad.planner.DEFAULT_STRATEGY).
         """
         members = members or self.n
         t0 = time.perf_counter()
@@ -243,7 +250,8 @@ def run_demo(*, model: Optional[str], members: int, prompt: str, max_tokens: int
         console.print(members_table(formed["status"]))
         plan = formed["status"].get("plan") or {}
         console.print(f"plan: bottleneck {plan.get('bottleneck_s', 0) * 1e3:.3f} ms, "
-                      f"utilisation {plan.get('utilization', 0):.0%}, tier {plan.get('tier')}")
+                      f"utilisation {plan.get('utilization', 0):.0%}, tier {plan.get('tier')}, strategy "
+                      f"{plan.get('strategy')} (the demo's ring: every member holds blocks)")
         result = cluster.generate(prompt, max_tokens)
         console.print(f"[bold]{escape(printable(prompt))}[/bold]{escape(printable(result['text']))}")
         tps = result.get("decode_tokens_per_s")

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kafilad.errors import AdmissionError, KafilaError, PlanError
-from kafilad.planner import STRATEGIES, Plan, load_fleet, plan
+from kafilad.planner import DEFAULT_STRATEGY, STRATEGIES, Plan, load_fleet, plan
 
 HOLD_DTYPE_BYTES = {"stored": None, "f32": 4, "f16": 2, "bf16": 2}
 DEFAULT_CONTEXT = 4096
@@ -56,7 +56,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"context tokens per request (default: fleet's, else {DEFAULT_CONTEXT} capped at the "
                         f"model's max_position_embeddings, as the host does)")
     p.add_argument("--concurrency", type=_positive_int, default=None, help=f"concurrent requests (default: fleet's, else {DEFAULT_CONCURRENCY})")
-    p.add_argument("--strategy", choices=STRATEGIES, default="kafila", help="division to choose (default kafila)")
+    p.add_argument("--strategy", choices=STRATEGIES, default=DEFAULT_STRATEGY,
+                   help=f"division to choose (default {DEFAULT_STRATEGY}: most tokens/s at --concurrency; "
+                        "kafila: the paper's least bottleneck over every device)")
     p.add_argument("--hold-dtype", choices=tuple(HOLD_DTYPE_BYTES), default="stored",
                    help="dtype members hold float weights in (default: as stored)")
     p.add_argument("--mu", type=float, default=0.05, help="rotation threshold of DESIGN §5.3 (default 0.05)")

@@ -12,6 +12,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from kafilad.planner.plan import DEFAULT_STRATEGY
+
 
 def _ms(x) -> str:
     return "—" if x is None else f"{x * 1000:.2f}"
@@ -23,7 +25,8 @@ def members_table(snap: dict) -> Table:
         t.add_column(col)
     for m in snap.get("members") or []:
         b = m.get("blocks")
-        state = "lost" if m.get("lost") else ("ready" if m.get("ready") else (m.get("progress") or ""))
+        state = "lost" if m.get("lost") else ("ready" if m.get("ready") else
+                                              ("standby" if m.get("standby") else (m.get("progress") or "")))
         t.add_row(m["name"], m["peer_id"], f"[{b[0]}, {b[1]})" if b else "—", "●" if m.get("head") else "",
                   _ms(m.get("predicted_stage_s")), _ms(m.get("measured_stage_s")), m.get("nat_class") or "—", state)
     return t
@@ -72,7 +75,7 @@ def status_renderable(snap: dict):
         if rates and plan.get("tier") != "memory":
             head.append("\npredicted: " + ", ".join(
                 f"{t['tokens_per_s']:.1f} tokens/s for {t['users']} user{'s' if t['users'] > 1 else ''}" for t in rates)
-                + (f" ({plan.get('strategy')})" if plan.get("strategy") not in (None, "kafila") else ""))
+                + f" ({plan.get('strategy') or DEFAULT_STRATEGY})")
         if plan.get("standby"):
             head.append(f"\nstandby (no blocks, ready for healing): {', '.join(plan['standby'])}")
     lg = snap.get("last_generation") or {}

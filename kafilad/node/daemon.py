@@ -18,6 +18,7 @@ from kafilad.control.api import OPS
 from kafilad.control.server import serve_control
 from kafilad.errors import KafilaError, collapse_groups
 from kafilad.modelref import resolve_model_dir
+from kafilad.planner.plan import DEFAULT_STRATEGY
 from kafilad.node.statedir import StateDir
 from kafilad.proto import session as sm
 from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
@@ -34,7 +35,7 @@ def _strategy(args: dict) -> str:
         KafilaError: not a string, or not one of kafilad.planner.STRATEGIES.
     """
     from kafilad.planner import STRATEGIES
-    value = _arg(args, "strategy", str, "kafila")
+    value = _arg(args, "strategy", str, DEFAULT_STRATEGY)
     if value not in STRATEGIES:
         raise KafilaError(f"Unknown strategy {value!r}; choose one of {', '.join(STRATEGIES)}.")
     return value
@@ -197,7 +198,7 @@ class Node:
                                       context=record.get("context"), concurrency=int(record.get("concurrency") or 1),
                                       rendezvous=record["rendezvous"], open_=bool(record.get("open")),
                                       admit_timeout_s=float(record.get("admit_timeout_s") or DEFAULT_ADMIT_TIMEOUT_S),
-                                      strategy=str(record.get("strategy") or "kafila"))
+                                      strategy=str(record.get("strategy") or DEFAULT_STRATEGY))
                 session.session_id = str(record["session_id"])
                 await self.nursery.start(self._run_session, session)
                 self.session = session

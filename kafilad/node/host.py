@@ -27,7 +27,7 @@ from kafilad.node.modelfiles import ModelFiles
 from kafilad.node.rdv_client import CurrentRendezvous
 from kafilad.node.session_driver import SessionDriver, reconnect_delay_s
 from kafilad.node.ring import run_on_mlx_thread
-from kafilad.planner import plan as make_plan
+from kafilad.planner import DEFAULT_STRATEGY, plan as make_plan
 from kafilad.planner.records import Device
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
@@ -49,7 +49,7 @@ class HostSession(HostRequests, SessionDriver):
 
     def __init__(self, node, *, model_dir: str, members: int, context: Optional[int], concurrency: int,
                  rendezvous: str, open_: bool, admit_timeout_s: float, queue_limit: Optional[int] = None,
-                 strategy: str = "kafila"):
+                 strategy: str = DEFAULT_STRATEGY):
         super().__init__(node)
         self.strategy = strategy  # the planner's division (DESIGN §5.3, §5.5; `host --strategy`)
         self.model_dir = str(Path(model_dir).resolve())
@@ -516,6 +516,7 @@ class HostSession(HostRequests, SessionDriver):
                             "predicted_stage_s": plan.stage_s.get(r.name) if plan else None,
                             "measured_stage_s": self.measured_stage_s.get(r.name),
                             "ready": r.ready and r.lost is None, "lost": r.lost,
+                            "standby": bool(plan and r.name in plan.standby),
                             "control": None if r.is_host else ("down" if r.control_down or r.lost else "up"),
                             "progress": "loading" if self.state == "loading" and not r.ready else None,
                             "capability": r.capability,

@@ -74,6 +74,10 @@ class MemberSession(SessionDriver):
         elif isinstance(a, sm.StartLoad):
             await self._drop_stage()
             self.nursery.start_soon(self._run_stage, a.plan)
+        elif isinstance(a, sm.StandBy):  # no blocks in this plan (strategy "load"): hold no stage
+            await self._drop_stage()
+            self.ring, self.ring_order = None, []
+            log.info("plan %s leaves this device on standby (no blocks; ready for a replan)", a.epoch)
         elif isinstance(a, sm.FailRequests):
             if self.ring is not None:
                 self.ring.fail_all(a.reason, member=self.host_name if a.member == "host" else (a.member or "?"))

@@ -2,6 +2,7 @@
 
 Public API:
     plan(devices, model, *, context=4096, concurrency=1, strategy="kafila", mu=0.05) -> Plan
+    DEFAULT_STRATEGY = "load" (what host and `kafila-ctl plan` choose); STRATEGIES
     Plan, Device, ModelProfile                         records
     predict_path(a_class, b_class) -> "direct" | "relayed"   DESIGN §3 step 4
     order_ring(devices) -> list[Device]                DESIGN §5.2, anchor first
@@ -15,13 +16,13 @@ from kafilad.planner.baselines import memory_counts, uniform_counts
 from kafilad.planner.costmodel import ChainCost, select_tier
 from kafilad.planner.fleet import Fleet, FleetFormatError, fleet_to_json, load_fleet
 from kafilad.planner.partition import choose_rotation, solve_chain
-from kafilad.planner.plan import STRATEGIES, admit, build_plan, plan
+from kafilad.planner.plan import DEFAULT_STRATEGY, STRATEGIES, admit, build_plan, plan
 from kafilad.planner.precision import DTYPE_BYTES, backend_dtypes, stage_dtype
 from kafilad.planner.records import Device, ModelProfile, Plan
 from kafilad.planner.ring import order_ring, predict_path
 
 __all__ = [
-    "ChainCost", "DTYPE_BYTES", "Device", "Fleet", "FleetFormatError", "ModelProfile", "Plan", "STRATEGIES",
+    "ChainCost", "DEFAULT_STRATEGY", "DTYPE_BYTES", "Device", "Fleet", "FleetFormatError", "ModelProfile", "Plan", "STRATEGIES",
     "admit", "backend_dtypes", "build_plan", "choose_rotation", "fleet_to_json", "load_fleet", "memory_counts",
     "order_ring", "plan", "predict_path", "select_tier", "solve_chain", "stage_dtype", "uniform_counts",
 ]

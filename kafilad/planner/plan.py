@@ -37,6 +37,9 @@ from kafilad.planner.precision import Profiles
 from kafilad.planner.records import Device, Plan
 
 STRATEGIES = ("kafila", "load", "uniform", "memory")
+#: the division `host` and `plan` choose unless told: the most tokens/s at the declared concurrency
+#: (issue 12 item 2; "kafila" is the paper's least-bottleneck objective, DESIGN §5.3)
+DEFAULT_STRATEGY = "load"
 DEFAULT_MU = 0.05
 
 
@@ -231,8 +234,9 @@ def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
             in the dtype it holds its stage in (kafilad.planner.precision).
         context: tokens of context per request the KV cache must hold.
         concurrency: concurrent requests the KV cache must hold.
-        strategy: "kafila" (exact partition + rotation rule), "load" (most tokens/s at
-            `concurrency` users, members may stand by), "uniform" or "memory" (§5.5).
+        strategy: "kafila" (the paper's exact partition + rotation rule; this function's default),
+            "load" (most tokens/s at `concurrency` users, members may stand by; DEFAULT_STRATEGY,
+            what `host` and `kafila-ctl plan` choose unless told), "uniform" or "memory" (§5.5).
         mu: relative bottleneck gain a rotation needs to move the head off the anchor.
     Returns:
         the Plan; `order` is the ring from the head.

@@ -194,6 +194,13 @@ class Ready(ControlFrame):
     epoch: Optional[int] = _field(int, optional=True)
 
 
+@_frame("standby")
+class Standby(ControlFrame):
+    """host -> member: plan `epoch` leaves this member without blocks (strategy "load"); it drops any
+    stage of an earlier plan and waits, ready for a later plan (proto_spec 05 §2, §2.3)."""
+    epoch: int = _field(int, minimum=0)
+
+
 @_frame("failed")
 class Failed(ControlFrame):
     reason: str = _field(str)

@@ -41,7 +41,7 @@ from kafilad.proto.session_events import (  # noqa: F401 - re-exported: the mach
     Planned, PlanFailed, OwnStageLoaded, MemberLost, RingFailed, RendezvousLost,
     JoinFailed, Abort, Close, CapabilitySent, StageLoaded, LoadFailed,
     HostLinkLost, SessionEnded, Send, CloseLink, Remember, MakePlan,
-    DistributePlan, StartLoad, FailRequests, Trace, Formed, EdgesChanged,
+    DistributePlan, StartLoad, StandBy, FailRequests, Trace, Formed, EdgesChanged,
     Refused, JoinAccepted, MemberEntry, PendingEntry, HostState, MemberState, RendezvousBack, ForgetSession,
 )
 
@@ -90,6 +90,7 @@ __all__ = [
     "Send",
     "SessionEnded",
     "StageLoaded",
+    "StandBy",
     "StartLoad",
     "Trace",
     "_Machine",
@@ -125,14 +126,14 @@ HOST_TABLE: dict = {
                      MemberLost={H.RECOVERING}, Leaving={H.RECOVERING}, Failed={H.RECOVERING},
                      RendezvousLost={H.PLANNING, H.RECOVERING}),
     H.LOADING: _row(H.LOADING, Ready={H.LOADING, H.READY, H.RECOVERING}, OwnStageLoaded={H.LOADING, H.READY, H.RECOVERING},
-                    Edges={H.LOADING}, Capability={H.LOADING}, Failed={H.RECOVERING, H.FAILED},
-                    Leaving={H.RECOVERING}, MemberLost={H.RECOVERING}, RingBroken={H.LOADING, H.RECOVERING, H.FAILED},
+                    Edges={H.LOADING}, Capability={H.LOADING}, Failed={H.LOADING, H.RECOVERING, H.FAILED},
+                    Leaving={H.LOADING, H.RECOVERING}, MemberLost={H.LOADING, H.RECOVERING}, RingBroken={H.LOADING, H.RECOVERING, H.FAILED},
                     RingFailed={H.LOADING, H.RECOVERING, H.FAILED}, RendezvousLost={H.LOADING, H.RECOVERING}),
-    H.READY: _row(H.READY, Edges={H.READY}, Capability={H.RECOVERING}, Failed={H.RECOVERING, H.FAILED},
-                  Leaving={H.RECOVERING}, MemberLost={H.READY, H.RECOVERING},
+    H.READY: _row(H.READY, Edges={H.READY}, Capability={H.RECOVERING}, Failed={H.READY, H.RECOVERING, H.FAILED},
+                  Leaving={H.READY, H.RECOVERING}, MemberLost={H.READY, H.RECOVERING},
                   RingBroken={H.READY, H.RECOVERING, H.FAILED}, RingFailed={H.READY, H.RECOVERING, H.FAILED},
                   RendezvousLost={H.READY, H.RECOVERING}),
-    H.RECOVERING: _row(H.RECOVERING, Planned={H.LOADING, H.RECOVERING}, PlanFailed={H.DEGRADED},
+    H.RECOVERING: _row(H.RECOVERING, Planned={H.LOADING, H.RECOVERING, H.READY}, PlanFailed={H.DEGRADED},
                        Capability={H.RECOVERING}, Ready={H.RECOVERING}, OwnStageLoaded={H.RECOVERING},
                        Edges={H.RECOVERING}, Failed={H.RECOVERING}, Leaving={H.RECOVERING},
                        MemberLost={H.RECOVERING}, RingBroken={H.RECOVERING}, RingFailed={H.RECOVERING},
@@ -182,6 +183,9 @@ class HostMachine(_Machine):
         self.reforms = 0
         #: the latest MakePlan's sequence number
         self.plan_seq = 0
+        #: the epoch whose ring still serves while the planner runs for a member that (re)joined;
+        #: a plan equal to it is kept without reloading (None: the ring is not known intact)
+        self.intact_epoch: Optional[int] = None
         #: keys admitted in this session (`--open` ones included): they may rejoin it, not later sessions
         self.session_keys: dict[str, bytes] = {}
 
@@ -297,15 +301,19 @@ class HostMachine(_Machine):
         self.changed = True
         if self.state in (HostState.READY, HostState.DEGRADED):  # a member (re)joined: plan it in
             return [Trace("member_returned" if peer_id in self.lost else "member_joined", {"name": entry.name})] + \
-                self._replan(row)
+                self._replan(row, intact=self.state == HostState.READY)
         return []  # planning, loading or recovering: planned in once the session is ready (_maybe_ready)
 
     def _make_plan(self, entries) -> MakePlan:
         self.plan_seq += 1
         return MakePlan(tuple(entries), self.plan_seq)
 
-    def _replan(self, row) -> list:
-        """Plan again over every live, measured member (RECOVERING; MakePlan)."""
+    def _replan(self, row, *, intact: bool = False) -> list:
+        """Plan again over every live, measured member (RECOVERING; MakePlan).
+
+        `intact`: the current ring still serves (a member joined or returned while ready), so a plan
+        that divides the model as the current one does is kept without reloading (_on_Planned)."""
+        self.intact_epoch = self.epoch if intact else None
         self._enter(HostState.RECOVERING, row)
         return [self._make_plan(e for e in self.live() if e.capability)]
 
@@ -322,6 +330,14 @@ class HostMachine(_Machine):
         if any(n not in names for n in ev.order):  # a member was lost while the planner ran
             return self._replan(row)
         old = self.planned
+        if (old is not None and self.intact_epoch == self.epoch and tuple(ev.order) == tuple(old.order)
+                and ev.head == old.head and dict(ev.blocks) == dict(old.blocks)):
+            # the same division as the ring that still serves: keep it (only standbys changed)
+            self.planned, self.intact_epoch = ev, None
+            self._enter(HostState.READY, row)
+            return [Trace("plan_kept", {"plan": ev.plan, "epoch": self.epoch, "standby": list(ev.standby)})] + \
+                self._tell_standbys(ev, names)
+        self.intact_epoch = None
         self.planned = ev
         self.epoch += 1
         self.ring_order = [names[n] for n in ev.order]
@@ -333,7 +349,12 @@ class HostMachine(_Machine):
         if old is not None:
             fields["old_plan"] = old.plan
         return [Trace("plan" if old is None else "replanned", fields),
-                DistributePlan(ev, epoch=self.epoch, replan=old is not None)]
+                DistributePlan(ev, epoch=self.epoch, replan=old is not None)] + self._tell_standbys(ev, names)
+
+    def _tell_standbys(self, ev: Planned, names: dict) -> list:
+        """A `standby` frame of this epoch to each remote member the plan leaves without blocks."""
+        return [Send(names[n], cf.Standby(epoch=self.epoch)) for n in ev.standby
+                if n in names and not self.members[names[n]].is_host]
 
     def _on_PlanFailed(self, ev: PlanFailed, row) -> list:
         if self.state == HostState.PLANNING:
@@ -403,7 +424,10 @@ class HostMachine(_Machine):
         return self._lose(ev.peer_id, ev.reason, row)
 
     def _lose(self, peer_id: str, reason: str, row) -> list:
-        """A member is gone: requests in flight fail naming it, and the host replans over the survivors."""
+        """A member is gone: requests in flight fail naming it, and the host replans over the survivors.
+
+        A standby (a member the plan left without blocks, strategy "load") holds no part of the
+        ring: while the ring loads or serves, its loss is recorded and nothing else changes."""
         e = self.members.get(peer_id)
         if e is None or e.lost is not None or e.is_host:
             return []
@@ -413,6 +437,10 @@ class HostMachine(_Machine):
         if self.state == HostState.FORMING:
             return [CloseLink(peer_id, "")]  # so the same device can join again
         self.lost[peer_id] = e
+        if (self.state in (HostState.LOADING, HostState.READY) and self.planned is not None
+                and e.name in self.planned.standby and peer_id not in self.ring_order):
+            return [Trace("member_lost", {"name": e.name, "peer_id": peer_id, "reason": reason, "standby": True}),
+                    CloseLink(peer_id, "")]
         msg = f"member {e.name} ({peer_id}) left the session: {reason}"
         self.culprit = e.name
         out = [FailRequests(msg, e.name), Trace("member_lost", {"name": e.name, "peer_id": peer_id, "reason": reason}),
@@ -424,6 +452,10 @@ class HostMachine(_Machine):
 
     def _ring_broke(self, member: Optional[str], reason: str, epoch: Optional[int], row) -> list:
         """The ring of the current plan broke: fail its requests, then re-form it (up to MAX_REFORMS times)."""
+        if self.state == HostState.RECOVERING and self.intact_epoch is not None and epoch in (None, self.epoch):
+            # the ring the planner may keep broke meanwhile: its plan is sent again whatever it is
+            self.intact_epoch = None
+            return [FailRequests(reason, member), Trace("ring_broken", {"reason": reason, "member": member})]
         if self.state not in (HostState.LOADING, HostState.READY) or (epoch is not None and epoch != self.epoch):
             return []  # recovering already, or a ring of an earlier plan
         out = []

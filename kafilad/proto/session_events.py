@@ -36,6 +36,8 @@ class MemberState(str, enum.Enum):
     MEASURED = "measured"
     LOADING = "loading"
     READY = "ready"
+    #: the plan left this member without blocks (strategy "load"): no stage, waiting for a replan
+    STANDBY = "standby"
     FAILED = "failed"
     CLOSED = "closed"
 
@@ -239,6 +241,12 @@ class DistributePlan:
 class StartLoad:
     """Member: fetch, verify and build the stage of this plan frame."""
     plan: object
+
+
+@attrs.frozen
+class StandBy:
+    """Member: drop the stage of any earlier plan (its ring links, its requests) and hold none."""
+    epoch: int
 
 
 @attrs.frozen

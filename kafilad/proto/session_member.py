@@ -10,7 +10,8 @@ from typing import Optional
 from kafilad.proto import control as cf
 from kafilad.proto.session_events import (
     Abort, CapabilitySent, Close, CloseLink, FailRequests, ForgetSession, HostLinkLost, JoinAccepted, JoinFailed,
-    LoadFailed, MemberState, Refused, RendezvousLost, RingFailed, Send, SessionEnded, StageLoaded, StartLoad, Trace,
+    LoadFailed, MemberState, Refused, RendezvousLost, RingFailed, Send, SessionEnded, StageLoaded, StandBy, StartLoad,
+    Trace,
 )
 from kafilad.proto.session_machine import _Machine
 
@@ -24,11 +25,14 @@ MEMBER_TABLE: dict = {
     M.PENDING: {cf.Pending: {M.PENDING}, cf.Admitted: {M.ADMITTED}, cf.Denied: {M.FAILED}, JoinFailed: {M.FAILED},
                 **_MEMBER_FAILURES},
     M.ADMITTED: {CapabilitySent: {M.MEASURED}, **_MEMBER_FAILURES},
-    M.MEASURED: {cf.PlanFrame: {M.LOADING}, **_MEMBER_FAILURES},
+    M.MEASURED: {cf.PlanFrame: {M.LOADING}, cf.Standby: {M.STANDBY}, **_MEMBER_FAILURES},
     M.LOADING: {StageLoaded: {M.LOADING, M.READY}, LoadFailed: {M.FAILED}, RingFailed: {M.LOADING, M.FAILED},
-                cf.PlanFrame: {M.LOADING}, **_MEMBER_FAILURES},
+                cf.PlanFrame: {M.LOADING}, cf.Standby: {M.STANDBY}, **_MEMBER_FAILURES},
     M.READY: {**_MEMBER_FAILURES, RendezvousLost: {M.READY, M.FAILED}, HostLinkLost: {M.READY, M.FAILED},
-              RingFailed: {M.READY, M.FAILED}, cf.PlanFrame: {M.LOADING}},
+              RingFailed: {M.READY, M.FAILED}, cf.PlanFrame: {M.LOADING}, cf.Standby: {M.STANDBY}},
+    # the events of a stage dropped on the way in (its load or ring tasks ending late) are stale here
+    M.STANDBY: {cf.PlanFrame: {M.LOADING}, cf.Standby: {M.STANDBY}, StageLoaded: {M.STANDBY},
+                LoadFailed: {M.STANDBY}, RingFailed: {M.STANDBY}, **_MEMBER_FAILURES},
     M.FAILED: {Close: {M.CLOSED}},
     M.CLOSED: {},
 }
@@ -48,6 +52,8 @@ class MemberMachine(_Machine):
         self.ring_broken: Optional[RingFailed] = None
         #: the rendezvous is gone but both ring edges are direct: the stage serves on (DESIGN §2)
         self.keeps_serving = False
+        #: the epoch of the plan that left this member on standby (None: not on standby)
+        self.standby_epoch: Optional[int] = None
 
     def handle(self, event) -> list:
         """Apply one event (a typed host frame, or a local event); return the actions.
@@ -92,8 +98,18 @@ class MemberMachine(_Machine):
         """A plan; in loading or ready, a replan: the driver replaces the stage (cached tensors are re-used)."""
         self.plan = ev
         self.ring_broken = None
+        self.standby_epoch = None
         self._enter(MemberState.LOADING, row)
         return [StartLoad(ev)]
+
+    def _on_standby(self, ev: cf.Standby, row) -> list:
+        """The plan of `ev.epoch` leaves this member without blocks: drop any stage, hold none."""
+        self.plan = None
+        self.ring_broken = None
+        self.standby_epoch = ev.epoch
+        self.changed = True
+        self._enter(MemberState.STANDBY, row)
+        return [StandBy(ev.epoch)]
 
     def _on_StageLoaded(self, ev: StageLoaded, row) -> list:
         if self.plan is None or ev.epoch != (self.plan.epoch or 0):
@@ -103,9 +119,13 @@ class MemberMachine(_Machine):
                                                                              "load_s", "edges") if k in ev.load}))]
 
     def _on_LoadFailed(self, ev: LoadFailed, row) -> list:
+        if self.state == MemberState.STANDBY:
+            return []  # the load of a plan the host has replaced with standing by
         return self._fail(ev.reason, None, row) + [Send("", cf.Failed(ev.reason))]
 
     def _on_RingFailed(self, ev: RingFailed, row) -> list:
+        if self.state == MemberState.STANDBY:
+            return []  # the ring of a dropped stage
         epoch = self.plan.epoch if self.plan is not None else None
         if ev.epoch is not None and epoch is not None and ev.epoch != epoch:
             return []  # the ring of an earlier plan

@@ -61,7 +61,7 @@ def formed(tmp_path_factory, model, capability, *, concurrency=1, queue=None) ->
     c.__enter__()
     try:
         code = c.call(0, "host", model_dir=str(model), members=3, context=CONTEXT, concurrency=concurrency,
-                      open=True, queue=queue)["code"]
+                      open=True, queue=queue, strategy="kafila")["code"]  # a 3-stage ring
         for i in (1, 2):
             c.call(i, "join", code=code)
         c.status = c.call(0, "wait", states=["ready"], timeout_s=120)

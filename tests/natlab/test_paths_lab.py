@@ -41,7 +41,7 @@ class LabCluster(LoopbackCluster):
     def form_in_order(self, model_dir: str, *, context: int = 512, timeout_s: float = 180.0) -> dict:
         """Host on m1, then join m2, m3, ... one after another (join order matters to the test)."""
         code = self.call(0, "host", model_dir=str(Path(model_dir).resolve()), members=self.n, context=context,
-                         concurrency=1, open=True)["code"]
+                         concurrency=1, open=True, strategy="kafila")["code"]  # every member in the ring
         for i in range(1, self.n):
             self.call(i, "join", code=code)
         return self.call(0, "wait", states=["ready"], timeout_s=timeout_s)

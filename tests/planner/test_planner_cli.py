@@ -64,7 +64,8 @@ def test_sharded_layout_profiles_identically(qwen_dir):
 
 
 def test_json_plan_on_the_home_lab(qwen_dir, capsys):
-    rc, out = run_cli(["--fleet", str(FLEETS / "home-lab.json"), "--model", str(qwen_dir / "qwen3-14b"), "--json"], capsys)
+    rc, out = run_cli(["--fleet", str(FLEETS / "home-lab.json"), "--model", str(qwen_dir / "qwen3-14b"), "--json",
+                       "--strategy", "kafila"], capsys)
     assert rc == 0
     j = json.loads(out)
     assert j["order"] == ["studio", "ddr4-box", "air-m1"] and j["head"] == "studio" and j["tier"] == "cost-model"
@@ -161,7 +162,8 @@ def test_script_runs_as_a_subprocess(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "qwen3-8b-sharded" / "model.safetensors.index.json").exists()
     r = subprocess.run([sys.executable, str(REPO / "kafila_ctl" / "plan_cmd.py"), "plan", "--fleet",
-                        str(FLEETS / "apple-family.json"), "--model", str(tmp_path / "qwen3-8b-sharded"), "--json"],
+                        str(FLEETS / "apple-family.json"), "--model", str(tmp_path / "qwen3-8b-sharded"), "--json",
+                        "--strategy", "kafila"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["head"] == "mini-m4pro"
@@ -180,15 +182,15 @@ def test_load_strategy_shows_rates_for_one_and_k_users_and_why(qwen_dir, capsys)
     assert one["throughput"][0]["tokens_per_s"] == pytest.approx(1 / one["circuit_s"])
     assert one["baselines"]["kafila"]["throughput"][0]["tokens_per_s"] == pytest.approx(
         1 / one["baselines"]["kafila"]["circuit_s"])
-    rc, out = run_cli(args + ["--concurrency", "4"], capsys)
+    rc, out = run_cli(args + ["--concurrency", "4", "--strategy", "kafila"], capsys)
     text = " ".join(out.split())
     assert rc == 0
     assert "1 user: 11.7 tokens/s: each token goes round the circuit, stages 85.7 + hops 0.0 ms." in text
     assert "4 users: 32.4 tokens/s: 4 micro-batch(es) of 1 row(s) in flight" in text
-    rc, out = run_cli(args, capsys)
+    rc, out = run_cli(args + ["--strategy", "kafila"], capsys)
     text = " ".join(out.split())
     assert "Strategy load would serve 1 user(s) at 28.6 tokens/s (head studio, standby ddr4-box, air-m1)." in text
-    rc, out = run_cli(args + ["--strategy", "load"], capsys)
+    rc, out = run_cli(args, capsys)  # load is the default strategy
     text = " ".join(out.split())
     assert "Standby (no blocks, ready for healing): ddr4-box, air-m1: 28.6 tokens/s for 1 user(s)" in text
     assert "standby" in out.split("per device")[1]
@@ -213,10 +215,10 @@ def test_host_takes_a_strategy():
     from kafilad.node.daemon import _strategy
     a = build_parser().parse_args(["host", "--model", "m", "--members", "3", "--strategy", "uniform"])
     assert a.strategy == "uniform"
-    assert build_parser().parse_args(["host", "--model", "m", "--members", "3"]).strategy == "kafila"
+    assert build_parser().parse_args(["host", "--model", "m", "--members", "3"]).strategy == "load"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["host", "--model", "m", "--members", "3", "--strategy", "best"])
-    assert _strategy({"strategy": "memory"}) == "memory" and _strategy({}) == "kafila"
+    assert _strategy({"strategy": "memory"}) == "memory" and _strategy({}) == "load"
     with pytest.raises(KafilaError, match="Unknown strategy 'best'; choose one of kafila, load, uniform, memory."):
         _strategy({"strategy": "best"})
     with pytest.raises(KafilaError, match="must be str"):

@@ -141,7 +141,7 @@ def run_plan_json(fleet: dict, model: Path, tmp_path: Path, capsys) -> dict:
     p = argparse.ArgumentParser(prog="kafila-ctl")
     plan_cmd.add_parser(p.add_subparsers(required=True))
     a = p.parse_args(["plan", "--fleet", str(f), "--model", str(model), "--json", "--context", "1024",
-                      "--concurrency", "8"])
+                      "--concurrency", "8", "--strategy", "kafila"])
     assert a.func(a) == 0
     return json.loads(capsys.readouterr().out)
 

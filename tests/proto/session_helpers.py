@@ -46,12 +46,14 @@ def ready_frame(epoch=1) -> cf.Ready:
                     epoch=epoch)
 
 
-def planned(order: tuple, head: str, seq=None) -> sm.Planned:
+def planned(order: tuple, head: str, seq=None, standby: tuple = ()) -> sm.Planned:
     """A Planned event over member names ``order`` (ring order, head first): two blocks each.
-    ``seq``: the MakePlan it answers (host.py passes it; None: the latest)."""
+    ``seq``: the MakePlan it answers (host.py passes it; None: the latest); ``standby``: names the
+    plan leaves without blocks (strategy "load")."""
     blocks = {name: (2 * i, 2 * i + 2) for i, name in enumerate(order)}
-    return sm.Planned(plan={"blocks": {n: list(b) for n, b in blocks.items()}, "head": head},
-                      blocks=blocks, head=head, order=tuple(order), seq=seq)
+    return sm.Planned(plan={"blocks": {n: list(b) for n, b in blocks.items()}, "head": head,
+                            "standby": list(standby)},
+                      blocks=blocks, head=head, order=tuple(order), seq=seq, standby=tuple(standby))
 
 
 def plan_frame(start: int = 2, end: int = 4, head: bool = False, epoch=1) -> cf.PlanFrame:
@@ -70,7 +72,7 @@ def new_host(*, expected: int = 3, open_: bool = False, host_name: str = HOST_NA
 
 
 def walk_host(to: sm.HostState, *, expected: int = 3, members=(A, B), pending=(), head: str = HOST_NAME,
-              ring=None, control_down=()) -> sm.HostMachine:
+              ring=None, control_down=(), standby=()) -> sm.HostMachine:
     """A HostMachine driven through its public events into state ``to`` (the happy path).
 
     ``recovering``: ready, then the host's own ring stage broke naming beta (every member still
@@ -81,6 +83,7 @@ def walk_host(to: sm.HostState, *, expected: int = 3, members=(A, B), pending=()
         pending: peer ids that join untrusted right after the first member (so they wait in
             ``pending`` while the session fills).
         head, ring: the plan's head and ring order (names); default: the host heads, then members.
+        standby: names the plan leaves without blocks (give `ring` without them).
         control_down: members whose join the host handled just after the rendezvous went (a race), and
             whose ctl circuit closed while it was down: measured, they stay in the roster with
             ``control_down`` (the rendezvous is back before the walk goes on).
@@ -114,7 +117,7 @@ def walk_host(to: sm.HostState, *, expected: int = 3, members=(A, B), pending=()
     if to == H.PLANNING:
         return h
     names = ring or tuple([HOST_NAME] + [NAMES[p] for p in members])
-    h.handle(planned(names, head, h.plan_seq))
+    h.handle(planned(names, head, h.plan_seq, standby))
     assert h.state == H.LOADING and h.epoch == 1
     if to == H.LOADING:
         return h
@@ -165,6 +168,9 @@ def walk_member(to: sm.MemberState, *, epoch=1) -> sm.MemberMachine:
         return m
     m.handle(sm.CapabilitySent(dict(CAPABILITY)))
     if to == M.MEASURED:
+        return m
+    if to == M.STANDBY:
+        m.handle(cf.Standby(epoch=epoch or 0))
         return m
     m.handle(plan_frame(epoch=epoch))
     if to == M.LOADING:
@@ -327,6 +333,7 @@ def sample_frames() -> dict:
                  epoch=2),
         cf.Failed("out of memory"), cf.Leaving("its daemon is shutting down"),
         cf.Edges([{"from": "a", "to": "b", "path": "direct"}]),
+        cf.Standby(epoch=3),
         cf.RingBroken(reason="beta stopped answering", member="beta", epoch=2),
         cf.Gen(req="r1", prompt="Once", max_tokens=8, temperature=0.7),
         cf.GenEvent(req="r1", event={"t": "token", "token_id": 5, "text": " upon"}),
@@ -419,6 +426,13 @@ def failure(actions, reason: str, culprit, told=()) -> None:
     assert actions[0] == sm.FailRequests(reason, culprit)
     assert traces(actions, "session_failed") == [sm.Trace("session_failed", {"reason": reason})]
     assert sends(actions, cf.SessionFailed) == {p: cf.SessionFailed(reason) for p in told}
+
+
+def standby_lost(out, h, pid: str, name: str, reason: str) -> None:
+    """A standby's loss: recorded, its link closed, nothing failed or replanned (the ring keeps on)."""
+    assert out == [sm.Trace("member_lost", {"name": name, "peer_id": pid, "reason": reason, "standby": True}),
+                   sm.CloseLink(pid, "")]
+    assert h.lost[pid].lost == reason and pid not in h.members and h.error is None
 
 
 def order_of(make_plan) -> list:

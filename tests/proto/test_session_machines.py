@@ -20,7 +20,7 @@ from kafilad.proto.session import HOST_TABLE, MAX_REFORMS, MEMBER_TABLE
 from proto.session_helpers import (
     A, B, C, CAPABILITY, HOST, HOST_FORMATION_STATES, HOST_NAME, HOST_SERVING_STATES, LOAD, PARAMS, SESSION_ID,
     H, Rows, admitted_frame, cap_frame, failure, key, load_all, lost, lost_with_the_rendezvous, order_of, planned,
-    ready_frame, rejoin_after_loss, rejoined, replan, ring_broke, through_an_outage, traces, walk_host,
+    ready_frame, rejoin_after_loss, rejoined, replan, ring_broke, standby_lost, through_an_outage, traces, walk_host,
 )
 
 HOST_ROWS = Rows(HOST_TABLE, HOST_FORMATION_STATES, walk_host)
@@ -199,6 +199,17 @@ def planned_distributes_epoch_1(h, fire):
     assert out == [sm.Trace("plan", {"plan": ev.plan, "epoch": 1}), sm.DistributePlan(ev, epoch=1, replan=False)]
     assert h.ring_order == [B, HOST, A] and h.head().peer_id == B and h.planned == ev and h.epoch == 1
     assert not any(e.ready for e in h.members.values())
+
+
+@host_case(H.PLANNING, sm.Planned, H.LOADING)
+def a_member_without_blocks_is_told_to_stand_by(h, fire):
+    ev = planned((HOST_NAME, "alpha"), head=HOST_NAME, seq=h.plan_seq, standby=("beta",))
+    out = fire(ev)
+    assert out == [sm.Trace("plan", {"plan": ev.plan, "epoch": 1}), sm.DistributePlan(ev, epoch=1, replan=False),
+                   sm.Send(B, cf.Standby(epoch=1))]
+    assert h.ring_order == [HOST, A] and B in h.members
+    load_all(h)
+    assert h.state == H.READY  # the ring is ready without the standby
 
 
 @host_case(H.PLANNING, sm.PlanFailed, H.FAILED)
@@ -396,6 +407,23 @@ def ring_breaks_once_too_often_while_re_forming(h, fire):
 @host_case(H.LOADING, sm.MemberLost, H.RECOVERING)
 def member_lost_while_loading(h, fire):
     lost(fire(sm.MemberLost(B, "it left the rendezvous")), h, B, "beta", "it left the rendezvous", [HOST, A])
+
+
+@host_case(H.LOADING, sm.MemberLost, H.LOADING, ring=(HOST_NAME, "alpha"), standby=("beta",))
+def standby_lost_while_loading(h, fire):
+    standby_lost(fire(sm.MemberLost(B, "timed out")), h, B, "beta", "timed out")
+    load_all(h)
+    assert h.state == H.READY and h.ring_order == [HOST, A]
+
+
+@host_case(H.LOADING, cf.Leaving, H.LOADING, ring=(HOST_NAME, "alpha"), standby=("beta",))
+def standby_leaving_while_loading(h, fire):
+    standby_lost(fire(sm.FrameFrom(B, cf.Leaving("bye"))), h, B, "beta", "it is leaving: bye")
+
+
+@host_case(H.LOADING, cf.Failed, H.LOADING, ring=(HOST_NAME, "alpha"), standby=("beta",))
+def standby_failed_while_loading(h, fire):
+    standby_lost(fire(sm.FrameFrom(B, cf.Failed("oom"))), h, B, "beta", "it failed to load its stage: oom")
 
 
 @host_case(H.LOADING, sm.RingFailed, H.RECOVERING)

@@ -22,7 +22,7 @@ member_case = MEMBER_ROWS.case
 
 # ---- member -------------------------------------------------------------------------------------
 BEFORE_ADMISSION = (M.JOINING, M.PENDING)
-AFTER_ADMISSION = (M.ADMITTED, M.MEASURED, M.LOADING, M.READY)
+AFTER_ADMISSION = (M.ADMITTED, M.MEASURED, M.LOADING, M.READY, M.STANDBY)
 
 for _s in BEFORE_ADMISSION:
     @member_case(_s, cf.Pending, M.PENDING)
@@ -93,7 +93,7 @@ for _s in AFTER_ADMISSION:
         member_failure(fire(sm.SessionEnded("the session ended: the host left", "beta")),
                        "the session ended: the host left", "beta")
 
-for _s in (M.ADMITTED, M.MEASURED, M.LOADING):
+for _s in (M.ADMITTED, M.MEASURED, M.LOADING, M.STANDBY):
     @member_case(_s, sm.RendezvousLost, M.FAILED)
     def rendezvous_lost(m, fire):
         state = m.state
@@ -201,6 +201,40 @@ def host_closed_the_session_while_serving_without_rendezvous(m, fire):
     m.handle(sm.RendezvousLost("eof", edges_direct=True))
     assert fire(cf.SessionClosed("")) == [sm.FailRequests("the host closed the session", "host"),
                                           sm.ForgetSession(), sm.CloseLink("", "")]  # an empty reason is filled
+
+
+# ---- standby (strategy "load": the plan leaves this member without blocks) -----------------------
+for _s in (M.MEASURED, M.LOADING, M.READY):
+    @member_case(_s, cf.Standby, M.STANDBY)
+    def told_to_stand_by(m, fire):
+        assert fire(cf.Standby(epoch=2)) == [sm.StandBy(2)]
+        assert m.plan is None and m.standby_epoch == 2 and m.ring_broken is None
+
+
+@member_case(M.STANDBY, cf.Standby, M.STANDBY)
+def standby_again_on_a_later_plan(m, fire):
+    assert fire(cf.Standby(epoch=4)) == [sm.StandBy(4)] and m.standby_epoch == 4
+
+
+@member_case(M.STANDBY, cf.PlanFrame, M.LOADING)
+def a_standby_given_blocks_loads(m, fire):
+    f = plan_frame(start=0, end=2, epoch=5)
+    assert fire(f) == [sm.StartLoad(f)] and m.plan == f and m.standby_epoch is None
+
+
+@member_case(M.STANDBY, sm.StageLoaded, M.STANDBY)
+def a_dropped_stage_that_finishes_loading_is_ignored(m, fire):
+    assert fire(sm.StageLoaded(dict(LOAD), 1)) == []
+
+
+@member_case(M.STANDBY, sm.LoadFailed, M.STANDBY)
+def a_dropped_stage_that_fails_to_load_is_ignored(m, fire):
+    assert fire(sm.LoadFailed("cancelled")) == [] and m.error is None
+
+
+@member_case(M.STANDBY, sm.RingFailed, M.STANDBY)
+def the_ring_of_a_dropped_stage_is_ignored(m, fire):
+    assert fire(sm.RingFailed("beta", "link closed", 1)) == [] and m.ring_broken is None
 
 
 @member_case(M.FAILED, sm.Close, M.CLOSED)

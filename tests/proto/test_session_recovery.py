@@ -17,7 +17,7 @@ from kafilad.proto.session import HOST_TABLE
 from proto.session_helpers import (
     A, B, C, HOST, HOST_NAME, HOST_SERVING_STATES, LOAD, PARAMS, SESSION_ID, H, Rows, cap_frame, failure, key,
     load_all, lost, lost_with_the_rendezvous, order_of, planned, ready_frame, rejoin_after_loss, rejoined, replan,
-    ring_broke, through_an_outage, traces, walk_host,
+    ring_broke, standby_lost, through_an_outage, traces, walk_host,
 )
 
 HOST_ROWS = Rows(HOST_TABLE, HOST_SERVING_STATES, walk_host)
@@ -106,6 +106,78 @@ def member_ctl_lost_with_the_rendezvous_keeps_serving(h, fire):
     assert h.state == H.READY
     assert fire(sm.MemberLost(A, "circuit closed")) == []
     assert h.members[A].control_down and h.members[A].lost is None
+
+
+# ---- host: a standby (strategy "load": a member the plan leaves without blocks) ----------------
+STANDBY = dict(ring=(HOST_NAME, "alpha"), standby=("beta",))
+
+
+@host_case(H.READY, sm.MemberLost, H.READY, **STANDBY)
+def standby_lost_while_ready(h, fire):
+    standby_lost(fire(sm.MemberLost(B, "timed out")), h, B, "beta", "timed out")
+    assert h.epoch == 1 and h.ring_order == [HOST, A]
+
+
+@host_case(H.READY, cf.Leaving, H.READY, **STANDBY)
+def standby_leaving_while_ready(h, fire):
+    standby_lost(fire(sm.FrameFrom(B, cf.Leaving("bye"))), h, B, "beta", "it is leaving: bye")
+
+
+@host_case(H.READY, cf.Failed, H.READY, **STANDBY)
+def standby_failed_while_ready(h, fire):
+    standby_lost(fire(sm.FrameFrom(B, cf.Failed("oom"))), h, B, "beta", "it failed to load its stage: oom")
+
+
+def standby_returns(h) -> None:
+    """From recovering after the walk's ring failure: the replan's ring loads (epoch 2), then beta
+    (a standby) is lost and comes back: the host replans with that ring still serving."""
+    h.handle(planned((HOST_NAME, "alpha"), HOST_NAME, h.plan_seq, ("beta",)))
+    load_all(h)
+    assert h.state == H.READY and h.epoch == 2
+    h.handle(sm.MemberLost(B, "timed out"))
+    h.handle(sm.MemberJoined(B, "beta", key(B), True))
+    out = h.handle(sm.FrameFrom(B, cap_frame()))
+    assert out[0] == sm.Trace("member_returned", {"name": "beta"}) and h.state == H.RECOVERING
+    assert h.intact_epoch == h.epoch == 2
+
+
+@host_case(H.READY, cf.Capability, H.RECOVERING, **STANDBY)
+def a_returning_standby_replans_with_the_ring_serving(h, fire):
+    h.handle(sm.MemberLost(B, "timed out"))
+    h.handle(sm.MemberJoined(B, "beta", key(B), True))
+    out = fire(sm.FrameFrom(B, cap_frame()))
+    assert out[0] == sm.Trace("member_returned", {"name": "beta"}) and order_of(out[1]) == [HOST, A, B]
+    assert h.intact_epoch == h.epoch == 1
+
+
+@host_case(H.RECOVERING, sm.Planned, H.READY, **STANDBY)
+def the_same_division_is_kept_without_reloading(h, fire):
+    standby_returns(h)
+    kept = planned((HOST_NAME, "alpha"), HOST_NAME, h.plan_seq, ("beta",))
+    assert fire(kept) == [sm.Trace("plan_kept", {"plan": kept.plan, "epoch": 2, "standby": ["beta"]}),
+                          sm.Send(B, cf.Standby(epoch=2))]  # beta (back, measured) learns it stands by
+    assert h.epoch == 2 and h.planned is kept and h.intact_epoch is None
+    assert all(h.members[p].ready for p in h.ring_order)  # no stage was asked to reload
+
+
+@host_case(H.RECOVERING, sm.Planned, H.LOADING, **STANDBY)
+def a_returning_standby_given_blocks_reloads_the_ring(h, fire):
+    standby_returns(h)
+    ev = planned((HOST_NAME, "alpha", "beta"), HOST_NAME, h.plan_seq)
+    out = fire(ev)
+    assert out[1] == sm.DistributePlan(ev, epoch=3, replan=True) and h.ring_order == [HOST, A, B]
+    assert h.intact_epoch is None
+
+
+@host_case(H.RECOVERING, sm.RingFailed, H.RECOVERING, **STANDBY)
+def a_ring_that_breaks_while_a_standby_returns_is_not_kept(h, fire):
+    standby_returns(h)
+    out = fire(sm.RingFailed("alpha", "alpha stopped answering", 2))
+    assert out == [sm.FailRequests("alpha stopped answering", "alpha"),
+                   sm.Trace("ring_broken", {"reason": "alpha stopped answering", "member": "alpha"})]
+    assert h.intact_epoch is None
+    same = planned((HOST_NAME, "alpha"), HOST_NAME, h.plan_seq, ("beta",))
+    assert fire.again(same)[1] == sm.DistributePlan(same, epoch=3, replan=True) and h.state == H.LOADING
 
 
 @host_case(H.READY, sm.RingFailed, H.RECOVERING)
