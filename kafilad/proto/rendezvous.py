@@ -1,12 +1,7 @@
-"""Rendezvous wire format and the server's sans-IO state machine (proto_spec/03-rendezvous.md).
+"""The rendezvous server's sans-IO state machine (proto_spec/03-rendezvous.md).
 
-Every WebSocket message is binary; byte 0 is the kind (proto_spec §1)::
-
-    +------+---------------------------------------------+
-    | 0x00 | msgpack map, key "t" = type   (control, §2) |
-    +------+---------------------------------------------+
-    | 0x01 | circuit id u64 BE | opaque payload  (§3)    |
-    +------+---------------------------------------------+
+The wire format (message kinds, control maps, relay data, relay records) is
+kafilad/proto/rendezvous_wire.py; its names are re-exported here.
 
 `RendezvousState` is the whole server logic (sessions, members, circuits, limits) with no I/O:
 the driver feeds it `receive_message(conn, data, now)` and executes the actions it drains from
@@ -22,104 +17,19 @@ from __future__ import annotations
 
 import base64
 import os
-import struct
 from typing import Any, Callable, Sequence
 
 import attrs
 import msgpack
 
-from kafilad.errors import LocalProtocolError, RemoteProtocolError
+from kafilad.errors import RemoteProtocolError
 from kafilad.proto.noise import MAX_MESSAGE_BYTES as NOISE_MAX_MESSAGE_BYTES
 from kafilad.proto.rendezvous_proof import NONCE_BYTES, Challenge, check_proof, public_key
-
-KIND_CONTROL = 0x00
-KIND_RELAY = 0x01
-RELAY_HEADER = struct.Struct(">BQ")  # kind, circuit id (proto_spec §3)
-RECORD_HEADER = struct.Struct(">QI")  # circuit id, payload length (proto_spec §7)
-SIGNAL_RECORD_CIRCUIT = 0
-
-CLOSE_POLICY_VIOLATION = 1008  # RFC 6455 §7.4.1
-CLOSE_MESSAGE_TOO_BIG = 1009
-CLOSE_SUPERSEDED = 4001  # RFC 6455 §7.4.2 private range: a newer proven connection replaced this one
-
-
-@attrs.frozen
-class ControlMessage:
-    """A decoded control message (proto_spec §2): `type` is the "t" key, `fields` the whole map."""
-
-    type: str
-    fields: dict
-
-
-@attrs.frozen
-class RelayData:
-    """Relay data (proto_spec §3): `circuit_id` uint64, `payload` opaque bytes."""
-
-    circuit_id: int
-    payload: bytes
-
-
-def encode_control(msg: dict) -> bytes:
-    """Encode a control message (proto_spec §2) as one binary WebSocket message.
-
-    Args:
-        msg: a map with a str "t" key and msgpack-serialisable values.
-    Raises:
-        LocalProtocolError: "t" is missing or not a string, or a value cannot be encoded.
-    """
-    if not isinstance(msg.get("t"), str):
-        raise LocalProtocolError(f"A rendezvous control message needs a string 't' key; got {msg!r}.")
-    try:
-        return bytes([KIND_CONTROL]) + msgpack.packb(msg, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise LocalProtocolError(f"Cannot encode rendezvous message {msg.get('t')!r}: {exc}.") from exc
-
-
-def encode_relay(circuit_id: int, payload: bytes) -> bytes:
-    """Encode relay data (proto_spec §3): 0x01, circuit id u64 BE, payload.
-
-    Raises:
-        LocalProtocolError: the circuit id does not fit in 64 bits.
-    """
-    if not 0 <= circuit_id < 1 << 64:
-        raise LocalProtocolError(f"Circuit id {circuit_id} does not fit in an unsigned 64-bit integer.")
-    return RELAY_HEADER.pack(KIND_RELAY, circuit_id) + bytes(payload)
-
-
-def decode_message(data: bytes) -> ControlMessage | RelayData:
-    """Decode one WebSocket message (proto_spec §1-§3). Bytes after the msgpack map are ignored.
-
-    Raises:
-        RemoteProtocolError: empty, unknown kind, bad msgpack, not a map, no string "t",
-            or relay data shorter than its 9-byte header.
-    """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise RemoteProtocolError("The rendezvous protocol uses binary WebSocket messages only; got text.")
-    data = bytes(data)
-    if not data:
-        raise RemoteProtocolError("Received an empty rendezvous message.")
-    kind = data[0]
-    if kind == KIND_RELAY:
-        if len(data) < RELAY_HEADER.size:
-            raise RemoteProtocolError(
-                f"Relay data needs a {RELAY_HEADER.size}-byte header; got {len(data)} bytes."
-            )
-        _, circuit_id = RELAY_HEADER.unpack_from(data)
-        return RelayData(circuit_id, data[RELAY_HEADER.size :])
-    if kind != KIND_CONTROL:
-        raise RemoteProtocolError(f"Unknown rendezvous message kind 0x{kind:02x} (expected 0x00 or 0x01).")
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=len(data))
-    unpacker.feed(data[1:])
-    try:
-        obj = unpacker.unpack()
-    except msgpack.OutOfData:
-        raise RemoteProtocolError("A rendezvous control message was truncated.") from None
-    except Exception as exc:  # msgpack raises several unrelated types on bad input
-        raise RemoteProtocolError(f"A rendezvous control message is not valid msgpack: {exc}.") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
-        raise RemoteProtocolError("A rendezvous control message must be a msgpack map with a string 't'.")
-    return ControlMessage(obj["t"], obj)
-
+from kafilad.proto.rendezvous_wire import (  # noqa: F401 - re-exported: the wire format
+    CLOSE_MESSAGE_TOO_BIG, CLOSE_POLICY_VIOLATION, CLOSE_SUPERSEDED, KIND_CONTROL, KIND_RELAY, RECORD_HEADER,
+    RELAY_HEADER, SIGNAL_RECORD_CIRCUIT, ControlMessage, RelayData, check_fields, decode_message, encode_control,
+    encode_relay, encode_relay_record, parse_relay_record,
+)
 
 # Requests a client may send and their required fields (proto_spec §2.1), as data (h11 style).
 _REQUESTS: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -130,47 +40,6 @@ _REQUESTS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "circuit_open": {"to": str, "label": str, "req": int},
     "circuit_close": {"circuit": int, "reason": str},
 }
-
-
-def check_fields(msg: ControlMessage, schema: dict[str, type | tuple[type, ...]]) -> None:
-    """Check that `msg` has every field of `schema` with the right type (bool is not an int).
-
-    Raises:
-        RemoteProtocolError: a field is missing or mistyped.
-    """
-    for key, kind in schema.items():
-        value = msg.fields.get(key)
-        if value is None or isinstance(value, bool) and kind is int or not isinstance(value, kind):
-            raise RemoteProtocolError(
-                f"Rendezvous message {msg.type!r} needs field {key!r} of type "
-                f"{getattr(kind, '__name__', kind)}; got {value!r}."
-            )
-    if "body" not in msg.fields and msg.type == "signal":
-        raise RemoteProtocolError("Rendezvous message 'signal' needs a 'body' field.")
-
-
-def parse_relay_record(data: bytes) -> list[tuple[int, bytes]]:
-    """Parse a relay record file's bytes (proto_spec §7) into (circuit id, payload) pairs.
-
-    Raises:
-        RemoteProtocolError: the file ends inside a record.
-    """
-    out, pos = [], 0
-    while pos < len(data):
-        if pos + RECORD_HEADER.size > len(data):
-            raise RemoteProtocolError(f"The relay record is truncated at byte {pos}.")
-        circuit_id, length = RECORD_HEADER.unpack_from(data, pos)
-        pos += RECORD_HEADER.size
-        if pos + length > len(data):
-            raise RemoteProtocolError(f"The relay record is truncated at byte {pos}.")
-        out.append((circuit_id, data[pos : pos + length]))
-        pos += length
-    return out
-
-
-def encode_relay_record(circuit_id: int, payload: bytes) -> bytes:
-    """One relay record (proto_spec §7): circuit id u64 BE, length u32 BE, payload."""
-    return RECORD_HEADER.pack(circuit_id, len(payload)) + payload
 
 
 @attrs.frozen
