@@ -79,7 +79,7 @@ def timeline_breakdown(marks: list[tuple[float, str, str]]) -> list[tuple[str, f
         marks: (t_s, kind, who) in time order, who "h" (head), "m1".. (members in ring order),
             "cl" (client); one request in flight. A step runs from a decode act's return to the
             head (`h:rx`) to the next one's. Segments: each process's consecutive marks (the
-            head's two MLX calls named `sample` and `embed+run`), and each hop from a sender's
+            head's MLX calls named `sample` and `embed+run`, or `sample+embed+run` when fused), and each hop from a sender's
             `tx` to the receiver's `rx`; the HTTP layer's `sse` and the client's `chunk` are
             measured from the step's `emit`.
     Returns:
@@ -99,9 +99,9 @@ def timeline_breakdown(marks: list[tuple[float, str, str]]) -> list[tuple[str, f
         step = [(t, k, w) for t, k, w in marks if a <= t < b]
         head = [(t, k) for t, k, w in step if w == "h" and k not in ("sse",)]
         kinds = [k for _, k in head]
-        if b - a > 1.0 or kinds.count("c0") != 2 or "emit" not in kinds or "tx" not in kinds:
+        if b - a > 1.0 or kinds.count("c0") not in (1, 2) or "emit" not in kinds or "tx" not in kinds:
             continue  # between requests, the prefill or the end of a request
-        calls = iter(("sample", "embed+run"))
+        calls = iter(("sample", "embed+run") if kinds.count("c0") == 2 else ("sample+embed+run",))
         for (t0, k0), (t1, k1) in zip(head, head[1:]):
             name = f"h:{k0} → h:{k1}"
             if k0 == "c0":
@@ -118,6 +118,7 @@ def timeline_breakdown(marks: list[tuple[float, str, str]]) -> list[tuple[str, f
             if w == "h":
                 continue
             own = [(t, k) for t, k, ww in step if ww == w]
+            own = own[next((i for i, (_, k) in enumerate(own) if k == "rx"), len(own)):]  # from its step's arrival
             for (t0, k0), (t1, k1) in zip(own, own[1:]):
                 add(f"{w}: MLX {w} blocks" if k0 == "c0" else f"{w}:{k0} → {w}:{k1}", (t1 - t0) * 1e3)
         t_emit = next(t for t, k in head if k == "emit")
