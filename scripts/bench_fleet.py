@@ -62,7 +62,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the fleet_* modules beside this script
 
 from fleet_harness import (CALIBRATIONS, CPU_CGROUP, REPO, Cgroups, Member, _cluster_class, base_capability,  # noqa: E402
-                           form, model_dir_for, parse_fleet, reported_capabilities, rounds, synthesize_qwen2,
+                           cpu_shares, form, model_dir_for, parse_fleet, reported_capabilities, rounds, synthesize_qwen2,
                            total_quota_cores)
 from fleet_peers import mlx_pipeline_rank, mlx_pipeline_tps, mlx_single_tps, ring_api_tps  # noqa: E402
 from fleet_report import (TARGETS, fmt, plot, predict_sub_fleets, saturated_stage_rows, stage_rows,  # noqa: E402
@@ -150,8 +150,11 @@ def _measure(args, members, cgroups, base_cap, model_dir, *, strategy, concurren
             f"{n} {(c_['bandwidth_Bps'] or 0) / 1e9:.2f} GB/s + {(c_['step_overhead_s'] or 0) * 1e6:.0f} us/step, "
             f"rho {c_['batch_row_cost']}" for n, c_ in rec["capability"].items()))
         if saturated:
+            cpu0, t0 = c.cpu_s(), time.perf_counter()
             rec["saturated_tps"], rec["saturated_samples"] = rounds(
                 lambda: c.aggregate_tps(concurrency, args.tokens), args.runs)
+            rec["saturated_cpu_share"] = dict(zip([m.name for m in members],
+                                                  cpu_shares(cpu0, c.cpu_s(), time.perf_counter() - t0)))
             rec["saturated_predicted_tps"] = throughput_at(plan, concurrency)
             log(f"[{strategy}] {concurrency} concurrent: {rec['saturated_tps']:.2f} tokens/s "
                 f"(rounds {[round(s, 2) for s in rec['saturated_samples']]}; predicted {rec['saturated_predicted_tps']})")
@@ -160,7 +163,8 @@ def _measure(args, members, cgroups, base_cap, model_dir, *, strategy, concurren
             rec["schedule"] = sat_status.get("schedule")
             log(f"[{strategy}] under load, stages: " + "; ".join(
                 f"{r['name']} B={r['rows']} rho={r['rho']} predicted {(r['predicted_s'] or 0) * 1e3:.1f} ms, "
-                f"median {(r['median_s'] or 0) * 1e3:.1f} ({r['median_ratio'] or 0:.2f}x)" for r in rec["saturated_stages"])
+                f"median {(r['median_s'] or 0) * 1e3:.1f} ({r['median_ratio'] or 0:.2f}x), CPU "
+                f"{(rec['saturated_cpu_share'].get(r['name']) or 0):.2f} core" for r in rec["saturated_stages"])
                 + f"; schedule M={(rec['schedule'] or {}).get('micro_batches')} trials {(rec['schedule'] or {}).get('trials')}")
         rec["one_user_tps"], rec["one_user_samples"] = rounds(lambda: c.aggregate_tps(1, args.tokens), args.runs)
         rec["one_user_predicted_tps"] = throughput_at(plan, 1)

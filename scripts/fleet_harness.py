@@ -180,6 +180,22 @@ class Cgroups:
         self.made = []
 
 
+def process_cpu_s(pid: int) -> Optional[float]:
+    """CPU seconds (user + system, all threads) process `pid` has used, from /proc/PID/stat; None if gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+
+
+def cpu_shares(before: Sequence[Optional[float]], after: Sequence[Optional[float]], wall_s: float) -> list:
+    """Per process, the fraction of one core it used over `wall_s` (None where unknown): set against
+    a member's quota it says whether the member got its quota (a starved member on an oversubscribed
+    machine is slower than its quota stands for) or was idle part of the time."""
+    return [None if b is None or a is None or wall_s <= 0 else (a - b) / wall_s for b, a in zip(before, after)]
+
+
 def capability_env(base_cap: Optional[dict], member: Member) -> dict:
     """The environment a member's daemon gets beyond the cluster's: with a base capability (the
     "scaled" calibration) KAFILA_TEST_CAPABILITY = its `scaled_capability`; without (the daemon
@@ -216,6 +232,10 @@ def _cluster_class():
 
         def daemon_env(self, i: int) -> dict:
             return {**self.env, **capability_env(self.base_cap, self.members[i])}
+
+        def cpu_s(self) -> list:
+            """CPU seconds each daemon has used so far (`process_cpu_s`)."""
+            return [process_cpu_s(p.pid) for p in self.daemons]
 
         def throttle_all(self) -> None:
             for m, p in zip(self.members, self.daemons):

@@ -228,3 +228,19 @@ def test_saturated_stage_rows_scale_the_prediction_by_the_rows_and_rho():
     assert a["predicted_s"] == pytest.approx(0.010 * 1.4) and a["median_ratio"] == pytest.approx(1.1)
     assert b["rho"] is None and b["predicted_s"] == pytest.approx(0.020 * 5)  # unknown rho: 1.0, as planned
     assert b["median_ratio"] == pytest.approx(0.9)
+
+
+def test_cpu_share_of_a_process_from_proc():
+    import os
+    import time
+
+    before, t0, c0 = fh.process_cpu_s(os.getpid()), time.perf_counter(), time.process_time()
+    x = 0
+    while time.process_time() - c0 < 0.3:  # busy for 0.3 s of CPU
+        x += 1
+    after, wall_s = fh.process_cpu_s(os.getpid()), time.perf_counter() - t0
+    assert after - before == pytest.approx(time.process_time() - c0, abs=0.05)
+    assert fh.process_cpu_s(2 ** 22 + 12345) is None  # no such process (above the default pid_max)
+    share = fh.cpu_shares([before, None], [after, 1.0], wall_s)
+    assert 0.2 < share[0] <= 1.05 and share[1] is None
+    assert fh.cpu_shares([1.0], [1.5], 2.0) == [0.25] and fh.cpu_shares([1.0], [1.5], 0.0) == [None]
