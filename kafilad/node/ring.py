@@ -446,8 +446,12 @@ class RingMember:
                 raise GenerationError(str(e)) from None
             tokens = [t for t, _ in rows]
             logprobs = tuple(lp for _, lp in rows)
-        await self._execute(self.scheduler.handle(TokensSampled(a.reqs, tuple(tokens), now_s=time.perf_counter(),
-                                                                logprobs=logprobs)))
+        actions = self.scheduler.handle(TokensSampled(a.reqs, tuple(tokens), now_s=time.perf_counter(),
+                                                      logprobs=logprobs))
+        if self._spec is not None:  # a step run with its sampling goes out before its token is streamed
+            ready = [x for x in actions if isinstance(x, SendDecodeStep) and x.reqs == (self._spec[0],)]
+            actions = ready + [x for x in actions if x not in ready]
+        await self._execute(actions)
         if self._spec is not None:  # its step was not sent (it waits, or joins a batch): take it back
             req, self._spec = self._spec[0], None
             await self._unspeculate(req)
