@@ -57,7 +57,7 @@ from typing import Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, categorical_sampling,
                                  make_logits_processors, make_sampler)
 
@@ -290,6 +290,35 @@ class StageRunner:
         step that was not sent); nothing if the request has none."""
         with self._lock:
             for c in self._caches.get(request_id) or ():
+                c.trim(1)
+
+    def head_sample_batch_and_run(self, request_ids: list[str], h: mx.array, group: int = 0) -> tuple[list[int], Optional[mx.array]]:
+        """Head, batched greedy decode: `head_sample_batch` at temperature 0 and, in the same MLX graph,
+        the next step's `head_embed_and_run_batch(request_ids, tokens, group)`; `trim_last_group`
+        takes that step back if it is not sent. Caches other than mlx-lm's `BatchKVCache` get no next step.
+
+        Returns:
+            (one token per row, the next step's (B, 1, D) output or None when it was not run).
+        Raises:
+            RemoteProtocolError: as `head_sample_batch` and `head_embed_and_run_batch`.
+        """
+        if h.shape[0] != len(request_ids):
+            raise RemoteProtocolError(f"A batched sample for {len(request_ids)} requests got {h.shape[0]} rows.")
+        with self._lock:
+            logits = self.stage.logits(h)
+            y = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+            caches = self._sync_batch(request_ids, group)
+            if not all(type(c) is BatchKVCache for c in caches):
+                return [int(x) for x in y.tolist()], None
+            out = self.stage.run_blocks(self.stage.embed(y).reshape(len(request_ids), 1, -1), caches)
+            mx.eval(y, out)
+            return [int(x) for x in y.tolist()], out
+
+    def trim_last_group(self, group: int) -> None:
+        """Take the last step back out of micro-batch `group`'s caches (`head_sample_batch_and_run`'s
+        step that was not sent); nothing if the group has none."""
+        with self._lock:
+            for c in self._groups.get(group, ([], []))[1]:
                 c.trim(1)
 
     def head_embed_and_run_batch(self, request_ids: list[str], tokens: list[int], group: int = 0) -> mx.array:

@@ -56,7 +56,7 @@ import trio
 
 from kafilad.errors import GenerationCancelled, GenerationError, RemoteProtocolError
 from kafilad.node.link import Link, LinkClosed
-from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, PROGRESS_FACTOR, PROGRESS_FLOOR_S, EmitToken, EndRequest,
+from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, Phase, PROGRESS_FACTOR, PROGRESS_FLOOR_S, EmitToken, EndRequest,
                                     EndReturned, FinishRequest, HeadScheduler, PassFailed, PassReturned,
                                     PassTimedOut, RequestArrived,
                                     RequestCancelled, RingBroken, SampleTokens, SendDecodeStep, SendPrefillChunk,
@@ -129,9 +129,10 @@ class RingMember:
         self._drop_caches = False  # fail_all asked the ring loop to drop every KV cache
         self._cancels: dict[str, str] = {}  # head: req -> reason, for the ring loop (`cancel`)
         self._early_cancels: dict[str, str] = {}  # head: cancelled before `generate` started (bounded)
-        #: head: (req, token, wire output, seconds) of a next decode step run with its sampling
-        #: (`_sample`), sent by `_send_decode_step` or taken back (`_unspeculate`)
-        self._spec: Optional[tuple[str, int, dict, float]] = None
+        #: head: (reqs, tokens, wire output, seconds, group or None for a single act) of a next decode
+        #: step run with its sampling (`_sample`), sent by `_send_decode_step` or taken back (`_unspeculate`)
+        self._spec: Optional[tuple[tuple, tuple, dict, float, Optional[int]]] = None
+        self._returned_group = 0  # head: the micro-batch group of the batched act being sampled
 
     # ---- views for status and tests --------------------------------------------------------
     @property
@@ -402,13 +403,13 @@ class RingMember:
 
     async def _send_decode_step(self, rids: list[str], tokens: list[int], group: int = 0) -> None:
         spec, self._spec = self._spec, None
-        if spec is not None and [spec[0]] == rids and [spec[1]] == tokens:  # run with its sampling (`_sample`)
-            self.stats.note_step(rids, spec[3])
-            await self._send_next({"t": "act", "req": rids[0], "sample": True, "h": spec[2],
-                                   "hops": [[self.peer_id, spec[3]]]})
+        if spec is not None and list(spec[0]) == rids and list(spec[1]) == tokens and spec[4] in (None, group):
+            self.stats.note_step(rids, spec[3])  # run with its sampling (`_sample`)
+            frame = ({"t": "act", "req": rids[0]} if spec[4] is None else {"t": "act", "reqs": rids, "mb": group})
+            await self._send_next({**frame, "sample": True, "h": spec[2], "hops": [[self.peer_id, spec[3]]]})
             return
         if spec is not None:
-            await self._unspeculate(spec[0])
+            await self._unspeculate(spec)
         if len(rids) == 1:  # the single form: a lone request decodes exactly as generate_step
             out, dt = await self._compute(self._head_embed_wire, rids[0], tokens)
             frame = {"t": "act", "req": rids[0], "sample": True, "h": out}
@@ -424,15 +425,21 @@ class RingMember:
         samplings = [rec.sampling if rec is not None else None for rec in recs]
         logprobs: tuple = ()
         if all(s is None or s.plain for s in samplings):  # temperature only: the token-identical path
-            if batched:
+            if batched and self._may_run_next(a.reqs) and not any(a.temperatures):  # one MLX call for both
+                group = self._returned_group
+                (tokens, out), dt = await self._compute(self._head_sample_batch_and_run_wire, list(a.reqs), h_wire,
+                                                        group)
+                if out is not None:
+                    self._spec = (tuple(a.reqs), tuple(tokens), out, dt, group)
+            elif batched:
                 tokens, _ = await self._compute(self._head_sample_batch_wire, list(a.reqs), h_wire,
                                                 list(a.temperatures))
-            elif self._may_run_next(a.reqs[0]):  # sample and run the next step in one MLX call
+            elif self._may_run_next(a.reqs):  # sample and run the next step in one MLX call
                 (token, out), dt = await self._compute(self._head_sample_and_run_wire, a.reqs[0], h_wire,
                                                        a.temperatures[0])
                 tokens = [token]
                 if out is not None:
-                    self._spec = (a.reqs[0], token, out, dt)
+                    self._spec = ((a.reqs[0],), (token,), out, dt, None)
             else:
                 token, _ = await self._compute(self._head_sample_wire, a.reqs[0], h_wire, a.temperatures[0])
                 tokens = [token]
@@ -449,23 +456,37 @@ class RingMember:
         actions = self.scheduler.handle(TokensSampled(a.reqs, tuple(tokens), now_s=time.perf_counter(),
                                                       logprobs=logprobs))
         if self._spec is not None:  # a step run with its sampling goes out before its token is streamed
-            ready = [x for x in actions if isinstance(x, SendDecodeStep) and x.reqs == (self._spec[0],)]
+            ready = [x for x in actions if isinstance(x, SendDecodeStep) and x.reqs == self._spec[0]]
             actions = ready + [x for x in actions if x not in ready]
         await self._execute(actions)
-        if self._spec is not None:  # its step was not sent (it waits, or joins a batch): take it back
-            req, self._spec = self._spec[0], None
-            await self._unspeculate(req)
+        if self._spec is not None:  # its step was not sent (it waits, or goes out otherwise): take it back
+            spec, self._spec = self._spec, None
+            await self._unspeculate(spec)
 
-    def _may_run_next(self, req: str) -> bool:
-        """Whether the head runs a request's next decode step with its sampling (`_sample`): it will
-        go on after this token and, as far as the head knows now, decode alone."""
-        rec = self.scheduler.requests.get(req)
-        return (rec is not None and len(rec.generated) + 1 < rec.max_tokens and req not in self._cancels
-                and (not self.scheduler.batching or len(self.scheduler.requests) == 1))
+    def _may_run_next(self, reqs) -> bool:
+        """Whether the head runs the next decode step of these rows with their sampling (`_sample`):
+        every row is being sampled and goes on after this token, and `_same_rows_next`."""
+        recs = [self.scheduler.requests.get(r) for r in reqs]
+        return all(rec is not None and rec.phase is Phase.SAMPLING and rec.error is None and rec.req not in self._cancels
+                   and len(rec.generated) + 1 < rec.max_tokens for rec in recs) and self._same_rows_next(reqs)
 
-    async def _unspeculate(self, req: str) -> None:
-        """Take a next step run by `_sample` but not sent back out of the request's caches here."""
-        await self._compute(self.runner.trim_last, req)
+    def _same_rows_next(self, reqs) -> bool:
+        """As far as the head knows now, the next decode step carries these rows: a request alone, or
+        a lockstep batch of every request."""
+        if len(reqs) == 1:
+            return not self.scheduler.batching or len(self.scheduler.requests) == 1
+        return len(self.scheduler.requests) == len(reqs) and self.scheduler.policy.current == 1
+
+    async def _unspeculate(self, spec: tuple) -> None:
+        """Take a next step run by `_sample` but not sent back out of the caches here."""
+        if spec[4] is None:
+            await self._compute(self.runner.trim_last, spec[0][0])
+        else:
+            await self._compute(self.runner.trim_last_group, spec[4])
+
+    def _head_sample_batch_and_run_wire(self, rids: list[str], h_wire: dict, group: int) -> tuple:
+        tokens, out = self.runner.head_sample_batch_and_run(rids, self.ex.array_from_wire(h_wire), group)
+        return tokens, (self.ex.array_to_wire(out) if out is not None else None)
 
     def _head_sample_and_run_wire(self, req: str, h_wire: dict, temperature: float) -> tuple:
         token, out = self.runner.head_sample_and_run(req, self.ex.array_from_wire(h_wire), temperature)
@@ -490,6 +511,7 @@ class RingMember:
         rids = tuple(_frame_reqs(frame))
         hops = tuple((pid, dt) for pid, dt in frame.get("hops", []))
         actions = self.scheduler.handle(PassReturned(rids, bool(frame.get("sample")), hops, now_s=time.perf_counter()))
+        self._returned_group = frame.get("mb", 0)
         await self._execute(actions, h_wire=frame.get("h"), batched="reqs" in frame)
 
     async def _deliver(self, st: RequestState, event: dict) -> None:
@@ -541,7 +563,7 @@ class RingMember:
 
     async def _end_request(self, req: str) -> None:
         """Flush the request's last text, drop its KV rows here, send its `end` with our stats row."""
-        if self._spec is not None and self._spec[0] == req:
+        if self._spec is not None and self._spec[4] is None and self._spec[0] == (req,):
             self._spec = None  # its caches are dropped below
         st = self._streams.get(req)
         if st is not None:

@@ -7,6 +7,7 @@ if it had never run; a ring of 3 stages driven by the fused call matches single-
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
 from kafilad.executor.runner import StageRunner, array_from_wire, array_to_wire, prefill_chunks
@@ -69,3 +70,29 @@ def test_ring_driven_by_the_fused_call_matches_mlx_lm(stories260k):
         h = rest(out)
     assert toks == STORIES_REFERENCE_IDS
     assert toks == mlx_lm_greedy(stories260k, STORIES_PROMPT_IDS, len(toks))[0]
+
+
+def test_batched_fused_call_equals_sample_then_embed(stories260k):
+    prompts = {"a": STORIES_PROMPT_IDS, "b": STORIES_PROMPT_IDS[:5], "c": STORIES_PROMPT_IDS[2:9]}
+    runners = [StageRunner(load_stage_from_dir(stories260k, 0, 2, head=True)) for _ in range(2)]
+    hs = []
+    for r in runners:
+        rows = []
+        for rid, ids in prompts.items():
+            for chunk in prefill_chunks(ids):
+                h = r.head_embed_and_run(rid, chunk)
+            rows.append(h)
+        hs.append(mx.concatenate(rows, axis=0))
+    fused, plain = runners
+    rids = list(prompts)
+    h1, h2 = hs
+    for _ in range(5):
+        tokens, out = fused.head_sample_batch_and_run(rids, h1, 1)
+        ref_tokens = plain.head_sample_batch(rids, h2, 0.0)
+        ref_out = plain.head_embed_and_run_batch(rids, ref_tokens, 1)
+        assert tokens == ref_tokens and np.array_equal(np.array(out), np.array(ref_out))
+        h1, h2 = out, ref_out
+    fused.trim_last_group(1)  # the last step taken back: it runs again to the same bits
+    again = fused.head_embed_and_run_batch(rids, tokens, 1)
+    assert np.array_equal(np.array(again), np.array(out))
+    fused.trim_last_group(7)  # a group with no caches: nothing to take back

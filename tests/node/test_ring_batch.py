@@ -158,9 +158,10 @@ async def test_batching_off_decodes_per_request_with_the_same_tokens(synth_model
 
 @trio_test
 async def test_a_next_step_run_with_sampling_but_batched_is_taken_back(synth_model, monkeypatch):
-    """The head runs a request's next step with its sampling when it will decode alone (ring.py
-    `_sample`); forced to do so always, every step that goes out batched instead is taken back
-    from the request's caches (`_unspeculate`), and each request still gets its tokens alone."""
+    """The head runs the next step of the rows it samples with their sampling when it expects the
+    same rows next (ring.py `_sample`: a request alone, or a lockstep batch of all); forced to expect
+    so always, every step that goes out with other rows (a joiner, a row ended) is taken back from
+    the caches (`_unspeculate`), and each request still gets its tokens alone."""
     with trio.fail_after(120):
         expected = await alone(synth_model, BOUNDS, JOBS)
         taken_back = []
@@ -169,7 +170,7 @@ async def test_a_next_step_run_with_sampling_but_batched_is_taken_back(synth_mod
         async def counting(self, req):
             taken_back.append(req)
             await real(self, req)
-        monkeypatch.setattr(RingMember, "_may_run_next", lambda self, req: True)
+        monkeypatch.setattr(RingMember, "_same_rows_next", lambda self, reqs: True)
         monkeypatch.setattr(RingMember, "_unspeculate", counting)
         async with ring_of(synth_model, BOUNDS) as ring:
             states = await generate_all(ring[0], JOBS)
