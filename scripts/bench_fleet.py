@@ -14,6 +14,8 @@ session at --concurrency K and measures
 
 * saturated tokens/s: K requests at once through the control socket's `generate`, all generated
   tokens / wall time from the first start to the last end (prefill included);
+* each member's CPU share over those rounds (its daemon's CPU seconds from /proc / wall time), to
+  set against its quota: quota-bound, or idle part of the time, or starved by the machine;
 * 1-user tokens/s: one request at a time, the same way;
 * measured / predicted stage time per member: the 1-user requests' stage step times from their
   `end` frames (StageStats rows: window mean = compute_s_total / steps, and the median step) vs the
