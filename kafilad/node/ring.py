@@ -63,7 +63,7 @@ from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, Phase, PROGRESS_FACTOR,
                                     StageStats, TokensSampled)
 from kafilad.node.step_policy import StepPolicy
 from kafilad.node.step_timeline import TIMELINE
-from kafilad.node.ring_parts import (BATCH_ENV, MICRO_BATCHES_ENV, RequestState, _frame_reqs, _plain,  # noqa: F401
+from kafilad.node.ring_parts import (BATCH_ENV, MICRO_BATCHES_ENV, RequestState, StageCalls, _frame_reqs, _plain,  # noqa: F401
                                      _recent, batching_enabled, pinned_micro_batches, run_on_mlx_thread)
 
 log = logging.getLogger("kafilad.ring")
@@ -82,7 +82,7 @@ PROGRESS_CHECK_S = 0.5
 _WAKE: dict = {"t": "wake"}
 
 
-class RingMember:
+class RingMember(StageCalls):
     """Drives this member's stage on the ring (and, on the head, the HeadScheduler).
 
     Args:
@@ -297,14 +297,6 @@ class RingMember:
             out = None  # an unsampled prefill chunk only fills caches: its output is not needed
         await self._send_next({"t": "act", "req": req, "sample": sample, "h": out, "hops": hops + [[self.peer_id, dt]]})
 
-    def _run_blocks_wire(self, req: str, h_wire: dict) -> dict:
-        h = self.ex.array_from_wire(h_wire)
-        return self.ex.array_to_wire(self.runner.run(req, h))
-
-    def _run_batch_wire(self, rids: list[str], h_wire: dict, group: int = 0) -> dict:
-        h = self.ex.array_from_wire(h_wire)
-        return self.ex.array_to_wire(self.runner.run_batch(rids, h, group))
-
     async def _on_end(self, frame: dict) -> None:
         req = frame["req"]
         if self.head:
@@ -483,29 +475,6 @@ class RingMember:
             await self._compute(self.runner.trim_last, spec[0][0])
         else:
             await self._compute(self.runner.trim_last_group, spec[4])
-
-    def _head_sample_batch_and_run_wire(self, rids: list[str], h_wire: dict, group: int) -> tuple:
-        tokens, out = self.runner.head_sample_batch_and_run(rids, self.ex.array_from_wire(h_wire), group)
-        return tokens, (self.ex.array_to_wire(out) if out is not None else None)
-
-    def _head_sample_and_run_wire(self, req: str, h_wire: dict, temperature: float) -> tuple:
-        token, out = self.runner.head_sample_and_run(req, self.ex.array_from_wire(h_wire), temperature)
-        return token, (self.ex.array_to_wire(out) if out is not None else None)
-
-    def _head_embed_wire(self, req: str, ids: list) -> dict:
-        return self.ex.array_to_wire(self.runner.head_embed_and_run(req, ids))
-
-    def _head_embed_batch_wire(self, rids: list[str], tokens: list[int], group: int = 0) -> dict:
-        return self.ex.array_to_wire(self.runner.head_embed_and_run_batch(rids, tokens, group))
-
-    def _head_sample_wire(self, req: str, h_wire: dict, temperature: float) -> int:
-        return int(self.runner.head_sample(req, self.ex.array_from_wire(h_wire), temperature))
-
-    def _head_sample_batch_wire(self, rids: list[str], h_wire: dict, temperatures: list[float]) -> list[int]:
-        return self.runner.head_sample_batch(rids, self.ex.array_from_wire(h_wire), temperatures)
-
-    def _head_sample_rows_wire(self, rids: list[str], h_wire: dict, samplings: list, histories: list) -> list:
-        return self.runner.head_sample_rows(rids, self.ex.array_from_wire(h_wire), samplings, histories)
 
     async def _head_on_return(self, frame: dict) -> None:
         rids = tuple(_frame_reqs(frame))

@@ -2,7 +2,8 @@
 
 The environment switches of the head's schedule (`KAFILA_BATCH`, `KAFILA_MICRO_BATCHES`), a
 generation's `RequestState` as `RingMember.generate` returns it, the one MLX worker thread
-(`run_on_mlx_thread`, DESIGN §6) and small helpers of the driver.
+(`run_on_mlx_thread`, DESIGN §6), the driver's calls into its StageRunner in the wire form
+(`StageCalls`) and small helpers of the driver.
 """
 
 from __future__ import annotations
@@ -182,3 +183,40 @@ def _frame_reqs(frame: dict) -> list[str]:
     if "reqs" in frame:
         return [str(r) for r in frame["reqs"]]
     return [frame["req"]] if frame.get("req") is not None else []
+
+
+class StageCalls:
+    """RingMember's calls into its StageRunner (`self.runner`) that take and give activations in
+    the wire form (`self.ex`: kafilad.executor.runner's array_to_wire / array_from_wire); each runs
+    whole on the MLX thread (`RingMember._compute`)."""
+
+    def _run_blocks_wire(self, req: str, h_wire: dict) -> dict:
+        h = self.ex.array_from_wire(h_wire)
+        return self.ex.array_to_wire(self.runner.run(req, h))
+
+    def _run_batch_wire(self, rids: list[str], h_wire: dict, group: int = 0) -> dict:
+        h = self.ex.array_from_wire(h_wire)
+        return self.ex.array_to_wire(self.runner.run_batch(rids, h, group))
+
+    def _head_sample_batch_and_run_wire(self, rids: list[str], h_wire: dict, group: int) -> tuple:
+        tokens, out = self.runner.head_sample_batch_and_run(rids, self.ex.array_from_wire(h_wire), group)
+        return tokens, (self.ex.array_to_wire(out) if out is not None else None)
+
+    def _head_sample_and_run_wire(self, req: str, h_wire: dict, temperature: float) -> tuple:
+        token, out = self.runner.head_sample_and_run(req, self.ex.array_from_wire(h_wire), temperature)
+        return token, (self.ex.array_to_wire(out) if out is not None else None)
+
+    def _head_embed_wire(self, req: str, ids: list) -> dict:
+        return self.ex.array_to_wire(self.runner.head_embed_and_run(req, ids))
+
+    def _head_embed_batch_wire(self, rids: list[str], tokens: list[int], group: int = 0) -> dict:
+        return self.ex.array_to_wire(self.runner.head_embed_and_run_batch(rids, tokens, group))
+
+    def _head_sample_wire(self, req: str, h_wire: dict, temperature: float) -> int:
+        return int(self.runner.head_sample(req, self.ex.array_from_wire(h_wire), temperature))
+
+    def _head_sample_batch_wire(self, rids: list[str], h_wire: dict, temperatures: list[float]) -> list[int]:
+        return self.runner.head_sample_batch(rids, self.ex.array_from_wire(h_wire), temperatures)
+
+    def _head_sample_rows_wire(self, rids: list[str], h_wire: dict, samplings: list, histories: list) -> list:
+        return self.runner.head_sample_rows(rids, self.ex.array_from_wire(h_wire), samplings, histories)
