@@ -26,9 +26,9 @@ sub-fleets: the planner's own prediction (kafilad.planner.plan on the live sessi
 1-user tokens/s of every proper subset that fits, and the top --sub-fleets of them measured the
 same way (strategy kafila), so "1 user is never slower than the fastest sub-fleet" is checked.
 
-Part 2, the peers (scripts/fleet_peers.py; no cgroups, the same model): mlx-lm's own pipeline (`mlx.launch --backend ring
--n 3` on localhost, mlx_lm.utils.sharded_load with a pipeline group, stream_generate on every
-rank) and a 3-daemon Kafila ring (strategy kafila) serving one request through its OpenAI API
+Part 2, the peers (scripts/fleet_peers.py; no cgroups, the same model): mlx-lm's own pipeline
+(`mlx.launch --backend ring -n 3` on localhost, mlx_lm.utils.sharded_load with a pipeline group,
+stream_generate on every rank) and a 3-daemon Kafila ring (strategy kafila) serving one request through its OpenAI API
 (`/v1/completions`, streamed; decode tokens/s as the client sees it = (completion tokens - 1) /
 (last chunk - first chunk)), against single-process mlx-lm (scripts/bench_ring.py
 `single_process_tps`: generate_step in-process, the first token excluded).
@@ -63,9 +63,9 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the fleet_* modules beside this script
 
-from fleet_harness import (CALIBRATIONS, CPU_CGROUP, REPO, Cgroups, Member, _cluster_class, base_capability,  # noqa: E402
-                           cpu_shares, form, model_dir_for, parse_fleet, reported_capabilities, rounds, synthesize_qwen2,
-                           total_quota_cores)
+from fleet_harness import (CALIBRATIONS, CPU_CGROUP, REPO, Cgroups, Member, _cluster_class,  # noqa: E402
+                           base_capability, cpu_shares, form, model_dir_for, parse_fleet, reported_capabilities,
+                           rounds, synthesize_qwen2, total_quota_cores)
 from fleet_peers import mlx_pipeline_rank, mlx_pipeline_tps, mlx_single_tps, ring_api_tps  # noqa: E402
 from fleet_report import (TARGETS, fmt, plot, predict_sub_fleets, saturated_stage_rows, stage_rows,  # noqa: E402
                           summarize, summary_ratios, throughput_at, verdicts)
@@ -124,7 +124,8 @@ def measure_session(args, members: Sequence[Member], cgroups: Cgroups, base_cap:
     """Form a session of `members` with `strategy`, throttle it (the "scaled" calibration: `base_cap`
     given), measure; the result record."""
     FleetCluster = _cluster_class()
-    cgroups = Cgroups(members, cgroups.enabled, cgroups.calibration)  # fresh groups: throttling counters and memory peak per session
+    # fresh groups: throttling counters and memory peak per session
+    cgroups = Cgroups(members, cgroups.enabled, cgroups.calibration)
     try:
         cgroups.make()
         return _measure(args, members, cgroups, base_cap, model_dir, strategy=strategy, concurrency=concurrency,
