@@ -14,7 +14,7 @@ measured request of each segment between consecutive marks of the head (h), the 
 order (m1, m2, ...) and the client (cl).
 
     python scripts/bench_ring.py [--model DIR | --synth 512,8] [--members 3] [--tokens 64]
-        [--api] [--runs 5] [--modes relayed,direct] [--timeline]
+        [--api] [--runs 4] [--modes relayed,direct] [--timeline] [--strategy uniform]
 """
 
 from __future__ import annotations
@@ -176,6 +176,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=4, help="measured generations (after one discarded)")
     ap.add_argument("--modes", default="relayed,direct")
     ap.add_argument("--timeline", action="store_true", help="with --api: where a decode step's time goes")
+    ap.add_argument("--strategy", default=None, help="the host's division (kafila-ctl host --strategy); "
+                    "default: the host's default. uniform keeps the same stages from run to run")
     args = ap.parse_args()
     model = args.model
     if args.synth:
@@ -192,7 +194,7 @@ def main() -> int:
         if args.timeline:
             env["KAFILA_STEP_TIMELINE"] = tempfile.mkdtemp(prefix="kafila-timeline-")
         with LoopbackCluster(args.members, record_relay=True, env=env) as c:
-            formed = c.form(model)
+            formed = c.form(model, strategy=args.strategy)
             edges = [e["path"] for e in formed["status"].get("edges", [])]
             print(f"[{mode}] time to form the session: {formed['form_s']:.2f} s "
                   f"(blocks {formed['status']['plan']['blocks']}, head {formed['status']['plan']['head']}, edges {edges})")
