@@ -42,7 +42,7 @@ def live_and_offline(model_dir: Path, root: Path) -> tuple[dict, dict, dict]:
     fleet_file = root / "fleet.json"
     fleet_file.write_text(json.dumps(fleet))
     rc, out, err = kafila_ctl("plan", "--fleet", str(fleet_file), "--model", str(model_dir), "--json",
-                              "--hold-dtype", "f32")
+                              "--hold-dtype", "f32", "--strategy", live["strategy"])  # the cluster forms "kafila"
     assert rc == 0, err
     return status, live, json.loads(out)
 
