@@ -172,6 +172,8 @@ def test_predict_sub_fleets_uses_the_planner_and_drops_what_does_not_fit(tmp_pat
 def test_summary_ratios_and_verdicts():
     res = {"strategies": {"kafila": {"saturated_tps": 40.0, "one_user_tps": 12.0,
                                      "stages": [{"mean_ratio": 1.05}, {"mean_ratio": 0.92}, {"mean_ratio": None}]},
+                          "load": {"saturated_tps": 36.0, "one_user_tps": 15.0,
+                                   "saturated_stages": [{"median_ratio": 1.12}], "stages": [{"mean_ratio": 1.01}]},
                           "uniform": {"saturated_tps": 20.0, "one_user_tps": 9.0},
                           "memory": {"saturated_tps": 32.0, "one_user_tps": 7.0}},
            "load_at_1": {"one_user_tps": 16.0},
@@ -180,16 +182,19 @@ def test_summary_ratios_and_verdicts():
     r = fr.summary_ratios(res)
     assert r["kafila_over_uniform_saturated"] == 2.0
     assert r["kafila_over_memory_saturated"] == 1.25
-    assert r["load_over_uniform_saturated"] is None
+    # "Kafila" in the targets is the default strategy, load; the paper's division beside it
+    assert r["default_over_uniform_saturated"] == 1.8 and r["default_over_memory_saturated"] == 1.125
+    assert r["default_stage_measured_over_predicted_max_dev"] == pytest.approx(0.12)  # under load first
     assert r["kafila_stage_measured_over_predicted_max_dev"] == pytest.approx(0.08)
     assert r["one_user_load_at_1_over_best_sub_fleet"] == pytest.approx(16 / 15)
     assert r["one_user_kafila_full_fleet_over_best_sub_fleet"] == pytest.approx(12 / 15)
     assert r["ring_api_over_mlx_lm_single"] == 0.75
     assert r["ring_api_over_mlx_lm_pipeline"] == 2.0
     v = fr.verdicts(r)
-    assert v["kafila_over_uniform_saturated"] == "met"
-    assert v["kafila_over_memory_saturated"] == "not met"
-    assert v["kafila_stage_measured_over_predicted_max_dev"] == "met"
+    assert v["default_over_uniform_saturated"] == "met"
+    assert v["default_over_memory_saturated"] == "not met"
+    assert v["default_stage_measured_over_predicted_max_dev"] == "not met"
+    assert "kafila_over_uniform_saturated" not in v
     assert v["ring_api_over_mlx_lm_single"] == "not met"
     assert fr.verdicts({})["ring_api_over_mlx_lm_pipeline"] == "not measured"
 
