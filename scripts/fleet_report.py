@@ -202,11 +202,14 @@ def fmt(v: Optional[float]) -> str:
 
 
 def median_ratios(results: Sequence[dict]) -> dict:
-    """key -> median over runs of each run's ratio (runs without it left out; None if none has it)."""
-    keys = dict.fromkeys(k for r in results for k in r.get("ratios", {}))
+    """key -> median over runs of each run's ratio (runs without it left out; None if none has it).
+    Each run's ratios are computed again from its measurements (summary_ratios), so runs written
+    before a ratio was added count too."""
+    runs = [summary_ratios(r) for r in results]
+    keys = dict.fromkeys(k for r in runs for k in r)
     out = {}
     for key in keys:
-        vals = [r["ratios"][key] for r in results if r.get("ratios", {}).get(key) is not None]
+        vals = [r[key] for r in runs if r.get(key) is not None]
         out[key] = statistics.median(vals) if vals else None
     return out
 
@@ -217,8 +220,9 @@ def summarize(paths: Sequence[Path]) -> int:
     med = median_ratios(results)
     ver = verdicts(med)
     print(f"medians over {len(results)} runs (commits {sorted({r.get('commit') for r in results})}):")
+    runs = [summary_ratios(r) for r in results]
     for key, v in med.items():
-        each = ", ".join(fmt(r.get("ratios", {}).get(key)) for r in results)
+        each = ", ".join(fmt(r.get(key)) for r in runs)
         target = TARGETS.get(key)
         print(f"  {key}: {fmt(v)} (runs: {each})" + (f"  target {target[0]} {target[1]}: {ver[key]}" if target else ""))
     return 0
