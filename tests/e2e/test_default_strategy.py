@@ -1,7 +1,7 @@
 """The host's default strategy, `load` (issue 12 item 2), with real processes on loopback: a member
 too slow to help stands by; losing it fails nothing and replans nothing; when it returns the plan
-that keeps it on standby is kept without reloading; generation stays token-identical to
-single-process mlx-lm throughout. On the shared stories260K and its twin, a synthesised Llama."""
+that keeps it on standby is kept without reloading; when a member of the ring is lost, a standby
+takes blocks; generation stays token-identical to single-process mlx-lm throughout. On the shared stories260K and its twin, a synthesised Llama."""
 
 from __future__ import annotations
 
@@ -26,6 +26,17 @@ class SlowThirdCluster(LoopbackCluster):
     def daemon_env(self, i: int) -> dict:
         env = super().daemon_env(i)
         return {**env, TEST_CAPABILITY_ENV: json.dumps(SLOW)} if i == 2 else env
+
+
+#: a slow host (the anchor holds at least one block), a fast m1 and a mid m2: one user is served
+#: fastest by m0 + m1, m2 stands by; without m1, m0 + m2 beats the slow host alone
+SPEEDS_BPS = {0: 2e8, 1: 5e10, 2: 1e10}
+
+
+class SpeedsCluster(LoopbackCluster):
+    def daemon_env(self, i: int) -> dict:
+        return {**super().daemon_env(i), TEST_CAPABILITY_ENV: json.dumps({"bandwidth_Bps": SPEEDS_BPS[i],
+                                                                          "step_overhead_s": 0.0})}
 
 
 def wait_for(cluster, pred, timeout_s: float, what: str) -> dict:
@@ -75,3 +86,20 @@ def test_a_slow_member_stands_by_and_its_loss_and_return_change_nothing(model, r
         assert kept["epoch"] == 1 and "m2" in kept["standby"]
         wait_for(c, lambda s: c.call(2, "status")["state"] == "standby", 10, "m2 told it stands by again")
         assert c.generate(STORIES_PROMPT, 24)["token_ids"] == ref
+
+
+def test_a_standby_takes_blocks_when_a_member_of_the_ring_is_lost(synth_llama, tmp_path):
+    ref = reference_tokens(synth_llama, STORIES_PROMPT, 24)
+    with SpeedsCluster(3, root=str(tmp_path / "c")) as c:
+        plan = c.form(str(synth_llama), strategy=None)["status"]["plan"]
+        assert plan["strategy"] == "load" and plan["standby"] == ["m2"] and set(plan["blocks"]) == {"m0", "m1"}
+        assert c.generate(STORIES_PROMPT, 24)["token_ids"] == ref
+        c.daemons[1].send_signal(signal.SIGKILL)
+        c.daemons[1].wait()
+        st = wait_for(c, lambda s: s["state"] == "ready" and s["plan"] and "m2" in s["plan"]["blocks"], 60,
+                      "m2 planned in")
+        assert st["plan"]["standby"] == [] and set(st["plan"]["blocks"]) == {"m0", "m2"}
+        assert c.call(2, "status")["state"] == "ready"
+        assert c.generate(STORIES_PROMPT, 24)["token_ids"] == ref
+        replanned = [e for e in events(c) if e["event"] == "replanned"]
+        assert len(replanned) == 1 and replanned[0]["old_plan"]["standby"] == ["m2"]
