@@ -14,7 +14,7 @@ measured request of each segment between consecutive marks of the head (h), the 
 order (m1, m2, ...) and the client (cl).
 
     python scripts/bench_ring.py [--model DIR | --synth 512,8] [--members 3] [--tokens 64]
-        [--api] [--runs 4] [--modes relayed,direct] [--timeline] [--strategy uniform]
+        [--api] [--runs 4] [--modes relayed,direct] [--timeline] [--strategy uniform|kafila|...]
 """
 
 from __future__ import annotations
@@ -176,8 +176,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=4, help="measured generations (after one discarded)")
     ap.add_argument("--modes", default="relayed,direct")
     ap.add_argument("--timeline", action="store_true", help="with --api: where a decode step's time goes")
-    ap.add_argument("--strategy", default=None, help="the host's division (kafila-ctl host --strategy); "
-                    "default: the host's default. uniform keeps the same stages from run to run")
+    ap.add_argument("--strategy", default="uniform", help="the host's division (kafila-ctl host --strategy); "
+                    "default uniform: a ring over every member with the same stages from run to run "
+                    "(the host's own default, load, may serve equal daemons on one machine from the host alone)")
     args = ap.parse_args()
     model = args.model
     if args.synth:
