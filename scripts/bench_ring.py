@@ -20,7 +20,6 @@ order (m1, m2, ...) and the client (cl).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import kafilad.executor  # noqa: F401 - loads the optimised BLAS before mlx (DESIGN §6)
 from kafila_ctl.demo import LoopbackCluster
+from api_client import api_decode  # noqa: E402 - scripts/ is on sys.path when run
 from kafilad.proto.rendezvous import parse_relay_record
 
 
@@ -52,24 +52,6 @@ def single_process_tps(model_dir: str, prompt: str, tokens: int, runs: int = 4) 
         if run:
             rates.append(rate)
     return statistics.median(rates)
-
-
-def api_decode(http_base: str, prompt: str, tokens: int) -> tuple[float, list[float]]:
-    """One streamed /v1/completions request: ((tokens - 1) / (last chunk - first chunk), chunk times)."""
-    import httpx
-    body = {"prompt": prompt, "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
-    times, n = [], 0
-    with httpx.stream("POST", f"{http_base}/completions", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                times.append(time.perf_counter())
-            if chunk.get("usage"):
-                n = chunk["usage"]["completion_tokens"]
-    return ((n - 1) / (times[-1] - times[0]) if n > 1 and len(times) > 1 else 0.0), times
 
 
 def timeline_breakdown(marks: list[tuple[float, str, str]]) -> list[tuple[str, float]]:

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from api_client import api_decode
 from fleet_harness import REPO, form, rounds
 
 PROMPTS = ["Once upon a time"]  # the peers' prompt (the load's are kafila_ctl.demo.LOAD_PROMPTS)
@@ -65,28 +66,6 @@ def mlx_pipeline_tps(model_dir: Path, ranks: int, tokens: int, runs: int, procs:
     raise RuntimeError(f"mlx-lm pipeline run gave no result (exit {p.returncode}):\n{out[-3000:]}")
 
 
-def api_decode_tps(http_base: str, prompt: str, tokens: int) -> float:
-    """One streamed /v1/completions request; (completion tokens - 1) / (last chunk - first chunk)."""
-    import httpx
-    body = {"prompt": prompt, "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
-    first = last = None
-    usage = None
-    with httpx.stream("POST", f"{http_base}/completions", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices"):
-                now = time.perf_counter()
-                first = first or now
-                last = now
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    n = usage["completion_tokens"] if usage else 0
-    return (n - 1) / (last - first) if n > 1 and last and last > first else 0.0
-
-
 def ring_api_tps(args, model_dir: Path, log) -> dict:
     """A Kafila ring of --ranks unthrottled daemons, one request at a time through the OpenAI API."""
     from kafila_ctl.demo import LoopbackCluster
@@ -95,7 +74,7 @@ def ring_api_tps(args, model_dir: Path, log) -> dict:
         http = c.call(0, "status").get("http")
         if not http:
             raise RuntimeError("the host daemon reports no HTTP address")
-        tps, samples = rounds(lambda: api_decode_tps(http, PROMPTS[0], args.peer_tokens), args.runs)
+        tps, samples = rounds(lambda: api_decode(http, PROMPTS[0], args.peer_tokens)[0], args.runs)
         log(f"[ring api] blocks {snap['plan']['blocks']}: {tps:.2f} tokens/s as the client sees it "
             f"(rounds {[round(s, 2) for s in samples]})")
         return {"tps": tps, "samples": samples, "blocks": snap["plan"]["blocks"]}
