@@ -29,7 +29,8 @@ cores, as on a one-machine test ring), overlapping steps slow each other and the
 wrong; so costs are fitted only from lockstep steps (one step in flight: nothing overlaps it),
 and a move from lockstep to M > 1 is a *trial*: for `TRIAL_S` the head measures the tokens/s per
 decoding request it achieves and keeps M only if that beats the lockstep rate measured just
-before by `TRIAL_MARGIN`; otherwise it returns to lockstep and waits `BACKOFF_S` (doubling to
+before by `TRIAL_MARGIN` (a trial already `EARLY_LOSS` below it after `EARLY_S` is judged then,
+so a clear loss costs a quarter of a trial); otherwise it returns to lockstep and waits `BACKOFF_S` (doubling to
 `BACKOFF_MAX_S`) before the next trial. A kept M stays watched: when its rate over the last
 `BASELINE_S` falls below the lockstep rate its trial beat, the head returns to lockstep (and
 backs off) as after a failed trial. Each trial also calibrates the model: its measured gain over
@@ -64,6 +65,11 @@ TRIAL_GAIN = 0.15
 TRIAL_S = 1.0
 #: a trial must beat the lockstep rate by this fraction to stay
 TRIAL_MARGIN = 0.03
+#: a trial is judged early, after EARLY_S, once its rate is this fraction below the lockstep rate:
+#: overlapped steps on members that share cores lose 25-60 % (3 daemons on 2 cores: 0.38x, 0.74x),
+#: and every second of such a trial is served at that rate
+EARLY_LOSS = 0.2
+EARLY_S = 0.25
 #: the lockstep rate is measured over the last this many seconds
 BASELINE_S = 2.0
 #: first wait after a failed trial (s), doubled on each failure up to BACKOFF_MAX_S
@@ -239,9 +245,11 @@ class StepPolicy:
 
     def _judge(self, now_s: float) -> int:
         trial = self._trial
-        if now_s - trial["start_s"] < TRIAL_S:
-            return self.current
         rate = self._rate(trial["events"])
+        if now_s - trial["start_s"] < TRIAL_S:
+            losing = rate is not None and rate < trial["baseline"] * (1 - EARLY_LOSS)
+            if not losing or now_s - trial["start_s"] < EARLY_S:
+                return self.current
         kept = rate is not None and rate >= trial["baseline"] * (1 + TRIAL_MARGIN)
         if rate is not None and trial["baseline"] > 0:  # what overlapping really gave, against the model
             measured_gain = rate / trial["baseline"]

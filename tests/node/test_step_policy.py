@@ -83,6 +83,30 @@ def test_a_trial_slower_than_lockstep_returns_to_lockstep_and_backs_off():
     assert p._backoff_s == 2 * BACKOFF_S
 
 
+def test_a_clearly_losing_trial_is_judged_early():
+    p = fed([lambda b: 1.0 + 4.0 * b] * 3)
+    for i in range(20):  # lockstep: 6 requests, a token each per 50 ms
+        p.note_tokens(6, 6, now_s=i * 0.05)
+    assert p.choose(6, now_s=1.0) == 3
+    for i in range(1, 4):  # 0.38x the lockstep rate, as 3 micro-batches on 3 daemons sharing 2 cores
+        p.note_tokens(6, 6, now_s=1.0 + i * 0.13)
+    assert p.choose(6, now_s=1.0 + step_policy.EARLY_S - 0.01) == 3  # too early to judge
+    assert p.choose(6, now_s=1.0 + 0.39) == 1  # judged at 0.39 s, not TRIAL_S
+    (m, rate, base, kept), = p.trials
+    assert (m, kept) == (3, False) and rate == pytest.approx(0.05 / 0.13 * base, rel=0.02)
+    assert p.overlap_factor < 1.0  # calibrated as a full trial would
+
+
+def test_a_trial_a_little_slower_runs_its_full_time():
+    p = fed([lambda b: 1.0 + 4.0 * b] * 3)
+    for i in range(20):
+        p.note_tokens(6, 6, now_s=i * 0.05)
+    assert p.choose(6, now_s=1.0) == 3
+    for i in range(1, 12):  # 0.91x lockstep: within the noise an early judgement would mistake
+        p.note_tokens(6, 6, now_s=1.0 + i * 0.055)
+    assert p.choose(6, now_s=1.0 + 0.6) == 3 and p.snapshot()["trial"]
+
+
 def test_overlapped_steps_are_not_fitted_and_a_pinned_m_is_kept():
     p = StepPolicy(stages=3)
     p.note_step(4, [("h", 0.5), ("m", 0.5)], 1.0, alone=False)
