@@ -26,8 +26,9 @@ from kafila_ctl.client import ControlClient, DaemonNotRunning
 START_TIMEOUT_S = 30.0
 
 #: the division `LoopbackCluster.form` asks for unless told: the paper's, every member holds blocks.
-#: Equal daemons on one machine would otherwise be served by the host alone (the default strategy,
-#: "load", lets members stand by when that is faster), and a loopback cluster exists to run a ring.
+#: Under the host's default ("load", members stand by when that is predicted faster) some equal
+#: daemons of one machine may stand by, as their probes' noise says; a loopback cluster exists to
+#: run a ring.
 RING_STRATEGY = "kafila"
 
 

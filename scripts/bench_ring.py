@@ -160,7 +160,7 @@ def main() -> int:
     ap.add_argument("--timeline", action="store_true", help="with --api: where a decode step's time goes")
     ap.add_argument("--strategy", default="uniform", help="the host's division (kafila-ctl host --strategy); "
                     "default uniform: a ring over every member with the same stages from run to run "
-                    "(the host's own default, load, may serve equal daemons on one machine from the host alone)")
+                    "(the host's own default, load, may leave some daemons of one machine standing by)")
     args = ap.parse_args()
     model = args.model
     if args.synth:

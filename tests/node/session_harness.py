@@ -153,7 +153,7 @@ class World:
                    context: Optional[int] = 256, concurrency: int = 1, strategy: str = "kafila") -> HostSession:
         """A HostSession on node ``name``, registered (its ``code`` set). ``strategy``: the paper's
         division by default, so every member holds blocks (equal in-process members would
-        otherwise stand by under the host's default, "load")."""
+        otherwise may stand by under the host's default, "load")."""
         node = self.node(name)
         s = HostSession(node, model_dir=str(self.model_dir), members=members, context=context,
                         concurrency=concurrency, rendezvous=node.rdv_url, open_=open_, admit_timeout_s=admit_timeout_s,
