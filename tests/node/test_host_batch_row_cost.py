@@ -59,5 +59,8 @@ async def test_the_host_plans_with_each_members_rho(tmp_path, model_dir, monkeyp
         one, k = p["throughput"]
         assert k["users"] == 4 and k["tokens_per_s"] == pytest.approx(predict(stage, rho, hop, 4).tokens_per_s,
                                                                        rel=1e-12)
-        assert k["tokens_per_s"] > predict(stage, [1.0] * 3, hop, 4).tokens_per_s  # what rho = 1 would say
+        # what rho = 1 would say: slower wherever the best schedule batches rows; with a hop (the
+        # measured loopback RTT) longer than the stages, 4 one-row micro-batches win and rho drops out
+        worst = predict(stage, [1.0] * 3, hop, 4).tokens_per_s
+        assert k["tokens_per_s"] > worst if k["rows"] > 1 else k["tokens_per_s"] >= worst
         assert one["tokens_per_s"] == pytest.approx(predict(stage, rho, hop, 1).tokens_per_s, rel=1e-12)
