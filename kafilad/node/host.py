@@ -422,8 +422,12 @@ class HostSession(HostRequests, SessionDriver):
     async def _distribute(self, planned: sm.Planned, epoch: int) -> None:
         """Send each remote member its share (proto_spec 05 §2 `plan`), then load our own stage."""
         order = list(self.ring_order)  # this plan's ring; a later loss replans with a new list
+        if any(p not in self.members for p in order):
+            # a member of this ring was lost after the plan was made: the machine is replanning
+            # (proto.session `_lose`); a ring naming a peer the roster lacks would fail its loaders
+            return
         roster = {p: {"name": self.members[p].name, "public_key": self.members[p].public_key}
-                  for p in order if p in self.members}
+                  for p in order}
         for pid in order:
             e = self.members.get(pid)
             if epoch != self.machine.epoch:
