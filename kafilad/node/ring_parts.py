@@ -9,7 +9,6 @@ generation's `RequestState` as `RingMember.generate` returns it, the one MLX wor
 from __future__ import annotations
 
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -128,13 +127,6 @@ class RequestState:
 
 _mlx_pool: Optional[ThreadPoolExecutor] = None
 
-#: the GIL switch interval of a process with an MLX worker thread (Python's default is 5 ms). The
-#: worker builds each block's graph in Python while the trio thread handles the links (QUIC, Noise,
-#: frames); with 5 ms a thread wanting the GIL may wait up to 5 ms at each of the worker's
-#: `mx.async_eval` calls. Measured on a 3-daemon loopback ring (100 MB model, 3 blocks a stage):
-#: 5.0-5.2 ms a stage step at 5 ms, 4.5-4.6 ms at 0.2 ms (scripts/bench_ring.py --timeline, issue 12).
-MLX_SWITCH_INTERVAL_S = 0.0002
-
 
 async def run_on_mlx_thread(fn, *args):
     """Run `fn(*args)` on this process's one MLX worker thread, off the trio thread (DESIGN §6).
@@ -143,11 +135,9 @@ async def run_on_mlx_thread(fn, *args):
     in current thread" when another thread evaluates it), and a StageRunner leaves lazy cache
     state behind (BatchKVCache `filter` on `drop`, `extract` when a request leaves a batch). All
     runner calls therefore run on one thread. Waits uncancellably, as `trio.to_thread.run_sync`.
-    The first call sets the process's GIL switch interval to MLX_SWITCH_INTERVAL_S.
     """
     global _mlx_pool
     if _mlx_pool is None:
-        sys.setswitchinterval(MLX_SWITCH_INTERVAL_S)
         _mlx_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kafila-mlx")
     token = trio.lowlevel.current_trio_token()
     done = trio.Event()

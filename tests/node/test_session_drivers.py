@@ -142,7 +142,9 @@ async def test_a_member_cut_off_fails_the_request_naming_it_and_the_host_replans
         async def cut_after_3(n: int) -> None:
             if n == 3:
                 await m2.link.stream.transport.aclose()  # its relayed ctl circuit closes
-        with pytest.raises(GenerationError, match=r"member m2 \(\w+\) left the session"):
+        # the host's loss of m2 and m2's own ring link closing race to fail the request: both name m2
+        with pytest.raises(GenerationError, match=r"member m2 (\(\w+\) left the session|is unreachable: the ring link "
+                                                  r"from m2 closed)"):
             await generate(h, PROMPT, 200, on_token=cut_after_3)
         await w.wait(lambda: ready_over(h, {"h", "m1"}), 20, "the replan over h and m1")
         assert member_row(h, "m2")["lost"] and not member_row(h, "m2")["ready"]
