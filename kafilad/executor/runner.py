@@ -252,12 +252,16 @@ class StageRunner:
         `request_id` is accepted for symmetry and future per-request samplers.
         """
         with self._lock:
-            sampler = self._samplers.get(temperature)
-            if sampler is None:
-                sampler = self._samplers[temperature] = make_sampler(temp=temperature)
-            logits = self.stage.logits(h)
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            sampler, logprobs = self._sampler_and_logprobs(h, temperature)
             return int(sampler(logprobs).item())
+
+    def _sampler_and_logprobs(self, h: mx.array, temperature: float):
+        """The cached sampler for `temperature` and the head's log-probs of `h` (lazy). Call under _lock."""
+        sampler = self._samplers.get(temperature)
+        if sampler is None:
+            sampler = self._samplers[temperature] = make_sampler(temp=temperature)
+        logits = self.stage.logits(h)
+        return sampler, logits - mx.logsumexp(logits, keepdims=True)
 
     def head_sample_and_run(self, request_id: str, h: mx.array, temperature: float = 0.0) -> tuple[int, Optional[mx.array]]:
         """Head, a request decoding alone: `head_sample` and, in the same MLX graph, the next step's
@@ -273,11 +277,8 @@ class StageRunner:
             (token, the next step's (1, 1, D) output, or None when it was not run).
         """
         with self._lock:
-            sampler = self._samplers.get(temperature)
-            if sampler is None:
-                sampler = self._samplers[temperature] = make_sampler(temp=temperature)
-            logits = self.stage.logits(h)
-            y = sampler(logits - mx.logsumexp(logits, keepdims=True))
+            sampler, logprobs = self._sampler_and_logprobs(h, temperature)
+            y = sampler(logprobs)
             cache = self._cache(request_id)
             if not all(type(c) is KVCache for c in cache):
                 return int(y.item()), None
