@@ -17,17 +17,22 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Awaitable, Callable, Optional
 
 import trio
 
-from kafilad.errors import RemoteProtocolError, SessionError
+from kafilad.errors import RemoteProtocolError, SessionError, collapse_groups
 from kafilad.modelref import hub_cache_dir
 from kafilad.proto import control as cf
 
 #: Bytes asked per `fetch` frame (proto_spec 05 §2: at most 4 MiB).
 FETCH_CHUNK_BYTES = cf.FETCH_MAX_BYTES
+#: `fetch` frames a member keeps unanswered at once (proto_spec 05 §2.1 allows
+#: `cf.FETCHES_IN_FLIGHT_MAX`): enough to keep a link busy across its round trip (4 x 4 MiB covers
+#: 130 ms at 1 Gbit/s) without holding more than 16 MiB of answers in flight.
+FETCH_WINDOW = 4
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 #: where `fetch_verified`'s bytes came from.
 FROM_CACHE, FROM_HF_CACHE, FROM_HOST = "cache", "hf_cache", "host"
@@ -86,9 +91,15 @@ def _verify_and_store(path: Path, data: bytes, sha256: str) -> bool:
     if hashlib.sha256(data).hexdigest() != sha256:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    # a temporary file of its own: two tensors with the same bytes (e.g. two norms of ones) may
+    # be stored at once, and a shared ".part" name would lose one writer's rename
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name + ".", suffix=".part", delete=False) as tmp:
+        try:
+            tmp.write(data)
+        except BaseException:
+            os.unlink(tmp.name)
+            raise
+    os.replace(tmp.name, path)
     return True
 
 
@@ -108,6 +119,7 @@ class Fetcher:
         self.hf_cache_dir = Path(hf_cache_dir) if hf_cache_dir is not None else hub_cache_dir()
         self._waiters: dict[int, trio.MemorySendChannel] = {}
         self._next_id = 0
+        self._window = trio.Semaphore(FETCH_WINDOW)
 
     def deliver(self, frame) -> None:
         """Route a `data` or `fetch_error` frame to its waiting fetch (unknown ids are dropped)."""
@@ -116,26 +128,38 @@ class Fetcher:
             ch.send_nowait(frame)
 
     async def fetch(self, file: str, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset+length) of a model file, in chunks of FETCH_CHUNK_BYTES.
+        """Bytes [offset, offset+length) of a model file, in chunks of FETCH_CHUNK_BYTES, up to
+        FETCH_WINDOW of them unanswered at once (shared by every fetch of this Fetcher).
 
         Raises:
             SessionError: the host refused a range or sent the wrong number of bytes.
         """
-        out = bytearray()
-        while len(out) < length:
-            n = min(FETCH_CHUNK_BYTES, length - len(out))
-            self._next_id += 1
-            fid = self._next_id
-            send, recv = trio.open_memory_channel(1)
-            self._waiters[fid] = send
-            await self._send(cf.Fetch(id=fid, file=file, offset=offset + len(out), length=n).to_wire())
-            f = await recv.receive()
+        starts = range(0, length, FETCH_CHUNK_BYTES)
+        parts: list[bytes] = [b""] * len(starts)
+
+        async def one(i: int, start: int) -> None:
+            n = min(FETCH_CHUNK_BYTES, length - start)
+            async with self._window:
+                self._next_id += 1
+                fid = self._next_id
+                send, recv = trio.open_memory_channel(1)
+                self._waiters[fid] = send
+                try:
+                    await self._send(cf.Fetch(id=fid, file=file, offset=offset + start, length=n).to_wire())
+                    f = await recv.receive()
+                finally:
+                    self._waiters.pop(fid, None)
             if isinstance(f, cf.FetchError):
                 raise SessionError(f"The host could not serve {file}: {f.reason}.")
             if len(f.data) != n:
                 raise SessionError(f"The host sent {len(f.data)} bytes of {file} where {n} were asked.")
-            out += f.data
-        return bytes(out)
+            parts[i] = f.data
+
+        with collapse_groups():
+            async with trio.open_nursery() as nursery:
+                for i, start in enumerate(starts):
+                    nursery.start_soon(one, i, start)
+        return b"".join(parts)
 
     async def fetch_verified(self, *, file: str, offset: int, nbytes: int, sha256: str,
                              file_sha256: Optional[str] = None) -> tuple[bytes, str]:

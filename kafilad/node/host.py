@@ -38,6 +38,19 @@ log = logging.getLogger("kafilad.host")
 DEFAULT_CONTEXT = 4096  # tokens, when --context is not given (capped at max_position_embeddings)
 
 
+class _FetchQueue:
+    """One member's `fetch` frames between the host's reading of its link and its fetch server.
+
+    Attributes:
+        send, receive: a channel holding up to `cf.FETCHES_IN_FLIGHT_MAX` frames.
+        unanswered: fetches received and not yet answered (queued or being served).
+    """
+
+    def __init__(self) -> None:
+        self.send, self.receive = trio.open_memory_channel(cf.FETCHES_IN_FLIGHT_MAX)
+        self.unanswered = 0
+
+
 class HostSession(HostRequests, SessionDriver):
     """One session hosted by this daemon. Runs inside the node's root nursery.
 
@@ -333,10 +346,12 @@ class HostSession(HostRequests, SessionDriver):
                 return
             link.peer_name = self.machine.members[pid].name
             live = Liveness(link)
+            fetches = _FetchQueue()
             with collapse_groups():
                 async with trio.open_nursery() as watch:
                     watch.start_soon(live.run)
-                    await self._member_loop(pid, link, live)
+                    watch.start_soon(self._fetch_server, link, fetches)
+                    await self._member_loop(pid, link, live, fetches)
         except LinkClosed as e:
             lost = getattr(self._rdv_client(), "lost", None)
             if lost is not None and self.rendezvous_lost is None:
@@ -365,8 +380,17 @@ class HostSession(HostRequests, SessionDriver):
     def pending(self) -> dict:
         return self.machine.pending
 
-    async def _member_loop(self, pid: str, link: Link, live: Liveness) -> None:
-        """Frames from one admitted member: state frames to the machine, the rest served here."""
+    async def _member_loop(self, pid: str, link: Link, live: Liveness, fetches: "_FetchQueue") -> None:
+        """Frames from one admitted member: state frames to the machine, `fetch` frames to its
+        fetch server (`_fetch_server`), the rest served here.
+
+        The loop never waits on a send to the member: a member blocked sending to us while we
+        were blocked sending it 4 MiB of `data` would stall both links until liveness dropped it.
+
+        Raises:
+            LinkClosed: the link ended, a frame was malformed, or the member had more than
+                `cf.FETCHES_IN_FLIGHT_MAX` fetches unanswered (proto_spec 05 §2.1).
+        """
         while True:
             raw = await link.receive()
             live.saw_frame()
@@ -380,7 +404,12 @@ class HostSession(HostRequests, SessionDriver):
             elif isinstance(f, cf.Ping):
                 pass
             elif isinstance(f, cf.Fetch):
-                await self._serve_fetch(link, f)
+                fetches.unanswered += 1
+                if fetches.unanswered > cf.FETCHES_IN_FLIGHT_MAX:
+                    reason = f"more than {cf.FETCHES_IN_FLIGHT_MAX} fetches in flight"
+                    await link.close(f"{link.peer_name} had {reason}")
+                    raise LinkClosed(f"it had {reason}") from None
+                fetches.send.send_nowait(f)  # never full: at most FETCHES_IN_FLIGHT_MAX unanswered
             elif isinstance(f, (cf.GenEvent, cf.GenDone, cf.GenError)):
                 ch = self.generations.get(f.req)
                 if ch is not None:
@@ -390,6 +419,14 @@ class HostSession(HostRequests, SessionDriver):
                         log.warning("request %s: the head streams faster than its caller reads; dropping", f.req)
             else:
                 await self._handle(sm.FrameFrom(pid, f))
+
+    async def _fetch_server(self, link: Link, fetches: "_FetchQueue") -> None:
+        """Answer one member's `fetch` frames in the order they came (proto_spec 05 §2.1)."""
+        async for f in fetches.receive:
+            try:
+                await self._serve_fetch(link, f)
+            finally:
+                fetches.unanswered -= 1
 
     async def _serve_fetch(self, link: Link, f: cf.Fetch) -> None:
         """Serve one byte range of a model file (proto_spec 05 §2.1) — only files of the model."""

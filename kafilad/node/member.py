@@ -16,7 +16,7 @@ import trio
 from kafilad.errors import (HandshakeError, KafilaError, LinkClosed, RemoteProtocolError, SessionError,
                             collapse_groups)
 from kafilad.node import paths, stagehost
-from kafilad.node.fetcher import FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name
+from kafilad.node.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name
 from kafilad.node.host_requests import result_of
 from kafilad.node.link import Link, secure_link
 from kafilad.node.liveness import Liveness
@@ -286,6 +286,38 @@ class MemberSession(SessionDriver):
 
         await self._in_stage_scope(lambda stage_nursery: self._load(f, stage_nursery), failed)
 
+    async def _fetch_tensors(self, tensors: list) -> tuple[list, int, int, int]:
+        """The plan's tensors, `FETCH_WINDOW` at a time (their ranges share the fetcher's window,
+        so a small tensor's round trip overlaps a large one's bytes; proto_spec 05 §2.1).
+
+        Returns:
+            ([(tensor entry, bytes)] in the plan's order, bytes fetched from the host, bytes from
+            either cache, bytes from the HF cache).
+        Raises:
+            SessionError, RemoteProtocolError: as `Fetcher.fetch_verified`.
+        """
+        out: list = [None] * len(tensors)
+        sources: list = [None] * len(tensors)
+        limit = trio.CapacityLimiter(FETCH_WINDOW)
+
+        async def one(i: int, t: dict) -> None:
+            async with limit:
+                data, sources[i] = await self.fetcher.fetch_verified(
+                    file=t["file"], offset=t["offset"], nbytes=t["nbytes"], sha256=t["sha256"],
+                    file_sha256=t.get("file_sha256"))
+            out[i] = (t, data)
+            self.load["done_bytes"] += len(data)
+            self.node.changed()
+
+        with collapse_groups():
+            async with trio.open_nursery() as nursery:
+                for i, t in enumerate(tensors):
+                    nursery.start_soon(one, i, t)
+        size = [len(d) for _, d in out]
+        fetched = sum(n for n, src in zip(size, sources) if src == FROM_HOST)
+        hf_cached = sum(n for n, src in zip(size, sources) if src == FROM_HF_CACHE)
+        return out, fetched, sum(size) - fetched, hf_cached
+
     async def _load(self, f: cf.PlanFrame, stage_nursery) -> None:
         t0 = time.perf_counter()
         epoch = f.epoch or 0
@@ -293,19 +325,8 @@ class MemberSession(SessionDriver):
             self.ring_order = [str(p) for p in f.ring]
             self.roster = {pid: {"name": str(r["name"]), "public_key": bytes(r["public_key"])}
                            for pid, r in f.roster.items()}
-            fetched = cached = hf_cached = 0
-            weights = []
             self.load = {"progress": "fetching", "done_bytes": 0, "total_bytes": sum(t["nbytes"] for t in f.tensors)}
-            for t in f.tensors:
-                data, source = await self.fetcher.fetch_verified(file=t["file"], offset=t["offset"],
-                                                                 nbytes=t["nbytes"], sha256=t["sha256"],
-                                                                 file_sha256=t.get("file_sha256"))
-                cached += 0 if source == FROM_HOST else len(data)  # either cache: not fetched
-                hf_cached += len(data) if source == FROM_HF_CACHE else 0
-                fetched += len(data) if source == FROM_HOST else 0
-                weights.append((t, data))
-                self.load["done_bytes"] += len(data)
-                self.node.changed()
+            weights, fetched, cached, hf_cached = await self._fetch_tensors(f.tensors)
             tok_dir = None
             if f.head:
                 model_id = checked_file_name(self.machine.admitted.model_id.replace("/", "--"))

@@ -43,6 +43,9 @@ NAT_CLASSES = (None, "O", "C", "S", "unknown")
 STAGE_DTYPES = ("float32", "bfloat16", "float16")
 #: Largest byte range one `fetch` may ask for (proto_spec 05 §2).
 FETCH_MAX_BYTES = 4 * 1024 * 1024
+#: Most `fetch` frames a member may have unanswered; the host closes the link of a member with
+#: more (proto_spec 05 §2.1).
+FETCHES_IN_FLIGHT_MAX = 8
 
 _NUM = (int, float)
 
