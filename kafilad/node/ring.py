@@ -63,8 +63,9 @@ from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, Phase, PROGRESS_FACTOR,
                                     StageStats, TokensSampled)
 from kafilad.node.step_policy import StepPolicy
 from kafilad.node.step_timeline import TIMELINE
-from kafilad.node.ring_parts import (BATCH_ENV, MICRO_BATCHES_ENV, RequestState, StageCalls, _frame_reqs, _plain,  # noqa: F401
-                                     _recent, batching_enabled, pinned_micro_batches, run_on_mlx_thread)
+from kafilad.node.ring_parts import (BATCH_ENV, MICRO_BATCHES_ENV, RequestState, Speculation, StageCalls,  # noqa: F401
+                                     _frame_reqs, _plain, _recent, batching_enabled, pinned_micro_batches,
+                                     run_on_mlx_thread)
 
 log = logging.getLogger("kafilad.ring")
 
@@ -131,7 +132,7 @@ class RingMember(StageCalls):
         self._early_cancels: dict[str, str] = {}  # head: cancelled before `generate` started (bounded)
         #: head: (reqs, tokens, wire output, seconds, group or None for a single act) of a next decode
         #: step run with its sampling (`_sample`), sent by `_send_decode_step` or taken back (`_unspeculate`)
-        self._spec: Optional[tuple[tuple, tuple, dict, float, Optional[int]]] = None
+        self._spec: Optional[Speculation] = None  # a next step run with its sampling (`_sample`)
         self._returned_group = 0  # head: the micro-batch group of the batched act being sampled
 
     # ---- views for status and tests --------------------------------------------------------
@@ -395,10 +396,10 @@ class RingMember(StageCalls):
 
     async def _send_decode_step(self, rids: list[str], tokens: list[int], group: int = 0) -> None:
         spec, self._spec = self._spec, None
-        if spec is not None and list(spec[0]) == rids and list(spec[1]) == tokens and spec[4] in (None, group):
-            self.stats.note_step(rids, spec[3])  # run with its sampling (`_sample`)
-            frame = ({"t": "act", "req": rids[0]} if spec[4] is None else {"t": "act", "reqs": rids, "mb": group})
-            await self._send_next({**frame, "sample": True, "h": spec[2], "hops": [[self.peer_id, spec[3]]]})
+        if spec is not None and spec.matches(rids, tokens, group):
+            self.stats.note_step(rids, spec.dt_s)  # run with its sampling (`_sample`)
+            frame = ({"t": "act", "req": rids[0]} if spec.group is None else {"t": "act", "reqs": rids, "mb": group})
+            await self._send_next({**frame, "sample": True, "h": spec.out, "hops": [[self.peer_id, spec.dt_s]]})
             return
         if spec is not None:
             await self._unspeculate(spec)
@@ -422,7 +423,7 @@ class RingMember(StageCalls):
                 (tokens, out), dt = await self._compute(self._head_sample_batch_and_run_wire, list(a.reqs), h_wire,
                                                         group)
                 if out is not None:
-                    self._spec = (tuple(a.reqs), tuple(tokens), out, dt, group)
+                    self._spec = Speculation(tuple(a.reqs), tuple(tokens), out, dt, group)
             elif batched:
                 tokens, _ = await self._compute(self._head_sample_batch_wire, list(a.reqs), h_wire,
                                                 list(a.temperatures))
@@ -431,7 +432,7 @@ class RingMember(StageCalls):
                                                        a.temperatures[0])
                 tokens = [token]
                 if out is not None:
-                    self._spec = ((a.reqs[0],), (token,), out, dt, None)
+                    self._spec = Speculation((a.reqs[0],), (token,), out, dt, None)
             else:
                 token, _ = await self._compute(self._head_sample_wire, a.reqs[0], h_wire, a.temperatures[0])
                 tokens = [token]
@@ -448,7 +449,7 @@ class RingMember(StageCalls):
         actions = self.scheduler.handle(TokensSampled(a.reqs, tuple(tokens), now_s=time.perf_counter(),
                                                       logprobs=logprobs))
         if self._spec is not None:  # a step run with its sampling goes out before its token is streamed
-            ready = [x for x in actions if isinstance(x, SendDecodeStep) and x.reqs == self._spec[0]]
+            ready = [x for x in actions if isinstance(x, SendDecodeStep) and x.reqs == self._spec.reqs]
             actions = ready + [x for x in actions if x not in ready]
         await self._execute(actions)
         if self._spec is not None:  # its step was not sent (it waits, or goes out otherwise): take it back
@@ -469,12 +470,12 @@ class RingMember(StageCalls):
             return not self.scheduler.batching or len(self.scheduler.requests) == 1
         return len(self.scheduler.requests) == len(reqs) and self.scheduler.policy.current == 1
 
-    async def _unspeculate(self, spec: tuple) -> None:
+    async def _unspeculate(self, spec: Speculation) -> None:
         """Take a next step run by `_sample` but not sent back out of the caches here."""
-        if spec[4] is None:
-            await self._compute(self.runner.trim_last, spec[0][0])
+        if spec.group is None:
+            await self._compute(self.runner.trim_last, spec.reqs[0])
         else:
-            await self._compute(self.runner.trim_last_group, spec[4])
+            await self._compute(self.runner.trim_last_group, spec.group)
 
     async def _head_on_return(self, frame: dict) -> None:
         rids = tuple(_frame_reqs(frame))
@@ -532,7 +533,7 @@ class RingMember(StageCalls):
 
     async def _end_request(self, req: str) -> None:
         """Flush the request's last text, drop its KV rows here, send its `end` with our stats row."""
-        if self._spec is not None and self._spec[4] is None and self._spec[0] == (req,):
+        if self._spec is not None and self._spec.holds_only(req):
             self._spec = None  # its caches are dropped below
         st = self._streams.get(req)
         if st is not None:

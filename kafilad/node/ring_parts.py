@@ -91,6 +91,33 @@ def _record_view(name: str) -> property:
     return property(lambda self: getattr(self.record, name), doc=f"The scheduler record's `{name}`.")
 
 
+@attrs.frozen
+class Speculation:
+    """A next decode step the head ran with its sampling (one MLX call), not yet sent.
+
+    Attributes:
+        reqs: the step's rows (request ids), in row order. tokens: the token sampled for each row.
+        out: the head stage's output, as sent in an `act` frame's `h` (proto_spec 05 §3).
+        dt_s: the head's compute time for the step (s).
+        group: the micro-batch (`mb`) of a batched step; None for the single form (one request).
+    """
+
+    reqs: tuple
+    tokens: tuple
+    out: dict
+    dt_s: float
+    group: Optional[int]
+
+    def matches(self, reqs, tokens, group: int) -> bool:
+        """Whether the step the scheduler asks for (rows, tokens, micro-batch) is this one."""
+        return (tuple(reqs) == self.reqs and tuple(tokens) == self.tokens
+                and self.group in (None, group))
+
+    def holds_only(self, req: str) -> bool:
+        """Whether this is the single-form step of `req` alone."""
+        return self.group is None and self.reqs == (req,)
+
+
 @attrs.define(eq=False)
 class RequestState:
     """A generation at the head, as `RingMember.generate` returns it.
