@@ -130,9 +130,9 @@ class RingMember(StageCalls):
         self._drop_caches = False  # fail_all asked the ring loop to drop every KV cache
         self._cancels: dict[str, str] = {}  # head: req -> reason, for the ring loop (`cancel`)
         self._early_cancels: dict[str, str] = {}  # head: cancelled before `generate` started (bounded)
-        #: head: (reqs, tokens, wire output, seconds, group or None for a single act) of a next decode
-        #: step run with its sampling (`_sample`), sent by `_send_decode_step` or taken back (`_unspeculate`)
-        self._spec: Optional[Speculation] = None  # a next step run with its sampling (`_sample`)
+        #: head: a next decode step run with its sampling (`_sample`), sent by `_send_decode_step`
+        #: or taken back (`_unspeculate`)
+        self._spec: Optional[Speculation] = None
         self._returned_group = 0  # head: the micro-batch group of the batched act being sampled
 
     # ---- views for status and tests --------------------------------------------------------
