@@ -131,12 +131,15 @@ def _exit_now(code: int) -> None:
 def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "rendezvous":
-        from kafilad.node.ring import pinned_micro_batches
+        from kafilad.node.ring_parts import daemon_switch_interval_s, pinned_micro_batches
         try:
             pinned_micro_batches()
+            switch_s = daemon_switch_interval_s()
         except ValueError as e:
             print(f"kafilad: {e}", file=sys.stderr)
             return 2
+        if switch_s is not None:
+            sys.setswitchinterval(switch_s)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=LOG_FORMAT, stream=sys.stderr)
     try:

@@ -42,6 +42,36 @@ def pinned_micro_batches(environ=os.environ) -> Optional[int]:
     return n
 
 
+#: environment switch: the daemon process's GIL switch interval, in milliseconds
+SWITCH_INTERVAL_ENV = "KAFILA_SWITCH_INTERVAL_MS"
+#: the daemon's GIL switch interval when the environment does not say (s); None keeps Python's 5 ms
+DAEMON_SWITCH_INTERVAL_S: Optional[float] = None
+
+
+def daemon_switch_interval_s(environ=os.environ) -> Optional[float]:
+    """The GIL switch interval a daemon process sets (`sys.setswitchinterval`), in seconds.
+
+    A daemon runs its trio thread (links, QUIC, Noise) beside one MLX worker thread; with Python's
+    5 ms interval a thread wanting the GIL may wait up to 5 ms while the other runs Python code.
+    Only the daemon's own entry point (kafilad/main.py) sets it: a process with many threads (the
+    in-process session tests) ran 2-5x slower with 0.2 ms. `KAFILA_SWITCH_INTERVAL_MS=X` (X > 0)
+    sets X ms; unset: DAEMON_SWITCH_INTERVAL_S.
+
+    Raises:
+        ValueError: a value that is not a positive number (the daemon refuses to start with it).
+    """
+    raw = environ.get(SWITCH_INTERVAL_ENV, "").strip()
+    if not raw:
+        return DAEMON_SWITCH_INTERVAL_S
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = 0.0
+    if not 0 < ms <= 1000:
+        raise ValueError(f"{SWITCH_INTERVAL_ENV} must be a number of milliseconds in (0, 1000], not {raw!r}.")
+    return ms / 1e3
+
+
 #: schedule modes of `apply_schedule` (the control API's `schedule` op): besides these, an integer M ≥ 1
 SCHEDULE_MODES = ("auto", "lockstep", "per-request")
 
