@@ -434,7 +434,11 @@ class HostSession(HostRequests, SessionDriver):
         if problem is not None:
             await link.send(cf.FetchError(f.id, f"cannot serve it: {problem}").to_wire())
             return
-        data = await trio.to_thread.run_sync(self.files.read, f.file, f.offset, f.length)
+        try:
+            data = await trio.to_thread.run_sync(self.files.read, f.file, f.offset, f.length)
+        except OSError as e:  # the host's own disk: that member's fetch fails, nothing else
+            await link.send(cf.FetchError(f.id, f"cannot read it: {e}").to_wire())
+            return
         await link.send(cf.Data(f.id, data).to_wire())
 
     # ---- formation --------------------------------------------------------------------------

@@ -103,13 +103,19 @@ class ModelFiles:
         self.file_hashes = FileHashes(Path(state_dir) / FILE_SHA256_CACHE if state_dir is not None else None)
 
     def check_range(self, fname, offset, length) -> Optional[str]:
-        """None when [offset, +length) of `fname` may be served, else the reason it may not."""
+        """None when [offset, +length) of `fname` may be served (a file of the model, the range inside
+        it, at most FETCH_MAX_BYTES; proto_spec 05 §2.1), else the reason it may not. Never raises:
+        every argument comes from a member's `fetch` frame."""
         if not isinstance(fname, str) or fname not in self.allowed or "/" in fname:
             return f"{fname!r} is not a file of this model"
         if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or not 0 <= length <= FETCH_MAX_BYTES:
             return f"the range [{offset!r}, +{length!r}) is not a valid range of at most {FETCH_MAX_BYTES} bytes"
-        if not (self.model_dir / fname).is_file():
+        path = self.model_dir / fname
+        if not path.is_file():
             return f"{fname!r} is missing on the host"
+        size = path.stat().st_size
+        if offset + length > size:
+            return f"the range [{offset}, +{length}) is past the end of {fname!r} ({size} bytes)"
         return None
 
     def read(self, fname: str, offset: int, length: int) -> bytes:

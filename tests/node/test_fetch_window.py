@@ -118,6 +118,23 @@ async def test_the_host_reads_on_while_serving_and_drops_a_member_past_the_bound
         assert len((await generate(h, "Once upon a time", 4))["token_ids"]) == 4
 
 
+
+@trio_test
+async def test_a_fetch_of_a_hostile_range_fails_only_that_fetch(tmp_path, monkeypatch):
+    from kafilad.executor.synth import synthesize_model
+    model_dir = synthesize_model(tmp_path / "synth", arch="llama", seed=7, num_hidden_layers=3, hidden_size=32)
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, (m1, m2) = await w.form(2)
+        for offset, why in ((2 ** 62, "past the end of 'model.safetensors'"), (0, "not a file of this model")):
+            name = "model.safetensors" if offset else "../model.safetensors"
+            with trio.fail_after(10), pytest.raises(SessionError, match=why):
+                await m1.fetcher.fetch(name, offset, 16)  # seek(2**62) raised OSError in the host before
+        size = (model_dir / "model.safetensors").stat().st_size
+        assert await m1.fetcher.fetch("model.safetensors", size - 16, 16) == (model_dir / "model.safetensors").read_bytes()[-16:]
+        assert member_lost(h, "m1") is None and h.state == HostState.READY
+        assert len((await generate(h, "Once upon a time", 4))["token_ids"]) == 4
+
+
 def member_lost(h, name: str):
     return next(m for m in h.snapshot()["members"] if m["name"] == name)["lost"]
 

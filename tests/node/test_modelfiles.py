@@ -53,3 +53,29 @@ def test_capability_frames_are_type_checked():
                 {"memory_bytes": 1, "step_overhead_s": -1}):
         with pytest.raises(RemoteProtocolError, match="malformed capability frame"):
             decode_control({"t": "capability", **bad})
+
+
+def test_a_range_past_the_end_of_a_file_is_refused(model):
+    size = (model.model_dir / "model.safetensors").stat().st_size
+    assert model.check_range("model.safetensors", size - 8, 8) is None
+    assert "past the end of 'model.safetensors'" in model.check_range("model.safetensors", size - 7, 8)
+    assert "past the end" in model.check_range("model.safetensors", 2 ** 63, 0)  # seek() would raise
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_HOSTILE_INTS = st.one_of(st.integers(-2 ** 64, 2 ** 64), st.sampled_from([0, 1, 2 ** 62, 2 ** 63, FETCH_MAX_BYTES]),
+                          st.booleans(), st.floats(allow_nan=True), st.text(max_size=3), st.none())
+
+
+@settings(max_examples=300, deadline=None)
+@given(fname=st.one_of(st.sampled_from(["model.safetensors", "config.json", "../model.safetensors", "", ".",
+                                        "vocab.json"]), st.text(max_size=12), st.integers(), st.none()),
+       offset=_HOSTILE_INTS, length=_HOSTILE_INTS)
+def test_any_fetch_is_either_refused_with_a_reason_or_served_whole(model, fname, offset, length):
+    problem = model.check_range(fname, offset, length)
+    if problem is None:
+        assert model.read(fname, offset, length) == (model.model_dir / fname).read_bytes()[offset:offset + length]
+        assert len(model.read(fname, offset, length)) == length
+    else:
+        assert isinstance(problem, str) and problem
