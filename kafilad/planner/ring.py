@@ -91,7 +91,9 @@ def _key(order: Sequence[Device], all_rtt: bool) -> tuple:
         return (relays,)
     rtt = sum(edge_rtt_ms(a, b) for a, b in edges)  # type: ignore[misc]
     spread = sum(abs(a.rendezvous_rtt_ms - b.rendezvous_rtt_ms) for a, b in edges)  # type: ignore[operator]
-    return (round(rtt, 9), relays, round(spread, 9))
+    # fewest predicted relays first (DESIGN §5.2 "first pass by NAT class"), then the cheapest RTT:
+    # RTT first let sub-millisecond RTT noise put two S members side by side (a relayed edge)
+    return (relays, round(rtt, 9), round(spread, 9))
 
 
 def _two_opt(order: list[Device], all_rtt: bool) -> list[Device]:
