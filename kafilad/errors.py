@@ -80,6 +80,19 @@ class SessionError(KafilaError):
     """A session could not be formed or continued (denied, timed out, member lost)."""
 
 
+class RingEdgeError(SessionError):
+    """A ring edge to or from one member could not be made (kafilad/node/edge.py `form_ring`).
+
+    Attributes:
+        peer_id: the member at the other end of that edge: the one found unreachable (it left the
+            rendezvous session, refused the handshake, or its circuit could not be opened).
+    """
+
+    def __init__(self, message: str, peer_id: str):
+        super().__init__(message)
+        self.peer_id = peer_id
+
+
 class GenerationError(SessionError):
     """A request failed mid-generation; the message names the member at fault."""
 

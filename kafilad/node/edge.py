@@ -40,7 +40,8 @@ from typing import Awaitable, Callable, Optional, Union
 
 import trio
 
-from kafilad.errors import HandshakeError, HandshakeRefused, HandshakeTimeout, KafilaError, SessionError, collapse_groups
+from kafilad.errors import (HandshakeError, HandshakeRefused, HandshakeTimeout, KafilaError, RingEdgeError, SessionError,
+                            collapse_groups)
 from kafilad.net.quic_transport import STALL_S, START_DATAGRAM_BYTES, QuicTransport
 from kafilad.node.edgelink import EdgeReceiver, EdgeSender, seq_of
 from kafilad.node.link import Link, LinkClosed, secure_link
@@ -507,7 +508,9 @@ async def form_ring(paths: PathManager, *, session_id: str, ring: list[str], ros
         (next_edge, prev_edge), formed; both None when the ring is this member alone. The edges of
         a ring formed earlier on ``paths`` (a replan) are closed first (:func:`close_ring`).
     Raises:
-        SessionError: an edge did not form within ``timeout_s``, or a key did not match the roster.
+        RingEdgeError: an edge could not be made (a key did not match the roster, the peer left the
+            rendezvous session, its circuit could not be opened); `peer_id` names that edge's peer.
+        SessionError: the edges did not form within ``timeout_s``.
     """
     await close_ring(paths)
     me = paths.peer_id
@@ -519,16 +522,24 @@ async def form_ring(paths: PathManager, *, session_id: str, ring: list[str], ros
     out = RingEdge(paths, peer_id=nxt, roster=roster, sender=True, session_id=session_id)
     into = RingEdge(paths, peer_id=prv, roster=roster, sender=False, session_id=session_id, incoming=incoming)
     paths.ring_edges = [out, into]
+
+    async def form(edge: RingEdge) -> None:
+        try:
+            await edge.form()
+        except HandshakeError as e:
+            raise RingEdgeError(f"ring edge refused: {e}", edge.peer_id) from None
+        except KafilaError as e:  # e.g. the rendezvous: "Peer ... is not a member of session ..."
+            way = "to" if edge.sender else "from"
+            raise RingEdgeError(f"the ring edge {way} {edge.peer_name} could not be made: {e}", edge.peer_id) from None
+
     try:
         with trio.fail_after(timeout_s), collapse_groups():
             async with trio.open_nursery() as n:
-                n.start_soon(out.form)
-                n.start_soon(into.form)
+                n.start_soon(form, out)
+                n.start_soon(form, into)
     except trio.TooSlowError:
         raise SessionError(f"the ring edges to {out.peer_name} / from {into.peer_name} did not form "
                            f"within {timeout_s:g} s") from None
-    except HandshakeError as e:
-        raise SessionError(f"ring edge refused: {e}") from None
     return out, into
 
 

@@ -16,7 +16,8 @@ from typing import Optional
 
 import trio
 
-from kafilad.errors import HandshakeError, KafilaError, LinkClosed, RemoteProtocolError, SessionError, collapse_groups
+from kafilad.errors import (HandshakeError, KafilaError, LinkClosed, RemoteProtocolError, RingEdgeError, SessionError,
+                            collapse_groups)
 from kafilad.modelinfo import read_model_info
 from kafilad.node import paths, stagehost
 from kafilad.node.admission import Limiter
@@ -490,7 +491,7 @@ class HostSession(HostRequests, SessionDriver):
         async def failed(e: KafilaError) -> None:
             log.warning("the host's own stage did not join the ring: %s", e)
             await self._rendezvous_first()
-            await self._handle(sm.RingFailed(None, str(e), epoch))
+            await self._handle(sm.RingFailed(e.peer_id if isinstance(e, RingEdgeError) else None, str(e), epoch))
 
         await self._in_stage_scope(lambda stage_nursery: self._load_own(roster, epoch, stage_nursery), failed)
 

@@ -13,8 +13,8 @@ from typing import Optional
 
 import trio
 
-from kafilad.errors import (HandshakeError, KafilaError, LinkClosed, RemoteProtocolError, SessionError,
-                            collapse_groups)
+from kafilad.errors import (HandshakeError, KafilaError, LinkClosed, RemoteProtocolError, RingEdgeError,
+                            SessionError, collapse_groups)
 from kafilad.node import paths, stagehost
 from kafilad.node.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name
 from kafilad.node.host_requests import result_of
@@ -370,7 +370,10 @@ class MemberSession(SessionDriver):
                 log.exception("loading the stage failed")
             if self.state == sm.MemberState.LOADING and epoch == ((self.machine.plan.epoch or 0)
                                                                   if self.machine.plan else 0):
-                await self._handle(sm.LoadFailed(reason))
+                if isinstance(e, RingEdgeError):  # the peer at the edge's other end is unreachable, not us:
+                    await self._handle(sm.RingFailed(e.peer_id, reason, epoch))  # `ring_broken` naming it
+                else:
+                    await self._handle(sm.LoadFailed(reason))
 
     def _ring_names(self) -> dict:
         return {pid: r["name"] for pid, r in self.roster.items()}

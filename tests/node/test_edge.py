@@ -12,7 +12,7 @@ import pytest
 import trio
 from trio.testing import MockClock, trio_test
 
-from kafilad.errors import HandshakeRefused, SessionError
+from kafilad.errors import HandshakeRefused, RingEdgeError, SessionError
 from kafilad.node import stagehost
 from kafilad.node.edge import RingEdge, form_ring
 from kafilad.node.link import LinkClosed
@@ -234,12 +234,14 @@ async def test_form_ring_names_a_refused_edge_and_a_lone_member_has_none(clock):
         b_failed = trio.Event()
 
         async def b_side():  # b's key is refused by a on both edges: b's formation fails too
-            with pytest.raises(SessionError, match="^ring edge refused: "):
+            with pytest.raises(RingEdgeError, match="^ring edge refused: ") as b_err:
                 await form_ring(p["b"].paths, session_id="s1", ring=ring, roster=roster, incoming=p["b"].rdv.incoming)
+            assert b_err.value.peer_id == p["a"].peer_id  # the edge's other end, for the host's replan
             b_failed.set()
         nursery.start_soon(b_side)
-        with pytest.raises(SessionError, match="^ring edge refused: ring neighbour b presented a key not in"):
+        with pytest.raises(RingEdgeError, match="^ring edge refused: ring neighbour b presented a key not in") as a_err:
             await form_ring(p["a"].paths, session_id="s1", ring=ring, roster=wrong, incoming=p["a"].rdv.incoming)
+        assert a_err.value.peer_id == p["b"].peer_id and isinstance(a_err.value, SessionError)
         with trio.fail_after(30):
             await b_failed.wait()
         assert all(c.circuits == [] for c in hub.clients.values())  # refused keys never fall back to the relay
