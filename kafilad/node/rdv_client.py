@@ -40,6 +40,8 @@ from kafilad.proto.rendezvous import (
 from kafilad.proto.rendezvous_proof import KEY_BYTES, NONCE_BYTES, Challenge, make_proof, public_key
 
 log = logging.getLogger(__name__)
+#: a circuit whose full buffer has held up the whole connection this long is named in the log (s)
+STALL_WARNING_S = 1.0
 
 
 @attrs.frozen
@@ -405,7 +407,7 @@ class RendezvousClient:
         if circuit is None:
             return  # we closed it; the rendezvous will learn from our circuit_close
         try:
-            await circuit._in_send.send(msg.payload)
+            await _put(circuit._in_send, msg.payload, repr(circuit))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # closed locally while we waited for buffer space
 
@@ -434,26 +436,42 @@ class RendezvousClient:
         elif t == "circuit_incoming":
             circuit = Circuit(self, f["circuit"], f["from"], f["label"], self._circuit_buffer)
             self._circuits[circuit.circuit_id] = circuit
-            await self._incoming_send.send(circuit)
+            await _put(self._incoming_send, circuit, "incoming circuits")
         elif t == "circuit_closed":
             circuit = self._circuits.pop(f["circuit"], None)
             if circuit is not None:
                 circuit._remote_closed(f["reason"], broken=False)
         elif t == "member_joined":
-            await self._events_send.send(MemberJoined(f["peer_id"], f["name"]))
+            await _put(self._events_send, MemberJoined(f["peer_id"], f["name"]), "events")
         elif t == "member_left":
-            await self._events_send.send(MemberLeft(f["peer_id"], f["reason"]))
+            await _put(self._events_send, MemberLeft(f["peer_id"], f["reason"]), "events")
         elif t == "signal":
-            await self._events_send.send(Signal(f["from"], f.get("body")))
+            await _put(self._events_send, Signal(f["from"], f.get("body")), "events")
         elif t == "session_closed":
             self.session_id = None
-            await self._events_send.send(SessionClosed(f["session_id"], f["reason"]))
+            await _put(self._events_send, SessionClosed(f["session_id"], f["reason"]), "events")
         elif t == "error":
             if f.get("fatal"):
                 self._lost = f"the rendezvous closed the connection: {f.get('reason')}"
-            await self._events_send.send(RendezvousErrorEvent(f.get("code", ""), f.get("reason", "")))
+            await _put(self._events_send, RendezvousErrorEvent(f.get("code", ""), f.get("reason", "")), "events")
         else:
             log.debug("rendezvous %s: ignoring message type %r", self.url, t)
+
+
+async def _put(channel: trio.MemorySendChannel, item, what: str) -> None:
+    """Hand one received item to its consumer; the connection's reader waits while `channel` is
+    full (module docstring), and a wait longer than STALL_WARNING_S names the consumer in the log."""
+    try:
+        channel.send_nowait(item)
+        return
+    except trio.WouldBlock:
+        pass
+    with trio.move_on_after(STALL_WARNING_S):
+        await channel.send(item)
+        return
+    log.warning("the rendezvous connection has waited %g s for the reader of %s; every circuit of "
+                "this connection waits with it", STALL_WARNING_S, what)
+    await channel.send(item)
 
 
 @asynccontextmanager

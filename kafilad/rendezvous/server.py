@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 RECORD_ENV = "KAFILA_RELAY_RECORD"
 #: Outbound messages queued per connection before senders to it wait.
 OUTBOUND_QUEUE_MESSAGES = 64
+#: a sender held up this long by a full outbound queue is named in the log (s)
+STALL_WARNING_S = 1.0
 #: Seconds a connection may take to register or join before it is closed.
 REGISTER_TIMEOUT_S = 10.0
 
@@ -186,6 +188,16 @@ class RendezvousServer:
             item = action.data if isinstance(action, SendTo) else action
             try:
                 if self.state.knows(action.conn):
+                    try:
+                        queue.send_nowait(item)
+                        continue
+                    except trio.WouldBlock:
+                        pass
+                    with trio.move_on_after(STALL_WARNING_S):
+                        await queue.send(item)
+                        continue
+                    log.warning("rendezvous: a sender has waited %g s for connection %d, which is not draining",
+                                STALL_WARNING_S, action.conn)
                     await queue.send(item)
                     continue
                 try:
