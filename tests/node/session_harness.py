@@ -146,7 +146,23 @@ class World:
                 with trio.move_on_after(0.05):  # state that changes without a node.changed() too
                     await self._changed.wait()
             return trio.current_time() - t0
-        raise AssertionError(f"{what} did not happen within {timeout_s} s")
+        raise AssertionError(f"{what} did not happen within {timeout_s} s; {self.describe()}")
+
+    def describe(self) -> str:
+        """Every node's session state, and the host's member rows (what a timed-out wait shows)."""
+        out = []
+        for name, node in self.nodes.items():
+            s = node.session
+            if s is None:
+                continue
+            state = getattr(getattr(s, "state", None), "value", getattr(s, "state", None))
+            line = f"{name}: {type(s).__name__} {state}"
+            if hasattr(s, "members"):
+                rows = s.snapshot().get("members", [])
+                line += " members " + ", ".join(f"{m['name']}(blocks={m.get('blocks')}, ready={m.get('ready')}, "
+                                                f"lost={m.get('lost')!r})" for m in rows)
+            out.append(line)
+        return "; ".join(out)
 
     # ---- sessions ----------------------------------------------------------------------------
     async def host(self, name: str = "h", *, members: int = 3, open_: bool = True, admit_timeout_s: float = 30.0,
