@@ -342,7 +342,9 @@ class PathManager(NatClassifier, PathSizes):
             await self.rdv.send_signal(peer_id, offer)
         except (trio.BrokenResourceError, SessionError):  # lost, or reconnecting (issue 8 §3)
             return None, {"reason": "the rendezvous connection was lost"}
+        log.debug("edge %s try %d: offer sent to %s", edge, attempt, peer_name)
         theirs = await self.inbox.wait(edge, attempt, peer_id, OFFER_TIMEOUT_S)
+        log.debug("edge %s try %d: %s", edge, attempt, "their offer came" if theirs else "no offer came")
         if theirs is None:
             return None, {"reason": f"no candidate offer from {peer_name} within {OFFER_TIMEOUT_S:g} s"}
         their_class = theirs.get("nat_class") if theirs.get("nat_class") in CLASSES else None
@@ -371,6 +373,7 @@ class PathManager(NatClassifier, PathSizes):
             agent = ice.IceAgent(controlling=sender, local=creds, remote=their_creds, remote_candidates=their_cands,
                                  now=trio.current_time(), tie_breaker=int.from_bytes(os.urandom(8), "big"))
             result = await self._run_checks(agent, rec, deaf=deaf)
+            log.debug("edge %s try %d: checks ended: %r", edge, attempt, result)
             if not isinstance(result, ice.PathVerified):
                 agent.close()
                 return None, {"reason": result.reason if result else "the checks stopped"}
@@ -382,6 +385,7 @@ class PathManager(NatClassifier, PathSizes):
             else:
                 t = await quic_accept(endpoint, result.remote, self.nursery, timeout_s=QUIC_TIMEOUT_S)
         except trio.BrokenResourceError as e:
+            log.debug("edge %s try %d: QUIC did not connect: %s", edge, attempt, e)
             self._stop_agent(agent)
             return None, {"reason": f"QUIC did not connect over the verified path: {e}"}
         finally:
