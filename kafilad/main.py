@@ -149,7 +149,11 @@ def _main(argv: list[str] | None = None) -> int:
             trio.run(_daemon, args)
     except KeyboardInterrupt:
         pass
-    except Exception as e:  # startup errors are sentences, not tracebacks
+    except BaseException as e:  # startup errors are sentences, not tracebacks
+        if isinstance(e, BaseExceptionGroup) and e.split((KeyboardInterrupt, trio.Cancelled))[1] is None:
+            return 0  # Ctrl-C inside a nursery arrives wrapped in a group (trio's strict groups)
+        if not isinstance(e, Exception):
+            raise
         known = find_kafila_error(e)
         os_error = _find(e, OSError)
         if known is not None:
