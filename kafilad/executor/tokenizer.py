@@ -36,6 +36,8 @@ import json
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
+from kafilad.errors import ModelFormatError
+
 #: prompt or committed tokens kept as left context for the next decode
 CONTEXT_TOKENS = 16
 #: pending tokens decoded together before the window moves on (when nothing is held back)
@@ -219,8 +221,15 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
 
     Raises:
         ValueError: a malformed `eos_token_id` in config.json or generation_config.json.
-        OSError: the directory has no tokenizer files.
+        ModelFormatError: the directory has no tokenizer transformers can load (its first line says why).
     """
     from mlx_lm.utils import load_tokenizer as _load
 
-    return Tokenizer(_load(Path(model_dir), eos_token_ids=declared_eos_token_ids(model_dir)))
+    eos = declared_eos_token_ids(model_dir)
+    try:
+        wrapped = _load(Path(model_dir), eos_token_ids=eos)
+    except Exception as e:  # noqa: BLE001 - transformers raises ValueError, OSError, KeyError, ... here
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelFormatError(f"{model_dir} has no tokenizer that can be loaded (tokenizer.json, tokenizer.model "
+                               f"or tokenizer_config.json): {first}") from None
+    return Tokenizer(wrapped)
