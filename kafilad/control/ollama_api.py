@@ -112,7 +112,7 @@ class Options(_Model):
 
 
 class _Generation(_Model):
-    model: str = Field(min_length=1)
+    model: Optional[str] = Field(default=None, min_length=1)  # left out: the served one (README)
     stream: Optional[bool] = None
     options: Optional[Options] = None
     keep_alive: Optional[Any] = None
@@ -362,6 +362,7 @@ async def _generate_route(node, request: Request, res: Responder) -> None:
     async def body() -> None:
         r = _parse(GenerateRequest, json_object(request.body))
         s = _served(node, r.model)
+        r.model = r.model or model_id(s)
         if not r.prompt:
             await _send(res, 200, {"model": r.model, "created_at": _now(), "response": "", "done": True,
                                    "done_reason": "load"})
@@ -374,6 +375,7 @@ async def _chat_route(node, request: Request, res: Responder) -> None:
     async def body() -> None:
         r = _parse(ChatRequest, json_object(request.body))
         s = _served(node, r.model)
+        r.model = r.model or model_id(s)
         if not r.messages:
             await _send(res, 200, {"model": r.model, "created_at": _now(),
                                    "message": {"role": "assistant", "content": ""}, "done": True,

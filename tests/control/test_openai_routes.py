@@ -12,7 +12,7 @@ import trio
 
 from kafilad.control import openai_api
 from kafilad.control.api_common import HttpError, json_object, origin_allowed
-from kafilad.control.ollama_api import GenerateRequest, _parse
+from kafilad.control.ollama_api import ChatRequest, GenerateRequest, _parse
 from kafilad.control.openai_schema import parse_chat, parse_completion
 
 from control.http_harness import exchange, http_request
@@ -137,10 +137,12 @@ def test_ollama_bodies():
                         ({"model": "m", "think": True}, "'think' is not supported"),
                         ({"model": "m", "context": [1, 2]}, "'context' is not supported"),
                         ({"model": "m", "top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true."),
-                        ({"prompt": "p"}, "'model' is required.")]:
+                        ({"model": "", "prompt": "p"}, "'model' is invalid")]:
         with pytest.raises(HttpError) as e:
             _parse(GenerateRequest, body)
         assert words in e.value.message, (body, e.value.message)
+    assert _parse(GenerateRequest, {"prompt": "p"}).model is None  # left out: the served model (README)
+    assert _parse(ChatRequest, {"messages": []}).model is None
 
 
 def test_bodies_with_lone_surrogates_name_the_field():

@@ -77,6 +77,12 @@ def test_generate_and_chat_greedy_whole_and_streamed(cluster):
     assert "".join(p.message.content for p in pieces) == reply and pieces[-1].done_reason == "length"
     load = client.generate(model="stories260K", prompt="")
     assert load.done and load.done_reason == "load" and load.response == ""
+    # `model` left out (README): the served one, named in the answer
+    req = urllib.request.Request(cluster.base + "/api/generate", method="POST", data=json.dumps(
+        {"prompt": PROMPT, "stream": False, "options": {"num_predict": 12, "temperature": 0}}).encode())
+    with urllib.request.urlopen(req, timeout=120) as r:
+        whole = json.loads(r.read())
+    assert whole["response"] == expected["text"] and whole["model"] == "stories260K" and whole["done"]
 
 
 def test_options_reach_the_sampler(cluster):
