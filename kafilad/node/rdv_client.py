@@ -28,6 +28,7 @@ import trio_websocket
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from kafilad.errors import LocalProtocolError, RemoteProtocolError, SessionError, collapse_groups
+from kafilad.net.channels import send_noting_stall
 from kafilad.proto.identity import peer_id as peer_id_of
 from kafilad.proto.rendezvous import (
     ControlMessage,
@@ -461,17 +462,9 @@ class RendezvousClient:
 async def _put(channel: trio.MemorySendChannel, item, what: str) -> None:
     """Hand one received item to its consumer; the connection's reader waits while `channel` is
     full (module docstring), and a wait longer than STALL_WARNING_S names the consumer in the log."""
-    try:
-        channel.send_nowait(item)
-        return
-    except trio.WouldBlock:
-        pass
-    with trio.move_on_after(STALL_WARNING_S):
-        await channel.send(item)
-        return
-    log.warning("the rendezvous connection has waited %g s for the reader of %s; every circuit of "
-                "this connection waits with it", STALL_WARNING_S, what)
-    await channel.send(item)
+    await send_noting_stall(channel, item, STALL_WARNING_S, lambda: log.warning(
+        "the rendezvous connection has waited %g s for the reader of %s; every circuit of this connection "
+        "waits with it", STALL_WARNING_S, what))
 
 
 @asynccontextmanager

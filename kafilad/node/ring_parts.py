@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import Callable, Optional
 
 import attrs
 import trio
@@ -23,6 +23,24 @@ BATCH_ENV = "KAFILA_BATCH"
 #: environment switch: pin the decode micro-batches in flight (kafilad/node/step_policy.py)
 MICRO_BATCHES_ENV = "KAFILA_MICRO_BATCHES"
 
+def _env_value(environ, name: str, parse: Callable[[str], float], valid: Callable[[float], bool], must: str):
+    """`environ[name]` parsed, None when unset or blank.
+
+    Raises:
+        ValueError: a value `parse` refuses or `valid` rejects ("<name> must be <must>, not '<raw>'.").
+    """
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = parse(raw)
+    except ValueError:
+        value = None
+    if value is None or not valid(value):
+        raise ValueError(f"{name} must be {must}, not {raw!r}.")
+    return value
+
+
 def pinned_micro_batches(environ=os.environ) -> Optional[int]:
     """`KAFILA_MICRO_BATCHES=N` pins the decode micro-batches in flight (N ≥ 1); unset: chosen from
     measured stage times (kafilad/node/step_policy.py).
@@ -30,16 +48,7 @@ def pinned_micro_batches(environ=os.environ) -> Optional[int]:
     Raises:
         ValueError: a value that is not a positive integer (the daemon refuses to start with it).
     """
-    raw = environ.get(MICRO_BATCHES_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{MICRO_BATCHES_ENV} must be a positive integer, not {raw!r}.")
-    return n
+    return _env_value(environ, MICRO_BATCHES_ENV, int, lambda n: n >= 1, "a positive integer")
 
 
 #: environment switch: the daemon process's GIL switch interval, in milliseconds
@@ -60,16 +69,9 @@ def daemon_switch_interval_s(environ=os.environ) -> Optional[float]:
     Raises:
         ValueError: a value that is not a positive number (the daemon refuses to start with it).
     """
-    raw = environ.get(SWITCH_INTERVAL_ENV, "").strip()
-    if not raw:
-        return DAEMON_SWITCH_INTERVAL_S
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = 0.0
-    if not 0 < ms <= 1000:
-        raise ValueError(f"{SWITCH_INTERVAL_ENV} must be a number of milliseconds in (0, 1000], not {raw!r}.")
-    return ms / 1e3
+    ms = _env_value(environ, SWITCH_INTERVAL_ENV, float, lambda x: 0 < x <= 1000,
+                    "a number of milliseconds in (0, 1000]")
+    return DAEMON_SWITCH_INTERVAL_S if ms is None else ms / 1e3
 
 
 #: schedule modes of `apply_schedule` (the control API's `schedule` op): besides these, an integer M ≥ 1

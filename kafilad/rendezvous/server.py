@@ -39,6 +39,7 @@ from kafilad.proto.rendezvous import (
     encode_relay_record,
 )
 from kafilad.errors import RemoteProtocolError
+from kafilad.net.channels import send_noting_stall
 
 log = logging.getLogger(__name__)
 
@@ -188,17 +189,9 @@ class RendezvousServer:
             item = action.data if isinstance(action, SendTo) else action
             try:
                 if self.state.knows(action.conn):
-                    try:
-                        queue.send_nowait(item)
-                        continue
-                    except trio.WouldBlock:
-                        pass
-                    with trio.move_on_after(STALL_WARNING_S):
-                        await queue.send(item)
-                        continue
-                    log.warning("rendezvous: a sender has waited %g s for connection %d, which is not draining",
-                                STALL_WARNING_S, action.conn)
-                    await queue.send(item)
+                    await send_noting_stall(queue, item, STALL_WARNING_S, partial(
+                        log.warning, "rendezvous: a sender has waited %g s for connection %d, which is not draining",
+                        STALL_WARNING_S, action.conn))
                     continue
                 try:
                     queue.send_nowait(item)

@@ -1,0 +1,23 @@
+"""kafilad/net/channels.py: a send that names a consumer falling behind."""
+
+from __future__ import annotations
+
+import trio
+from trio.testing import trio_test
+
+from kafilad.net.channels import send_noting_stall
+
+
+@trio_test
+async def test_a_full_channel_is_noted_once_after_the_stall_and_the_item_still_goes():
+    send, recv = trio.open_memory_channel(1)
+    noted = []
+    await send_noting_stall(send, "a", 0.05, lambda: noted.append(trio.current_time()))
+    assert noted == []  # room: no wait
+    t0 = trio.current_time()
+    async with trio.open_nursery() as n:
+        n.start_soon(send_noting_stall, send, "b", 0.05, lambda: noted.append(trio.current_time() - t0))
+        await trio.sleep(0.2)
+        assert len(noted) == 1 and 0.05 <= noted[0] < 0.2  # one note, after the stall
+        assert recv.receive_nowait() == "a"
+    assert recv.receive_nowait() == "b" and len(noted) == 1
