@@ -480,6 +480,8 @@ class HostSession(HostRequests, SessionDriver):
             head = planned.head == e.name
             tensors = await trio.to_thread.run_sync(self.files.tensor_table, start, end, head)
             files = await trio.to_thread.run_sync(self.files.file_table) if head else []
+            if epoch != self.machine.epoch:
+                return  # replanned while the tables were made: the newer plan's frame may have gone first
             await self._perform(sm.Send(pid, cf.PlanFrame(plan=planned.plan, ring=order, roster=roster, start=start,
                                                           end=end, head=head, tensors=tensors, files=files,
                                                           epoch=epoch, dtype=stagehost.stage_dtype(planned.plan, e.name))))

@@ -29,9 +29,9 @@ MEMBER_TABLE: dict = {
     M.LOADING: {StageLoaded: {M.LOADING, M.READY}, LoadFailed: {M.FAILED}, RingFailed: {M.LOADING, M.FAILED},
                 cf.PlanFrame: {M.LOADING}, cf.Standby: {M.STANDBY}, **_MEMBER_FAILURES},
     M.READY: {**_MEMBER_FAILURES, RendezvousLost: {M.READY, M.FAILED}, HostLinkLost: {M.READY, M.FAILED},
-              RingFailed: {M.READY, M.FAILED}, cf.PlanFrame: {M.LOADING}, cf.Standby: {M.STANDBY}},
+              RingFailed: {M.READY, M.FAILED}, cf.PlanFrame: {M.LOADING, M.READY}, cf.Standby: {M.STANDBY}},
     # the events of a stage dropped on the way in (its load or ring tasks ending late) are stale here
-    M.STANDBY: {cf.PlanFrame: {M.LOADING}, cf.Standby: {M.STANDBY}, StageLoaded: {M.STANDBY},
+    M.STANDBY: {cf.PlanFrame: {M.LOADING, M.STANDBY}, cf.Standby: {M.STANDBY}, StageLoaded: {M.STANDBY},
                 LoadFailed: {M.STANDBY}, RingFailed: {M.STANDBY}, **_MEMBER_FAILURES},
     M.FAILED: {Close: {M.CLOSED}},
     M.CLOSED: {},
@@ -95,7 +95,14 @@ class MemberMachine(_Machine):
         return []
 
     def _on_plan(self, ev: cf.PlanFrame, row) -> list:
-        """A plan; in loading or ready, a replan: the driver replaces the stage (cached tensors are re-used)."""
+        """A plan; in loading or ready, a replan: the driver replaces the stage (cached tensors are re-used).
+
+        A plan of an epoch older than the one held (the plan's, or standing by's) is stale: the host
+        sent it before a replan and it arrived after the replan's (proto_spec 05 §2); it is ignored.
+        """
+        held = self.plan.epoch if self.plan is not None else self.standby_epoch
+        if held is not None and ev.epoch is not None and ev.epoch < held:
+            return []
         self.plan = ev
         self.ring_broken = None
         self.standby_epoch = None

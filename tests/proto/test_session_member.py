@@ -156,6 +156,21 @@ def replanned_while_ready(m, fire):
     assert fire(f) == [sm.StartLoad(f)]
 
 
+@member_case(M.READY, cf.PlanFrame, M.READY)
+def a_plan_older_than_the_held_one_is_stale(m, fire):
+    # sent before a replan, arrived after the replan's own plan (the host made its tensor tables
+    # for the old plan while the new one went out)
+    held = m.plan
+    assert fire(plan_frame(start=0, end=3, epoch=held.epoch - 1)) == [] and m.plan is held
+
+
+@member_case(M.LOADING, cf.PlanFrame, M.LOADING)
+def a_stale_plan_while_loading_is_ignored(m, fire):
+    newer = plan_frame(start=0, end=3, epoch=3)
+    m.handle(newer)
+    assert fire(plan_frame(start=3, end=6, epoch=2)) == [] and m.plan is newer
+
+
 @member_case(M.READY, sm.RingFailed, M.READY)
 def ring_failed_while_ready_is_reported(m, fire):
     assert fire(sm.RingFailed(None, "the previous stage closed")) == [
@@ -220,6 +235,12 @@ def standby_again_on_a_later_plan(m, fire):
 def a_standby_given_blocks_loads(m, fire):
     f = plan_frame(start=0, end=2, epoch=5)
     assert fire(f) == [sm.StartLoad(f)] and m.plan == f and m.standby_epoch is None
+
+
+@member_case(M.STANDBY, cf.PlanFrame, M.STANDBY)
+def a_plan_older_than_standing_by_is_stale(m, fire):
+    m.handle(cf.Standby(epoch=3))
+    assert fire(plan_frame(start=0, end=2, epoch=2)) == [] and m.plan is None and m.standby_epoch == 3
 
 
 @member_case(M.STANDBY, sm.StageLoaded, M.STANDBY)
