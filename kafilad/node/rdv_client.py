@@ -459,6 +459,18 @@ class RendezvousClient:
             log.debug("rendezvous %s: ignoring message type %r", self.url, t)
 
 
+def _handshake_reason(exc: trio_websocket.HandshakeError) -> str:
+    """A sentence for a failed WebSocket opening handshake (trio_websocket's errors print as "HandshakeError()")."""
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(exc, trio_websocket.ConnectionRejected):
+        return f"it answered HTTP {exc.status_code} instead of opening a WebSocket"
+    if isinstance(exc, trio_websocket.ConnectionTimeout):
+        return "it did not answer within the connect timeout"
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+    return str(exc) or "the WebSocket handshake failed"
+
+
 async def _put(channel: trio.MemorySendChannel, item, what: str) -> None:
     """Hand one received item to its consumer; the connection's reader waits while `channel` is
     full (module docstring), and a wait longer than STALL_WARNING_S names the consumer in the log."""
@@ -503,9 +515,15 @@ async def open_rendezvous(
                 url, max_message_size=limits.ws_max_message_bytes, connect_timeout=connect_timeout_s,
                 disconnect_timeout=5,
             ))
-        except (OSError, trio_websocket.HandshakeError, ValueError) as exc:
-            raise SessionError(f"Cannot reach the rendezvous at {url}: {exc!r}. Check the URL and that "
-                               "the rendezvous is running.") from None
+        except ValueError:  # trio_websocket's words for a malformed URL
+            raise SessionError(f"The rendezvous URL {url!r} is not a WebSocket URL: it must look like "
+                               "ws://HOST:PORT or wss://HOST:PORT.") from None
+        except trio_websocket.HandshakeError as exc:
+            raise SessionError(f"Cannot reach the rendezvous at {url}: {_handshake_reason(exc)}. Check the URL "
+                               "and that the rendezvous is running.") from None
+        except OSError as exc:
+            raise SessionError(f"Cannot reach the rendezvous at {url}: {exc.strerror or exc}. Check the URL and "
+                               "that the rendezvous is running.") from None
         client = RendezvousClient(ws, url, static_private, name, limits, circuit_buffer, event_buffer)
         with collapse_groups():
             async with trio.open_nursery() as nursery:

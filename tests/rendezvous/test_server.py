@@ -128,9 +128,15 @@ def test_unreachable_rendezvous_is_a_session_error():
         listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
         port = listener.socket.getsockname()[1]
         await listener.aclose()  # nothing listens there now
-        with pytest.raises(SessionError, match=f"Cannot reach the rendezvous at ws://127.0.0.1:{port}"):
+        with pytest.raises(SessionError, match=f"Cannot reach the rendezvous at ws://127.0.0.1:{port}: ") as e:
             async with rdv(f"ws://127.0.0.1:{port}", "H", "h"):
                 pass
+        assert "HandshakeError()" not in str(e.value)  # a sentence, not the library's repr (new-user report)
+        for url in ("notaurl", "http://127.0.0.1:9"):
+            with pytest.raises(SessionError, match=rf"^The rendezvous URL '{url}' is not a WebSocket URL: it must "
+                                                   r"look like ws://HOST:PORT or wss://HOST:PORT\.$"):
+                async with rdv(url, "H", "h"):
+                    pass
 
     trio.run(main)
 
