@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import trio
 
 from kafilad.control.http_server import ClientGone
-from kafilad.errors import GenerationCancelled, HostBusyError, KafilaError
+from kafilad.errors import GenerationCancelled, HostBusyError, KafilaError, SessionNotReadyError
 from kafilad.node.step_timeline import TIMELINE
 
 log = logging.getLogger("kafilad.http")
@@ -271,7 +271,11 @@ def generation_error(e: KafilaError, session) -> HttpError:
         try:
             ready(session)
         except HttpError as unavailable:
-            return unavailable
+            if isinstance(e, SessionNotReadyError):  # it never started: the session's state says it all
+                return unavailable
+            # it failed because the session changed under it (a member lost): say which, then the state
+            return HttpError(unavailable.status, f"{message.rstrip('.')}. {unavailable.message}", unavailable.kind,
+                             unavailable.headers, code=unavailable.code)
     return HttpError(500, message, "server_error")
 
 
