@@ -171,7 +171,8 @@ def status_line(snap: dict) -> str:
     members = []
     for m in snap.get("members") or []:
         b = m.get("blocks")
-        state = "lost" if m.get("lost") else ("ready" if m.get("ready") else (m.get("progress") or "joining"))
+        state = (("left" if m.get("left") else "lost") if m.get("lost") else
+                 ("ready" if m.get("ready") else (m.get("progress") or "joining")))
         members.append(f"{m.get('name')}{'*' if m.get('head') else ''}{f' [{b[0]},{b[1]})' if b else ''} {state}")
     if members:
         parts.append("members " + ", ".join(members))

@@ -25,7 +25,7 @@ def members_table(snap: dict) -> Table:
         t.add_column(col)
     for m in snap.get("members") or []:
         b = m.get("blocks")
-        state = "lost" if m.get("lost") else ("ready" if m.get("ready") else
+        state = ("left" if m.get("left") else "lost") if m.get("lost") else ("ready" if m.get("ready") else
                                               ("standby" if m.get("standby") else (m.get("progress") or "")))
         t.add_row(m["name"], m["peer_id"], f"[{b[0]}, {b[1]})" if b else "—", "●" if m.get("head") else "",
                   _ms(m.get("predicted_stage_s")), _ms(m.get("measured_stage_s")), m.get("nat_class") or "—", state)

@@ -563,7 +563,7 @@ class HostSession(HostRequests, SessionDriver):
                             "head": bool(plan and plan.head == r.name),
                             "predicted_stage_s": plan.stage_s.get(r.name) if plan else None,
                             "measured_stage_s": self.measured_stage_s.get(r.name),
-                            "ready": r.ready and r.lost is None, "lost": r.lost,
+                            "ready": r.ready and r.lost is None, "lost": r.lost, "left": r.left,
                             "standby": bool(plan and r.name in plan.standby),
                             "control": None if r.is_host else ("down" if r.control_down or r.lost else "up"),
                             "progress": "loading" if self.state == "loading" and not r.ready else None,
@@ -573,7 +573,7 @@ class HostSession(HostRequests, SessionDriver):
             if r.peer_id not in self.members:
                 members.append({"name": r.name, "peer_id": r.peer_id, "blocks": None, "head": False,
                                 "predicted_stage_s": None, "measured_stage_s": None, "ready": False, "lost": r.lost,
-                                "control": "down", "progress": None, "capability": r.capability,
+                                "left": r.left, "control": "down", "progress": None, "capability": r.capability,
                                 "nat_class": (r.capability or {}).get("nat_class")})
         return {"role": "host", "session_id": self.session_id, "code": self.code, "state": self.state.value,
                 "error": self.error, "model_id": self.info.model_id, "expected_members": self.expected,

@@ -406,7 +406,10 @@ class HostMachine(_Machine):
         return self._lose(peer_id, f"it failed to load its stage: {frame.reason}", row)
 
     def _on_leaving(self, peer_id: str, frame: cf.Leaving, row) -> list:
+        e = self.members.get(peer_id)
         out = self._lose(peer_id, f"it is leaving: {frame.reason}", row)
+        if e is not None and e.lost is not None:
+            e.left = True
         return out if CloseLink(peer_id, "") in out else out + [CloseLink(peer_id, "")]
 
     def _on_MemberLost(self, ev: MemberLost, row) -> list:

@@ -299,6 +299,7 @@ class MemberEntry:
     capability: Optional[dict] = None
     ready: bool = False
     lost: Optional[str] = None
+    left: bool = False  # lost because it said `leaving` (proto_spec 05 §2.2): its user ended it on purpose
     control_down: bool = False
     load: dict = attrs.field(factory=dict)
 

@@ -65,3 +65,16 @@ def test_schedule_and_ring_stalls_are_shown():
     assert "decode: 2 micro-batches in flight, 120 steps, up to 3 rows" in out
     assert "decode step of r7 not back after 10.4 s (deadline 10.0 s)" in out
     assert "micro-batch" not in render(SNAPSHOT)
+
+
+def test_a_member_that_left_reads_left_and_one_lost_reads_lost():
+    gone = [{"name": "m2", "peer_id": "q2q2q2q2", "blocks": None, "head": False, "ready": False,
+             "lost": "it is leaving: its user ran `kafila-ctl leave`", "left": True},
+            {"name": "m3", "peer_id": "q3q3q3q3", "blocks": None, "head": False, "ready": False,
+             "lost": "m3 sent nothing for 8 s (frozen, asleep or cut off)", "left": False}]
+    cells = {}
+    for ln in render({**SNAPSHOT, "members": SNAPSHOT["members"] + gone}).splitlines():
+        parts = [c.strip() for c in ln.split("│") if c.strip()]
+        if parts and parts[0] in ("m0", "m1", "m2", "m3") and len(parts) > 2:  # a member row: name ... state
+            cells.setdefault(parts[0], parts[-1])  # the members table comes before the edges table
+    assert cells == {"m0": "ready", "m1": "ready", "m2": "left", "m3": "lost"}

@@ -379,6 +379,7 @@ def member_failed_to_load(h, fire):
 @host_case(H.LOADING, cf.Leaving, H.RECOVERING)
 def leaving_while_loading(h, fire):
     lost(fire(sm.FrameFrom(A, cf.Leaving("bye"))), h, A, "alpha", "it is leaving: bye", [HOST, B])
+    assert h.lost[A].left  # shown as "left", not "lost" (a new user's report)
 
 
 @host_case(H.LOADING, cf.RingBroken, H.RECOVERING)
