@@ -21,6 +21,7 @@ from kafilad.errors import (HandshakeError, KafilaError, LinkClosed, RemoteProto
 from kafilad.modelinfo import read_model_info
 from kafilad.node import paths, stagehost
 from kafilad.node.admission import Limiter
+from kafilad.node.fetch_serving import MemberFetches, serve_fetch
 from kafilad.node.host_requests import HostRequests, RequestFailed
 from kafilad.node.link import Link, secure_link
 from kafilad.node.liveness import Liveness
@@ -37,19 +38,6 @@ from kafilad.proto.identity import compose_session_code, peer_id as peer_id_of
 log = logging.getLogger("kafilad.host")
 
 DEFAULT_CONTEXT = 4096  # tokens, when --context is not given (capped at max_position_embeddings)
-
-
-class _FetchQueue:
-    """One member's `fetch` frames between the host's reading of its link and its fetch server.
-
-    Attributes:
-        send, receive: a channel holding up to `cf.FETCHES_IN_FLIGHT_MAX` frames.
-        unanswered: fetches received and not yet answered (queued or being served).
-    """
-
-    def __init__(self) -> None:
-        self.send, self.receive = trio.open_memory_channel(cf.FETCHES_IN_FLIGHT_MAX)
-        self.unanswered = 0
 
 
 class HostSession(HostRequests, SessionDriver):
@@ -347,11 +335,11 @@ class HostSession(HostRequests, SessionDriver):
                 return
             link.peer_name = self.machine.members[pid].name
             live = Liveness(link)
-            fetches = _FetchQueue()
+            fetches = MemberFetches(link, lambda f: self._serve_fetch(link, f))
             with collapse_groups():
                 async with trio.open_nursery() as watch:
                     watch.start_soon(live.run)
-                    watch.start_soon(self._fetch_server, link, fetches)
+                    watch.start_soon(fetches.run)
                     await self._member_loop(pid, link, live, fetches)
         except LinkClosed as e:
             lost = getattr(self._rdv_client(), "lost", None)
@@ -381,12 +369,10 @@ class HostSession(HostRequests, SessionDriver):
     def pending(self) -> dict:
         return self.machine.pending
 
-    async def _member_loop(self, pid: str, link: Link, live: Liveness, fetches: "_FetchQueue") -> None:
-        """Frames from one admitted member: state frames to the machine, `fetch` frames to its
-        fetch server (`_fetch_server`), the rest served here.
-
-        The loop never waits on a send to the member: a member blocked sending to us while we
-        were blocked sending it 4 MiB of `data` would stall both links until liveness dropped it.
+    async def _member_loop(self, pid: str, link: Link, live: Liveness, fetches: MemberFetches) -> None:
+        """Frames from one admitted member: state frames to the machine, `fetch` frames to their
+        own task (kafilad/node/fetch_serving.py: this loop never waits on a `data` send), the rest
+        served here.
 
         Raises:
             LinkClosed: the link ended, a frame was malformed, or the member had more than
@@ -405,12 +391,7 @@ class HostSession(HostRequests, SessionDriver):
             elif isinstance(f, cf.Ping):
                 pass
             elif isinstance(f, cf.Fetch):
-                fetches.unanswered += 1
-                if fetches.unanswered > cf.FETCHES_IN_FLIGHT_MAX:
-                    reason = f"more than {cf.FETCHES_IN_FLIGHT_MAX} fetches in flight"
-                    await link.close(f"{link.peer_name} had {reason}")
-                    raise LinkClosed(f"it had {reason}") from None
-                fetches.send.send_nowait(f)  # never full: at most FETCHES_IN_FLIGHT_MAX unanswered
+                await fetches.take(f)
             elif isinstance(f, (cf.GenEvent, cf.GenDone, cf.GenError)):
                 ch = self.generations.get(f.req)
                 if ch is not None:
@@ -421,26 +402,9 @@ class HostSession(HostRequests, SessionDriver):
             else:
                 await self._handle(sm.FrameFrom(pid, f))
 
-    async def _fetch_server(self, link: Link, fetches: "_FetchQueue") -> None:
-        """Answer one member's `fetch` frames in the order they came (proto_spec 05 §2.1)."""
-        async for f in fetches.receive:
-            try:
-                await self._serve_fetch(link, f)
-            finally:
-                fetches.unanswered -= 1
-
     async def _serve_fetch(self, link: Link, f: cf.Fetch) -> None:
-        """Serve one byte range of a model file (proto_spec 05 §2.1) — only files of the model."""
-        problem = self.files.check_range(f.file, f.offset, f.length)
-        if problem is not None:
-            await link.send(cf.FetchError(f.id, f"cannot serve it: {problem}").to_wire())
-            return
-        try:
-            data = await trio.to_thread.run_sync(self.files.read, f.file, f.offset, f.length)
-        except OSError as e:  # the host's own disk: that member's fetch fails, nothing else
-            await link.send(cf.FetchError(f.id, f"cannot read it: {e}").to_wire())
-            return
-        await link.send(cf.Data(f.id, data).to_wire())
+        """Serve one byte range of a model file (proto_spec 05 §2.1; fetch_serving.serve_fetch)."""
+        await serve_fetch(self.files, link, f)
 
     # ---- formation --------------------------------------------------------------------------
     async def _make_plan(self, order: tuple, seq: int) -> None:
