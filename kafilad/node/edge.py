@@ -108,13 +108,14 @@ class RingEdge:
         self.incoming = incoming
         self.record = paths.record(peer_id, self.peer_name, sender=sender, new=True)
         self.edge_id = paths.edge_id(peer_id, sender)
+        self.circuit_label = f"ring:{self.edge_id}"  # the relayed circuits of this edge (proto_spec 07 §5)
         self.name = f"{self.record.src} -> {self.record.dst}"
         self.link: Optional[EdgeEnd] = None
         self.path_link: Optional[Link] = None
         self.links: list[Link] = []  # every link the edge used, oldest first
         self.transport: Optional[QuicTransport] = None
         self.closed = False
-        self._hello = {"peer_id": paths.peer_id, "name": paths.name, "role": "ring"}
+        self._hello = {"peer_id": paths.peer_id, "name": paths.name, "role": "ring", "edge": self.edge_id}
         self._background = trio.CancelScope()  # the edge's background life (start_upgrades)
         self._living = False
         self._on_edges: Optional[Callable[[], object]] = None
@@ -156,15 +157,23 @@ class RingEdge:
 
     async def _relay(self) -> Link:
         if self.sender:
-            circuit = await self.paths.rdv.open_circuit(self.peer_id, "ring")
+            circuit = await self.paths.rdv.open_circuit(self.peer_id, self.circuit_label)
             link, _, _ = await self._secure(circuit, self._hello)
             return link
-        while True:  # skip a stale fallback circuit of an edge that is gone (§7a)
+        while True:  # skip a stale circuit: a fallback (§7a), or one of an earlier ring's edge (§5)
             circuit = await self._incoming_circuit()
-            link, _, hello = await self._secure(circuit, self._hello)
-            if not hello.get("switch"):
+            try:
+                link, _, hello = await self._secure(circuit, self._hello)
+            except HandshakeTimeout as e:  # its sender gave up on it (an earlier formation): wait for the next
+                log.info("ring: a relayed circuit from %s closed during its handshake (%s); waiting for another",
+                         self.peer_name, e)
+                continue
+            if hello.get("switch"):
+                await link.close("a fallback circuit of an earlier ring edge")
+            elif hello.get("edge", self.edge_id) != self.edge_id:
+                await link.close(f"a circuit of another ring's edge ({hello.get('edge')!r}, expected {self.edge_id!r})")
+            else:
                 return link
-            await link.close("a fallback circuit of an earlier ring edge")
 
     async def _secure(self, transport, hello: dict, timeout_s: float = 20.0):
         return await secure_link(transport, initiator=self.sender, static_private=self.paths.static_private,
@@ -172,11 +181,22 @@ class RingEdge:
                                  timeout_s=timeout_s)
 
     async def _incoming_circuit(self):
+        """The next relayed circuit from our peer for this edge; others are closed unread.
+
+        A circuit labelled for another edge (an earlier ring's, whose sender may have given up on
+        it without closing it yet) is dropped before any handshake; a bare "ring" label (a peer
+        that does not name the edge) is taken, and its handshake's hello is checked instead.
+        """
         while True:
             circuit = await self.incoming.receive()
-            if circuit.peer_id == self.peer_id:
+            label = getattr(circuit, "label", "ring")
+            if circuit.peer_id != self.peer_id:
+                log.warning("ring: refusing a ring circuit from %s (expected %s)", circuit.peer_id, self.peer_id)
+            elif label not in ("ring", self.circuit_label):
+                log.info("ring: dropping a circuit from %s for another ring edge (%s; this edge is %s)",
+                         self.peer_name, label, self.circuit_label)
+            else:
                 return circuit
-            log.warning("ring: refusing a ring circuit from %s (expected %s)", circuit.peer_id, self.peer_id)
             await circuit.aclose()
 
     def _check(self, remote_static: bytes, remote_hello: dict) -> str:
@@ -323,7 +343,7 @@ class RingEdge:
         hello = {**self._hello, "edge": self.edge_id, "switch": "fallback", "reason": why}
         try:
             with trio.fail_after(FALLBACK_TIMEOUT_S):
-                circuit = await self.paths.rdv.open_circuit(self.peer_id, "ring")
+                circuit = await self.paths.rdv.open_circuit(self.peer_id, self.circuit_label)
                 link, _, _ = await self._secure(circuit, hello, FALLBACK_TIMEOUT_S)
                 es = await self._ready_on(link)
         except _FALLBACK_FAILS as e:
@@ -496,7 +516,7 @@ async def _report(on_edges) -> None:
 
 
 async def form_ring(paths: PathManager, *, session_id: str, ring: list[str], roster: dict,
-                    incoming: trio.MemoryReceiveChannel,
+                    incoming: trio.MemoryReceiveChannel, epoch: int = 0,
                     timeout_s: float = RING_FORM_TIMEOUT_S) -> tuple[Optional[RingEdge], Optional[RingEdge]]:
     """Form this member's edge to its next member and the one from its previous member, at once.
 
@@ -504,6 +524,7 @@ async def form_ring(paths: PathManager, *, session_id: str, ring: list[str], ros
         ring: peer ids in ring order, head first (ours among them).
         roster: {peer_id: {"name": str, "public_key": bytes}} of the session.
         incoming: channel of incoming relayed circuits labelled "ring".
+        epoch: the plan's epoch (proto_spec 05 §2), part of every edge id of this ring (07 §2).
     Returns:
         (next_edge, prev_edge), formed; both None when the ring is this member alone. The edges of
         a ring formed earlier on ``paths`` (a replan) are closed first (:func:`close_ring`).
@@ -513,6 +534,7 @@ async def form_ring(paths: PathManager, *, session_id: str, ring: list[str], ros
         SessionError: the edges did not form within ``timeout_s``.
     """
     await close_ring(paths)
+    paths.ring_epoch = epoch
     me = paths.peer_id
     m = len(ring)
     if m == 1:

@@ -157,6 +157,7 @@ class PathManager(NatClassifier, PathSizes):
         self._stun_contacts: dict[tuple, float] = {}  # STUN address -> when a classification last sent to it
         self.edges: dict[str, EdgeRecord] = {}
         self.ring_edges: list = []  # the RingEdges of the ring formed last (kafilad/node/edge.py form_ring)
+        self.ring_epoch = 0  # the plan epoch of that ring: part of its edges' ids (proto_spec 07 §2)
         self.inbox = inbox if inbox is not None else OfferInbox()
         self.closed = False
         self._quic: weakref.WeakSet[QuicTransport] = weakref.WeakSet()
@@ -279,9 +280,14 @@ class PathManager(NatClassifier, PathSizes):
 
     # ---- edges ---------------------------------------------------------------------------------
     def edge_id(self, peer_id: str, sender: bool) -> str:
-        """``<session_id>:<sender peer id>><receiver peer id>`` (proto_spec 07 §2)."""
+        """``<session_id>:<plan epoch>:<sender peer id>><receiver peer id>`` (proto_spec 07 §2).
+
+        The epoch is :attr:`ring_epoch`, the plan of the ring formed last, so an offer or circuit
+        meant for an edge of an earlier ring never pairs with the same two members' edge of this one.
+        """
         me = self.peer_id
-        return f"{self.session_id}:{me}>{peer_id}" if sender else f"{self.session_id}:{peer_id}>{me}"
+        pair = f"{me}>{peer_id}" if sender else f"{peer_id}>{me}"
+        return f"{self.session_id}:{self.ring_epoch}:{pair}"
 
     def record(self, peer_id: str, peer_name: str, *, sender: bool, me_name: Optional[str] = None,
                new: bool = False) -> EdgeRecord:

@@ -141,7 +141,7 @@ class SessionDriver:
             apply_schedule(self.ring.scheduler, self.schedule_mode)  # `kafila-ctl schedule` outlives a replan
         nxt, prv = await stagehost.connect_ring(paths=self.paths, session_id=self.session_id,
                                                 ring=self.ring_order, roster=roster, incoming=self._ring_incoming,
-                                                member=self.ring, on_edges=on_edges)
+                                                member=self.ring, on_edges=on_edges, epoch=epoch)
         self._stage_links = (nxt, prv)
         stagehost.attach_ring(self.ring, nursery=stage_nursery, me=self.node.peer_id, ring_order=self.ring_order,
                               names=self._ring_names(), next_link=nxt, prev_link=prv, watch=self._watch_ring)

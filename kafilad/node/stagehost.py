@@ -74,7 +74,7 @@ def stage_dtype(plan_json: Optional[dict], name: str) -> str:
 async def connect_ring(*, paths: Optional[PathManager] = None, session_id: str, ring: list[str], roster: dict,
                        incoming: trio.MemoryReceiveChannel, member: Optional[RingMember] = None,
                        on_edges: Optional[Callable[[], Awaitable[None]]] = None,
-                       node=None, rdv=None) -> tuple[Optional[Link], Optional[Link]]:
+                       node=None, rdv=None, epoch: int = 0) -> tuple[Optional[Link], Optional[Link]]:
     """Form this member's two ring edges (kafilad/node/edge.py) and hand them to ``member``.
 
     Each edge is tried direct first and falls back to a relayed circuit (proto_spec 07 §5); with
@@ -89,6 +89,7 @@ async def connect_ring(*, paths: Optional[PathManager] = None, session_id: str, 
         member: this daemon's RingMember, for upgrades.
         on_edges: awaited after an upgrade changed one of our edges (report it to the host).
         node, rdv: DEPRECATED compatibility (remove once host.py / member.py pass ``paths``).
+        epoch: the plan's epoch, part of the edges' ids (proto_spec 07 §2).
     Returns:
         (next_link, prev_link); both None when the ring is this member alone.
     Raises:
@@ -96,7 +97,8 @@ async def connect_ring(*, paths: Optional[PathManager] = None, session_id: str, 
     """
     if paths is None:  # compat: remove with the node/rdv keywords
         paths = await _compat_paths(node, rdv)
-    out, into = await edge.form_ring(paths, session_id=session_id, ring=ring, roster=roster, incoming=incoming)
+    out, into = await edge.form_ring(paths, session_id=session_id, ring=ring, roster=roster, incoming=incoming,
+                                     epoch=epoch)
     if out is None:
         return None, None
     if member is not None:
@@ -244,7 +246,8 @@ def attach_ring(ring: RingMember, *, nursery, me: str, ring_order: list[str], na
 
 
 async def accept_circuits(rdv, route: dict) -> None:
-    """Hand each incoming relayed circuit to `route[label]` (an async callable); close the others.
+    """Hand each incoming relayed circuit to `route[kind]` (an async callable), `kind` being its
+    label up to the first ":" ("ring:<edge id>" is a "ring" circuit, proto_spec 07 §5); close the others.
 
     Returns quietly when the rendezvous connection ends (the session's events loop gets its
     Disconnected and decides what that means).
@@ -254,7 +257,7 @@ async def accept_circuits(rdv, route: dict) -> None:
             circuit = await rdv.accept_circuit()
         except trio.BrokenResourceError:
             return
-        handler = route.get(circuit.label)
+        handler = route.get(str(circuit.label).split(":", 1)[0])
         if handler is None:
             await circuit.aclose()
         else:

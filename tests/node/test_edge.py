@@ -282,3 +282,37 @@ async def test_forming_a_new_ring_closes_the_edges_of_the_last_one(clock, monkey
         c_offers = [s for s in hub.clients[p["c"].peer_id].signals if s[0] > replanned_at and s[2]["edge"] == old_edge]
         assert len(b_offers) >= 3 and c_offers == []  # c's end of the old edge no longer answers
         nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_circuit_left_over_from_an_earlier_rings_formation_is_dropped_unread(clock, monkeypatch):
+    """proto_spec 07 §2, §5: edge ids carry the plan epoch and relayed circuits are labelled with
+    theirs, so the receiver of a re-formed ring skips the earlier formation's circuit that its
+    sender gave up on (without closing it) instead of spending the Noise handshake's 20 s on it."""
+    monkeypatch.setenv("KAFILA_DIRECT", "0")  # every edge relays: the circuits are the point
+    async with trio.open_nursery() as nursery:
+        net, hub, p, roster = await _world(nursery, {"a": "O", "b": "O"}, classify=False)
+        ring = [p["a"].peer_id, p["b"].peer_id]
+        with trio.move_on_after(3):  # plan 1: only a forms; its circuit to b waits in b's inbox, unanswered
+            await form_ring(p["a"].paths, session_id="s1", ring=ring, roster=roster, incoming=p["a"].rdv.incoming,
+                            epoch=1)
+        stale = [c for c in hub.clients[p["a"].peer_id].circuits]
+        assert [c.label for c in stale] == [f"ring:s1:1:{p['a'].peer_id}>{p['b'].peer_id}"]
+        held_open = await p["a"].rdv.open_circuit(p["b"].peer_id, stale[0].label)  # one its sender never closed
+        formed = {}
+
+        async def form(name):
+            formed[name] = await form_ring(p[name].paths, session_id="s1", ring=ring, roster=roster,
+                                           incoming=p[name].rdv.incoming, epoch=2)
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:  # plan 2: both form
+            for name in "ab":
+                n.start_soon(form, name)
+        assert trio.current_time() - t0 < 5  # the old code took the stale circuit: a 20 s handshake timeout, then failed
+        out, into = formed["a"][0], formed["b"][1]
+        assert out.edge_id == into.edge_id == f"s1:2:{p['a'].peer_id}>{p['b'].peer_id}"
+        await _check_frames(out, into, "plan 2")
+        await _check_frames(formed["b"][0], formed["a"][1], "plan 2 back")
+        with pytest.raises((trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError)):
+            await held_open.receive_message()  # b closed it unread: no handshake message came back
+        nursery.cancel_scope.cancel()
