@@ -167,3 +167,15 @@ def cap_datagram_bytes(conn: QuicConnection, n: int) -> bool:
 def successor_dcid(previous_odcid: bytes) -> bytes:
     """The Initial DCID of the connection that succeeds one whose original DCID was ``previous_odcid``."""
     return hashlib.sha256(b"kafila/quic-successor" + bytes(previous_odcid)).digest()[:CID_BYTES]
+
+
+def initial_dcid(sender_ufrag: str, sender_pwd: str, receiver_ufrag: str, receiver_pwd: str) -> bytes:
+    """The Initial DCID an edge's sender uses for the first connection of one attempt (proto_spec 07 §4).
+
+    Both ends know both attempts' ICE credentials (RFC 8445 §5.3; fresh per attempt, exchanged in
+    the offers of 07 §2), so the receiver accepts exactly this connection and ignores a datagram
+    left over from an earlier connection between the same sockets. First CID_BYTES bytes of
+    SHA-256("kafila/quic-initial" ‖ sender ufrag ‖ ":" ‖ sender pwd ‖ ":" ‖ receiver ufrag ‖ ":" ‖ receiver pwd).
+    """
+    material = ":".join((sender_ufrag, sender_pwd, receiver_ufrag, receiver_pwd)).encode()
+    return hashlib.sha256(b"kafila/quic-initial" + material).digest()[:CID_BYTES]

@@ -17,17 +17,20 @@ from kafilad.proto.quic_header import quic_dcid
 
 
 async def quic_connect(endpoint: UdpEndpoint, remote: Address, nursery, *, timeout_s: float = 10.0,
-                       datagram_bytes: Optional[int] = None) -> QuicTransport:
+                       datagram_bytes: Optional[int] = None, odcid: Optional[bytes] = None) -> QuicTransport:
     """Open a QUIC connection to ``remote`` as client and its stream 0.
 
     ``datagram_bytes`` overrides :func:`path_datagram_bytes` (benchmarks measure Internet-sized
-    datagrams on loopback with it).
+    datagrams on loopback with it). ``odcid``: the Initial's DCID (quic_config.initial_dcid, so the
+    receiver knows this connection from any other); random if None.
 
     Raises:
         trio.BrokenResourceError: the handshake failed or did not finish in ``timeout_s``.
     """
     size = datagram_bytes or path_datagram_bytes(remote)
     conn = QuicConnection(configuration=configuration(is_client=True, datagram_bytes=size))
+    if odcid is not None:
+        conn._original_destination_connection_id = bytes(odcid)  # qh3 2.1.0: read by connect()
     conn.connect(remote, now=trio.current_time())
     t = QuicTransport(endpoint, conn, remote)
     nursery.start_soon(t.run)
@@ -35,10 +38,13 @@ async def quic_connect(endpoint: UdpEndpoint, remote: Address, nursery, *, timeo
 
 
 async def quic_accept(endpoint: UdpEndpoint, remote: Address, nursery, *, timeout_s: float = 10.0,
-                      datagram_bytes: Optional[int] = None) -> QuicTransport:
+                      datagram_bytes: Optional[int] = None, odcid: Optional[bytes] = None) -> QuicTransport:
     """Wait for a QUIC client at ``remote`` (an address the edge's checks verified) and accept it.
 
-    ``datagram_bytes`` as for :func:`quic_connect`.
+    ``datagram_bytes`` as for :func:`quic_connect`. ``odcid``: accept only a connection whose Initial
+    carries this DCID (the client's ``odcid``); long-header datagrams from ``remote`` with any
+    other unknown DCID (an earlier connection's, e.g. a closing one's CONNECTION_CLOSE) are
+    ignored. None: the first one from ``remote`` is taken.
 
     Raises:
         trio.BrokenResourceError: no handshake completed within ``timeout_s``.
@@ -52,8 +58,8 @@ async def quic_accept(endpoint: UdpEndpoint, remote: Address, nursery, *, timeou
             got["t"]._gens[0].on_datagram(data, addr)
             return
         dcid = quic_dcid(data)  # a long-header Initial: the DCID the client chose
-        if dcid is None:
-            return
+        if dcid is None or (odcid is not None and dcid != odcid):
+            return  # not this attempt's connection (proto_spec 07 §4)
         conn = QuicConnection(configuration=configuration(is_client=False, datagram_bytes=size),
                               original_destination_connection_id=dcid)
         t = QuicTransport(endpoint, conn, addr)

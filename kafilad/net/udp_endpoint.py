@@ -46,7 +46,7 @@ RECV_BYTES = 65536
 RECV_BATCH = 64
 #: STUN datagrams buffered for the STUN view before new ones are dropped.
 STUN_VIEW_BUFFER = 64
-#: Unclaimed QUIC long-header datagrams kept per remote address until a server is expected.
+#: Unclaimed QUIC long-header datagrams kept per remote address until a server is expected (the newest).
 STASH_PER_ADDRESS = 8
 STASH_ADDRESSES = 32
 #: Requested kernel socket buffer size (the kernel may cap it at net.core.rmem_max).
@@ -386,8 +386,9 @@ class UdpEndpoint:
                 return
             stash = self._stash.setdefault(addr, [])
             self._stash.move_to_end(addr)
-            if len(stash) < STASH_PER_ADDRESS:
-                stash.append(bytes(data))
+            if len(stash) >= STASH_PER_ADDRESS:  # keep the newest: the oldest are likelier an earlier connection's
+                del stash[0]
+            stash.append(bytes(data))
             while len(self._stash) > STASH_ADDRESSES:
                 self._stash.popitem(last=False)
             return

@@ -62,6 +62,7 @@ from urllib.parse import urlparse
 import trio
 
 from kafilad.errors import SessionError, collapse_groups
+from kafilad.net.quic_config import initial_dcid
 from kafilad.net.quic_open import quic_accept, quic_connect
 from kafilad.net.quic_transport import QuicTransport
 from kafilad.net.stun_client import local_address_toward, parse_host_port
@@ -385,11 +386,13 @@ class PathManager(NatClassifier, PathSizes):
                 return None, {"reason": result.reason if result else "the checks stopped"}
         found.update(verify_s=trio.current_time() - t0, rtt_ms=result.rtt_ms, remote=_addr(result.remote))
         t = None
+        ours, theirs_c = (creds, their_creds) if sender else (their_creds, creds)  # (sender's, receiver's)
+        odcid = initial_dcid(ours.ufrag, ours.pwd, theirs_c.ufrag, theirs_c.pwd)  # this attempt's connection (§4)
         try:
             if sender:
-                t = await quic_connect(endpoint, result.remote, self.nursery, timeout_s=QUIC_TIMEOUT_S)
+                t = await quic_connect(endpoint, result.remote, self.nursery, timeout_s=QUIC_TIMEOUT_S, odcid=odcid)
             else:
-                t = await quic_accept(endpoint, result.remote, self.nursery, timeout_s=QUIC_TIMEOUT_S)
+                t = await quic_accept(endpoint, result.remote, self.nursery, timeout_s=QUIC_TIMEOUT_S, odcid=odcid)
         except trio.BrokenResourceError as e:
             log.debug("edge %s try %d: QUIC did not connect: %s", edge, attempt, e)
             self._stop_agent(agent)

@@ -243,3 +243,30 @@ async def test_raising_the_datagram_size_hands_the_stream_to_a_successor_connect
             with pytest.raises(trio.EndOfChannel):
                 await server.receive_message()
             nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_the_receiver_takes_only_the_attempts_connection_not_an_earlier_ones_leftover_datagram():
+    """proto_spec 07 §4: a long-header datagram from the same socket with another DCID (here a
+    real Initial of a connection its client gave up on) arrives first and waits in the stash; the
+    server accepts the connection whose DCID is the attempt's (quic_config.initial_dcid)."""
+    from qh3.quic.connection import QuicConnection
+
+    from kafilad.net.quic_config import configuration, initial_dcid
+    a, b = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(a.serve)
+        await nursery.start(b.serve)
+        stale = QuicConnection(configuration=configuration(is_client=True, datagram_bytes=1200))
+        stale.connect(b.local_address, now=trio.current_time())
+        for data, _ in stale.datagrams_to_send(now=trio.current_time()):
+            await a.sendto(data, b.local_address)  # nobody expects a client yet: stashed at b
+        await trio.sleep(0.05)
+        odcid = initial_dcid("aaaa", "p" * 22, "bbbb", "q" * 22)
+        assert len(odcid) == 8 and odcid != stale.original_destination_connection_id
+        with trio.fail_after(5):
+            c, s = await connected_pair(nursery, a, b, odcid=odcid, timeout_s=3)
+        assert s.conn.original_destination_connection_id == odcid
+        await c.send_message(b"this attempt")
+        assert await s.receive_message() == b"this attempt"
+        nursery.cancel_scope.cancel()
