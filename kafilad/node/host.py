@@ -28,6 +28,7 @@ from kafilad.node.liveness import Liveness
 from kafilad.node.modelfiles import ModelFiles
 from kafilad.node.rdv_client import CurrentRendezvous
 from kafilad.node.session_driver import SessionDriver, reconnect_delay_s
+from kafilad.node.outbox import Outbox
 from kafilad.node.ring import run_on_mlx_thread
 from kafilad.planner import DEFAULT_STRATEGY, plan as make_plan
 from kafilad.planner.records import Device
@@ -73,6 +74,7 @@ class HostSession(HostRequests, SessionDriver):
         self.session_id = ""
         self.code = ""
         self.links: dict[str, Link] = {}
+        self.outboxes: dict[str, Outbox] = {}  # peer id -> its ctl link's outbox (kafilad/node/outbox.py)
         self._decided: dict[str, trio.Event] = {}
         self.plan = None
         self.fleet_devices: list[Device] = []
@@ -118,18 +120,18 @@ class HostSession(HostRequests, SessionDriver):
 
     # ---- the machine's actions (events enter through SessionDriver._handle) -------------------
     async def _perform(self, a) -> None:
-        if isinstance(a, sm.Send):
-            link = self.links.get(a.peer_id)
-            if link is not None:
-                try:
-                    with trio.move_on_after(5):
-                        await link.send(a.frame.to_wire())
-                except LinkClosed:
-                    pass
+        if isinstance(a, sm.Send):  # never waits on the member (kafilad/node/outbox.py)
+            box = self.outboxes.get(a.peer_id)
+            if box is not None:
+                box.put(a.frame.to_wire())
         elif isinstance(a, sm.CloseLink):
             link = self.links.pop(a.peer_id, None)
-            if link is not None:
+            box = self.outboxes.pop(a.peer_id, None)
+            if box is not None:  # what the machine sent it goes first (a `denied`, a `close`)
+                await box.close_after(a.reason or "closed")
+            elif link is not None:
                 await link.close(a.reason or "closed")
+            if link is not None:
                 entry = self.members.get(a.peer_id)
                 if entry is not None and entry.lost is None and a.reason and \
                         self.state not in (sm.HostState.FAILED, sm.HostState.CLOSED):  # a protocol error: a loss
@@ -321,26 +323,13 @@ class HostSession(HostRequests, SessionDriver):
             await link.close()
             return
         self.links[pid] = link
+        box = self.outboxes[pid] = Outbox(link)  # the machine's frames to it (kafilad/node/outbox.py)
         try:
-            known = self.node.state.load_roster().get(pid, {}).get("public_key") == remote_static.hex()
-            decided = self._decided[pid] = trio.Event()
-            await self._handle(sm.MemberJoined(pid, link.peer_name, remote_static, known))
-            if pid in self.machine.pending:
-                with trio.move_on_after(self.admit_timeout_s):
-                    await decided.wait()
-                if pid in self.machine.pending:
-                    await self._handle(sm.PendingTimedOut(pid, self.admit_timeout_s))
-            self._decided.pop(pid, None)
-            if pid not in self.machine.members or self.links.get(pid) is not link:
-                return
-            link.peer_name = self.machine.members[pid].name
-            live = Liveness(link)
-            fetches = MemberFetches(link, lambda f: self._serve_fetch(link, f))
             with collapse_groups():
-                async with trio.open_nursery() as watch:
-                    watch.start_soon(live.run)
-                    watch.start_soon(fetches.run)
-                    await self._member_loop(pid, link, live, fetches)
+                async with trio.open_nursery() as sending:
+                    sending.start_soon(box.run)
+                    await self._admitted_member(pid, link, remote_static)
+                    sending.cancel_scope.cancel()
         except LinkClosed as e:
             lost = getattr(self._rdv_client(), "lost", None)
             if lost is not None and self.rendezvous_lost is None:
@@ -350,8 +339,36 @@ class HostSession(HostRequests, SessionDriver):
         finally:
             if self.links.get(pid) is link:
                 del self.links[pid]
+            if self.outboxes.get(pid) is box:
+                del self.outboxes[pid]
             self._decided.pop(pid, None)
             await link.close()
+
+    async def _admitted_member(self, pid: str, link: Link, remote_static: bytes) -> None:
+        """Admission (a known key, `kafila-ctl admit`, or the timeout), then the member's frames.
+
+        Raises:
+            LinkClosed: as `_member_loop`.
+        """
+        known = self.node.state.load_roster().get(pid, {}).get("public_key") == remote_static.hex()
+        decided = self._decided[pid] = trio.Event()
+        await self._handle(sm.MemberJoined(pid, link.peer_name, remote_static, known))
+        if pid in self.machine.pending:
+            with trio.move_on_after(self.admit_timeout_s):
+                await decided.wait()
+            if pid in self.machine.pending:
+                await self._handle(sm.PendingTimedOut(pid, self.admit_timeout_s))
+        self._decided.pop(pid, None)
+        if pid not in self.machine.members or self.links.get(pid) is not link:
+            return
+        link.peer_name = self.machine.members[pid].name
+        live = Liveness(link)
+        fetches = MemberFetches(link, lambda f: self._serve_fetch(link, f))
+        with collapse_groups():
+            async with trio.open_nursery() as watch:
+                watch.start_soon(live.run)
+                watch.start_soon(fetches.run)
+                await self._member_loop(pid, link, live, fetches)
 
     def decide(self, who: str, decision: str, reason: str = "") -> dict:
         """Admit or deny a pending peer named by peer id or name (`kafila-ctl admit|deny`).
