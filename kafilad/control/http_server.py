@@ -315,7 +315,7 @@ class HttpServer:
             finally:
                 self.budget.give(held[0])
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                if conn.their_state is not h11.DONE:
+                if conn.their_state not in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED):  # part of the request unread
                     await self._linger(stream)
                 return
             try:

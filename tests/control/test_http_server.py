@@ -373,3 +373,21 @@ def test_a_handler_that_must_not_be_cancelled_sees_client_gone_instead():
             await client.aclose()
         assert seen == [True] and server.open_connections == 0
     run(main)
+
+
+def test_a_request_read_whole_with_connection_close_is_answered_and_closed_without_lingering():
+    """Lingering (RFC 9112 §9.6) is for answers that leave part of a request unread: a complete
+    `Connection: close` request is answered and its connection ends at once, not after `linger_s`
+    waiting for a client that reads to the end before it closes (it used to wait the whole 2 s)."""
+    async def main():
+        server = HttpServer(echo, limits=HttpLimits(linger_s=2.0))
+        t0 = trio.current_time()
+        out = await exchange(server, b"POST /x HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 2\r\n\r\nhi")
+        assert trio.current_time() - t0 < 0.5
+        (status, headers, body), = parse_responses(out)
+        assert status == 200 and json.loads(body)["body"] == "hi" and headers["connection"] == "close"
+        t0 = trio.current_time()  # a body left unread (413 from its content-length) still lingers
+        small = HttpServer(echo, limits=HttpLimits(linger_s=2.0, max_body_bytes=1))
+        out = await exchange(small, b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhello")
+        assert parse_responses(out)[0][0] == 413 and trio.current_time() - t0 == pytest.approx(2.0)
+    run(main)
