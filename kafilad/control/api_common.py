@@ -5,7 +5,9 @@ say the same sentences for the same conditions: 503 while no session is ready (w
 and `Retry-After` while it is still coming up), 404 for another model than the one served, 400
 for bodies that are not UTF-8 JSON objects, for strings that are not valid Unicode, for a chat
 template that refuses the messages, and for a prompt too long for the session's context.
-Sentences name API fields, never command-line flags (`_api_text`).
+Sentences name API fields, never command-line flags (`_api_text`). A generation request that
+arrives while the session heals from a member loss waits for it to serve again, at most
+`RECOVERY_WAIT_S` (kafilad/node/host_requests.py; `serving_session`), before that 503.
 
 Browser clients (CORS, https://fetch.spec.whatwg.org/#http-cors-protocol): a request whose
 `Origin` is allowed gets `Access-Control-Allow-Origin` (that origin) and `Vary: Origin`; the
@@ -71,6 +73,28 @@ def ready_session(node):
         HttpError: 503 saying what the daemon is doing instead.
     """
     return ready(node.session)
+
+
+async def serving_session(node, gone: trio.Event):
+    """The hosted session of `node` once it is ready to generate: a session healing from a member
+    loss is waited for, at most RECOVERY_WAIT_S (kafilad/node/host_requests.py `wait_serving`).
+
+    Args:
+        gone: set when the request's client went away (`Responder.client_gone`).
+    Raises:
+        HttpError: 503 saying what the daemon is doing instead (`ready`).
+        ClientGone: the client went away while its request waited.
+    """
+    s = node.session
+    wait = getattr(s, "wait_serving", None)
+    if wait is not None:
+        try:
+            await wait(gone)
+        except GenerationCancelled:
+            raise ClientGone("the client closed its connection") from None
+        except SessionNotReadyError:
+            pass  # `ready` says the state, as for a request that never waited
+    return ready(s)
 
 
 def ready(s):

@@ -18,6 +18,8 @@ ns). `"stream": false` answers that last object with the whole text. An empty pr
 messages) answers `done_reason: "load"` at once, as Ollama does to load a model. Errors are
 `{"error": sentence}` (404 "model 'x' not found", 400 for a bad field, 503 while no session is
 ready, 429 when the host is busy); an error after streaming began is one more `{"error"}` line.
+A generation that arrives while the session heals from a member loss waits for it to serve again,
+at most RECOVERY_WAIT_S (kafilad/node/host_requests.py), as the OpenAI routes do.
 
 The model is named by its id or `id:latest`. `options` honoured: temperature (default 0,
 greedy: this server's default, not Ollama's 0.8), top_p, top_k, min_p, seed, num_predict (-1 and
@@ -47,8 +49,8 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kafilad.control.api_common import (HttpError, TokenText, chat_prompt, check_model, created_s, generate_whole,
-                                        json_object, model_id, prompt_tokens, ready_session, stream_generation,
-                                        token_reports, vocab_size)
+                                        json_object, model_id, prompt_tokens, ready_session, serving_session,
+                                        stream_generation, token_reports, vocab_size)
 from kafilad.control.http_server import Request, Responder
 from kafilad.control.openai_schema import field_path, refusal
 from kafilad.proto.sampling import Sampling
@@ -228,7 +230,16 @@ def _iso(ts_s: float) -> str:
 
 def _served(node, name: Optional[str]):
     """The ready session if `name` is its model ("id" or "id:latest"); 404 in Ollama's words otherwise."""
-    s = ready_session(node)
+    return _named(ready_session(node), name)
+
+
+async def _serving(node, name: Optional[str], res: Responder):
+    """`_served` for a generation: a session healing from a member loss is waited for first
+    (api_common.serving_session, at most RECOVERY_WAIT_S)."""
+    return _named(await serving_session(node, res.client_gone), name)
+
+
+def _named(s, name: Optional[str]):
     try:
         check_model(s, name, suffixes=(LATEST,))
     except HttpError as e:
@@ -361,7 +372,7 @@ def _generate_prompt(s, r: GenerateRequest) -> str:
 async def _generate_route(node, request: Request, res: Responder) -> None:
     async def body() -> None:
         r = _parse(GenerateRequest, json_object(request.body))
-        s = _served(node, r.model)
+        s = await _serving(node, r.model, res)
         r.model = r.model or model_id(s)
         if not r.prompt:
             await _send(res, 200, {"model": r.model, "created_at": _now(), "response": "", "done": True,
@@ -374,7 +385,7 @@ async def _generate_route(node, request: Request, res: Responder) -> None:
 async def _chat_route(node, request: Request, res: Responder) -> None:
     async def body() -> None:
         r = _parse(ChatRequest, json_object(request.body))
-        s = _served(node, r.model)
+        s = await _serving(node, r.model, res)
         r.model = r.model or model_id(s)
         if not r.messages:
             await _send(res, 200, {"model": r.model, "created_at": _now(),

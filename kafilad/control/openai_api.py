@@ -28,8 +28,10 @@ carry `role` in the first delta only, then `content`; the last chunk has `finish
 `stream_options.include_usage` adds every chunk's `"usage": null` and one more chunk with
 `"choices": []` and the usage; then `data: [DONE]`. Errors are `{"error": {"message", "type",
 "param", "code"}}` with a 4xx/5xx status, in sentences that name API fields, never command-line
-flags. While the session is forming, loading or failed, the 503 says which (with `Retry-After`
-while it is still coming up). At most the session's concurrency of requests run at once, a
+flags. A completion that arrives while the session heals from a member loss (`recovering`, then
+`loading` its new plan) waits for it to serve again, at most `RECOVERY_WAIT_S` (30 s,
+kafilad/node/host_requests.py); while the session is forming, degraded or failed, or past that
+wait, the 503 says which state (with `Retry-After` while it is still coming up). At most the session's concurrency of requests run at once, a
 bounded number more wait (kafilad/node/admission.py); past the queue the answer is 429 with
 `Retry-After`. A client that disconnects, streaming or not, queued or running, ends its request
 on the ring within one decode step; one that reads slower than tokens come gets
@@ -52,8 +54,8 @@ import trio
 from kafilad.control import ollama_api, web
 from kafilad.control.api_common import (SSE_BUFFER_EVENTS, HttpError, TokenText, check_model, chat_prompt,
                                         cors_headers, created_s, default_max_tokens, generate_whole, json_object,
-                                        model_id, preflight_headers, ready, ready_session, shown, state_of,
-                                        stream_generation, token_reports, vocab_size)
+                                        model_id, preflight_headers, ready, ready_session, serving_session, shown,
+                                        state_of, stream_generation, token_reports, vocab_size)
 from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
 from kafilad.control.openai_schema import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from kafilad.errors import KafilaError
@@ -149,14 +151,14 @@ async def _model(node, request: Request, res: Responder) -> None:
 
 async def _completions(node, request: Request, res: Responder) -> None:
     r = parse_completion(json_object(request.body))
-    s = ready_session(node)
+    s = await serving_session(node, res.client_gone)
     check_model(s, r.model)
     await _generate(s, res, r, r.prompt, chat=False)
 
 
 async def _chat_completions(node, request: Request, res: Responder) -> None:
     r = parse_chat(json_object(request.body))
-    s = ready_session(node)
+    s = await serving_session(node, res.client_gone)
     check_model(s, r.model)
     await _generate(s, res, r, chat_prompt(s, r.prompt_messages()), chat=True)
 

@@ -5,6 +5,17 @@ most `concurrency` requests run on the ring (kafilad/node/admission.py), the res
 bounded FIFO queue; a request runs on the host's own stage when it is the head, else through the
 head's ctl link (`gen` / `gen_event` / `gen_done`, proto_spec 05 §2); a client that goes away
 ends its request on the ring (§2.4). DESIGN §6.
+
+A request that arrives while the session heals (a member lost or the ring broken: `recovering`,
+then `loading` the new plan, usually 0.2 s to a few seconds, DESIGN §3) waits for it to serve
+again, at most RECOVERY_WAIT_S, instead of being refused at once (`HostRequests.wait_serving`);
+past that, or once the session fails, closes or is `degraded` (waiting for a member to join), it
+gets SessionNotReadyError naming the state. Requests in flight when the member was lost still fail
+at once, naming it. A session that has never been ready (still forming) is not waited for.
+
+Each stage's measured decode time (`measured_stage_s`, shown by `status`) belongs to the plan it
+was measured under: a replan (a new epoch) clears them, and a request that ran under an earlier
+plan records none.
 """
 
 from __future__ import annotations
@@ -34,6 +45,10 @@ CANCEL_WAIT_S = 10.0
 CANCEL_SEND_S = 5.0
 #: the reason a request ended by its stop sequence gives the ring (it then completes, finish "stop")
 STOPPED = "A stop sequence was generated."
+#: seconds a request that arrives while the session heals waits for it to serve again (module docstring)
+RECOVERY_WAIT_S = 30.0
+#: the states a session that has served passes through on its way back to `ready` (DESIGN §3)
+RETURNING_STATES = (sm.HostState.RECOVERING, sm.HostState.LOADING)
 
 
 @attrs.frozen
@@ -46,6 +61,82 @@ class RequestFailed(cf.GenError):
 
 class HostRequests:
     """Generation on a :class:`~kafilad.node.host.HostSession` (its state, ring, links and trace)."""
+
+    #: the session has been `ready` at least once (set by `_handled`): only such a session is waited for
+    has_served = False
+    #: set (and dropped) after each event the machine handled; made by the first waiter
+    _state_changed: Optional[trio.Event] = None
+    #: the plan epoch `measured_stage_s` belongs to
+    _measured_epoch = 0
+
+    # ---- the session's changes (SessionDriver._handle calls `_handled` after each event) ----------
+    def _handled(self) -> None:
+        """After an event's actions: note a first `ready`, drop stage times of an earlier plan, wake waiters."""
+        parent = getattr(super(), "_handled", None)
+        if parent is not None:
+            parent()
+        if self.state == sm.HostState.READY or getattr(self, "formed_s", None) is not None:
+            self.has_served = True  # formed_s: it was ready within this event (then replanned at once)
+        if self.machine.epoch != self._measured_epoch:  # a new plan: its stages are measured afresh
+            self.measured_stage_s.clear()
+            self._measured_epoch = self.machine.epoch
+        changed, self._state_changed = self._state_changed, None
+        if changed is not None:
+            changed.set()
+
+    def returning(self) -> bool:
+        """Whether the session heals from a loss and will serve again (a request may wait for it)."""
+        return self.has_served and self.state in RETURNING_STATES
+
+    def _not_ready(self, why: str = "") -> SessionNotReadyError:
+        detail = "; ".join(x.rstrip(".") for x in (self.error, why) if x)
+        return SessionNotReadyError(f"The session is not ready to generate (state: {self.state}"
+                                    + (f"; {detail}" if detail else "") + ").", state=str(self.state))
+
+    async def wait_serving(self, gone: Optional[trio.Event] = None) -> None:
+        """Return once the session is ready to generate, waiting at most RECOVERY_WAIT_S while it heals.
+
+        Args:
+            gone: set when the request's client went away; the wait then ends.
+        Raises:
+            SessionNotReadyError: the session is not ready and is not healing (forming, degraded,
+                failed, closed), it failed or closed meanwhile, or it did not serve again within
+                RECOVERY_WAIT_S.
+            GenerationCancelled: `gone` was set while the request waited.
+        """
+        if self.state == sm.HostState.READY:
+            return
+        if not self.returning():
+            raise self._not_ready()
+        wait_s = RECOVERY_WAIT_S
+        t0 = trio.current_time()
+        log.info("a request waits (at most %g s) for the session to serve again (state: %s)", wait_s, self.state)
+        with trio.move_on_after(wait_s):
+            while self.returning():
+                if gone is not None and gone.is_set():
+                    raise GenerationCancelled("The client went away while its request waited for the session "
+                                              "to recover.")
+                await self._next_change(gone)
+            if self.state != sm.HostState.READY:
+                raise self._not_ready()
+            log.info("the session serves again; the waiting request runs after %.2f s", trio.current_time() - t0)
+            return
+        raise self._not_ready(f"it did not serve again within {wait_s:g} s")
+
+    async def _next_change(self, gone: Optional[trio.Event]) -> None:
+        """Wait until the machine handled another event, or `gone` is set."""
+        if self._state_changed is None:
+            self._state_changed = trio.Event()
+        changed = self._state_changed
+        if gone is None:
+            await changed.wait()
+            return
+        async with trio.open_nursery() as nursery:
+            async def wake(ev: trio.Event) -> None:
+                await ev.wait()
+                nursery.cancel_scope.cancel()
+            nursery.start_soon(wake, changed)
+            nursery.start_soon(wake, gone)
 
     # ---- generation ---------------------------------------------------------------------------
     async def generate(self, prompt: str, *, max_tokens: int, temperature: float, emit,
@@ -65,6 +156,9 @@ class HostRequests:
         held back, kafilad/node/stops.py), `token_ids` end with the token that completed it, and
         `finish_reason` is "stop" (with the matched `stop_sequence`).
 
+        A request that arrives (or reaches its turn) while the session heals from a loss waits for
+        it to serve again, at most RECOVERY_WAIT_S (:meth:`wait_serving`).
+
         Args:
             emit: awaited with each event {"t": "token", "token_id", "text"} (plus "logprob" and
                 "top_logprobs" when `sampling.logprobs` is set); raising ends the request.
@@ -73,18 +167,14 @@ class HostRequests:
                 replaces `temperature`. None: `temperature` alone.
             stop: stop strings (non-empty).
         Raises:
-            SessionNotReadyError: the session is not ready (its state is named).
+            SessionNotReadyError: the session is not ready, and did not become ready within
+                RECOVERY_WAIT_S while it healed (its state is named).
             ContextTooLongError: prompt + max_tokens exceed the admitted context.
             HostBusyError: `concurrency` requests run and the queue is full.
             GenerationCancelled: the client went away (or read too slowly); the request was ended.
             GenerationError: a member was lost (named in the message).
         """
-        def not_ready() -> SessionNotReadyError:
-            return SessionNotReadyError(f"The session is not ready to generate (state: {self.state}"
-                                        + (f"; {self.error.rstrip('.')}" if self.error else "") + ").",
-                                        state=str(self.state))
-        if self.state != sm.HostState.READY:
-            raise not_ready()
+        await self.wait_serving(gone)
         n_prompt = len(self.chat_tokenizer().encode(prompt))
         if n_prompt + max_tokens > self.context:
             raise ContextTooLongError(f"The prompt ({n_prompt} tokens) plus --max-tokens {max_tokens} exceeds the "
@@ -95,8 +185,8 @@ class HostRequests:
             raise GenerationCancelled("The client went away while its request waited for its turn.")
         self.node.changed()
         try:
-            if self.state != sm.HostState.READY:  # it may have failed while the request waited
-                raise not_ready()
+            await self.wait_serving(gone)  # a member may have been lost while the request waited its turn
+            epoch = self.machine.epoch  # the plan it runs under (its stage times belong to it)
             req = uuid.uuid4().hex[:12]
             head = self.machine.head()
             local = head is None or head.is_host
@@ -175,7 +265,7 @@ class HostRequests:
             result.setdefault("finish_reason", "length" if n_tokens >= max_tokens else "stop")
             result["completion_tokens"] = n_tokens
             result["wall_s"] = time.perf_counter() - t0
-            self._record_generation(result)
+            self._record_generation(result, epoch)
             if result["finish_reason"] == "cancelled":
                 raise GenerationCancelled(f"The request was ended after {n_tokens} tokens: "
                                           f"{str(result.get('cancel_reason')).rstrip('.')}.", tokens=n_tokens)
@@ -263,11 +353,14 @@ class HostRequests:
         finally:
             self.generations.pop(req, None)
 
-    def _record_generation(self, result: dict) -> None:
+    def _record_generation(self, result: dict, epoch: Optional[int] = None) -> None:
+        """Trace a finished request; its stages' decode times become `measured_stage_s` when it ran
+        under the current plan (`epoch`; None: the current one)."""
         names = {e.peer_id: e.name for e in self.members.values()}
-        for pid, steps, total_s, median_s, nbytes in result.get("stats", []):
-            if pid in names:
-                self.measured_stage_s[names[pid]] = median_s
+        if epoch is None or epoch == self.machine.epoch:
+            for pid, steps, total_s, median_s, nbytes in result.get("stats", []):
+                if pid in names:
+                    self.measured_stage_s[names[pid]] = median_s
         self.last_generation = {k: v for k, v in result.items() if k not in ("text", "token_ids")}
         self._write_trace("generation", **{k: v for k, v in result.items() if k != "text"},
                           stages={names.get(s[0], s[0]): {"steps": s[1], "compute_s": s[2], "decode_stage_s": s[3],

@@ -1,0 +1,86 @@
+"""Requests and status while a real in-process session heals (tests/node/session_harness.py).
+
+A new user's report (2026-12-01): a request that arrived while the host recovered from a member
+loss failed at once with 503 + Retry-After, and `status` kept each stage's measured time from the
+plan before the loss. Here a real HostSession and MemberSessions, real ring and ctl links over the
+simulated network, a synthesised 3-block model on MLX: after a loss, `status` shows no measured
+stage time until the new plan has served a request, and a request through the control API's
+`generate` and one through the OpenAI HTTP route, both arriving while the host heals, wait and are
+served (kafilad/node/host_requests.py `wait_serving`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+from trio.testing import trio_test
+
+from kafila_testing import reference_tokens
+from kafilad.proto.session import HostState
+from control.http_harness import exchange, http_request
+from node.session_harness import generate, session_world
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+PROMPT = "Once upon a time"
+N_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from kafilad.executor.synth import synthesize_model
+    return synthesize_model(tmp_path_factory.mktemp("healing") / "synth", arch="llama", seed=7,
+                            num_hidden_layers=3, hidden_size=32)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Greedy tokens of single-process mlx-lm on the model (tests/kafila_testing.py)."""
+    return reference_tokens(model_dir, PROMPT, N_TOKENS)
+
+
+def measured(h) -> dict:
+    """{name: measured_stage_s} of the members in the host's current plan (status's `meas. ms`)."""
+    return {m["name"]: m["measured_stage_s"] for m in h.snapshot()["members"] if m["blocks"] and not m["lost"]}
+
+
+def ready_over(h, names: set) -> bool:
+    return h.state == HostState.READY and set(measured(h)) == names
+
+
+@trio_test
+async def test_after_a_loss_status_drops_old_stage_times_and_requests_arriving_meanwhile_are_served(
+        tmp_path, model_dir, reference, monkeypatch):
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, (m1, m2) = await w.form(2)
+        assert (await generate(h, PROMPT, N_TOKENS))["token_ids"] == reference
+        assert all(s is not None and s > 0 for s in measured(h).values()) and set(measured(h)) == {"h", "m1", "m2"}
+
+        await m2.link.stream.transport.aclose()  # m2's ctl circuit closes: the host replans over h and m1
+        await w.wait(lambda: ready_over(h, {"h", "m1"}), 20, "the replan over h and m1")
+        assert measured(h) == {"h": None, "m1": None}, measured(h)  # times of the old plan are gone
+        assert (await generate(h, PROMPT, N_TOKENS))["token_ids"] == reference
+        assert all(s is not None and s > 0 for s in measured(h).values()), measured(h)
+
+        await m1.link.stream.transport.aclose()  # now the host alone: requests arrive while it heals
+        await w.wait(lambda: h.state != HostState.READY, 10, "the host recovering")
+        assert h.state in (HostState.RECOVERING, HostState.LOADING), h.state
+        out: dict = {}
+
+        async def by_control() -> None:
+            out["control"] = await generate(h, PROMPT, N_TOKENS)
+
+        async def by_http() -> None:
+            body = json.dumps({"prompt": PROMPT, "max_tokens": N_TOKENS}).encode()
+            out["http"] = await exchange(http_request("POST", "/v1/completions", body=body), h.node)
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(by_control)
+                nursery.start_soon(by_http)
+        assert out["control"]["token_ids"] == reference
+        status, _, body = out["http"]
+        assert status == 200, body
+        assert json.loads(body)["choices"][0]["text"] == out["control"]["text"]
+        assert ready_over(h, {"h"})
