@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+from http import HTTPStatus
 import json
 import logging
 import math
@@ -117,6 +118,15 @@ class BodyBudget:
         self.held_bytes -= n
 
 
+def reason_phrase(status: int) -> bytes:
+    """The reason phrase of a status line (RFC 9110 §15, as http.HTTPStatus spells it), e.g.
+    b"Service Unavailable" for 503; empty for a code without one (RFC 9112 §4 allows that)."""
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b""
+
+
 def error_body(status: int, message: str) -> bytes:
     """The JSON body of an error answer (the OpenAI error shape)."""
     kind = {404: "not_found", 408: "timeout", 413: "request_too_large", 429: "rate_limit_exceeded",
@@ -154,7 +164,7 @@ class Responder:
         if self.close_after:
             headers = [*headers, ("connection", "close")]
         self.started = True
-        await self._send(h11.Response(status_code=status, headers=headers))
+        await self._send(h11.Response(status_code=status, headers=headers, reason=reason_phrase(status)))
 
     async def write(self, data: bytes) -> None:
         if data and not self._head:
@@ -285,7 +295,7 @@ class HttpServer:
         try:
             body = error_body(503, f"The server is answering {len(self._slots)} connections, its limit; "
                                    "retry shortly.")
-            head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            head = (f"HTTP/1.1 503 {reason_phrase(503).decode()}\r\ncontent-type: application/json\r\n"
                     f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n").encode()
             with trio.move_on_after(min(1.0, self.limits.send_timeout_s)):
                 await stream.send_all(head + body)
@@ -386,7 +396,8 @@ class HttpServer:
                 self._check_declared_length(event, held)
                 if conn.they_are_waiting_for_100_continue:
                     try:
-                        await send_event(conn, stream, h11.InformationalResponse(status_code=100, headers=[]),
+                        await send_event(conn, stream, h11.InformationalResponse(status_code=100, headers=[],
+                                                                             reason=reason_phrase(100)),
                                          lim.send_timeout_s)
                     except ClientGone:
                         return None
