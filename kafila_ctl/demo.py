@@ -222,9 +222,32 @@ def packaged_model_dir(name: str = DEMO_MODEL) -> Path:
 
 
 def printable(text: str) -> str:
-    """`text` with control characters other than newline and tab shown as escapes (random-weight
-    models emit any byte)."""
+    """`text` with control characters other than newline and tab shown as escapes."""
     return "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in text)
+
+
+#: token ids of a random-weight model's generation the demo shows (the rest are counted)
+SHOWN_NOISE_IDS = 16
+
+
+def generation_markup(prompt: str, result: dict, *, synth: bool) -> str:
+    """The demo's line for one generation (rich markup): the prompt in bold, then the text.
+
+    A random-weight model (`synth`) emits arbitrary bytes, which decode to replacement characters
+    and control codes (a new user read them as raw bytes): its line shows the generated token ids
+    instead of that text.
+
+    Args:
+        result: the `generate` result ("text", "token_ids").
+    """
+    from rich.markup import escape
+    head = f"[bold]{escape(printable(prompt))}[/bold]"
+    if not synth:
+        return head + escape(printable(result["text"]))
+    ids = [str(i) for i in result["token_ids"]]
+    more = f" ... ({len(ids) - SHOWN_NOISE_IDS} more)" if len(ids) > SHOWN_NOISE_IDS else ""
+    return (f"{head} -> token ids {' '.join(ids[:SHOWN_NOISE_IDS])}{more} (random weights: the text they decode "
+            "to is noise, not shown)")
 
 
 def run_demo(*, model: Optional[str], members: int, prompt: str, max_tokens: int, synth: bool = False) -> int:
@@ -254,7 +277,7 @@ def run_demo(*, model: Optional[str], members: int, prompt: str, max_tokens: int
                       f"utilisation {plan.get('utilization', 0):.0%}, tier {plan.get('tier')}, strategy "
                       f"{plan.get('strategy')} (the demo's ring: every member holds blocks)")
         result = cluster.generate(prompt, max_tokens)
-        console.print(f"[bold]{escape(printable(prompt))}[/bold]{escape(printable(result['text']))}")
+        console.print(generation_markup(prompt, result, synth=synth))
         tps = result.get("decode_tokens_per_s")
         console.print(f"{len(result['token_ids'])} tokens; decode {tps:.1f} tokens/s" if tps else
                       f"{len(result['token_ids'])} tokens")

@@ -147,9 +147,9 @@ class MemberSession(SessionDriver):
             if not fingerprint_matches(self.host_fingerprint, remote_static):
                 raise HandshakeError(
                     "the host's key does not match the session code's fingerprint "
-                    f"(expected {self.host_fingerprint}, got {fingerprint(remote_static)}); refusing to join")
+                    f"(expected {self.host_fingerprint}, got {fingerprint(remote_static)})")
             if peer_id_of(remote_static) != host_pid:
-                raise HandshakeError("the host's key does not match its peer id at the rendezvous; refusing to join")
+                raise HandshakeError("the host's key does not match its peer id at the rendezvous")
             return str(hello.get("name") or host_pid)
 
         try:

@@ -240,7 +240,7 @@ async def serve_rendezvous(
                 serve_websocket, server.handle, host, port, None, handler_nursery=nursery,
                 max_message_size=limits.ws_max_message_bytes, connect_timeout=10, disconnect_timeout=5,
             ))
-            log.info("rendezvous listening on ws://%s:%d", host, ws_server.port)
+            # the caller says where it listens (`kafilad rendezvous` prints one line): not logged twice
             task_status.started(ws_server.port)
     finally:
         if record is not None:

@@ -12,7 +12,7 @@ def test_ctrl_c_stops_the_rendezvous_without_a_traceback(tmp_path):
     err = tmp_path / "stderr"
     with open(err, "w") as f:
         p = subprocess.Popen([sys.executable, "-m", "kafilad.main", "rendezvous", "--listen", "127.0.0.1:0"],
-                             stdout=subprocess.DEVNULL, stderr=f)
+                             stdout=f, stderr=f)  # its "listening" line is on stdout
     try:
         deadline = time.monotonic() + 30
         while "listening" not in err.read_text() and time.monotonic() < deadline:
