@@ -80,6 +80,19 @@ class SessionError(KafilaError):
     """A session could not be formed or continued (denied, timed out, member lost)."""
 
 
+class RendezvousRefused(SessionError):
+    """The rendezvous answered a request with an `error` frame (proto_spec 03 §2).
+
+    Attributes:
+        code: the frame's `code`, e.g. "unknown_session" (no session with that id is open there:
+            its host is away), "session_full", "duplicate_peer"; "" if it gave none.
+    """
+
+    def __init__(self, message: str, code: str = ""):
+        super().__init__(message)
+        self.code = code
+
+
 class RingEdgeError(SessionError):
     """A ring edge to or from one member could not be made (kafilad/node/edge.py `form_ring`).
 

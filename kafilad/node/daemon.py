@@ -26,6 +26,31 @@ from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
 log = logging.getLogger("kafilad")
 
 DEFAULT_ADMIT_TIMEOUT_S = 120.0
+#: rejoin backoff (issue 8 §2): first wait and cap (s), doubling, each jittered by ±20 %
+REJOIN_FIRST_S, REJOIN_MAX_S = 1.0, 30.0
+#: a rejoin refused as "unknown_session" (the rendezvous is up but the host is away: it re-registers
+#: with its own backoff from 1 s after a rendezvous restart) is retried at the first wait, not doubled,
+#: this many times before the doubling resumes
+REJOIN_UNKNOWN_SESSION_TRIES = 20
+
+
+def rejoin_delay_s(error: Exception, delay_s: float, unknown_tries: int) -> tuple[float, float, int]:
+    """The wait before the next rejoin attempt after ``error`` (before jitter).
+
+    Args:
+        error: why the last attempt failed. delay_s: the doubling backoff's current wait.
+        unknown_tries: "unknown_session" refusals answered at the fast cadence so far.
+    Returns:
+        (wait_s now, the backoff's next delay_s, the new unknown_tries). An "unknown_session"
+        refusal (kafilad/errors.py RendezvousRefused, proto_spec 03 §2.2) waits REJOIN_FIRST_S and
+        leaves the backoff where it was, for REJOIN_UNKNOWN_SESSION_TRIES tries; anything else
+        waits ``delay_s`` and doubles it up to REJOIN_MAX_S.
+    """
+    from kafilad.errors import RendezvousRefused
+    if isinstance(error, RendezvousRefused) and error.code == "unknown_session" \
+            and unknown_tries < REJOIN_UNKNOWN_SESSION_TRIES:
+        return REJOIN_FIRST_S, delay_s, unknown_tries + 1
+    return delay_s, min(delay_s * 2, REJOIN_MAX_S), unknown_tries
 
 
 def _strategy(args: dict) -> str:
@@ -217,7 +242,7 @@ class Node:
         """Rejoin the remembered session after a restart (issue 8 §2): retry with a capped, jittered
         backoff while the host or rendezvous is unreachable; forget it when the host refuses."""
         import random
-        delay_s = 1.0
+        delay_s, unknown_tries = REJOIN_FIRST_S, 0
         while True:
             record = self.state.remembered_session()
             if record is None or (self.session is not None and self.session.state not in ("failed", "closed")):
@@ -232,9 +257,9 @@ class Node:
                     log.warning("not rejoining %s: %s", record["code"], e)
                     self.state.forget_session()
                     return
-                log.warning("rejoining %s failed (%s); retrying in %.0f s", record["code"], e, delay_s)
-            await trio.sleep(delay_s * random.uniform(0.8, 1.2))
-            delay_s = min(delay_s * 2, 30.0)
+                wait_s, delay_s, unknown_tries = rejoin_delay_s(e, delay_s, unknown_tries)
+                log.warning("rejoining %s failed (%s); retrying in %.0f s", record["code"], e, wait_s)
+                await trio.sleep(wait_s * random.uniform(0.8, 1.2))
 
     async def op_join(self, args: dict, emit) -> dict:
         from kafilad.node.member import MemberSession

@@ -27,7 +27,7 @@ import trio
 import trio_websocket
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from kafilad.errors import LocalProtocolError, RemoteProtocolError, SessionError, collapse_groups
+from kafilad.errors import LocalProtocolError, RemoteProtocolError, RendezvousRefused, SessionError, collapse_groups
 from kafilad.net.channels import send_noting_stall
 from kafilad.proto.identity import peer_id as peer_id_of
 from kafilad.proto.rendezvous import (
@@ -347,7 +347,8 @@ class RendezvousClient:
         if reply is None:
             raise SessionError(f"The connection to the rendezvous at {self.url} is lost: {self._lost}")
         if reply["t"] == "error":
-            raise SessionError(str(reply.get("reason", "The rendezvous refused without a reason.")))
+            raise RendezvousRefused(str(reply.get("reason", "The rendezvous refused without a reason.")),
+                                    str(reply.get("code") or ""))
         return reply
 
     async def _keepalive(self, interval_s: float) -> None:
