@@ -11,14 +11,13 @@ every member's edge records for status and the trace (proto_spec 07 §6).
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Awaitable, Callable, Optional
 
 import trio
 
 from kafilad.node import edge
 from kafilad.node.link import Link
-from kafilad.node.paths import OfferInbox, PathManager, open_session_paths
+from kafilad.node.paths import PathManager
 from kafilad.node.ring import RingMember
 from kafilad.planner.precision import device_dtypes
 from kafilad.proto import control as cf
@@ -71,10 +70,10 @@ def stage_dtype(plan_json: Optional[dict], name: str) -> str:
     return str(((plan_json or {}).get("dtype") or {}).get(name) or "float32")
 
 
-async def connect_ring(*, paths: Optional[PathManager] = None, session_id: str, ring: list[str], roster: dict,
+async def connect_ring(*, paths: PathManager, session_id: str, ring: list[str], roster: dict,
                        incoming: trio.MemoryReceiveChannel, member: Optional[RingMember] = None,
                        on_edges: Optional[Callable[[], Awaitable[None]]] = None,
-                       node=None, rdv=None, epoch: int = 0) -> tuple[Optional[Link], Optional[Link]]:
+                       epoch: int = 0) -> tuple[Optional[Link], Optional[Link]]:
     """Form this member's two ring edges (kafilad/node/edge.py) and hand them to ``member``.
 
     Each edge is tried direct first and falls back to a relayed circuit (proto_spec 07 §5); with
@@ -88,15 +87,12 @@ async def connect_ring(*, paths: Optional[PathManager] = None, session_id: str, 
         incoming: channel of incoming circuits labelled "ring" (from the session's accept loop).
         member: this daemon's RingMember, for upgrades.
         on_edges: awaited after an upgrade changed one of our edges (report it to the host).
-        node, rdv: DEPRECATED compatibility (remove once host.py / member.py pass ``paths``).
         epoch: the plan's epoch, part of the edges' ids (proto_spec 07 §2).
     Returns:
         (next_link, prev_link); both None when the ring is this member alone.
     Raises:
         SessionError: an edge did not form in time or a key did not match the roster.
     """
-    if paths is None:  # compat: remove with the node/rdv keywords
-        paths = await _compat_paths(node, rdv)
     out, into = await edge.form_ring(paths, session_id=session_id, ring=ring, roster=roster, incoming=incoming,
                                      epoch=epoch)
     if out is None:
@@ -108,48 +104,15 @@ async def connect_ring(*, paths: Optional[PathManager] = None, session_id: str, 
     return out.link, into.link
 
 
-async def nat_capability(paths, rdv=None) -> dict:
-    """{"nat_class", "rendezvous_rtt_ms"} for the capability frame (DESIGN §3 step 3); None values if unknown.
-
-    Args:
-        paths: the session's PathManager. DEPRECATED compatibility: ``(node, rdv)`` (remove once
-            host.py / member.py pass ``paths``).
-    """
-    if not isinstance(paths, PathManager):  # compat
-        paths = await _compat_paths(paths, rdv)
-    return await paths.capability()
-
-
-def on_signal(paths, ev) -> None:
-    """Route a rendezvous `Signal` event to the session's paths (proto_spec 07 §2).
-
-    Prefer ``paths.on_signal(ev.from_peer_id, ev.body)``. DEPRECATED compatibility: ``paths`` may
-    be the node (remove once host.py / member.py pass ``paths``).
-    """
-    if isinstance(paths, PathManager):
-        paths.on_signal(ev.from_peer_id, ev.body)
-        return
-    rdv = _session_rdv(paths)  # compat: offers may arrive before the session's paths exist
-    if rdv is not None:
-        _compat_entry(rdv).inbox.store(ev.from_peer_id, ev.body, trio.current_time())
-
-
-def edges_of(paths) -> list[dict]:
-    """This daemon's ring edges as status records (proto_spec 07 §6); prefer ``paths.edge_list()``.
-
-    DEPRECATED compatibility: ``paths`` may be the node (remove once host.py / member.py pass ``paths``).
-    """
-    if isinstance(paths, PathManager):
-        return paths.edge_list()
-    return _compat_edges(_session_rdv(paths))
+def edges_of(paths: PathManager) -> list[dict]:
+    """This daemon's ring edges as status records (proto_spec 07 §6): ``paths.edge_list()``."""
+    return paths.edge_list()
 
 
 def _own_edges(session) -> list[dict]:
-    """The session's own edge records: ``session.paths`` if it has one, else the compatibility lookup."""
+    """The session's own edge records (none before its paths are open)."""
     pm = getattr(session, "paths", None)
-    if isinstance(pm, PathManager):
-        return pm.edge_list()
-    return _compat_edges(getattr(session, "rdv", None))  # compat
+    return pm.edge_list() if isinstance(pm, PathManager) else []
 
 
 def session_edges(session) -> list[dict]:
@@ -262,61 +225,3 @@ async def accept_circuits(rdv, route: dict) -> None:
             await circuit.aclose()
         else:
             await handler(circuit)
-
-
-# ---- DEPRECATED compatibility for callers that pass the node (remove with them) ------------------
-# host.py / member.py still call nat_capability(node, rdv), connect_ring(node=, rdv=),
-# on_signal(node, ev) and edges_of(node). Until they open the session's paths themselves
-# (``async with open_session_paths(node, rdv, session_id=...) as paths``), these shims open one per
-# rendezvous connection, in the session's own nursery, so it still ends with the session.
-
-
-class _CompatEntry:
-    def __init__(self) -> None:
-        self.inbox = OfferInbox()
-        self.paths: Optional[PathManager] = None
-        self.lock = trio.Lock()
-
-
-_COMPAT: "weakref.WeakKeyDictionary[object, _CompatEntry]" = weakref.WeakKeyDictionary()
-_COMPAT_LAST: "weakref.WeakKeyDictionary[object, PathManager]" = weakref.WeakKeyDictionary()  # node -> newest
-
-
-def _compat_entry(rdv) -> _CompatEntry:
-    entry = _COMPAT.get(rdv)
-    if entry is None:
-        entry = _COMPAT[rdv] = _CompatEntry()
-    return entry
-
-
-def _compat_edges(rdv) -> list[dict]:
-    entry = _COMPAT.get(rdv) if rdv is not None else None
-    return entry.paths.edge_list() if entry is not None and entry.paths is not None else []
-
-
-def _session_rdv(node):
-    return getattr(getattr(node, "session", None), "rdv", None)
-
-
-async def _compat_paths(node, rdv) -> PathManager:
-    """The paths of the session on ``rdv``, opened on first use in that session's nursery."""
-    entry = _compat_entry(rdv)
-    async with entry.lock:
-        if entry.paths is None:
-            session = getattr(node, "session", None)
-            nursery = getattr(session, "nursery", None) if getattr(session, "rdv", None) is rdv else None
-            if nursery is None:
-                log.warning("paths: no session nursery found for this rendezvous connection; the session's paths "
-                            "run in the daemon's nursery")
-                nursery = node.nursery
-
-            async def serve(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
-                async with open_session_paths(node, rdv, inbox=entry.inbox) as pm:
-                    task_status.started(pm)
-                    await trio.sleep_forever()
-
-            previous = _COMPAT_LAST.get(node)
-            if previous is not None:  # a new rendezvous connection: the previous one's paths end (as before)
-                previous.close()
-            entry.paths = _COMPAT_LAST[node] = await nursery.start(serve)
-    return entry.paths
