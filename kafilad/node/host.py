@@ -274,7 +274,7 @@ class HostSession(HostRequests, SessionDriver):
                 "strategy": self.strategy}
 
     async def _measure_self(self) -> None:
-        cap = await run_on_mlx_thread(stagehost.measure_capability, self.model_dir)
+        cap = await run_on_mlx_thread(stagehost.measure_capability, self.model_dir, self.node.state.path)
         cap.update(await self.paths.capability())
         await self._handle(sm.OwnCapability(cap))
 

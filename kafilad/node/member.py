@@ -249,7 +249,7 @@ class MemberSession(SessionDriver):
 
     # ---- control loop ----------------------------------------------------------------------
     async def _control_loop(self) -> None:
-        cap = await run_on_mlx_thread(stagehost.measure_capability, self.machine.admitted)
+        cap = await run_on_mlx_thread(stagehost.measure_capability, self.machine.admitted, self.node.state.path)
         cap.update(await self.paths.capability())
         await self.link.send(cf.Capability.from_measurement(cap).to_wire())
         await self._handle(sm.CapabilitySent(cap))

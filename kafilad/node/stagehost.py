@@ -37,25 +37,102 @@ def executor():
 TEST_CAPABILITY_ENV = "KAFILA_TEST_CAPABILITY"
 
 
-def measure_capability(source) -> dict:
+#: a capability measured for the same model within this many seconds is reused (its timings; the
+#: memory is read afresh): a daemon restarted into its session rejoins without the 1-3 s probe
+CAPABILITY_REUSE_S = 600.0
+#: the file in the state dir holding the last measured capability (kafilad/node/statedir.py)
+CAPABILITY_FILE = "capability.json"
+
+
+def measure_capability(source, cache_dir=None) -> dict:
     """This device's capability report (DESIGN §5.1): memory_bytes, bandwidth_Bps, step_overhead_s,
     and the dtype its backend runs fastest with and its fallback (kafilad/planner/precision.py).
 
     Args:
         source: the model directory (the host), or the `admitted` frame (a member: the config
             to time and the checkpoint's float dtype, proto_spec 05 §2), or a bare config.
+        cache_dir: the daemon's state dir: a capability measured there for the same model
+            (config and dtype), by the same kafilad version, less than CAPABILITY_REUSE_S ago is
+            reused with memory_bytes read afresh; a new measurement is stored there. None: always measure.
     """
     import json
     import os
     ex = executor()
     if isinstance(source, cf.Admitted):
-        cap = ex.probe.measure_capability(source.config, checkpoint_dtype=source.dtype)
+        config, checkpoint_dtype = source.config, source.dtype
+    elif isinstance(source, dict):
+        config, checkpoint_dtype = source, None
     else:
-        cap = ex.probe.measure_capability(source)
+        config, checkpoint_dtype = _read_config(source), None
+    cap = _reused_capability(cache_dir, config, checkpoint_dtype)
+    if cap is None:
+        if isinstance(source, cf.Admitted):
+            cap = ex.probe.measure_capability(source.config, checkpoint_dtype=source.dtype)
+        else:
+            cap = ex.probe.measure_capability(source)
+        _store_capability(cache_dir, config, checkpoint_dtype, cap)
+    else:
+        cap["memory_bytes"] = int(ex.probe.available_memory_bytes())
     override = os.environ.get(TEST_CAPABILITY_ENV)
     if override:
         cap.update(json.loads(override))
     return cap
+
+
+def _read_config(model_dir) -> Optional[dict]:
+    import json
+    from pathlib import Path
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _capability_key(config, checkpoint_dtype) -> Optional[str]:
+    """What a measured capability depends on besides the device: the model's config, its dtype, this version."""
+    import hashlib
+    import json
+    from kafilad import __version__
+    if not isinstance(config, dict):
+        return None
+    text = json.dumps([config, checkpoint_dtype, __version__], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _reused_capability(cache_dir, config, checkpoint_dtype) -> Optional[dict]:
+    import json
+    import time
+    from pathlib import Path
+    key = _capability_key(config, checkpoint_dtype)
+    if cache_dir is None or key is None:
+        return None
+    try:
+        saved = json.loads((Path(cache_dir) / CAPABILITY_FILE).read_text())
+        age_s = time.time() - float(saved["measured_at_s"])
+        if saved.get("key") != key or not 0 <= age_s < CAPABILITY_REUSE_S or not isinstance(saved.get("capability"), dict):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    log.info("reusing this device's capability measured %.0f s ago for the same model (the memory is read afresh)",
+             age_s)
+    return dict(saved["capability"])
+
+
+def _store_capability(cache_dir, config, checkpoint_dtype, cap: dict) -> None:
+    import json
+    import os
+    import time
+    from pathlib import Path
+    key = _capability_key(config, checkpoint_dtype)
+    if cache_dir is None or key is None:
+        return
+    path = Path(cache_dir) / CAPABILITY_FILE
+    tmp = path.with_name(f"{CAPABILITY_FILE}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"key": key, "measured_at_s": time.time(), "capability": cap}))
+        os.replace(tmp, path)
+    except OSError as e:  # the state dir is a convenience here: the measurement stands
+        log.warning("could not keep the measured capability in %s: %s", path, e)
 
 
 def plan_profiles(info, devices) -> dict:

@@ -94,7 +94,7 @@ class World:
         self._frozen: set[str] = set()  # IP addresses of frozen nodes (their LAN and public ones)
         net.drop = self._drop
 
-    def capability(self, model_dir_or_config) -> dict:
+    def capability(self, model_dir_or_config, cache_dir=None) -> dict:
         """stagehost.measure_capability without the timing probe: :data:`CAPABILITY`, or for the host
         (which measures with its model directory; members with the config they were sent)
         :attr:`host_capability` when set."""

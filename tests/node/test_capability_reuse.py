@@ -1,0 +1,52 @@
+"""A capability measured for the same model is reused for CAPABILITY_REUSE_S (kafilad/node/stagehost.py):
+a member daemon restarted into its session rejoins without the 1-3 s timing probe (chaos runs:
+the probe was most of a killed member's recovery after its restart)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from kafilad.node import stagehost
+from kafilad.proto import control as cf
+
+
+@pytest.fixture
+def config():
+    from kafilad.executor.synth import synth_config
+    return synth_config("llama", num_hidden_layers=2, hidden_size=64)
+
+
+def test_the_same_model_is_measured_once_then_reused_with_memory_read_afresh(tmp_path, config):
+    admitted = cf.Admitted(session_id="s", model_id="m", config=config, dtype="float32", context=64, concurrency=1)
+    t0 = time.perf_counter()
+    first = stagehost.measure_capability(admitted, tmp_path)
+    probe_s = time.perf_counter() - t0
+    saved = json.loads((tmp_path / stagehost.CAPABILITY_FILE).read_text())
+    assert saved["capability"]["bandwidth_Bps"] == first["bandwidth_Bps"] > 0
+    assert 0 <= time.time() - saved["measured_at_s"] < 60
+    t0 = time.perf_counter()
+    again = stagehost.measure_capability(admitted, tmp_path)
+    reuse_s = time.perf_counter() - t0
+    for k in ("bandwidth_Bps", "step_overhead_s", "batch_row_cost", "dtype", "bandwidth_source"):
+        assert again[k] == first[k], k
+    assert again["memory_bytes"] > 0 and reuse_s < probe_s / 5, (reuse_s, probe_s)
+
+
+def test_another_model_an_old_measurement_or_no_state_dir_measures_again(tmp_path, config):
+    admitted = cf.Admitted(session_id="s", model_id="m", config=config, dtype="float32", context=64, concurrency=1)
+    first = stagehost.measure_capability(admitted, tmp_path)
+    other = cf.Admitted(session_id="s", model_id="m", config={**config, "hidden_size": 32, "head_dim": 8}, dtype="float32",
+                        context=64, concurrency=1)
+    assert stagehost._reused_capability(tmp_path, other.config, other.dtype) is None
+    assert stagehost._reused_capability(tmp_path, config, "bfloat16") is None
+    assert stagehost._reused_capability(tmp_path, config, "float32")["bandwidth_Bps"] == first["bandwidth_Bps"]
+    path = tmp_path / stagehost.CAPABILITY_FILE
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "measured_at_s": time.time() - stagehost.CAPABILITY_REUSE_S - 1}))
+    assert stagehost._reused_capability(tmp_path, config, "float32") is None
+    path.write_text("{not json")
+    assert stagehost._reused_capability(tmp_path, config, "float32") is None
+    assert stagehost._reused_capability(None, config, "float32") is None
