@@ -16,7 +16,7 @@ import trio
 
 from kafilad.control.api import OPS
 from kafilad.control.server import serve_control
-from kafilad.errors import KafilaError, collapse_groups
+from kafilad.errors import KafilaError, RendezvousRefused, collapse_groups
 from kafilad.modelref import resolve_model_dir
 from kafilad.planner.plan import DEFAULT_STRATEGY
 from kafilad.node.statedir import StateDir
@@ -42,11 +42,10 @@ def rejoin_delay_s(error: Exception, delay_s: float, unknown_tries: int) -> tupl
         unknown_tries: "unknown_session" refusals answered at the fast cadence so far.
     Returns:
         (wait_s now, the backoff's next delay_s, the new unknown_tries). An "unknown_session"
-        refusal (kafilad/errors.py RendezvousRefused, proto_spec 03 §2.2) waits REJOIN_FIRST_S and
+        refusal (kafilad/errors.py RendezvousRefused; its codes: proto_spec 03 §2.3) waits REJOIN_FIRST_S and
         leaves the backoff where it was, for REJOIN_UNKNOWN_SESSION_TRIES tries; anything else
         waits ``delay_s`` and doubles it up to REJOIN_MAX_S.
     """
-    from kafilad.errors import RendezvousRefused
     if isinstance(error, RendezvousRefused) and error.code == "unknown_session" \
             and unknown_tries < REJOIN_UNKNOWN_SESSION_TRIES:
         return REJOIN_FIRST_S, delay_s, unknown_tries + 1
