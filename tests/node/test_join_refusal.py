@@ -15,10 +15,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kafilad.executor.synth import synthesize_model
-    return synthesize_model(tmp_path_factory.mktemp("refusal") / "synth", arch="llama", seed=7,
-                            num_hidden_layers=3, hidden_size=32)
+def model_dir(session_model):
+    return session_model
 
 
 @trio_test

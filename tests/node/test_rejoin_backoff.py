@@ -19,10 +19,8 @@ from node.session_harness import session_world
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kafilad.executor.synth import synthesize_model
-    return synthesize_model(tmp_path_factory.mktemp("rejoin") / "synth", arch="llama", seed=7,
-                            num_hidden_layers=3, hidden_size=32)
+def model_dir(session_model):
+    return session_model
 
 
 def test_unknown_session_answers_are_retried_at_the_first_wait_then_the_doubling_resumes():

@@ -27,10 +27,8 @@ N_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kafilad.executor.synth import synthesize_model
-    return synthesize_model(tmp_path_factory.mktemp("sessions") / "synth", arch="llama", seed=7,
-                            num_hidden_layers=3, hidden_size=32)
+def model_dir(session_model):
+    return session_model
 
 
 @pytest.fixture(scope="module")
