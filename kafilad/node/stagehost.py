@@ -10,11 +10,17 @@ every member's edge records for status and the trace (proto_spec 07 §6).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import time
+from pathlib import Path
 from typing import Awaitable, Callable, Optional
 
 import trio
 
+from kafilad import __version__
 from kafilad.node import edge
 from kafilad.node.link import Link
 from kafilad.node.paths import PathManager
@@ -55,22 +61,18 @@ def measure_capability(source, cache_dir=None) -> dict:
             (config and dtype), by the same kafilad version, less than CAPABILITY_REUSE_S ago is
             reused with memory_bytes read afresh; a new measurement is stored there. None: always measure.
     """
-    import json
-    import os
     ex = executor()
     if isinstance(source, cf.Admitted):
-        config, checkpoint_dtype = source.config, source.dtype
-    elif isinstance(source, dict):
-        config, checkpoint_dtype = source, None
+        key = _capability_key(source.config, source.dtype)
     else:
-        config, checkpoint_dtype = _read_config(source), None
-    cap = _reused_capability(cache_dir, config, checkpoint_dtype)
+        key = _capability_key(source if isinstance(source, dict) else _read_config(source), None)
+    cap = _reused_capability(cache_dir, key)
     if cap is None:
         if isinstance(source, cf.Admitted):
             cap = ex.probe.measure_capability(source.config, checkpoint_dtype=source.dtype)
         else:
             cap = ex.probe.measure_capability(source)
-        _store_capability(cache_dir, config, checkpoint_dtype, cap)
+        _store_capability(cache_dir, key, cap)
     else:
         cap["memory_bytes"] = int(ex.probe.available_memory_bytes())
     override = os.environ.get(TEST_CAPABILITY_ENV)
@@ -80,8 +82,6 @@ def measure_capability(source, cache_dir=None) -> dict:
 
 
 def _read_config(model_dir) -> Optional[dict]:
-    import json
-    from pathlib import Path
     try:
         return json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError, TypeError):
@@ -89,21 +89,16 @@ def _read_config(model_dir) -> Optional[dict]:
 
 
 def _capability_key(config, checkpoint_dtype) -> Optional[str]:
-    """What a measured capability depends on besides the device: the model's config, its dtype, this version."""
-    import hashlib
-    import json
-    from kafilad import __version__
+    """What a measured capability depends on besides the device: the model's config, its dtype, this
+    version (None without a config: nothing to reuse)."""
     if not isinstance(config, dict):
         return None
     text = json.dumps([config, checkpoint_dtype, __version__], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _reused_capability(cache_dir, config, checkpoint_dtype) -> Optional[dict]:
-    import json
-    import time
-    from pathlib import Path
-    key = _capability_key(config, checkpoint_dtype)
+def _reused_capability(cache_dir, key: Optional[str]) -> Optional[dict]:
+    """The capability stored under ``key`` in ``cache_dir`` if younger than CAPABILITY_REUSE_S, else None."""
     if cache_dir is None or key is None:
         return None
     try:
@@ -118,12 +113,7 @@ def _reused_capability(cache_dir, config, checkpoint_dtype) -> Optional[dict]:
     return dict(saved["capability"])
 
 
-def _store_capability(cache_dir, config, checkpoint_dtype, cap: dict) -> None:
-    import json
-    import os
-    import time
-    from pathlib import Path
-    key = _capability_key(config, checkpoint_dtype)
+def _store_capability(cache_dir, key: Optional[str], cap: dict) -> None:
     if cache_dir is None or key is None:
         return
     path = Path(cache_dir) / CAPABILITY_FILE

@@ -40,13 +40,13 @@ def test_another_model_an_old_measurement_or_no_state_dir_measures_again(tmp_pat
     first = stagehost.measure_capability(admitted, tmp_path)
     other = cf.Admitted(session_id="s", model_id="m", config={**config, "hidden_size": 32, "head_dim": 8}, dtype="float32",
                         context=64, concurrency=1)
-    assert stagehost._reused_capability(tmp_path, other.config, other.dtype) is None
-    assert stagehost._reused_capability(tmp_path, config, "bfloat16") is None
-    assert stagehost._reused_capability(tmp_path, config, "float32")["bandwidth_Bps"] == first["bandwidth_Bps"]
+    assert stagehost._reused_capability(tmp_path, stagehost._capability_key(other.config, other.dtype)) is None
+    assert stagehost._reused_capability(tmp_path, stagehost._capability_key(config, "bfloat16")) is None
+    assert stagehost._reused_capability(tmp_path, stagehost._capability_key(config, "float32"))["bandwidth_Bps"] == first["bandwidth_Bps"]
     path = tmp_path / stagehost.CAPABILITY_FILE
     saved = json.loads(path.read_text())
     path.write_text(json.dumps({**saved, "measured_at_s": time.time() - stagehost.CAPABILITY_REUSE_S - 1}))
-    assert stagehost._reused_capability(tmp_path, config, "float32") is None
+    assert stagehost._reused_capability(tmp_path, stagehost._capability_key(config, "float32")) is None
     path.write_text("{not json")
-    assert stagehost._reused_capability(tmp_path, config, "float32") is None
-    assert stagehost._reused_capability(None, config, "float32") is None
+    assert stagehost._reused_capability(tmp_path, stagehost._capability_key(config, "float32")) is None
+    assert stagehost._reused_capability(None, stagehost._capability_key(config, "float32")) is None
