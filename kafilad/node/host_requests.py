@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import attrs
 import trio
@@ -47,6 +47,9 @@ CANCEL_SEND_S = 5.0
 STOPPED = "A stop sequence was generated."
 #: seconds a request that arrives while the session heals waits for it to serve again (module docstring)
 RECOVERY_WAIT_S = 30.0
+#: seconds a new plan that replaces the serving ring (a member joined or returned) waits for the
+#: requests on it to finish; less than RECOVERY_WAIT_S, so the requests that wait meanwhile are served
+DRAIN_WAIT_S = 20.0
 #: the states a session that has served passes through on its way back to `ready` (DESIGN §3)
 RETURNING_STATES = (sm.HostState.RECOVERING, sm.HostState.LOADING)
 
@@ -80,6 +83,10 @@ class HostRequests:
         if self.machine.epoch != self._measured_epoch:  # a new plan: its stages are measured afresh
             self.measured_stage_s.clear()
             self._measured_epoch = self.machine.epoch
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """Wake every task in :meth:`_next_change` (the machine handled an event, or a request left the ring)."""
         changed, self._state_changed = self._state_changed, None
         if changed is not None:
             changed.set()
@@ -122,6 +129,22 @@ class HostRequests:
             log.info("the session serves again; the waiting request runs after %.2f s", trio.current_time() - t0)
             return
         raise self._not_ready(f"it did not serve again within {wait_s:g} s")
+
+    async def drain_ring(self, still: Callable[[], bool]) -> int:
+        """Wait until no request runs on the ring, at most DRAIN_WAIT_S and while ``still()`` holds.
+
+        A member that joined or returned while the session served is planned in (DESIGN §3); when
+        the new plan moves blocks, the host first lets the requests on the serving ring finish
+        (new ones wait in `recovering`, :meth:`wait_serving`). Returns how many still run; those
+        are failed with proto.session.PLAN_SWITCHED when the new plan replaces the ring.
+        """
+        if self.on_ring:
+            log.info("waiting (at most %g s) for %d request(s) on the ring before switching to the new plan",
+                     DRAIN_WAIT_S, len(self.on_ring))
+        with trio.move_on_after(DRAIN_WAIT_S):
+            while self.on_ring and still():
+                await self._next_change(None)
+        return len(self.on_ring)
 
     async def _next_change(self, gone: Optional[trio.Event]) -> None:
         """Wait until the machine handled another event, or `gone` is set."""
@@ -184,10 +207,11 @@ class HostRequests:
         if slot is None:
             raise GenerationCancelled("The client went away while its request waited for its turn.")
         self.node.changed()
+        req = uuid.uuid4().hex[:12]
         try:
             await self.wait_serving(gone)  # a member may have been lost while the request waited its turn
             epoch = self.machine.epoch  # the plan it runs under (its stage times belong to it)
-            req = uuid.uuid4().hex[:12]
+            self.on_ring.add(req)  # a new plan waits for it before replacing the ring (drain_ring)
             head = self.machine.head()
             local = head is None or head.is_host
             ring = self.ring
@@ -272,6 +296,9 @@ class HostRequests:
             return result
         finally:
             self.admission.release(slot)
+            if req in self.on_ring:
+                self.on_ring.discard(req)
+                self._wake_waiters()
             self.node.changed()
 
     async def _generate_remote(self, head, req: str, prompt: str, max_tokens: int, temperature: float,

@@ -13,8 +13,8 @@ from typing import Optional
 
 import trio
 
-from kafilad.errors import (HandshakeError, KafilaError, LinkClosed, RemoteProtocolError, RingEdgeError,
-                            SessionError, collapse_groups)
+from kafilad.errors import (HandshakeError, KafilaError, LinkBroken, LinkClosed, RemoteProtocolError,
+                            RingEdgeError, SessionError, collapse_groups)
 from kafilad.node import paths, stagehost
 from kafilad.node.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name
 from kafilad.node.host_requests import result_of
@@ -27,6 +27,9 @@ from kafilad.proto import session as sm
 from kafilad.proto.identity import fingerprint, fingerprint_matches, parse_session_code, peer_id as peer_id_of
 
 log = logging.getLogger("kafilad.member")
+
+#: seconds one frame to the host may take to send before the ctl link counts as broken (send_ctl)
+CTL_SEND_BOUND_S = 5.0
 
 
 class MemberSession(SessionDriver):
@@ -60,14 +63,30 @@ class MemberSession(SessionDriver):
         if self.state in (sm.MemberState.FAILED, sm.MemberState.CLOSED):
             self._over.set()
 
+    async def send_ctl(self, body: dict) -> int:
+        """Send one frame on the ctl link to the host, whole: shielded from the caller's cancellation
+        (a stage dropped by a replan, a request ended), since a frame cut in the middle would break
+        the link for every later frame; bounded by CTL_SEND_BOUND_S, past which the link is closed
+        as broken. Returns its size in bytes.
+
+        Raises:
+            LinkClosed: the link ended, or the host took no frame within CTL_SEND_BOUND_S.
+        """
+        link = self.link
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(CTL_SEND_BOUND_S):
+                return await link.send(body)
+            reason = f"the host took no control frame for {CTL_SEND_BOUND_S:g} s"
+            await link.close(reason, broken=True)
+        raise LinkBroken(reason)
+
     async def _perform(self, a) -> None:
         if isinstance(a, sm.Send):
             if self.link is not None and self.link.closed_reason is None:
-                with trio.CancelScope(shield=isinstance(a.frame, cf.Leaving)), trio.move_on_after(2):
-                    try:
-                        await self.link.send(a.frame.to_wire())
-                    except LinkClosed:
-                        pass
+                try:
+                    await self.send_ctl(a.frame.to_wire())
+                except LinkClosed:
+                    pass
         elif isinstance(a, sm.CloseLink):
             if self.link is not None:
                 await self.link.close(a.reason or "closed")
@@ -108,7 +127,7 @@ class MemberSession(SessionDriver):
                 host_pid = await rdv.join(self.session_id)
                 await progress({"msg": f"joined session {self.session_id} at the rendezvous; verifying the host"})
                 await self._open_ctl(rdv, host_pid)
-                self.fetcher = Fetcher(self.link.send, self.node.state.cache_dir)
+                self.fetcher = Fetcher(self.send_ctl, self.node.state.cache_dir)
                 await self._await_admission(progress)
                 task_status.started()
                 started = True
@@ -251,7 +270,7 @@ class MemberSession(SessionDriver):
     async def _control_loop(self) -> None:
         cap = await run_on_mlx_thread(stagehost.measure_capability, self.machine.admitted, self.node.state.path)
         cap.update(await self.paths.capability())
-        await self.link.send(cf.Capability.from_measurement(cap).to_wire())
+        await self.send_ctl(cf.Capability.from_measurement(cap).to_wire())
         await self._handle(sm.CapabilitySent(cap))
         while self.state not in (sm.MemberState.FAILED, sm.MemberState.CLOSED):
             if self.link.closed_reason is not None and self.machine.keeps_serving:
@@ -269,14 +288,6 @@ class MemberSession(SessionDriver):
                     self.ring.cancel(f.req, f.reason or "The host cancelled the request.", before_start=True)
             else:
                 await self._handle(f)
-
-    async def _drop_stage(self) -> None:
-        """End the stage of an earlier plan (a replan, DESIGN §3 healing): its ring tasks and links, and
-        the requests it ran."""
-        await super()._drop_stage()
-        if self.ring is not None:
-            self.ring.fail_all("The session was replanned while this request ran (a member was lost or the ring "
-                               "re-formed); send it again.", member=None)
 
     async def _run_stage(self, f: cf.PlanFrame) -> None:
         async def failed(e: KafilaError) -> None:  # a ring task of this stage failed (its loading: _load)
@@ -357,7 +368,7 @@ class MemberSession(SessionDriver):
             self.load["progress"] = "joining the ring"
             self.node.changed()
             await self._join_ring(stage, tok, head=f.head, epoch=epoch, roster=self.roster,
-                                  on_edges=lambda: self.link.send(cf.Edges(self.paths.edge_list()).to_wire()),
+                                  on_edges=lambda: self.send_ctl(cf.Edges(self.paths.edge_list()).to_wire()),
                                   stage_nursery=stage_nursery)
             self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "hf_cache_bytes": hf_cached,
                          "load_s": time.perf_counter() - t0,
@@ -389,7 +400,7 @@ class MemberSession(SessionDriver):
         req = f.req
 
         async def on_event(ev: dict) -> None:
-            await self.link.send(cf.GenEvent(req=req, event=ev).to_wire())
+            await self.send_ctl(cf.GenEvent(req=req, event=ev).to_wire())
 
         try:
             try:  # checked on receipt (proto_spec 05 §2 `gen`): a map this head cannot apply fails the request
@@ -400,16 +411,16 @@ class MemberSession(SessionDriver):
                                           on_event=on_event, sampling=sampling)
             if st.cancel_requested and st.error != self.ring.broken:  # the host's `cancel`: what was produced,
                 # with every member's `end` row (its KV rows were freed on every stage)
-                await self.link.send(cf.GenDone(req=req, result=cf.GenResult.from_wire(result_of(st))).to_wire())
+                await self.send_ctl(cf.GenDone(req=req, result=cf.GenResult.from_wire(result_of(st))).to_wire())
             elif st.error:
-                await self.link.send(cf.GenError(req=req, message=st.error).to_wire())
+                await self.send_ctl(cf.GenError(req=req, message=st.error).to_wire())
             else:
-                await self.link.send(cf.GenDone(req=req, result=cf.GenResult.from_wire(result_of(st))).to_wire())
+                await self.send_ctl(cf.GenDone(req=req, result=cf.GenResult.from_wire(result_of(st))).to_wire())
         except LinkClosed:
             pass
         except KafilaError as e:
             try:
-                await self.link.send(cf.GenError(req=req, message=str(e)).to_wire())
+                await self.send_ctl(cf.GenError(req=req, message=str(e)).to_wire())
             except LinkClosed:
                 pass
 

@@ -97,7 +97,8 @@ class SessionDriver:
 
     # ---- the stage of the current plan ---------------------------------------------------------
     async def _drop_stage(self) -> None:
-        """End this node's stage of an earlier plan: its ring tasks and both of its ring links."""
+        """End this node's stage of an earlier plan (a replan, DESIGN §3 healing): its ring tasks, both
+        of its ring links, and the requests it still ran (they fail with a sentence, never hang)."""
         if self._stage_scope is not None:
             self._stage_scope.cancel()
             self._stage_scope = None
@@ -105,6 +106,9 @@ class SessionDriver:
             if link is not None:
                 await link.close("the session replanned")
         self._stage_links = ()
+        if self.ring is not None:
+            self.ring.fail_all("The session was replanned while this request ran (a member was lost, joined or "
+                               "returned, or the ring re-formed); send it again.", member=None)
 
     async def _in_stage_scope(self, load: Callable[[trio.Nursery], Awaitable[None]],
                               failed: Callable[[KafilaError], Awaitable[None]]) -> None:

@@ -146,6 +146,10 @@ HOST_TABLE: dict = {
 }
 #: consecutive re-forms of the ring without reaching `ready` before the session gives up
 MAX_REFORMS = 3
+#: why a request still running when a new plan replaces a serving ring (a member joined or returned)
+#: ends: the host waited for the ring to drain first (kafilad/node/host.py `_drain_for`)
+PLAN_SWITCHED = ("The session switched to a new plan to take in a member that joined or returned, and this request "
+                 "was still running when the wait for running requests ran out; send it again.")
 
 
 class HostMachine(_Machine):
@@ -337,6 +341,7 @@ class HostMachine(_Machine):
             self._enter(HostState.READY, row)
             return [Trace("plan_kept", {"plan": ev.plan, "epoch": self.epoch, "standby": list(ev.standby)})] + \
                 self._tell_standbys(ev, names)
+        replaced = old is not None and self.intact_epoch == self.epoch  # a ring that still served
         self.intact_epoch = None
         self.planned = ev
         self.epoch += 1
@@ -348,8 +353,11 @@ class HostMachine(_Machine):
         fields = {"plan": ev.plan, "epoch": self.epoch}
         if old is not None:
             fields["old_plan"] = old.plan
-        return [Trace("plan" if old is None else "replanned", fields),
-                DistributePlan(ev, epoch=self.epoch, replan=old is not None)] + self._tell_standbys(ev, names)
+        # requests still on the serving ring (the driver let them drain first, for a while) end here,
+        # with a sentence, before its stages are dropped
+        out = [FailRequests(PLAN_SWITCHED, None)] if replaced else []
+        return out + [Trace("plan" if old is None else "replanned", fields),
+                      DistributePlan(ev, epoch=self.epoch, replan=old is not None)] + self._tell_standbys(ev, names)
 
     def _tell_standbys(self, ev: Planned, names: dict) -> list:
         """A `standby` frame of this epoch to each remote member the plan leaves without blocks."""

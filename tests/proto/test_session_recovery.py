@@ -165,7 +165,8 @@ def a_returning_standby_given_blocks_reloads_the_ring(h, fire):
     standby_returns(h)
     ev = planned((HOST_NAME, "alpha", "beta"), HOST_NAME, h.plan_seq)
     out = fire(ev)
-    assert out[1] == sm.DistributePlan(ev, epoch=3, replan=True) and h.ring_order == [HOST, A, B]
+    assert out[0] == sm.FailRequests(sm.PLAN_SWITCHED, None)  # what still runs on the old ring ends, with a sentence
+    assert out[2] == sm.DistributePlan(ev, epoch=3, replan=True) and h.ring_order == [HOST, A, B]
     assert h.intact_epoch is None
 
 
