@@ -59,6 +59,8 @@ log = logging.getLogger("kafilad.http")
 RECEIVE_BYTES = 65_536
 #: connections answered 503 at once (each holds a file handle for at most `send_timeout_s`)
 MAX_REFUSING = 16
+#: the answer to a request the daemon had not answered when it began to stop (503, Retry-After 5)
+SHUTTING_DOWN = "The daemon is shutting down, so this request was not served; send it again once it is back."
 
 
 @attrs.frozen
@@ -495,6 +497,17 @@ class HttpServer:
                 except (ClientGone, h11.LocalProtocolError):
                     pass
             return False
+        except BaseException as e:  # the daemon stops: a request not yet answered learns why, then it closes
+            if not _only(e, (trio.Cancelled,)):
+                raise
+            if not responder.started and not gone:
+                responder.close_after = True
+                with trio.CancelScope(shield=True), trio.move_on_after(min(1.0, self.limits.send_timeout_s)):
+                    try:
+                        await responder.error(503, SHUTTING_DOWN, headers=[("retry-after", "5")])
+                    except (ClientGone, h11.LocalProtocolError):
+                        pass
+            raise
         if gone:
             return False
         if not responder.finished:  # a handler that returned without answering: a bug, but not a hang

@@ -391,3 +391,32 @@ def test_a_request_read_whole_with_connection_close_is_answered_and_closed_witho
         out = await exchange(small, b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhello")
         assert parse_responses(out)[0][0] == 413 and trio.current_time() - t0 == pytest.approx(2.0)
     run(main)
+
+
+def test_a_request_waiting_when_the_daemon_stops_gets_503_with_a_sentence_not_an_empty_reply():
+    """A new user's report: requests queued at the host got an empty reply when the host daemon
+    stopped. The server's cancellation (the daemon's root nursery ends) answers each request not
+    yet answered with 503, Retry-After and the reason, then closes; the cancellation goes on."""
+    async def main():
+        waiting = trio.Event()
+
+        async def queued(request: Request, res: Responder) -> None:
+            waiting.set()
+            await trio.sleep_forever()  # as a request waiting for its turn at the host
+
+        server = HttpServer(queued)
+        client, srv = trio.testing.memory_stream_pair()
+        with trio.CancelScope() as daemon:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.serve_stream, srv)
+                await client.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+                await waiting.wait()
+                daemon.cancel()
+        assert daemon.cancelled_caught
+        out = bytearray()
+        while data := await client.receive_some(65536):
+            out += data
+        ((status, headers, body),) = parse_responses(bytes(out))
+        assert status == 503 and headers["retry-after"] == "5" and headers["connection"] == "close"
+        assert "shutting down" in json.loads(body)["error"]["message"]
+    run(main)
