@@ -40,11 +40,10 @@ def cmd_keys(args) -> int:
 
 
 def _model_ref(model: str) -> str:
-    """A Hugging Face repo id (ORG/NAME[@REV]) as given, for the daemon to resolve
-    (kafilad/modelref.py); a local path made absolute, as the daemon's working directory differs."""
-    from pathlib import Path
-    from kafilad.modelref import parse_repo_id
-    return model if parse_repo_id(model) is not None else str(Path(model).expanduser().resolve())
+    """`--model` as the daemon is to receive it: a repo id, an absolute path, or the directory of a
+    model shipped with kafila named bare (`stories260K`); see kafila_ctl/demo.py `model_ref`."""
+    from kafila_ctl.demo import model_ref
+    return model_ref(model)
 
 
 def cmd_host(args) -> int:
@@ -381,9 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("host", help="open a session and print its code")
     s.add_argument("--model", required=True,
-                   help="model directory (config.json + *.safetensors + tokenizer), or a Hugging Face repo id "
-                        "ORG/NAME[@REVISION]: the daemon takes it from its Hugging Face cache, else downloads "
-                        "only the files it needs")
+                   help="model directory (config.json + *.safetensors + tokenizer), the name of a model "
+                        "shipped with kafila (stories260K), or a Hugging Face repo id ORG/NAME[@REVISION]: the "
+                        "daemon takes it from its Hugging Face cache, else downloads only the files it needs")
     s.add_argument("--members", type=int, required=True, help="machines in the session, the host included")
     s.add_argument("--context", type=int, default=None,
                    help="tokens of context to admit (default 4096, capped at the model's max_position_embeddings)")
@@ -465,8 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="rendezvous + daemons on loopback: form a session, generate, stop")
     which = s.add_mutually_exclusive_group()
-    which.add_argument("--model", help="model directory (default: stories260K, a tiny English model shipped "
-                                       "with kafila)")
+    which.add_argument("--model", help="model directory or the name of a model shipped with kafila "
+                                       "(default: stories260K, a tiny English model shipped with kafila)")
     which.add_argument("--synth", action="store_true",
                        help="serve a synthesised random-weight model instead (its text is noise; for shapes)")
     s.add_argument("--members", type=int, default=3, help="daemons on the ring (default 3)")

@@ -151,7 +151,7 @@ class LoopbackCluster:
         """
         members = members or self.n
         t0 = time.perf_counter()
-        code = self.call(0, "host", model_dir=str(Path(model_dir).resolve()), members=members, context=context,
+        code = self.call(0, "host", model_dir=model_ref(str(model_dir)), members=members, context=context,
                          concurrency=concurrency, open=True, rendezvous=rendezvous,
                          **({"strategy": strategy} if strategy else {}))["code"]
 
@@ -221,6 +221,39 @@ def packaged_model_dir(name: str = DEMO_MODEL) -> Path:
     return path
 
 
+def shipped_models() -> list[str]:
+    """Names of the models shipped inside the kafila_ctl package (kafila_ctl/models/NAME)."""
+    from importlib.resources import files
+    root = Path(str(files("kafila_ctl") / "models"))
+    return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root.is_dir() else []
+
+
+def model_ref(model: str) -> str:
+    """What `--model` names, as the daemon is to receive it (`kafila-ctl host`, `kafila-ctl demo`).
+
+    In this order: a Hugging Face repo id (ORG/NAME[@REV]) as given, for the daemon to resolve
+    (kafilad/modelref.py); a path that exists, made absolute (the daemon's working directory
+    differs); a bare name of a model shipped with kafila (`stories260K`), its directory in the
+    package; any other path made absolute (the daemon says what it lacks).
+
+    Raises:
+        KafilaError: a bare name (no '/') that is none of these, naming each place looked at.
+    """
+    from kafilad.modelref import parse_repo_id
+    if parse_repo_id(model) is not None:
+        return model
+    path = Path(model).expanduser().resolve()
+    if path.exists() or not model or "/" in model or os.sep in model or model[0] in "~.":
+        return str(path)
+    shipped = shipped_models()
+    for name in shipped:
+        if name.lower() == model.lower():
+            return str(packaged_model_dir(name))
+    raise KafilaError(f"There is no model {model!r}: it is not a directory here ({path}), not one of the models "
+                      f"shipped with kafila ({', '.join(shipped) or 'none are installed'}), and not a Hugging Face "
+                      "repo id (ORG/NAME). Pass a model directory, a shipped model's name, or a repo id.")
+
+
 def printable(text: str) -> str:
     """`text` with control characters other than newline and tab shown as escapes."""
     return "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in text)
@@ -263,7 +296,9 @@ def run_demo(*, model: Optional[str], members: int, prompt: str, max_tokens: int
         console.print(f"model: synthesised at {escape(model)}: random weights and a byte-level tokenizer, so its "
                       "text is noise; it shows the ring's shapes and timings (`kafila-ctl demo` alone serves a "
                       "real tiny model)")
-    elif model is None:
+    elif model is not None:
+        model = model_ref(model)  # before any daemon starts: a name that matches nothing is a sentence
+    else:
         model = str(packaged_model_dir())
         console.print(f"model: {DEMO_MODEL}, Andrej Karpathy's 260K-parameter TinyStories Llama (MIT licence), "
                       f"shipped with kafila at {escape(model)}")

@@ -8,7 +8,10 @@ import fnmatch
 import tomllib
 from pathlib import Path
 
-from kafila_ctl.demo import DEMO_MODEL, packaged_model_dir, printable
+import pytest
+
+from kafila_ctl.demo import DEMO_MODEL, model_ref, packaged_model_dir, printable, shipped_models
+from kafilad.errors import KafilaError
 
 REPO = Path(__file__).resolve().parent.parent.parent
 FILES = {"LICENSE", "README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -46,3 +49,20 @@ def test_packaged_model_tokenizes_and_decodes():
 def test_printable_escapes_control_characters():
     assert printable("a\x00b\x1bc\nd\te") == "a\\x00b\\x1bc\nd\te"
     assert printable("Lily é €") == "Lily é €"
+
+
+def test_model_ref_resolves_shipped_names_after_paths_and_repo_ids(tmp_path, monkeypatch):
+    """`--model NAME`: a repo id as given, an existing path absolute, else a shipped model's directory."""
+    monkeypatch.chdir(tmp_path)
+    assert shipped_models() == [DEMO_MODEL]
+    assert model_ref("stories260K") == model_ref("stories260k") == str(packaged_model_dir())
+    assert model_ref("karpathy/stories260K") == "karpathy/stories260K"  # the daemon resolves repo ids
+    (tmp_path / "stories260K").mkdir()
+    assert model_ref("stories260K") == str(tmp_path / "stories260K")  # a real directory here wins
+    assert model_ref("./gone") == str(tmp_path / "gone")  # a path-like name: the daemon says what it lacks
+    with pytest.raises(KafilaError) as e:
+        model_ref("stories26")
+    assert str(e.value) == (
+        f"There is no model 'stories26': it is not a directory here ({tmp_path / 'stories26'}), not one of the "
+        "models shipped with kafila (stories260K), and not a Hugging Face repo id (ORG/NAME). Pass a model "
+        "directory, a shipped model's name, or a repo id.")

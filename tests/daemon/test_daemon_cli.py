@@ -87,6 +87,26 @@ def test_ctl_errors_are_sentences(daemon, tmp_path):
     assert r.returncode == 1 and "not hosting a session" in r.stderr
 
 
+def test_a_shipped_model_by_its_bare_name(daemon, tmp_path):
+    """New user's report: `--model stories260K` looked for ./stories260K; a bare name of a shipped model
+    is that model (host and demo), and a name that matches nothing says every place looked at."""
+    _, state = daemon
+    run = dict(capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run(CTL + ["--state-dir", str(state), "host", "--model", "stories260K", "--members", "2",
+                              "--rendezvous", "ws://127.0.0.1:9"], timeout=60, **run)
+    assert r.returncode == 1 and "Cannot reach the rendezvous at ws://127.0.0.1:9" in r.stderr  # the model was read
+    r = subprocess.run(CTL + ["--state-dir", str(state), "host", "--model", "stories26", "--members", "2",
+                              "--rendezvous", "ws://127.0.0.1:9"], timeout=60, **run)
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"kafila-ctl: There is no model 'stories26': it is not a directory here ({tmp_path / 'stories26'}), not "
+        "one of the models shipped with kafila (stories260K), and not a Hugging Face repo id (ORG/NAME). Pass a "
+        "model directory, a shipped model's name, or a repo id.")
+    r = subprocess.run(CTL + ["demo", "--model", "stories260K", "--members", "1", "--max-tokens", "4"], timeout=120,
+                       env={**os.environ, "COLUMNS": "200"}, **run)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Once upon a time, there was a" in r.stdout and "4 tokens" in r.stdout
+
+
 def test_versions():
     from importlib.metadata import version
     v = version("kafila")
