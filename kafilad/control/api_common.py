@@ -5,7 +5,8 @@ say the same sentences for the same conditions: 503 while no session is ready (w
 and `Retry-After` while it is still coming up), 404 for another model than the one served, 400
 for bodies that are not UTF-8 JSON objects, for strings that are not valid Unicode, for a chat
 template that refuses the messages, and for a prompt too long for the session's context.
-Sentences name API fields, never command-line flags (`_api_text`). A generation request that
+Sentences name API fields, never command-line flags (`api_text`), and the field as the client's
+API spells it (Ollama's `options.num_predict`, not OpenAI's `max_tokens`: `fields`). A generation request that
 arrives while the session heals from a member loss waits for it to serve again, at most
 `RECOVERY_WAIT_S` (kafilad/node/host_requests.py; `serving_session`), before that 503.
 
@@ -243,9 +244,17 @@ def text(value: str, field: str) -> str:
 _FLAG = re.compile(r"--([a-z][a-z0-9-]*)")
 
 
-def api_text(message: str) -> str:
-    """A session's sentence with command-line flags named as the API's fields (`--max-tokens` -> 'max_tokens')."""
-    return _FLAG.sub(lambda m: "'" + m.group(1).replace("-", "_") + "'", message)
+def api_text(message: str, fields: Optional[dict[str, str]] = None) -> str:
+    """A session's sentence with command-line flags named as the API's fields (`--max-tokens` -> 'max_tokens').
+
+    Args:
+        fields: the OpenAI field name -> the name the client's API uses instead (ollama_api.py
+            OLLAMA_FIELDS: 'max_tokens' -> 'options.num_predict'); None: the OpenAI names.
+    """
+    def field(m: re.Match) -> str:
+        name = m.group(1).replace("-", "_")
+        return "'" + (fields or {}).get(name, name) + "'"
+    return _FLAG.sub(field, message)
 
 
 def chat_prompt(session, messages: list[dict]) -> str:
@@ -276,17 +285,22 @@ def _is_template_error(e: Exception) -> bool:
     return isinstance(e, TemplateError)
 
 
-def generation_error(e: KafilaError, session) -> HttpError:
-    """The answer for an error of `session.generate` (ContextTooLongError: 400; busy: 429; not ready: 503)."""
+def generation_error(e: KafilaError, session, fields: Optional[dict[str, str]] = None) -> HttpError:
+    """The answer for an error of `session.generate` (ContextTooLongError: 400; busy: 429; not ready: 503).
+
+    Args:
+        fields: as for `api_text`: the request's fields as the client's API names them.
+    """
     if isinstance(e, HostBusyError):
-        return HttpError(429, api_text(str(e)), "rate_limit_exceeded",
+        return HttpError(429, api_text(str(e), fields), "rate_limit_exceeded",
                          headers=[("retry-after", str(max(1, int(e.retry_after_s))))])
     numbers = [getattr(e, k, None) for k in ("prompt_tokens", "max_tokens", "context")]
     if all(isinstance(n, int) for n in numbers):  # ContextTooLongError
-        return HttpError(400, f"The prompt ({numbers[0]} tokens) plus 'max_tokens' {numbers[1]} exceeds the "
-                              f"session's context of {numbers[2]} tokens.", param="max_tokens",
+        field = (fields or {}).get("max_tokens", "max_tokens")
+        return HttpError(400, f"The prompt ({numbers[0]} tokens) plus '{field}' {numbers[1]} exceeds the "
+                              f"session's context of {numbers[2]} tokens.", param=field,
                          code="context_length_exceeded")
-    message = api_text(str(e))
+    message = api_text(str(e), fields)
     if "admitted context" in message:  # the prompt is too long for the session
         return HttpError(400, message, code="context_length_exceeded")
     if "'logit_bias'" in message:  # the head refused a token id outside the vocabulary
@@ -385,8 +399,11 @@ SSE_BUFFER_EVENTS = 256
 _END_EVENTS = 4
 
 
-async def generate_whole(s, res, generate: Callable[[Callable], Awaitable[dict]]) -> tuple[dict, list[dict]]:
+async def generate_whole(s, res, generate: Callable[[Callable], Awaitable[dict]],
+                         fields: Optional[dict[str, str]] = None) -> tuple[dict, list[dict]]:
     """Run `generate(emit)` for a client that wants one answer; return (result, its events).
+
+    `fields`: as for `generation_error` (the client API's names of the request's fields).
 
     The session ends the request whose `emit` raises (ring.py), so a client that left ends its
     request there; a trio cancellation of generate mid-send could break a link
@@ -408,7 +425,7 @@ async def generate_whole(s, res, generate: Callable[[Callable], Awaitable[dict]]
     except KafilaError as e:
         if res.client_gone.is_set():
             raise ClientGone("the client closed its connection") from None
-        raise generation_error(e, s) from None
+        raise generation_error(e, s, fields) from None
     if res.client_gone.is_set():
         raise ClientGone("the client closed its connection")
     return result, events
@@ -417,7 +434,8 @@ async def generate_whole(s, res, generate: Callable[[Callable], Awaitable[dict]]
 async def stream_generation(s, res, generate: Callable[[Callable], Awaitable[dict]], *, content_type: str,
                             token_payloads: Callable[[dict], list[bytes]],
                             end_payloads: Callable[[dict], list[bytes]],
-                            error_payloads: Callable[[str], list[bytes]]) -> None:
+                            error_payloads: Callable[[str], list[bytes]],
+                            fields: Optional[dict[str, str]] = None) -> None:
     """Stream one generation (SSE or NDJSON); the generation never waits for the client.
 
     The 200 and its headers go with the first payload, so a request refused before its first
@@ -430,6 +448,7 @@ async def stream_generation(s, res, generate: Callable[[Callable], Awaitable[dic
         token_payloads: the encoded payloads for one token event (may be none).
         end_payloads: the payloads that end a completed stream, given the result.
         error_payloads: the payloads that end a stream with an error sentence.
+        fields: as for `generation_error` (the client API's names of the request's fields).
     Raises:
         ClientGone: the client closed its connection. HttpError: the request failed before its
             first payload.
@@ -482,7 +501,7 @@ async def stream_generation(s, res, generate: Callable[[Callable], Awaitable[dic
             except KafilaError as e:
                 if state["pushed"] or isinstance(e, GenerationCancelled):
                     if not state["slow"]:
-                        for p in error_payloads(generation_error(e, s).message):
+                        for p in error_payloads(generation_error(e, s, fields).message):
                             push(p)
                 else:  # nothing was sent: answered with its status below
                     failure = e
@@ -494,5 +513,5 @@ async def stream_generation(s, res, generate: Callable[[Callable], Awaitable[dic
     if state["gone"] or res.client_gone.is_set():
         raise ClientGone("the client closed its connection")
     if failure is not None:
-        raise generation_error(failure, s)
+        raise generation_error(failure, s, fields)
     await res.end()

@@ -66,6 +66,14 @@ _UNSUPPORTED_OPTIONS = ("mirostat", "mirostat_tau", "mirostat_eta", "typical_p",
                         "num_keep")
 
 
+#: the OpenAI names of the request's fields (in the session's sentences: kafilad/control/api_common.py
+#: `api_text`) -> the Ollama option a client sent, so a refusal names what the client wrote
+OLLAMA_FIELDS = {"max_tokens": "options.num_predict", "temperature": "options.temperature",
+                 "top_p": "options.top_p", "top_k": "options.top_k", "min_p": "options.min_p",
+                 "seed": "options.seed", "stop": "options.stop", "repetition_penalty": "options.repeat_penalty",
+                 "presence_penalty": "options.presence_penalty", "frequency_penalty": "options.frequency_penalty"}
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -429,7 +437,7 @@ async def _run(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
                 "eval_duration": max(0, total_ns - ttft_ns)}
 
     if r.stream is False:
-        result, events = await generate_whole(s, res, generate)
+        result, events = await generate_whole(s, res, generate, OLLAMA_FIELDS)
         await _send(res, 200, final(result, result["text"], events))
         return
 
@@ -443,7 +451,7 @@ async def _run(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
 
     await stream_generation(s, res, generate, content_type="application/x-ndjson", token_payloads=token_payloads,
                             end_payloads=lambda result: [line(final(result, "", []))],
-                            error_payloads=lambda message: [line({"error": message})])
+                            error_payloads=lambda message: [line({"error": message})], fields=OLLAMA_FIELDS)
 
 
 #: path -> (methods, handler), registered in kafilad/control/openai_api.py's route table

@@ -117,6 +117,7 @@ def test_refusals_are_sentences(cluster):
         (dict(options={"mirostat": 2}), 400, "'options.mirostat' is not supported: this server does not implement it"),
         (dict(options={"temperature": "hot"}), 400, "'options.temperature' is invalid"),
         (dict(options={"num_ctx": 4096}), 400, "exceeds the session's context of 512 tokens"),
+        (dict(options={"num_predict": 10000}), 400, "plus 'options.num_predict' 10000 exceeds the session's context"),
         (dict(format="json"), 400, "'format' is not supported"),
         (dict(images=["aGk="]), 400, "'images' is not supported"),
         (dict(model="llama3"), 404, "model 'llama3' not found"),
