@@ -61,6 +61,10 @@ def status_renderable(snap: dict):
     head.append(f"{snap.get('state')}", style=f"bold {style}")
     if snap.get("error"):
         head.append(f"\n{snap['error']}", style="red")
+    rdv = snap.get("rendezvous")
+    if isinstance(rdv, str) and rdv != "connected" and snap.get("role") in ("host", "member"):
+        why = (snap.get("reconnecting") or {}).get("reason")
+        head.append(f"\nrendezvous: {rdv}{f' — {why}' if why else ''}", style="yellow")
     load = snap.get("load") or {}
     if load.get("progress") and snap.get("state") == "loading":
         head.append(f"\n{load['progress']}: {load.get('done_bytes', 0) / 1e6:.1f} of "
@@ -177,6 +181,10 @@ def join_phase(snap: dict) -> str:
         return "ready"
     if state in ("failed", "closed"):
         return state
+    if state == "reconnecting":  # the daemon rejoins its session (kafilad/node/daemon.py `_reconnecting_snapshot`)
+        about = snap.get("reconnecting") or {}
+        return (f"reconnecting (attempt {about.get('attempt', '?')}, next try in {about.get('next_in_s', 0):.0f} s)"
+                f"{': ' + about['reason'] if about.get('reason') else ''}")
     return JOIN_PHASES.get(str(state), str(state))
 
 

@@ -368,11 +368,29 @@ class WebSocketRendezvous:
 
     def __init__(self, *, stun_addresses=(), limits=None):
         from kafilad.proto.rendezvous import RendezvousLimits
-        from kafilad.rendezvous.server import RendezvousServer
         self.limits = limits or RendezvousLimits()
-        self.server = RendezvousServer(self.limits, None, list(stun_addresses))
+        self._stun_addresses = list(stun_addresses)
+        self.server = self._new_server()
         self.streams: dict[str, list[PausableStream]] = {}
         self._nursery = None
+        self._down = False
+
+    def _new_server(self):
+        from kafilad.rendezvous.server import RendezvousServer
+        return RendezvousServer(self.limits, None, self._stun_addresses)
+
+    async def kill(self) -> None:
+        """The rendezvous process dies: every connection ends abruptly and new ones are refused
+        (``ConnectionRefusedError``, as from a closed port) until :meth:`restart`."""
+        self._down = True
+        for streams in self.streams.values():
+            for stream in streams:
+                await stream.aclose()
+
+    def restart(self) -> None:
+        """A new rendezvous process on the same address: it accepts again and knows no session."""
+        self.server = self._new_server()
+        self._down = False
 
     @staticmethod
     def url(who: str) -> str:
@@ -398,6 +416,8 @@ class WebSocketRendezvous:
             trio_websocket.HandshakeError: the opening handshake did not finish in ``connect_timeout``.
         """
         import trio_websocket
+        if self._down:
+            raise ConnectionRefusedError(111, "Connection refused")
         parsed = urlparse(url)
         a, b = memory_stream_pair()
         client = PausableStream(a)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import signal
+import time
 from typing import Optional
 
 import trio
@@ -94,8 +96,11 @@ def _required(args: dict, key: str, kind: type):
     return value
 
 
+#: the daemon's own state while it rejoins its remembered session (the rendezvous or the host away)
+RECONNECTING = "reconnecting"
 #: every state `wait` can wait for (host and member machines, kafilad/proto/session.py), plus idle
-WAIT_STATES = sorted({s.value for s in sm.HostState} | {s.value for s in sm.MemberState} | {"idle"})
+#: and the daemon's own
+WAIT_STATES = sorted({s.value for s in sm.HostState} | {s.value for s in sm.MemberState} | {"idle", RECONNECTING})
 
 
 class Node:
@@ -117,6 +122,9 @@ class Node:
         self.static_private, self.public_key = self.state.load_or_create_static_key()
         self.peer_id = peer_id_of(self.public_key)
         self.session = None
+        #: while the rejoin loop runs (`_rejoin`): {"code", "attempt", "at" (time.time() of the next
+        #: try), "reason" (why the last try or the session failed)}
+        self.rejoining: Optional[dict] = None
         self.mlx_lock = trio.Lock()
         self._changed = trio.Event()
         self._session_scope: Optional[trio.CancelScope] = None
@@ -191,10 +199,19 @@ class Node:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     await session._handle(sm.Close("the session ended", final=False))
             self.changed()
-        if started and session.role == "member" and session.state == "failed" and self.session is session:
-            record = self.state.remembered_session()
-            if record is not None and record.get("code") == session.code:
-                self.nursery.start_soon(self._rejoin)  # the host or rendezvous went away: come back by itself
+        if started and self._will_rejoin(session):
+            # the host or rendezvous went away: come back by itself
+            self.rejoining = {"code": session.code, "attempt": 1, "at": time.time(), "reason": session.error}
+            self.nursery.start_soon(self._rejoin, session.error)
+
+    def _will_rejoin(self, session) -> bool:
+        """Whether `session` is a member session that failed after its admission, of the session this
+        daemon remembers: the daemon rejoins it (`_rejoin`), so its status says `reconnecting`."""
+        if getattr(session, "role", None) != "member" or session.state != sm.MemberState.FAILED \
+                or self.session is not session or not session.was_admitted:
+            return False
+        record = self.state.remembered_session()
+        return record is not None and record.get("code") == session.code
 
     async def op_host(self, args: dict, emit) -> dict:
         from kafilad.node.host import HostSession
@@ -237,28 +254,45 @@ class Node:
             await trio.sleep(delay_s * random.uniform(0.8, 1.2))
             delay_s = min(delay_s * 2, 30.0)
 
-    async def _rejoin(self) -> None:
-        """Rejoin the remembered session after a restart (issue 8 §2): retry with a capped, jittered
-        backoff while the host or rendezvous is unreachable; forget it when the host refuses."""
-        import random
-        delay_s, unknown_tries = REJOIN_FIRST_S, 0
-        while True:
-            record = self.state.remembered_session()
-            if record is None or (self.session is not None and self.session.state not in ("failed", "closed")):
-                return
-            log.info("rejoining the remembered session %s", record["code"])
-            try:
-                await self.op_join({"code": record["code"], "rendezvous": record["rendezvous"]}, _ignore)
-                return
-            except KafilaError as e:
-                if ("refused this device" in str(e) and "already in the session" not in str(e)) \
-                        or "Refusing to join" in str(e):
-                    log.warning("not rejoining %s: %s", record["code"], e)
-                    self.state.forget_session()
+    async def _rejoin(self, reason: Optional[str] = None) -> None:
+        """Rejoin the remembered session after a restart or after it failed (issue 8 §2): retry with a
+        capped, jittered backoff while the host or rendezvous is unreachable; forget it when the host
+        refuses. Meanwhile ``rejoining`` says which attempt comes when, and why (`snapshot`).
+
+        Args:
+            reason: why the session is being rejoined (the failed session's error), until an attempt fails.
+        """
+        delay_s, unknown_tries, attempt = REJOIN_FIRST_S, 0, 0
+        try:
+            while True:
+                record = self.state.remembered_session()
+                if record is None or (self.session is not None and self.session.state not in ("failed", "closed")):
                     return
-                wait_s, delay_s, unknown_tries = rejoin_delay_s(e, delay_s, unknown_tries)
-                log.warning("rejoining %s failed (%s); retrying in %.0f s", record["code"], e, wait_s)
-                await trio.sleep(wait_s * random.uniform(0.8, 1.2))
+                attempt += 1
+                self.rejoining = {"code": record["code"], "attempt": attempt, "at": time.time(),
+                                  "reason": reason or "this daemon restarted"}
+                self.changed()
+                log.info("rejoining the remembered session %s (attempt %d)", record["code"], attempt)
+                try:
+                    await self.op_join({"code": record["code"], "rendezvous": record["rendezvous"]}, _ignore)
+                    return
+                except KafilaError as e:
+                    if ("refused this device" in str(e) and "already in the session" not in str(e)) \
+                            or "Refusing to join" in str(e):
+                        log.warning("not rejoining %s: %s", record["code"], e)
+                        self.state.forget_session()
+                        return
+                    wait_s, delay_s, unknown_tries = rejoin_delay_s(e, delay_s, unknown_tries)
+                    wait_s *= random.uniform(0.8, 1.2)
+                    reason = str(e)
+                    self.rejoining = {"code": record["code"], "attempt": attempt + 1, "at": time.time() + wait_s,
+                                      "reason": reason}
+                    self.changed()
+                    log.warning("rejoining %s failed (%s); retrying in %.1f s", record["code"], e, wait_s)
+                    await trio.sleep(wait_s)
+        finally:
+            self.rejoining = None
+            self.changed()
 
     async def op_join(self, args: dict, emit) -> dict:
         from kafilad.node.member import MemberSession
@@ -355,10 +389,36 @@ class Node:
         base = {"name": self.name, "peer_id": self.peer_id, "fingerprint": fingerprint(self.public_key),
                 "rendezvous": self.rendezvous,
                 "http": f"http://{self.http[0]}:{self.http_port}/v1" if self.http_port else None}
+        rejoin = self._reconnecting_snapshot()
+        if rejoin is not None:
+            return {**base, **rejoin}
         if self.session is None:
             return {**base, "session": None, "state": "idle", "members": []}
         snap = self.session.snapshot()
         return {**base, "session": snap["session_id"], **snap}
+
+    def _reconnecting_snapshot(self) -> Optional[dict]:
+        """The member's status while its daemon rejoins the remembered session (the rendezvous or the
+        host is away; README "The rendezvous restarts"): state `reconnecting`, the attempt, the
+        seconds to the next try and why the last one failed; None when not rejoining, or while an
+        attempt's join is under way (its own state says where it is)."""
+        s = self.session
+        if s is not None and s.state not in ("failed", "closed"):
+            return None
+        info = self.rejoining
+        if info is None:  # the session just failed; the rejoin loop starts at once (`_run_session`)
+            if s is None or not self._will_rejoin(s):
+                return None
+            info = {"code": s.code, "attempt": 1, "at": time.time(), "reason": s.error}
+        snap = s.snapshot() if s is not None and getattr(s, "code", None) == info["code"] else {}
+        left_s = max(0.0, info["at"] - time.time())
+        session_id = info["code"].strip().lower().rpartition("-")[0] or None
+        return {**snap, "role": "member", "session": session_id, "session_id": session_id, "code": info["code"],
+                "state": RECONNECTING, "error": None, "members": [], "plan": None, "blocks": None, "head": False,
+                "load": {}, "control": "down" if snap else None,
+                "rendezvous": f"reconnecting (attempt {info['attempt']}, next in {left_s:.0f} s)",
+                "reconnecting": {"attempt": info["attempt"], "next_in_s": round(left_s, 1),
+                                 "reason": info["reason"]}}
 
     async def op_status(self, args: dict, emit) -> dict:
         return self.snapshot()

@@ -58,6 +58,11 @@ class MemberSession(SessionDriver):
     def capability(self) -> Optional[dict]:
         return self.machine.capability
 
+    @property
+    def was_admitted(self) -> bool:
+        """Whether the host admitted this device (the join was established; its daemon rejoins it)."""
+        return self._admitted.is_set()
+
     # ---- the machine's actions (events enter through SessionDriver._handle) -------------------
     def _handled(self) -> None:
         if self.state in (sm.MemberState.FAILED, sm.MemberState.CLOSED):

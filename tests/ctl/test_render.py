@@ -78,3 +78,16 @@ def test_a_member_that_left_reads_left_and_one_lost_reads_lost():
         if parts and parts[0] in ("m0", "m1", "m2", "m3") and len(parts) > 2:  # a member row: name ... state
             cells.setdefault(parts[0], parts[-1])  # the members table comes before the edges table
     assert cells == {"m0": "ready", "m1": "ready", "m2": "left", "m3": "lost"}
+
+
+def test_a_member_rejoining_while_the_rendezvous_is_down_reads_reconnecting_with_the_attempt_and_why():
+    from kafila_ctl.render import join_phase
+    why = "Cannot reach the rendezvous at ws://r:7400: Connection refused. Check the URL and that the rendezvous is running."
+    snap = {**SNAPSHOT, "role": "member", "state": "reconnecting", "members": [], "plan": None, "edges": [],
+            "pending": [], "last_generation": None, "rendezvous": "reconnecting (attempt 3, next in 4 s)",
+            "reconnecting": {"attempt": 3, "next_in_s": 4.2, "reason": why}}
+    out = " ".join(render(snap).split())
+    assert "state reconnecting" in out and "failed" not in out
+    assert "rendezvous: reconnecting (attempt 3, next in 4 s) — Cannot reach the rendezvous at ws://r:7400" in out
+    assert join_phase(snap) == f"reconnecting (attempt 3, next try in 4 s): {why}"
+    assert "rendezvous:" not in render(SNAPSHOT)  # connected: nothing to say

@@ -4,7 +4,8 @@ same address. DESIGN §2: it is signalling and a last-resort relay, so
 - head = host, every edge direct: the session serves on *during* the outage, token-identical; the
   host's status says `reconnecting (attempt n, next in s)`; members stay `ready` (control down);
 - head = another member, or relayed edges: the members' links went with the rendezvous; the host
-  replans over what is left (here the host alone holds the small model) and serves on;
+  replans over what is left (here the host alone holds the small model) and serves on; the
+  members' status says `reconnecting` (attempt, next try, why) while their daemons rejoin;
 - after the restart every daemon reconnects by itself (`"rendezvous": "connected"`), the session
   keeps its id and code, the members rejoin and are planned back in, token-identical again.
 In every case every daemon stays up.
@@ -109,8 +110,10 @@ def test_relayed_ring_heals_over_a_rendezvous_restart(tmp_path, synth_llama):
         st = wait_status(c, 0, lambda s: s["state"] == "ready" and planned(s) == 1)
         lost = [m for m in st["members"] if m["lost"]]
         assert {m["name"] for m in lost} == {"m1", "m2"} and all("rendezvous" in m["lost"] for m in lost)
-        for i in (1, 2):
-            ms = wait_status(c, i, lambda s: s["state"] in ("failed", "joining") or s["state"] == "idle")
+        for i in (1, 2):  # their daemons rejoin: `reconnecting`, with the attempt and why (not `failed`)
+            ms = wait_status(c, i, lambda s: s["state"] == "reconnecting")
+            assert ms["code"] == st["code"] and ms["rendezvous"].startswith("reconnecting (attempt "), ms
+            assert "rendezvous" in ms["reconnecting"]["reason"], ms
         daemons_alive(c)
         check_back(c, st["code"], before)
         daemons_alive(c)

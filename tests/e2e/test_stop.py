@@ -68,8 +68,8 @@ def one_run(tmp_path, model, run: int) -> None:
             t0 = time.monotonic()
             ctl_stop(c, 0)
             exited_within(c.daemons[0], t0, "m0 (host, kafila-ctl stop)", logs[0])
-            for i in (1, 2):  # the members were told: their session is over
-                wait_until(lambda i=i: c.call(i, "status")["state"] in ("failed", "closed", "idle"), 10,
+            for i in (1, 2):  # the members were told: their session is over (till the host is back: reconnecting)
+                wait_until(lambda i=i: c.call(i, "status")["state"] in ("failed", "closed", "idle", "reconnecting"), 10,
                            f"m{i} learns that the host stopped")
             t0 = time.monotonic()
             for i in (1, 2):

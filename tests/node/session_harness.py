@@ -114,6 +114,17 @@ class World:
             self.nodes[name] = SimNode(self, name, self.root / name, ep)
         return self.nodes[name]
 
+    def daemon(self, name: str):
+        """A real daemon (kafilad/node/daemon.py ``Node``) called ``name`` on this world's network, its
+        sessions in the world's nursery; its ``rendezvous`` is the world's. Its control socket is not
+        served (tests call its ``op_*`` handlers and ``snapshot``)."""
+        from kafilad.node.daemon import Node
+        ep = self.node(name).udp_endpoint  # the network host and state dir of a SimNode of that name
+        d = Node(StateDir(self.root / name), name=name, rendezvous=WebSocketRendezvous.url(name))
+        d.udp_endpoint, d.nursery = ep, self.nursery
+        self.nodes[name] = d
+        return d
+
     def freeze(self, name: str) -> None:
         """``name`` stops as a frozen process would: its rendezvous connection carries nothing either
         way (its ctl circuit falls silent) and its datagrams are lost (its QUIC ring edges too)."""
