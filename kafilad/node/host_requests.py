@@ -10,8 +10,11 @@ A request that arrives while the session heals (a member lost or the ring broken
 then `loading` the new plan, usually 0.2 s to a few seconds, DESIGN §3) waits for it to serve
 again, at most RECOVERY_WAIT_S, instead of being refused at once (`HostRequests.wait_serving`);
 past that, or once the session fails, closes or is `degraded` (waiting for a member to join), it
-gets SessionNotReadyError naming the state. Requests in flight when the member was lost still fail
-at once, naming it. A session that has never been ready (still forming) is not waited for.
+gets SessionNotReadyError naming the state. A request in flight when a member was lost fails,
+naming it, once it has handed output to its client; one that had handed nothing (it arrived a
+moment before the loss was noticed) runs again once the session serves, at most MAX_LOSS_RETRIES
+times, and its `generation` record lists why (`retried_after`). A session that has never been
+ready (still forming) is not waited for.
 
 Each stage's measured decode time (`measured_stage_s`, shown by `status`) belongs to the plan it
 was measured under: a replan (a new epoch) clears them, and a request that ran under an earlier
@@ -50,6 +53,11 @@ RECOVERY_WAIT_S = 30.0
 #: seconds a new plan that replaces the serving ring (a member joined or returned) waits for the
 #: requests on it to finish; less than RECOVERY_WAIT_S, so the requests that wait meanwhile are served
 DRAIN_WAIT_S = 20.0
+#: times a request that failed on a member loss before any output was handed to its client runs
+#: again once the session serves (the client then never sees the loss); with output, it fails
+MAX_LOSS_RETRIES = 2
+#: seconds, after a request failed, for the loss behind it to reach the session machine (`_healing_since`)
+LOSS_SETTLE_S = 1.0
 #: the states a session that has served passes through on its way back to `ready` (DESIGN §3)
 RETURNING_STATES = (sm.HostState.RECOVERING, sm.HostState.LOADING)
 
@@ -195,7 +203,8 @@ class HostRequests:
             ContextTooLongError: prompt + max_tokens exceed the admitted context.
             HostBusyError: `concurrency` requests run and the queue is full.
             GenerationCancelled: the client went away (or read too slowly); the request was ended.
-            GenerationError: a member was lost (named in the message).
+            GenerationError: a member was lost (named in the message) after the request handed
+                output to `emit`, or it failed MAX_LOSS_RETRIES + 1 times; the head failed it.
         """
         await self.wait_serving(gone)
         n_prompt = len(self.chat_tokenizer().encode(prompt))
@@ -208,71 +217,29 @@ class HostRequests:
             raise GenerationCancelled("The client went away while its request waited for its turn.")
         self.node.changed()
         req = uuid.uuid4().hex[:12]
+        retried: list[str] = []  # why each earlier attempt failed (a loss before any output: retried)
         try:
-            await self.wait_serving(gone)  # a member may have been lost while the request waited its turn
-            epoch = self.machine.epoch  # the plan it runs under (its stage times belong to it)
-            self.on_ring.add(req)  # a new plan waits for it before replacing the ring (drain_ring)
-            head = self.machine.head()
-            local = head is None or head.is_host
-            ring = self.ring
             t0 = time.perf_counter()
-
-            def cancel(reason: str) -> None:  # never waits: safe from any task (see the docstring)
-                if local:
-                    ring.cancel(req, reason)
-                elif req in self.generations:
-                    try:
-                        self.generations[req].send_nowait(cf.Cancel(req=req, reason=reason))
-                    except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                        pass
-
             if sampling is not None:
                 temperature = sampling.temperature
-            stopper = StopFilter(stop) if stop else None
-            tokens_seen = [0]
-
-            async def emit_checked(ev: dict) -> None:
-                """`emit`, with the stop sequences applied (the request is ended once one matched)."""
-                if stopper is None:
-                    await emit(ev)
-                    return
-                if stopper.stopped:
-                    return
-                if ev.get("token_id") is not None:
-                    tokens_seen[0] += 1
-                out = stopper.feed(str(ev.get("text") or ""))
-                if stopper.stopped:
-                    cancel(STOPPED)
-                if out or ev.get("token_id") is not None:
-                    await emit({**ev, "text": out})
-
-            with collapse_groups():  # the request's own error, not a group (strict exception groups)
-                async with trio.open_nursery() as watchers:
-                    if gone is not None:
-                        async def watch_client() -> None:
-                            await gone.wait()
-                            cancel("The client went away.")
-                        watchers.start_soon(watch_client)
-                    try:
-                        if local:
-                            st = await ring.generate(req, prompt, max_tokens=max_tokens, temperature=temperature,
-                                                     on_event=emit_checked, sampling=sampling)
-                            result = result_of(st)
-                            if st.cancelled is not None and st.error != ring.broken:
-                                result.update(finish_reason="cancelled", cancel_reason=st.cancelled,
-                                              cancelled_at_tokens=st.cancelled_at_tokens)
-                            elif st.error:
-                                raise GenerationError(st.error)
-                        else:
-                            result = await self._generate_remote(head, req, prompt, max_tokens, temperature,
-                                                                 emit_checked, sampling)
-                            result.setdefault("prompt_tokens", n_prompt)
-                    except trio.Cancelled:  # the caller was cancelled (e.g. the daemon stops): end the request too
-                        if local:
-                            cancel("The request's caller stopped waiting for it.")
+            while True:
+                await self.wait_serving(gone)  # a member may have been lost while the request waited its turn
+                epoch = self.machine.epoch  # the plan it runs under (its stage times belong to it)
+                self.on_ring.add(req)  # a new plan waits for it before replacing the ring (drain_ring)
+                stopper = StopFilter(stop) if stop else None
+                tokens_seen, emitted = [0], [0]
+                try:
+                    result = await self._run_attempt(req, prompt, max_tokens, temperature, sampling, n_prompt,
+                                                     emit, gone, stopper, tokens_seen, emitted)
+                    break
+                except GenerationError as e:
+                    if emitted[0] or len(retried) >= MAX_LOSS_RETRIES or not await self._healing_since(epoch):
                         raise
-                    finally:
-                        watchers.cancel_scope.cancel()
+                    log.info("request %s failed before any output (%s); it runs again once the session serves",
+                             req, e)
+                    retried.append(str(e))
+                    self.on_ring.discard(req)
+                    req = uuid.uuid4().hex[:12]
             if stopper is not None and stopper.stopped:
                 result = {k: v for k, v in result.items() if k not in ("cancel_reason", "cancelled_at_tokens")}
                 result.update(text=stopper.text, token_ids=list(result.get("token_ids", []))[:tokens_seen[0]],
@@ -289,6 +256,8 @@ class HostRequests:
             result.setdefault("finish_reason", "length" if n_tokens >= max_tokens else "stop")
             result["completion_tokens"] = n_tokens
             result["wall_s"] = time.perf_counter() - t0
+            if retried:
+                result["retried_after"] = retried
             self._record_generation(result, epoch)
             if result["finish_reason"] == "cancelled":
                 raise GenerationCancelled(f"The request was ended after {n_tokens} tokens: "
@@ -300,6 +269,83 @@ class HostRequests:
                 self.on_ring.discard(req)
                 self._wake_waiters()
             self.node.changed()
+
+    async def _run_attempt(self, req: str, prompt: str, max_tokens: int, temperature: float,
+                           sampling: Optional[Sampling], n_prompt: int, emit, gone: Optional[trio.Event],
+                           stopper: Optional[StopFilter], tokens_seen: list, emitted: list) -> dict:
+        """One run of a request on the current ring (local head) or through the remote head; counts
+        the events handed to the client in ``emitted[0]`` (a loss before any is retried by `generate`).
+
+        Raises:
+            GenerationError: the ring broke, a member was lost, or the head failed the request.
+        """
+        head = self.machine.head()
+        local = head is None or head.is_host
+        ring = self.ring
+
+        def cancel(reason: str) -> None:  # never waits: safe from any task (see `generate`)
+            if local:
+                ring.cancel(req, reason)
+            elif req in self.generations:
+                try:
+                    self.generations[req].send_nowait(cf.Cancel(req=req, reason=reason))
+                except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+
+        async def emit_checked(ev: dict) -> None:
+            """`emit`, with the stop sequences applied (the request is ended once one matched)."""
+            if stopper is None:
+                emitted[0] += 1
+                await emit(ev)
+                return
+            if stopper.stopped:
+                return
+            if ev.get("token_id") is not None:
+                tokens_seen[0] += 1
+            out = stopper.feed(str(ev.get("text") or ""))
+            if stopper.stopped:
+                cancel(STOPPED)
+            if out or ev.get("token_id") is not None:
+                emitted[0] += 1
+                await emit({**ev, "text": out})
+
+        with collapse_groups():  # the request's own error, not a group (strict exception groups)
+            async with trio.open_nursery() as watchers:
+                if gone is not None:
+                    async def watch_client() -> None:
+                        await gone.wait()
+                        cancel("The client went away.")
+                    watchers.start_soon(watch_client)
+                try:
+                    if local:
+                        st = await ring.generate(req, prompt, max_tokens=max_tokens, temperature=temperature,
+                                                 on_event=emit_checked, sampling=sampling)
+                        result = result_of(st)
+                        if st.cancelled is not None and st.error != ring.broken:
+                            result.update(finish_reason="cancelled", cancel_reason=st.cancelled,
+                                          cancelled_at_tokens=st.cancelled_at_tokens)
+                        elif st.error:
+                            raise GenerationError(st.error)
+                    else:
+                        result = await self._generate_remote(head, req, prompt, max_tokens, temperature,
+                                                             emit_checked, sampling)
+                        result.setdefault("prompt_tokens", n_prompt)
+                except trio.Cancelled:  # the caller was cancelled (e.g. the daemon stops): end the request too
+                    if local:
+                        cancel("The request's caller stopped waiting for it.")
+                    raise
+                finally:
+                    watchers.cancel_scope.cancel()
+        return result
+
+    async def _healing_since(self, epoch: int) -> bool:
+        """After a request failed: whether the session is healing from a loss (a member lost, the
+        ring broken) that happened under plan `epoch`, waiting at most LOSS_SETTLE_S for the host to
+        notice it (a ring can break a moment before the loss reaches the session machine)."""
+        with trio.move_on_after(LOSS_SETTLE_S):
+            while self.state == sm.HostState.READY and self.machine.epoch == epoch:
+                await self._next_change(None)
+        return self.returning() or (self.state == sm.HostState.READY and self.machine.epoch != epoch)
 
     async def _generate_remote(self, head, req: str, prompt: str, max_tokens: int, temperature: float,
                                emit, sampling: Optional[Sampling] = None) -> dict:

@@ -82,3 +82,23 @@ async def test_after_a_loss_status_drops_old_stage_times_and_requests_arriving_m
         assert status == 200, body
         assert json.loads(body)["choices"][0]["text"] == out["control"]["text"]
         assert ready_over(h, {"h"})
+
+
+@trio_test
+async def test_a_request_sent_just_before_a_loss_is_noticed_runs_again_and_is_served(tmp_path, model_dir, reference,
+                                                                                    monkeypatch):
+    """A new user's report: a request sent 0.1 s after kill -9 of a member got 503, while one sent a
+    second later waited for the healing and was served. The first one reached the ring before the
+    host knew of the loss and failed before any output: it now runs again once the session serves."""
+    from node.session_harness import shrink_liveness
+    shrink_liveness(monkeypatch, interval_s=0.2, deadline_s=1.5)
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, (m1, m2) = await w.form(2)
+        w.freeze("m2")  # as a killed process: nothing answers; the host notices after the ctl deadline
+        with trio.fail_after(30):
+            result = await generate(h, PROMPT, N_TOKENS)
+        assert result["token_ids"] == reference
+        assert len(result["retried_after"]) == 1 and "m2" in result["retried_after"][0], result.get("retried_after")
+        assert ready_over(h, {"h", "m1"}) and h.snapshot()["requests"]["running"] == 0
+        records = [json.loads(line) for line in h.node.state.trace_path(h.session_id).read_text().splitlines()]
+        assert [r["retried_after"] for r in records if r["event"] == "generation"] == [result["retried_after"]]
