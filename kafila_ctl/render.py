@@ -81,7 +81,8 @@ def status_renderable(snap: dict):
                 f"{t['tokens_per_s']:.1f} tokens/s for {t['users']} user{'s' if t['users'] > 1 else ''}" for t in rates)
                 + f" ({plan.get('strategy') or DEFAULT_STRATEGY})")
         if plan.get("standby"):
-            head.append(f"\nstandby (no blocks, ready for healing): {', '.join(plan['standby'])}")
+            head.append(f"\nstandby (no blocks, ready for healing): {', '.join(plan['standby'])}"
+                        + standby_why(plan))
     lg = snap.get("last_generation") or {}
     if lg.get("decode_tokens_per_s"):
         head.append(f"\nlast generation: {lg['decode_tokens_per_s']:.1f} tokens/s decode, "
@@ -113,6 +114,20 @@ def status_renderable(snap: dict):
     if et is not None:
         parts.append(et)
     return Panel(Group(*parts), title="kafilad")
+
+
+def standby_why(plan: dict) -> str:
+    """Why the plan (a plan's JSON, strategy "load") leaves members on standby: its predicted rate
+    for the declared users against every member holding blocks, and how to use them all."""
+    rates = [t for t in plan.get("throughput") or [] if t.get("tokens_per_s")]
+    if not rates:
+        return ""
+    users, rate = rates[-1]["users"], rates[-1]["tokens_per_s"]
+    full = plan.get("full_fleet_tokens_per_s")
+    vs = (f"{full:.1f} tokens/s with every member holding blocks" if full
+          else "every member holding blocks does not fit")
+    return (f" — this ring is predicted faster for {users} user{'s' if users > 1 else ''} ({rate:.1f} tokens/s "
+            f"against {vs}); `kafila-ctl host --strategy kafila` (or a higher --concurrency) gives every member blocks")
 
 
 def status_json(snap: dict) -> dict:

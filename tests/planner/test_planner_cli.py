@@ -207,6 +207,14 @@ def test_status_view_shows_predicted_rates_and_standby():
     text = " ".join(buf.getvalue().split())
     assert "predicted: 28.6 tokens/s for 1 user, 30.8 tokens/s for 4 users (load)" in text
     assert "standby (no blocks, ready for healing): slow" in text
+    # why, and how to give every member blocks (a new user saw equal members stand by with no hint)
+    snap["plan"]["full_fleet_tokens_per_s"] = 21.25
+    buf = io.StringIO()
+    Console(file=buf, width=400).print(status_renderable(snap))
+    text = " ".join(buf.getvalue().split())
+    assert ("standby (no blocks, ready for healing): slow — this ring is predicted faster for 4 users (30.8 tokens/s "
+            "against 21.2 tokens/s with every member holding blocks); `kafila-ctl host --strategy kafila` (or a "
+            "higher --concurrency) gives every member blocks") in text
 
 
 def test_host_takes_a_strategy():
