@@ -169,9 +169,11 @@ class MemberSession(SessionDriver):
 
         def check_host(remote_static: bytes, hello: dict) -> str:
             if not fingerprint_matches(self.host_fingerprint, remote_static):
+                # the key presented is not named: a user must not "fix" the code by copying it in
                 raise HandshakeError(
-                    "the host's key does not match the session code's fingerprint "
-                    f"(expected {self.host_fingerprint}, got {fingerprint(remote_static)})")
+                    "the host's key does not match the fingerprint in the session code (the code may be "
+                    "mistyped or out of date, or something that is not the host answered); ask the host for "
+                    "the code again (`kafila-ctl status` on the host shows it)")
             if peer_id_of(remote_static) != host_pid:
                 raise HandshakeError("the host's key does not match its peer id at the rendezvous")
             return str(hello.get("name") or host_pid)
