@@ -28,8 +28,10 @@ from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
 log = logging.getLogger("kafilad")
 
 DEFAULT_ADMIT_TIMEOUT_S = 120.0
-#: rejoin backoff (issue 8 §2): first wait and cap (s), doubling, each jittered by ±20 %
-REJOIN_FIRST_S, REJOIN_MAX_S = 1.0, 30.0
+#: rejoin backoff (issue 8 §2): first wait and cap (s), doubling, each jittered by ±20 %; the cap is the
+#: rendezvous reconnect's (kafilad/node/session_driver.py RECONNECT_MAX_S, which says why 5 s): a member
+#: is back within a few seconds of the rendezvous or its host
+REJOIN_FIRST_S, REJOIN_MAX_S = 1.0, 5.0
 #: a rejoin refused as "unknown_session" (the rendezvous is up but the host is away: it re-registers
 #: with its own backoff from 1 s after a rendezvous restart) is retried at the first wait, not doubled,
 #: this many times before the doubling resumes
@@ -252,7 +254,7 @@ class Node:
                     return
                 log.warning("re-hosting the remembered session failed (%s); retrying in %.0f s", e, delay_s)
             await trio.sleep(delay_s * random.uniform(0.8, 1.2))
-            delay_s = min(delay_s * 2, 30.0)
+            delay_s = min(delay_s * 2, REJOIN_MAX_S)
 
     async def _rejoin(self, reason: Optional[str] = None) -> None:
         """Rejoin the remembered session after a restart or after it failed (issue 8 §2): retry with a

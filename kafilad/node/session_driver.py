@@ -24,9 +24,14 @@ from kafilad.node import stagehost
 from kafilad.node.ring_parts import apply_schedule
 
 
-#: rendezvous reconnect backoff: first delay and cap (s), each jittered by ±20 % (issue 8 §3)
+#: rendezvous reconnect backoff: first delay and cap (s), each jittered by ±20 % (issue 8 §3).
+#: The cap bounds how long a session stays down once the rendezvous is back: the wait already begun
+#: runs out first, at most RECONNECT_MAX_S × 1.2. A 30 s cap left a new user's session down 27 s
+#: after a 40 s outage. The rendezvous is our own service and one try is one WebSocket carrying a
+#: few small frames (challenge, key proof, register or join): at 5 s a daemon costs it 0.2 tries/s,
+#: a thousand waiting daemons 200 tries/s of small frames, nothing next to the relay traffic it carries.
 RECONNECT_FIRST_S = 1.0
-RECONNECT_MAX_S = 30.0
+RECONNECT_MAX_S = 5.0
 
 
 def reconnect_delay_s(attempt: int) -> float:

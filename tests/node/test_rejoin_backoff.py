@@ -1,4 +1,5 @@
-"""The member daemon's rejoin backoff (kafilad/node/daemon.py `rejoin_delay_s`, issue 8 §2).
+"""The member daemon's rejoin backoff (kafilad/node/daemon.py `rejoin_delay_s`, issue 8 §2) and the
+rendezvous reconnect's (kafilad/node/session_driver.py `reconnect_delay_s`, issue 8 §3).
 
 After a rendezvous restart the members' rejoins reach it before their host re-registered (the
 host's own reconnect waits from 1 s): the rendezvous answers "unknown_session". Doubling the wait
@@ -8,12 +9,15 @@ of rendezvous restarts); those answers are retried at the first wait instead.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import trio
 from trio.testing import trio_test
 
 from kafilad.errors import RendezvousRefused, SessionError
 from kafilad.node.daemon import REJOIN_FIRST_S, REJOIN_MAX_S, REJOIN_UNKNOWN_SESSION_TRIES, rejoin_delay_s
+from kafilad.node.session_driver import RECONNECT_MAX_S, reconnect_delay_s
 from kafilad.proto.identity import compose_session_code
 from node.session_harness import session_world
 
@@ -37,7 +41,36 @@ def test_other_failures_double_up_to_the_cap():
     for e in [SessionError("Cannot reach the rendezvous"), RendezvousRefused("full", "session_full")] * 4:
         wait_s, delay_s, tries = rejoin_delay_s(e, delay_s, tries)
         waits.append(wait_s)
-    assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, REJOIN_MAX_S, REJOIN_MAX_S, REJOIN_MAX_S] and tries == 0
+    assert waits == [1.0, 2.0, 4.0, 5.0, 5.0, 5.0, 5.0, 5.0] and tries == 0 and REJOIN_MAX_S == 5.0
+
+
+def _next_try_after(waits, outage_s: float) -> float:
+    """Seconds from the rendezvous' return (``outage_s`` after it went) to the next try, the tries
+    coming after the successive ``waits`` from the moment it went."""
+    t = 0.0
+    for w in waits:
+        t += w
+        if t >= outage_s:
+            return t - outage_s
+    raise AssertionError("the waits ran out before the outage ended")
+
+
+@pytest.mark.parametrize("outage_s", [3.0, 40.0, 600.0])
+def test_the_next_try_after_the_rendezvous_returns_comes_within_6_s_however_long_it_was_away(outage_s):
+    """A new user's 40 s outage took 27 s more to recover: the waits had doubled to 30 s. Capped at
+    5 s (±20 % jitter), members (the daemon's rejoin) and the host (its reconnect) try again within 6 s."""
+    rng = random.Random(8)
+    member_after, host_after = [], []
+    for _ in range(200):
+        delay_s, tries, waits = REJOIN_FIRST_S, 0, []
+        while sum(waits) < outage_s:  # as kafilad/node/daemon.py `_rejoin` jitters each wait
+            wait_s, delay_s, tries = rejoin_delay_s(SessionError("Cannot reach the rendezvous"), delay_s, tries)
+            waits.append(wait_s * rng.uniform(0.8, 1.2))
+        member_after.append(_next_try_after(waits, outage_s))
+        random.seed(rng.random())  # reconnect_delay_s jitters with the module's generator
+        host_after.append(_next_try_after([reconnect_delay_s(n) for n in range(1, 1000)], outage_s))
+    assert max(member_after) <= 6.0 and max(host_after) <= 6.0, (max(member_after), max(host_after))
+    assert all(reconnect_delay_s(n) <= RECONNECT_MAX_S * 1.2 for n in range(1, 50)) and RECONNECT_MAX_S == 5.0
 
 
 @trio_test
