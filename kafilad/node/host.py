@@ -85,7 +85,7 @@ class HostSession(HostRequests, SessionDriver):
         self._chat_tokenizer = None
         self.trace = None
         self._serving = trio.Event()
-        self.on_ring: set[str] = set()  # requests running on the ring (host_requests.drain_ring)
+        self.on_ring: set[str] = set()  # requests running on the ring (host_requests.drain_for)
         self._t0 = time.perf_counter()
 
     # ---- the machine's view (state, error, rendezvous_lost: SessionDriver) ----------------
@@ -441,23 +441,9 @@ class HostSession(HostRequests, SessionDriver):
             return
         ev = sm.Planned(plan=plan.to_json(), blocks=dict(plan.blocks), head=plan.head, order=tuple(plan.order),
                         seq=seq, standby=tuple(plan.standby))
-        await self._drain_for(ev)
+        await self.drain_for(ev)  # a plan replacing the serving ring lets its requests finish first
         self.plan = plan
         await self._handle(ev)
-
-    async def _drain_for(self, ev: sm.Planned) -> None:
-        """A plan that replaces the ring still serving (a member joined or returned while ready) waits
-        for the requests on it to finish first, at most host_requests.DRAIN_WAIT_S; a plan that keeps
-        the division, or one made after a loss (the ring is gone), goes at once."""
-        m = self.machine
-        old, epoch = m.planned, m.epoch
-        if (old is None or m.intact_epoch != epoch or not self.on_ring
-                or (tuple(ev.order) == tuple(old.order) and ev.head == old.head and dict(ev.blocks) == dict(old.blocks))):
-            return
-        self._write_trace("plan_waits", requests=len(self.on_ring), epoch=epoch)
-        left = await self.drain_ring(lambda: m.intact_epoch == epoch and m.plan_seq == ev.seq)
-        if left:
-            log.warning("%d request(s) still ran when the wait for them ran out; the new plan ends them", left)
 
     async def _distribute(self, planned: sm.Planned, epoch: int) -> None:
         """Send each remote member its share (proto_spec 05 §2 `plan`), then load our own stage."""

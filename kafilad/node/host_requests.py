@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import attrs
 import trio
@@ -138,21 +138,29 @@ class HostRequests:
             return
         raise self._not_ready(f"it did not serve again within {wait_s:g} s")
 
-    async def drain_ring(self, still: Callable[[], bool]) -> int:
-        """Wait until no request runs on the ring, at most DRAIN_WAIT_S and while ``still()`` holds.
+    async def drain_for(self, ev: sm.Planned) -> None:
+        """Before plan `ev` replaces the ring still serving, let the requests on it finish.
 
         A member that joined or returned while the session served is planned in (DESIGN §3); when
-        the new plan moves blocks, the host first lets the requests on the serving ring finish
-        (new ones wait in `recovering`, :meth:`wait_serving`). Returns how many still run; those
-        are failed with proto.session.PLAN_SWITCHED when the new plan replaces the ring.
+        the new plan moves blocks, the requests on the serving ring may finish first, for at most
+        DRAIN_WAIT_S (new ones wait in `recovering`, :meth:`wait_serving`); those still running
+        then fail with proto.session.PLAN_SWITCHED. A plan that keeps the division, or one made
+        after a loss (that ring is gone), or one superseded meanwhile, goes at once.
         """
-        if self.on_ring:
-            log.info("waiting (at most %g s) for %d request(s) on the ring before switching to the new plan",
-                     DRAIN_WAIT_S, len(self.on_ring))
+        m = self.machine
+        old, epoch = m.planned, m.epoch
+        if (old is None or m.intact_epoch != epoch or not self.on_ring
+                or (tuple(ev.order) == tuple(old.order) and ev.head == old.head and dict(ev.blocks) == dict(old.blocks))):
+            return
+        log.info("waiting (at most %g s) for %d request(s) on the ring before switching to the new plan",
+                 DRAIN_WAIT_S, len(self.on_ring))
+        self._write_trace("plan_waits", requests=len(self.on_ring), epoch=epoch)
         with trio.move_on_after(DRAIN_WAIT_S):
-            while self.on_ring and still():
+            while self.on_ring and m.intact_epoch == epoch and m.plan_seq == ev.seq:
                 await self._next_change(None)
-        return len(self.on_ring)
+        if self.on_ring:
+            log.warning("%d request(s) still ran when the wait for them ran out; the new plan ends them",
+                        len(self.on_ring))
 
     async def _next_change(self, gone: Optional[trio.Event]) -> None:
         """Wait until the machine handled another event, or `gone` is set."""
@@ -225,7 +233,7 @@ class HostRequests:
             while True:
                 await self.wait_serving(gone)  # a member may have been lost while the request waited its turn
                 epoch = self.machine.epoch  # the plan it runs under (its stage times belong to it)
-                self.on_ring.add(req)  # a new plan waits for it before replacing the ring (drain_ring)
+                self.on_ring.add(req)  # a new plan waits for it before replacing the ring (drain_for)
                 stopper = StopFilter(stop) if stop else None
                 tokens_seen, emitted = [0], [0]
                 try:

@@ -147,7 +147,7 @@ HOST_TABLE: dict = {
 #: consecutive re-forms of the ring without reaching `ready` before the session gives up
 MAX_REFORMS = 3
 #: why a request still running when a new plan replaces a serving ring (a member joined or returned)
-#: ends: the host waited for the ring to drain first (kafilad/node/host.py `_drain_for`)
+#: ends: the host waited for the ring to drain first (kafilad/node/host_requests.py `drain_for`)
 PLAN_SWITCHED = ("The session switched to a new plan to take in a member that joined or returned, and this request "
                  "was still running when the wait for running requests ran out; send it again.")
 
