@@ -216,7 +216,11 @@ def join_ready_sentence(snap: dict) -> str:
     where = f"blocks [{b[0]}, {b[1]})" if b else "no blocks (standby)"
     load = snap.get("load") or {}
     parts = [f"ready in session {snap.get('session')}: {where}{' with the head' if snap.get('head') else ''}"]
-    if "fetched_bytes" in load:
+    if "fetched_bytes" in load and not load["fetched_bytes"] and load.get("cached_bytes"):
+        n = load.get("tensors")
+        parts.append(f"all {f'{n} tensors' if n else 'its weights'} already cached "
+                     f"({load['cached_bytes'] / 1e6:.1f} MB), loaded in {load.get('load_s', 0):.1f} s")
+    elif "fetched_bytes" in load:
         parts.append(f"fetched {load['fetched_bytes'] / 1e6:.1f} MB, {load.get('cached_bytes', 0) / 1e6:.1f} MB "
                      f"from the cache, loaded in {load.get('load_s', 0):.1f} s")
     return "; ".join(parts)

@@ -161,6 +161,23 @@ class Fetcher:
                     nursery.start_soon(one, i, start)
         return b"".join(parts)
 
+    def looks_cached(self, *, sha256: str, file_sha256: Optional[str] = None) -> bool:
+        """Whether `fetch_verified` will likely read these bytes from a cache rather than the host: a
+        cache entry of that name, or an HF cache blob of the whole file, exists (not yet verified:
+        for the progress a member shows before it reads them).
+
+        Raises:
+            RemoteProtocolError: the plan's sha256 or file_sha256 is not a digest.
+        """
+        if (self.cache_dir / checked_sha256(sha256)).is_file():
+            return True
+        if file_sha256 is None:
+            return False
+        try:
+            return any(self.hf_cache_dir.glob(f"*/blobs/{checked_sha256(file_sha256)}"))
+        except OSError:
+            return False
+
     async def fetch_verified(self, *, file: str, offset: int, nbytes: int, sha256: str,
                              file_sha256: Optional[str] = None) -> tuple[bytes, str]:
         """One tensor's or file's bytes: from the cache, else the HF cache's blob of the whole file,

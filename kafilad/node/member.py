@@ -30,6 +30,9 @@ log = logging.getLogger("kafilad.member")
 
 #: seconds one frame to the host may take to send before the ctl link counts as broken (send_ctl)
 CTL_SEND_BOUND_S = 5.0
+#: the loading step (``load["progress"]``) while the stage's tensors are read: some come from the host,
+#: or every one is in this device's caches (a rejoin: nothing is fetched, so nothing says "fetching")
+LOAD_FETCHING, LOAD_FROM_CACHE = "fetching", "reading the weights from the cache"
 
 
 class MemberSession(SessionDriver):
@@ -325,6 +328,11 @@ class MemberSession(SessionDriver):
                     file_sha256=t.get("file_sha256"))
             out[i] = (t, data)
             self.load["done_bytes"] += len(data)
+            if sources[i] == FROM_HOST:
+                self.load["fetched_bytes"] += len(data)
+                self.load["progress"] = LOAD_FETCHING  # a cache entry turned out missing or damaged
+            else:
+                self.load["cached_bytes"] += len(data)
             self.node.changed()
 
         with collapse_groups():
@@ -343,7 +351,11 @@ class MemberSession(SessionDriver):
             self.ring_order = [str(p) for p in f.ring]
             self.roster = {pid: {"name": str(r["name"]), "public_key": bytes(r["public_key"])}
                            for pid, r in f.roster.items()}
-            self.load = {"progress": "fetching", "done_bytes": 0, "total_bytes": sum(t["nbytes"] for t in f.tensors)}
+            all_cached = await trio.to_thread.run_sync(lambda: all(  # file lookups, off the trio thread
+                self.fetcher.looks_cached(sha256=t["sha256"], file_sha256=t.get("file_sha256")) for t in f.tensors))
+            self.load = {"progress": LOAD_FROM_CACHE if all_cached else LOAD_FETCHING, "done_bytes": 0,
+                         "total_bytes": sum(t["nbytes"] for t in f.tensors), "fetched_bytes": 0, "cached_bytes": 0,
+                         "tensors": len(f.tensors)}
             weights, fetched, cached, hf_cached = await self._fetch_tensors(f.tensors)
             tok_dir = None
             if f.head:
@@ -378,7 +390,7 @@ class MemberSession(SessionDriver):
                                   on_edges=lambda: self.send_ctl(cf.Edges(self.paths.edge_list()).to_wire()),
                                   stage_nursery=stage_nursery)
             self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "hf_cache_bytes": hf_cached,
-                         "load_s": time.perf_counter() - t0,
+                         "tensors": len(f.tensors), "load_s": time.perf_counter() - t0,
                          "edges": self.paths.edge_list()}
             await self._handle(sm.StageLoaded(self.load, epoch))
         except Exception as e:  # any failure to load is reported to the host with its reason
