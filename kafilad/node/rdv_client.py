@@ -34,6 +34,7 @@ from kafilad.proto.rendezvous import (
     ControlMessage,
     RelayData,
     RendezvousLimits,
+    close_clause,
     decode_message,
     encode_control,
     encode_relay,
@@ -43,6 +44,14 @@ from kafilad.proto.rendezvous_proof import KEY_BYTES, NONCE_BYTES, Challenge, ma
 log = logging.getLogger(__name__)
 #: a circuit whose full buffer has held up the whole connection this long is named in the log (s)
 STALL_WARNING_S = 1.0
+
+
+def _closed_by_rendezvous(exc: ConnectionClosed) -> str:
+    """How the rendezvous's WebSocket closed, in plain words ("the rendezvous is going away
+    (shutting down)"); the close code goes to the log only."""
+    close = exc.reason
+    return close_clause(getattr(close, "code", None), getattr(close, "reason", None), who="the rendezvous",
+                        peer="the rendezvous")
 
 
 @attrs.frozen
@@ -327,7 +336,7 @@ class RendezvousClient:
             await self._ws.send_message(data)
         except ConnectionClosed as exc:
             raise trio.BrokenResourceError(
-                f"The connection to the rendezvous at {self.url} is lost: {self._lost or exc}"
+                f"The connection to the rendezvous at {self.url} is lost: {self._lost or _closed_by_rendezvous(exc)}"
             ) from None
 
     async def _send_control(self, **msg: Any) -> None:
@@ -375,7 +384,8 @@ class RendezvousClient:
                     data = await self._ws.get_message()
                 except ConnectionClosed as exc:
                     if self._lost is None:
-                        reason = f"the rendezvous closed the connection ({exc.reason})"
+                        reason = _closed_by_rendezvous(exc)
+                        log.info("rendezvous %s: the connection closed (%s)", self.url, exc.reason)
                     break
                 try:
                     msg = decode_message(data)

@@ -28,7 +28,7 @@ from kafilad.proto.rendezvous_proof import NONCE_BYTES, Challenge, check_proof, 
 from kafilad.proto.rendezvous_wire import (  # noqa: F401 - re-exported: the wire format
     CLOSE_MESSAGE_TOO_BIG, CLOSE_POLICY_VIOLATION, CLOSE_SUPERSEDED, KIND_CONTROL, KIND_RELAY, RECORD_HEADER,
     RELAY_HEADER, SIGNAL_RECORD_CIRCUIT, ControlMessage, RelayData, check_fields, decode_message, encode_control,
-    encode_relay, encode_relay_record, parse_relay_record,
+    encode_relay, encode_relay_record, parse_relay_record, close_clause,
 )
 
 # Requests a client may send and their required fields (proto_spec §2.1), as data (h11 style).

@@ -31,6 +31,45 @@ CLOSE_POLICY_VIOLATION = 1008  # RFC 6455 §7.4.1
 CLOSE_MESSAGE_TOO_BIG = 1009
 CLOSE_SUPERSEDED = 4001  # RFC 6455 §7.4.2 private range: a newer proven connection replaced this one
 
+#: how a WebSocket closed, by close code (RFC 6455 §7.4), as a clause a user reads: {who} is the
+#: side that closed it ("it", "the rendezvous"), {peer} the other side named for a dropped connection
+_CLOSE_CLAUSES = {
+    1000: "{who} closed the connection",
+    1001: "{who} is going away (shutting down)",
+    1002: "{who} closed the connection: the other side broke the WebSocket protocol",
+    1003: "{who} closed the connection: it was sent data it does not accept",
+    1006: "the connection dropped without a goodbye (network loss, or {peer} was killed)",
+    1007: "{who} closed the connection: it was sent data it could not decode",
+    CLOSE_POLICY_VIOLATION: "{who} closed the connection: it refused what it was sent",
+    CLOSE_MESSAGE_TOO_BIG: "{who} closed the connection: it was sent a message too large for it",
+    1011: "{who} closed the connection after an internal error",
+    1012: "{who} is restarting",
+    1013: "{who} is overloaded and closed the connection; try again later",
+    1015: "the connection failed its TLS handshake",
+    CLOSE_SUPERSEDED: "a newer connection from the same daemon replaced this one",
+}
+
+
+def close_clause(code: int | None, reason: str | None = None, *, who: str = "it",
+                 peer: str = "the other side") -> str:
+    """How a WebSocket closed, as a clause for users ("the connection dropped without a goodbye
+    (network loss, or the other side was killed)"); the reason its closer gave follows a colon
+    (in place of the code's own explanation). The numeric code is for log lines only, never here.
+
+    Args:
+        code: the close code (RFC 6455 §7.4; None: no close frame was seen, as 1006).
+        reason: the close frame's reason text, if any.
+        who: the side that closed it, as the subject of the clause.
+        peer: the other side, named when the connection dropped (1006).
+    """
+    closed = "{who} closed the connection"
+    clause = _CLOSE_CLAUSES.get(1006 if code is None else code, closed)
+    reason = (reason or "").strip().rstrip(".")
+    if reason and clause.startswith(closed):
+        clause = closed  # the closer's own reason says more than the code
+    clause = clause.format(who=who, peer=peer)
+    return f"{clause}: {reason}" if reason else clause
+
 
 @attrs.frozen
 class ControlMessage:

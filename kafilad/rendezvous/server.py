@@ -35,6 +35,7 @@ from kafilad.proto.rendezvous import (
     RendezvousLimits,
     RendezvousState,
     SendTo,
+    close_clause,
     decode_message,
     encode_relay_record,
 )
@@ -54,12 +55,12 @@ REGISTER_TIMEOUT_S = 10.0
 
 
 def describe_close(exc: ConnectionClosed) -> str:
-    """A sentence fragment saying how a WebSocket closed, e.g. "its connection closed (1000 NORMAL_CLOSURE)"."""
+    """How a member's WebSocket closed, as the rest of "member X left the session: ...", in plain words
+    (`close_clause`: 1006 -> "the connection dropped without a goodbye (...)"); the code is logged."""
     reason = exc.reason
     if reason is None:
         return "its connection closed"
-    text = f"its connection closed ({reason.code} {reason.name}"
-    return text + (f": {reason.reason})" if reason.reason else ")")
+    return close_clause(reason.code, reason.reason)
 
 
 class RendezvousServer:
@@ -155,6 +156,9 @@ class RendezvousServer:
             try:
                 data = await ws.get_message()
             except ConnectionClosed as exc:
+                close = exc.reason
+                log.info("rendezvous: connection %d closed (%s %s%s)", conn, getattr(close, "code", None),
+                         getattr(close, "name", "no close frame"), f": {close.reason}" if close and close.reason else "")
                 return describe_close(exc)
             pause_s = self.state.receive_message(conn, data, trio.current_time())
             await self._dispatch(self.state.actions())

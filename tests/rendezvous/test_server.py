@@ -27,6 +27,7 @@ from kafilad.node.rdv_client import (
 )
 from kafilad.proto.rendezvous import (
     RendezvousLimits,
+    close_clause,
     decode_message,
     encode_control,
     encode_relay,
@@ -200,7 +201,7 @@ def test_member_disconnect_closes_its_circuits_and_notifies_others():
             for client in (host, a, b):
                 event = await client.events.receive()
                 assert isinstance(event, MemberLeft) and event.peer_id == C and event.type == "member_left"
-                assert event.reason.startswith("its connection closed")
+                assert event.reason == "it closed the connection"  # plain words, no close code (new user's report)
             for circuit in (c_hc, c_bc):
                 with pytest.raises(trio.EndOfChannel):
                     await circuit.receive_message()
@@ -209,6 +210,35 @@ def test_member_disconnect_closes_its_circuits_and_notifies_others():
             assert await (await b.accept_circuit()).receive_message() == b"survivors unaffected"
 
     run_with_server(body)
+
+
+def test_a_dropped_member_connection_is_told_in_plain_words_and_its_code_logged(caplog):
+    """A new user's report: "its connection closed (1006 ABNORMAL_CLOSURE)" is jargon; the others are
+    told what happened in words, and the close code stays in the rendezvous's log."""
+    caplog.set_level("INFO", logger="kafilad.rendezvous.server")
+
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            _, host, [a] = await session(stack, url, ["A"], members=3)
+            await a._ws._stream.aclose()  # its TCP connection ends without a WebSocket close, as a killed process's
+            assert await host.events.receive() == MemberLeft(
+                A, "the connection dropped without a goodbye (network loss, or the other side was killed)")
+
+    run_with_server(body)
+    assert "closed (1006 ABNORMAL_CLOSURE)" in caplog.text
+
+
+def test_close_codes_read_as_sentences():
+    assert close_clause(1000) == "it closed the connection"
+    assert close_clause(1001) == "it is going away (shutting down)"
+    assert close_clause(1001, "no pong", who="the rendezvous") == "the rendezvous is going away (shutting down): no pong"
+    assert close_clause(None, peer="the rendezvous") == close_clause(1006, peer="the rendezvous") == (
+        "the connection dropped without a goodbye (network loss, or the rendezvous was killed)")
+    assert close_clause(1008, "A control message of 9 bytes exceeds the limit.") == (
+        "it closed the connection: A control message of 9 bytes exceeds the limit")
+    assert close_clause(4999) == "it closed the connection"
+    for code in (1000, 1001, 1002, 1006, 1008, 1009, 1011, 4001, 4999):
+        assert str(code) not in close_clause(code) and "CLOSURE" not in close_clause(code)
 
 
 def test_host_leaving_closes_the_session_for_members():
@@ -266,7 +296,8 @@ def test_losing_the_rendezvous_breaks_circuits_and_reports_disconnected():
                         await circuit.receive_message()
                     event = await host.events.receive()
                     assert isinstance(event, Disconnected) and event.type == "disconnected"
-                    assert event.reason.startswith("the rendezvous closed the connection")
+                    assert event.reason == ("the connection dropped without a goodbye (network loss, or the "
+                                            "rendezvous was killed)")
                     with pytest.raises(trio.BrokenResourceError, match="rendezvous at ws://127.0.0.1.* is lost"):
                         await a.accept_circuit()
                     with pytest.raises(trio.EndOfChannel):
