@@ -63,7 +63,7 @@ def status_renderable(snap: dict):
         head.append(f"\n{snap['error']}", style="red")
     rdv = snap.get("rendezvous")
     if isinstance(rdv, str) and rdv != "connected" and snap.get("role") in ("host", "member"):
-        why = (snap.get("reconnecting") or {}).get("reason")
+        why = (snap.get("reconnecting") or snap.get("restoring") or {}).get("reason")
         head.append(f"\nrendezvous: {rdv}{f' — {why}' if why else ''}", style="yellow")
     load = snap.get("load") or {}
     if load.get("progress") and snap.get("state") == "loading":

@@ -73,7 +73,20 @@ def ready_session(node):
     Raises:
         HttpError: 503 saying what the daemon is doing instead.
     """
+    not_restoring(node)
     return ready(node.session)
+
+
+def not_restoring(node) -> None:
+    """Pass unless `node` (a restarted daemon) is registering its remembered session again.
+
+    Raises:
+        HttpError: 503 + Retry-After saying so (kafilad/node/daemon.py `restoring_sentence`).
+    """
+    said = getattr(node, "restoring_sentence", lambda: None)()
+    if said is not None:
+        raise HttpError(503, f"{said} It serves requests once the session is ready.", "service_unavailable",
+                        headers=[("retry-after", str(RETRY_FORMING_S))])
 
 
 async def serving_session(node, gone: trio.Event):
@@ -86,6 +99,7 @@ async def serving_session(node, gone: trio.Event):
         HttpError: 503 saying what the daemon is doing instead (`ready`).
         ClientGone: the client went away while its request waited.
     """
+    not_restoring(node)
     s = node.session
     wait = getattr(s, "wait_serving", None)
     if wait is not None:

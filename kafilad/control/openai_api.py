@@ -54,7 +54,7 @@ import trio
 from kafilad.control import ollama_api, web
 from kafilad.control.api_common import (SSE_BUFFER_EVENTS, HttpError, TokenText, check_model, chat_prompt,
                                         cors_headers, created_s, default_max_tokens, generate_whole, json_object,
-                                        model_id, preflight_headers, ready, ready_session, serving_session, shown,
+                                        model_id, preflight_headers, ready_session, serving_session, shown,
                                         state_of, stream_generation, token_reports, vocab_size)
 from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
 from kafilad.control.openai_schema import ChatRequest, CompletionRequest, parse_chat, parse_completion
@@ -125,9 +125,11 @@ async def _health(node, request: Request, res: Responder) -> None:
     """200 while a session is ready to serve; else 503 with the same sentence the API would give."""
     s = node.session
     try:
-        ready(s)
+        ready_session(node)
     except HttpError as e:
-        await res.send(503, json.dumps({"status": "unavailable", "state": state_of(s) if s is not None else None,
+        restoring = getattr(node, "restoring_sentence", lambda: None)() is not None  # a restarted host
+        state = "restoring" if restoring else (state_of(s) if s is not None else None)
+        await res.send(503, json.dumps({"status": "unavailable", "state": state,
                                         "message": e.message}).encode(), headers=e.headers)
         return
     await res.send(200, json.dumps({"status": "ok", "state": "ready", "model": model_id(s)}).encode())

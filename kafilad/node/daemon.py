@@ -21,6 +21,7 @@ from kafilad.control.server import serve_control
 from kafilad.errors import KafilaError, RendezvousRefused, collapse_groups
 from kafilad.modelref import resolve_model_dir
 from kafilad.planner.plan import DEFAULT_STRATEGY
+from kafilad.node import comeback
 from kafilad.node.statedir import StateDir
 from kafilad.proto import session as sm
 from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
@@ -98,11 +99,10 @@ def _required(args: dict, key: str, kind: type):
     return value
 
 
-#: the daemon's own state while it rejoins its remembered session (the rendezvous or the host away)
-RECONNECTING = "reconnecting"
 #: every state `wait` can wait for (host and member machines, kafilad/proto/session.py), plus idle
-#: and the daemon's own
-WAIT_STATES = sorted({s.value for s in sm.HostState} | {s.value for s in sm.MemberState} | {"idle", RECONNECTING})
+#: and the daemon's own while it brings its session back (kafilad/node/comeback.py)
+WAIT_STATES = sorted({s.value for s in sm.HostState} | {s.value for s in sm.MemberState}
+                     | {"idle", comeback.RECONNECTING, comeback.RESTORING})
 
 
 class Node:
@@ -127,6 +127,9 @@ class Node:
         #: while the rejoin loop runs (`_rejoin`): {"code", "attempt", "at" (time.time() of the next
         #: try), "reason" (why the last try or the session failed)}
         self.rejoining: Optional[dict] = None
+        #: while a restarted daemon hosts its remembered session again (`_rehost`): {"code", "attempt",
+        #: "at" (time.time() of the next try), "reason"}
+        self.restoring: Optional[dict] = None
         self.mlx_lock = trio.Lock()
         self._changed = trio.Event()
         self._session_scope: Optional[trio.CancelScope] = None
@@ -231,30 +234,52 @@ class Node:
 
     async def _rehost(self, record: dict) -> None:
         """Host the remembered session again after a restart (issue 8 §4): same session id and code,
-        the members' daemons rejoin by themselves. Retries while the rendezvous is unreachable."""
-        import random
+        the members' daemons rejoin by themselves. Retries while the rendezvous is unreachable;
+        meanwhile ``restoring`` says which attempt comes when, and why (`snapshot`, `_host_session`)."""
         from kafilad.node.host import HostSession
-        delay_s = 1.0
-        while self.session is None or self.session.state in ("failed", "closed"):
-            try:
-                session = HostSession(self, model_dir=record["model_dir"], members=int(record["members"]),
-                                      context=record.get("context"), concurrency=int(record.get("concurrency") or 1),
-                                      rendezvous=record["rendezvous"], open_=bool(record.get("open")),
-                                      admit_timeout_s=float(record.get("admit_timeout_s") or DEFAULT_ADMIT_TIMEOUT_S),
-                                      strategy=str(record.get("strategy") or DEFAULT_STRATEGY))
-                session.session_id = str(record["session_id"])
-                await self.nursery.start(self._run_session, session)
-                self.session = session
+        delay_s, attempt, reason = REJOIN_FIRST_S, 0, "this daemon restarted"
+        code = str(record.get("code") or "")
+        try:
+            while self.session is None or self.session.state in ("failed", "closed"):
+                attempt += 1
+                self.restoring = {"code": code, "attempt": attempt, "at": time.time(), "reason": reason}
                 self.changed()
-                log.info("hosting the remembered session %s again", session.code)
-                return
-            except (KafilaError, KeyError, TypeError, ValueError) as e:
-                if isinstance(e, KafilaError) and "held by another host key" in str(e):
-                    self.state.forget_session()
+                try:
+                    session = HostSession(self, model_dir=record["model_dir"], members=int(record["members"]),
+                                          context=record.get("context"),
+                                          concurrency=int(record.get("concurrency") or 1),
+                                          rendezvous=record["rendezvous"], open_=bool(record.get("open")),
+                                          admit_timeout_s=float(record.get("admit_timeout_s")
+                                                                or DEFAULT_ADMIT_TIMEOUT_S),
+                                          strategy=str(record.get("strategy") or DEFAULT_STRATEGY))
+                    session.session_id = str(record["session_id"])
+                    await self.nursery.start(self._run_session, session)
+                    self.session = session
+                    self.changed()
+                    log.info("hosting the remembered session %s again", session.code)
                     return
-                log.warning("re-hosting the remembered session failed (%s); retrying in %.0f s", e, delay_s)
-            await trio.sleep(delay_s * random.uniform(0.8, 1.2))
-            delay_s = min(delay_s * 2, REJOIN_MAX_S)
+                except (KafilaError, KeyError, TypeError, ValueError) as e:
+                    if isinstance(e, KafilaError) and "held by another host key" in str(e):
+                        self.state.forget_session()
+                        return
+                    reason = str(e) if isinstance(e, KafilaError) else f"the remembered session is damaged ({e!r})"
+                wait_s = delay_s * random.uniform(0.8, 1.2)
+                self.restoring = {"code": code, "attempt": attempt + 1, "at": time.time() + wait_s, "reason": reason}
+                self.changed()
+                log.warning("re-hosting the remembered session failed (%s); retrying in %.1f s", reason, wait_s)
+                await trio.sleep(wait_s)
+                delay_s = min(delay_s * 2, REJOIN_MAX_S)
+        finally:
+            self.restoring = None
+            self.changed()
+
+    def restoring_sentence(self) -> Optional[str]:
+        """While a restarted daemon hosts its remembered session again (`_rehost`) and no other session
+        runs: what it is doing, as a sentence (requests and host commands answer with it); else None."""
+        info = self.restoring
+        if info is None or (self.session is not None and self.session.state not in ("failed", "closed")):
+            return None
+        return comeback.restoring_sentence(info)
 
     async def _rejoin(self, reason: Optional[str] = None) -> None:
         """Rejoin the remembered session after a restart or after it failed (issue 8 §2): retry with a
@@ -319,12 +344,23 @@ class Node:
         return {"session_id": session.session_id, "host": session.host_name, "state": str(session.state)}
 
     def _host_session(self):
+        """The hosted session.
+
+        Raises:
+            KafilaError: this daemon is a member, is restoring its session after a restart (the
+                sentence says so and what to do), or hosts none.
+        """
         from kafilad.node.host import HostSession
         if not isinstance(self.session, HostSession):
             s = self.session
             if s is not None and s.state not in ("failed", "closed"):
                 raise KafilaError(f"This daemon is a member of session {s.session_id}, hosted by {s.host_name}; "
                                   f"run this command on the host.")
+            restoring = self.restoring_sentence()
+            if restoring is not None:
+                last = self.restoring.get("reason") if self.restoring.get("attempt", 1) > 1 else None
+                raise KafilaError(f"{restoring} Try again once it is ready (`kafila-ctl wait` waits for it)."
+                                  + (f" The last try failed: {last}" if last else ""))
             raise KafilaError("This daemon is not hosting a session.")
         return self.session
 
@@ -392,6 +428,8 @@ class Node:
                 "rendezvous": self.rendezvous,
                 "http": f"http://{self.http[0]}:{self.http_port}/v1" if self.http_port else None}
         rejoin = self._reconnecting_snapshot()
+        if rejoin is None and self.restoring_sentence() is not None:
+            rejoin = comeback.restoring_snapshot(self.restoring, time.time())
         if rejoin is not None:
             return {**base, **rejoin}
         if self.session is None:
@@ -400,10 +438,8 @@ class Node:
         return {**base, "session": snap["session_id"], **snap}
 
     def _reconnecting_snapshot(self) -> Optional[dict]:
-        """The member's status while its daemon rejoins the remembered session (the rendezvous or the
-        host is away; README "The rendezvous restarts"): state `reconnecting`, the attempt, the
-        seconds to the next try and why the last one failed; None when not rejoining, or while an
-        attempt's join is under way (its own state says where it is)."""
+        """The member's status while its daemon rejoins the remembered session (kafilad/node/comeback.py);
+        None when not rejoining, or while an attempt's join is under way (its own state says where)."""
         s = self.session
         if s is not None and s.state not in ("failed", "closed"):
             return None
@@ -413,14 +449,7 @@ class Node:
                 return None
             info = {"code": s.code, "attempt": 1, "at": time.time(), "reason": s.error}
         snap = s.snapshot() if s is not None and getattr(s, "code", None) == info["code"] else {}
-        left_s = max(0.0, info["at"] - time.time())
-        session_id = info["code"].strip().lower().rpartition("-")[0] or None
-        return {**snap, "role": "member", "session": session_id, "session_id": session_id, "code": info["code"],
-                "state": RECONNECTING, "error": None, "members": [], "plan": None, "blocks": None, "head": False,
-                "load": {}, "control": "down" if snap else None,
-                "rendezvous": f"reconnecting (attempt {info['attempt']}, next in {left_s:.0f} s)",
-                "reconnecting": {"attempt": info["attempt"], "next_in_s": round(left_s, 1),
-                                 "reason": info["reason"]}}
+        return comeback.reconnecting_snapshot(info, snap, time.time())
 
     async def op_status(self, args: dict, emit) -> dict:
         return self.snapshot()

@@ -91,3 +91,13 @@ def test_a_member_rejoining_while_the_rendezvous_is_down_reads_reconnecting_with
     assert "rendezvous: reconnecting (attempt 3, next in 4 s) — Cannot reach the rendezvous at ws://r:7400" in out
     assert join_phase(snap) == f"reconnecting (attempt 3, next try in 4 s): {why}"
     assert "rendezvous:" not in render(SNAPSHOT)  # connected: nothing to say
+
+
+def test_a_restarted_host_registering_its_session_again_reads_restoring_with_the_attempt_and_why():
+    why = "Cannot reach the rendezvous at ws://r:7400: Connection refused. Check the URL and that the rendezvous is running."
+    snap = {**SNAPSHOT, "state": "restoring", "members": [], "plan": None, "edges": [], "pending": [],
+            "last_generation": None, "rendezvous": "re-registering the session (attempt 2, next in 1 s)",
+            "restoring": {"attempt": 2, "next_in_s": 1.1, "reason": why}}
+    out = " ".join(render(snap).replace("│", " ").split())  # the panel's lines, joined
+    assert "session rklt7mxf (host) state restoring" in out
+    assert f"rendezvous: re-registering the session (attempt 2, next in 1 s) — {why}" in out

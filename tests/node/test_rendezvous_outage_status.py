@@ -63,3 +63,46 @@ async def test_a_member_says_it_is_reconnecting_while_the_rendezvous_is_down_the
         lost_at = next(i for i, s in enumerate(states) if s != "ready")
         assert "failed" not in states[lost_at:], states[lost_at:]
         w.nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_restarted_host_says_it_is_restoring_its_session_until_it_is_registered_again(tmp_path, model_dir,
+                                                                                              monkeypatch):
+    """The host daemon restarts while the rendezvous is away: until its remembered session is
+    registered again, `status` and requests (control and HTTP) say it is being restored, not that
+    the daemon hosts no session."""
+    from kafilad.control.api_common import RETRY_FORMING_S, HttpError, ready_session
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h = w.daemon("h")
+        code = (await h.op_host({"model_dir": str(model_dir), "members": 1, "context": 256}, _ignore))["code"]
+        await w.wait(lambda: h.snapshot()["state"] == "ready", 20, "the host alone ready")
+        await w.rdv.kill()
+        h._session_scope.cancel()  # its process stops (the rendezvous is down: it comes back to none)
+        await w.wait(lambda: h.session.state in ("failed", "closed"), 10, "the old session ended")
+
+        again = w.daemon("h")  # the restarted daemon, same state dir: kafilad/node/daemon.py Node.run
+        w.nursery.start_soon(again._rehost, again.state.remembered_session())
+        await w.wait(lambda: (again.snapshot().get("restoring") or {}).get("attempt", 0) >= 2, 10,
+                     "a second registration attempt")
+        snap = again.snapshot()
+        assert snap["state"] == "restoring" and snap["role"] == "host" and snap["code"] == code, snap
+        assert snap["session"] == code.rpartition("-")[0] and snap["error"] is None, snap
+        about = snap["restoring"]
+        assert about["reason"].startswith("Cannot reach the rendezvous at ") and 0 <= about["next_in_s"] <= 6, about
+        assert snap["rendezvous"].startswith(f"re-registering the session (attempt {about['attempt']}, next in "), snap
+        said = f"This daemon is restoring its session {code} after a restart: it is re-registering it at the rendezvous"
+        with pytest.raises(KafilaError) as refused:
+            await again.op_generate({"prompt": "Once upon a time", "max_tokens": 4}, _ignore)
+        assert str(refused.value).startswith(said) and "not hosting" not in str(refused.value), refused.value
+        with pytest.raises(HttpError) as http:
+            ready_session(again)
+        assert http.value.status == 503 and http.value.message.startswith(said), http.value.message
+        assert ("retry-after", str(RETRY_FORMING_S)) in http.value.headers
+        with pytest.raises(KafilaError, match=r"\(state: restoring\)"):
+            await again.op_wait({"states": ["ready"], "timeout_s": 0.2}, _ignore)
+
+        w.rdv.restart()
+        await w.wait(lambda: again.snapshot()["state"] == "ready", 20, "the session hosted again")
+        snap = again.snapshot()
+        assert snap["code"] == code and "restoring" not in snap and snap["rendezvous"] == "connected", snap
+        w.nursery.cancel_scope.cancel()

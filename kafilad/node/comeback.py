@@ -1,0 +1,53 @@
+"""What a daemon's status says while it brings its remembered session back (README "The rendezvous
+restarts", docs/healing.md): pure functions of the comeback's record and the clock, used by
+kafilad/node/daemon.py ``Node.snapshot``.
+
+- ``reconnecting``: a member whose session ended with the rendezvous or its host; its daemon
+  rejoins (``Node._rejoin``).
+- ``restoring``: a restarted host daemon registering its remembered session again (``Node._rehost``).
+
+A comeback record is {"code", "attempt", "at" (time.time() of the next try), "reason" (why the
+session or the last try failed)}.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+RECONNECTING, RESTORING = "reconnecting", "restoring"
+
+
+def session_id_of(code: str) -> Optional[str]:
+    """The session id part of a session code (proto_spec 01 §1.2), or None."""
+    return str(code).strip().lower().rpartition("-")[0] or None
+
+
+def reconnecting_snapshot(info: dict, session_snap: dict, now_s: float) -> dict:
+    """A member's snapshot while its daemon rejoins: the ended session's (``session_snap``, or {})
+    with state ``reconnecting`` and no stage, and ``reconnecting`` {"attempt", "next_in_s", "reason"}."""
+    left_s = max(0.0, info["at"] - now_s)
+    sid = session_id_of(info["code"])
+    return {**session_snap, "role": "member", "session": sid, "session_id": sid, "code": info["code"],
+            "state": RECONNECTING, "error": None, "members": [], "plan": None, "blocks": None, "head": False,
+            "load": {}, "control": "down" if session_snap else None,
+            "rendezvous": f"reconnecting (attempt {info['attempt']}, next in {left_s:.0f} s)",
+            "reconnecting": {"attempt": info["attempt"], "next_in_s": round(left_s, 1), "reason": info["reason"]}}
+
+
+def restoring_snapshot(info: dict, now_s: float) -> dict:
+    """A restarted host's snapshot until its remembered session is registered again: state
+    ``restoring`` and ``restoring`` {"attempt", "next_in_s", "reason"}."""
+    left_s = info["at"] - now_s
+    when = f"next in {left_s:.0f} s" if left_s > 0 else "under way"
+    sid = session_id_of(info["code"])
+    return {"role": "host", "session": sid, "session_id": sid, "code": info["code"], "state": RESTORING,
+            "error": None, "members": [], "pending": [], "plan": None,
+            "rendezvous": f"re-registering the session (attempt {info['attempt']}, {when})",
+            "restoring": {"attempt": info["attempt"], "next_in_s": round(max(0.0, left_s), 1),
+                          "reason": info["reason"]}}
+
+
+def restoring_sentence(info: dict) -> str:
+    """What a restarted host is doing, for the requests and host commands it cannot serve yet."""
+    return (f"This daemon is restoring its session {info['code']} after a restart: it is re-registering it "
+            f"at the rendezvous (attempt {info['attempt']}).")
