@@ -4,9 +4,12 @@
     kafilad rendezvous --listen HOST:PORT [--stun ADDR:PORT ...] [--record-relay FILE] [--register-timeout S]
 
 `--http` takes HOST:PORT, a bare PORT (meaning 127.0.0.1:PORT, the API stays local), or `off`.
-A port outside 0..65535 is refused by the parser, and a port that cannot be bound (in use, not a
-local address) refuses the start with a sentence: the daemon never runs without the API it was
-asked to serve. Without `--state-dir`, `KAFILA_STATE_DIR` names the state directory (as for kafila-ctl).
+A port outside 0..65535 is refused by the parser, and a port given with `--http` that cannot be
+bound (in use, not a local address) refuses the start with a sentence: the daemon never runs
+without the API it was asked to serve. Without `--http`, the default 127.0.0.1:8400 is only a
+default: when it is taken (a second daemon on one machine) the daemon logs a warning naming the
+port and `--http`, and runs without the API; kafila-ctl needs only the control socket. Without
+`--state-dir`, `KAFILA_STATE_DIR` names the state directory (as for kafila-ctl).
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from kafilad.proto.address import parse_host_port
 
 #: file handles the daemon asks for (the soft limit is raised up to this, never past the hard limit)
 WANT_OPEN_FILES = 8192
+
+#: the HTTP API's address when `--http` is not given (`args.http is DEFAULT_HTTP` tells the two apart)
+DEFAULT_HTTP = ("127.0.0.1", 8400)
 
 #: the daemon's log file (STATE_DIR/kafilad.log) rotates at this size ...
 LOG_FILE_BYTES = 5 * 1024 * 1024
@@ -86,9 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="this member's name (default: the host name)")
     p.add_argument("--rendezvous", default=os.environ.get("KAFILA_RENDEZVOUS") or None,
                    help="default rendezvous URL, e.g. ws://rdv.example:7400 (env KAFILA_RENDEZVOUS)")
-    p.add_argument("--http", type=_http_address, default="127.0.0.1:8400",
+    p.add_argument("--http", type=_http_address, default=DEFAULT_HTTP,
                    help="serve the OpenAI-compatible API of a hosted session on HOST:PORT, or on "
-                        "127.0.0.1:PORT for a bare PORT ('off' disables; default 127.0.0.1:8400)")
+                        "127.0.0.1:PORT for a bare PORT ('off' disables; default 127.0.0.1:8400, skipped with "
+                        "a warning when another program, e.g. a second kafilad, holds it)")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command")
     r = sub.add_parser("rendezvous", help="run the rendezvous / relay / STUN service")
@@ -212,14 +219,33 @@ def _log_to_file(path, max_bytes: int = LOG_FILE_BYTES, backups: int = LOG_FILE_
     return handler
 
 
+async def _default_http_or_none(http: tuple[str, int]) -> tuple[str, int] | None:
+    """`http` (the default address) when it can be listened on now, else None after a warning that
+    names the port and `--http`: a second daemon on one machine still starts, without the API.
+    An address given with `--http` is not checked here; the daemon refuses to start without it."""
+    from kafilad.control.http_server import open_listeners
+    try:
+        listeners = await open_listeners(*http)
+    except OSError as e:
+        logging.getLogger("kafilad").warning(
+            "The HTTP API's default address %s:%d is taken (%s), likely by another kafilad on this machine; this "
+            "daemon runs without the HTTP API (kafila-ctl works as usual). Start it with --http PORT (e.g. "
+            "--http %d) to serve the API there, or --http off to run without it and without this warning.",
+            http[0], http[1], e.strerror or e, http[1] + 1)
+        return None
+    for listener in listeners:
+        await listener.aclose()
+    return http
+
+
 async def _daemon(args) -> None:
     from kafilad.node.daemon import Node
     from kafilad.node.statedir import StateDir, default_name
     _raise_open_files_limit()
     state = StateDir(args.state_dir).ensure()
     _log_to_file(state.log_path)
-    node = Node(state, name=args.name or default_name(), rendezvous=args.rendezvous,
-                http=args.http)
+    http = await _default_http_or_none(args.http) if args.http is DEFAULT_HTTP else args.http
+    node = Node(state, name=args.name or default_name(), rendezvous=args.rendezvous, http=http)
     await node.run()
 
 

@@ -75,6 +75,45 @@ def test_keys_files_modes_and_clean_sigterm(daemon):
             p2.kill()
 
 
+def test_a_second_daemon_starts_without_the_default_http_port(tmp_path):
+    """A new user's report: a second daemon on one machine died because the first held 127.0.0.1:8400.
+    The default port taken is a warning naming it and --http; the daemon runs, kafila-ctl reaches it."""
+    import errno
+    import json
+    import socket
+    held = socket.socket()
+    try:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", 8400))
+        held.listen()
+    except OSError as e:  # something else holds it already: taken all the same
+        if e.errno != errno.EADDRINUSE:
+            pytest.skip(f"cannot bind 127.0.0.1:8400 here: {e}")
+    state = tmp_path / "state"
+    log = open(tmp_path / "daemon.log", "wb")
+    p = subprocess.Popen(DAEMON + ["--state-dir", str(state), "--name", "second"], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 20
+        while not (state / "kafilad.sock").exists():
+            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
+            time.sleep(0.05)
+        r = ctl(state, "status", "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["http"] is None and p.poll() is None
+        text = (tmp_path / "daemon.log").read_text()
+        assert ("The HTTP API's default address 127.0.0.1:8400 is taken (Address already in use), likely by another "
+                "kafilad on this machine; this daemon runs without the HTTP API (kafila-ctl works as usual). Start "
+                "it with --http PORT (e.g. --http 8401) to serve the API there, or --http off to run without it "
+                "and without this warning.") in text
+        assert "Traceback" not in text and "taken" in (state / "kafilad.log").read_text()
+        assert ctl(state, "stop").returncode == 0 and p.wait(15) == 0
+    finally:
+        held.close()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def test_ctl_errors_are_sentences(daemon, tmp_path):
     _, state = daemon
     r = ctl(state, "generate", "hello")
