@@ -207,7 +207,9 @@ async def test_a_member_that_stops_reading_its_ctl_link_is_found_within_the_dead
         t0 = trio.current_time()
         await w.wait(lambda: member_row(h, "m2")["lost"] is not None, 5, "m2 lost")
         found_s = trio.current_time() - t0
-        assert deadline_s - interval_s <= found_s <= deadline_s + interval_s + 0.5, found_s  # the last ping, the check period
+        # the last ping, the check period, and up to 1.5 s of a starved event loop (CI measured 4.0 s once
+        # with other tests on the two cores); the module default deadline (8 s) would still fail it
+        assert deadline_s - interval_s <= found_s <= deadline_s + interval_s + 1.5, found_s
         assert "m2 sent nothing for" in member_row(h, "m2")["lost"]
         await w.wait(lambda: ready_over(h, {"h", "m1"}), 20, "the replan over h and m1")
         assert (await generate(h, PROMPT, N_TOKENS))["token_ids"] == reference
