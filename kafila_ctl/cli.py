@@ -346,7 +346,8 @@ def cmd_service_install(args) -> int:
 
 
 #: every state `wait --state` accepts (kafilad/node/daemon.py WAIT_STATES)
-WAIT_STATES = sorted({s.value for s in sm.HostState} | {s.value for s in sm.MemberState} | {"idle"})
+WAIT_STATES = sorted({s.value for s in sm.HostState} | {s.value for s in sm.MemberState}
+                     | {"idle", "reconnecting", "restoring"})  # the last two: kafilad/node/comeback.py
 
 
 def _version() -> str:
