@@ -188,7 +188,7 @@ def test_help_texts_show_defaults_and_wait_checks_state_names(tmp_path):
     assert "tokens to generate at most (default 64)" in help_of("generate")
     assert "tokens per reply at most (default 256)" in help_of("chat")
     wait = help_of("wait")
-    assert "(default ready); one of admitted, closed, degraded, failed" in wait and "ready, recovering" in wait
+    assert "(default ready); one of admitted, closed, degraded, failed" in wait and "ready, reconnecting, recovering, restoring" in wait
     assert "seconds to wait before giving up (default 300)" in wait
     assert "$KAFILA_STATE_DIR" in help_of() and "default 120" in help_of("host")
     assert "ORG/NAME[@REVISION]" in help_of("host")

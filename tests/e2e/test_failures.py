@@ -108,10 +108,11 @@ def test_corrupted_frame_closes_only_that_link(tmp_path, synth_llama):
         c.form(str(synth_llama), rendezvous=proxy.url)
         assert c.generate("Kafila", 8)["token_ids"]
         proxy.arm("m2")
-        with pytest.raises(KafilaError) as err:
-            c.generate("Kafila serves", 40)
+        # the flipped bit breaks m2's link before the request handed out any output: the host runs it
+        # again once the ring re-formed (host_requests MAX_LOSS_RETRIES), so the client sees no failure
+        result = c.generate("Kafila serves", 40)
         assert proxy.corrupted.is_set()
-        assert "m2" in str(err.value)
+        assert result["token_ids"] and all("m2" in why for why in result.get("retried_after", [])), result
         logs = "".join((c.root / f"m{i}.log").read_text() for i in range(3))
         assert "undecryptable message from m2" in logs or "malformed frame from m2" in logs
         all_alive(c)
