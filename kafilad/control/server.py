@@ -207,9 +207,24 @@ class ControlServer:
         send_q, recv_q = trio.open_memory_channel(lim.max_queued_events)
         writer_done = trio.Event()
         gone_event = trio.Event()  # `emit.client_gone`: a handler may watch it (a session's generate does)
+
+        sending = [False]  # a frame is on its way: a stop now may have cut it, so nothing more is sent
+        try:
+            await self._dispatch_in(stream, op, args, send_q, recv_q, writer_done, gone_event, sending)
+        except BaseException as e:  # the daemon stops: an operation not yet answered learns why
+            if not _only_cancelled(e):
+                raise
+            if not gone_event.is_set() and not sending[0]:
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    await self._send(stream, _error(f"The daemon is shutting down, so '{op}' was not finished; "
+                                                    "send it again once the daemon is back."))
+            raise
+
+    async def _dispatch_in(self, stream, op: str, args: dict, send_q, recv_q, writer_done: trio.Event,
+                           gone_event: trio.Event, sending: list) -> None:
+        lim = self.limits
         gone = overflow = False
         reply: dict | None = None
-
         async with trio.open_nursery() as nursery:
             async def writer() -> None:
                 nonlocal gone
@@ -218,7 +233,9 @@ class ControlServer:
                         async for frame in recv_q:
                             with trio.move_on_after(lim.send_timeout_s) as scope:
                                 try:
+                                    sending[0] = True
                                     await stream.send_all(frame)
+                                    sending[0] = False
                                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                                     scope.cancel()
                             if scope.cancelled_caught:
@@ -287,6 +304,13 @@ class ControlServer:
             log.exception("control: handler %s failed", op)
             return _error(f"Internal error in '{op}': {e!r}.")
         return {"t": "reply", "ok": True, "result": result}
+
+
+def _only_cancelled(exc: BaseException) -> bool:
+    """True when `exc` is trio.Cancelled, or a group holding only Cancelled."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_cancelled(e) for e in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
 
 
 async def _linger(stream: trio.abc.Stream, timeout_s: float = 1.0, max_bytes: int = 64 * 1024 * 1024) -> None:

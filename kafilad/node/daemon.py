@@ -141,6 +141,14 @@ class Node:
         self._changed = trio.Event()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        remembered = self.state.remembered_session()
+        if remembered is not None:  # said from the first status on: a request never finds "no session" meanwhile
+            comeback_info = {"code": str(remembered.get("code") or ""), "attempt": 1, "at": time.time(),
+                             "reason": "this daemon restarted"}
+            if remembered.get("role") == "host":
+                self.restoring = comeback_info
+            else:
+                self.rejoining = comeback_info
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             await nursery.start(serve_control, self.state.socket_path, self.handlers)
@@ -150,7 +158,6 @@ class Node:
                 # a port in use or out of range refuses the start with a sentence (KafilaError)
                 self.http_port = await nursery.start(serve_openai_api, self, *self.http)
             log.info("kafilad %s (peer %s) listening on %s", self.name, self.peer_id, self.state.socket_path)
-            remembered = self.state.remembered_session()
             if remembered is not None and remembered.get("role") == "host":
                 nursery.start_soon(self._rehost, remembered)
             elif remembered is not None:

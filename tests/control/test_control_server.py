@@ -231,3 +231,31 @@ def test_a_client_leaving_makes_the_next_emit_raise_instead_of_cancelling(tmp_pa
                 await test(path)
             nursery.cancel_scope.cancel()
     trio.run(main, tmp_path)
+
+
+def test_an_operation_running_when_the_daemon_stops_gets_an_error_reply_not_a_closed_connection(tmp_path):
+    """Chaos run (seed 21, 2026-12-01): requests in flight when the host daemon got SIGTERM ended as
+    "kafilad closed the control connection during 'generate' without a reply". The server's
+    cancellation answers each operation not yet answered with a sentence, then closes."""
+    log: list = []
+
+    async def main(tmp):
+        out = {}
+        with trio.CancelScope() as daemon:
+            async with trio.open_nursery() as nursery:
+                path = await nursery.start(lambda task_status: serve_control(
+                    tmp / "k.sock", table(log), cancel_on_disconnect=frozenset({"hold"}), task_status=task_status))
+                s = FramedStream(await trio.open_unix_socket(str(path)))
+                await s.send(request("flood", {"n": 10**9}))  # streams events until the daemon stops
+                assert (await s.receive())["t"] == "event"
+                daemon.cancel()
+        events = 0
+        while (msg := await s.receive()) is not None:
+            if msg["t"] == "reply":
+                out = msg
+                break
+            events += 1
+        assert out["ok"] is False, out
+        assert out["error"] == ("The daemon is shutting down, so 'flood' was not finished; send it again once "
+                                "the daemon is back.")
+    trio.run(main, tmp_path)

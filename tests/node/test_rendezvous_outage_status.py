@@ -106,3 +106,33 @@ async def test_a_restarted_host_says_it_is_restoring_its_session_until_it_is_reg
         snap = again.snapshot()
         assert snap["code"] == code and "restoring" not in snap and snap["rendezvous"] == "connected", snap
         w.nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_restarted_host_says_restoring_from_its_first_status_on(tmp_path, model_dir, monkeypatch):
+    """Chaos run (seed 21, 2026-12-01): requests reaching a restarted host daemon in the moment after
+    its control socket opened, before its re-hosting task ran, were told "This daemon is not hosting
+    a session.". Node.run marks the remembered session as being restored before it serves anything."""
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h = w.daemon("h")
+        code = (await h.op_host({"model_dir": str(model_dir), "members": 1, "context": 256}, _ignore))["code"]
+        await w.wait(lambda: h.snapshot()["state"] == "ready", 20, "the host alone ready")
+        h._session_scope.cancel()  # its process stops
+        await w.wait(lambda: h.session.state in ("failed", "closed"), 10, "the old session ended")
+
+        again = w.daemon("h")  # the restarted daemon, same state dir
+        again.http = None
+        from kafilad.node import daemon as daemon_mod
+        serve_control, seen = daemon_mod.serve_control, []
+
+        async def serve_control_seen(*a, **kw):  # the first request could come at once
+            seen.append(again.snapshot())
+            return await serve_control(*a, **kw)
+        monkeypatch.setattr(daemon_mod, "serve_control", serve_control_seen)
+        await w.nursery.start(again.run)
+        assert seen[0]["state"] == "restoring" and seen[0]["code"] == code, seen[0]
+        with pytest.raises(KafilaError) as refused:
+            await again.op_generate({"prompt": "Once upon a time", "max_tokens": 4}, _ignore)
+        assert "is restoring its session" in str(refused.value), refused.value
+        await w.wait(lambda: again.snapshot()["state"] == "ready", 20, "the session hosted again")
+        w.nursery.cancel_scope.cancel()
