@@ -91,7 +91,8 @@ def not_restoring(node) -> None:
 
 async def serving_session(node, gone: trio.Event):
     """The hosted session of `node` once it is ready to generate: a session healing from a member
-    loss is waited for, at most RECOVERY_WAIT_S (kafilad/node/host_requests.py `wait_serving`).
+    loss, or one a restarted host daemon is restoring, is waited for, at most RECOVERY_WAIT_S each
+    (kafilad/node/daemon.py `host_session_back`, kafilad/node/host_requests.py `wait_serving`).
 
     Args:
         gone: set when the request's client went away (`Responder.client_gone`).
@@ -99,6 +100,14 @@ async def serving_session(node, gone: trio.Event):
         HttpError: 503 saying what the daemon is doing instead (`ready`).
         ClientGone: the client went away while its request waited.
     """
+    back = getattr(node, "host_session_back", None)  # a restarted host daemon restoring its session
+    if back is not None:
+        try:
+            await back(gone)
+        except KafilaError:
+            pass  # `not_restoring` / `ready` say what the daemon is doing instead
+    if gone.is_set():
+        raise ClientGone("the client closed its connection")
     not_restoring(node)
     s = node.session
     wait = getattr(s, "wait_serving", None)

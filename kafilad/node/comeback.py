@@ -1,6 +1,7 @@
 """What a daemon's status says while it brings its remembered session back (README "The rendezvous
 restarts", docs/healing.md): pure functions of the comeback's record and the clock, used by
-kafilad/node/daemon.py ``Node.snapshot``.
+kafilad/node/daemon.py ``Node.snapshot``; and the wait of a request for a restored session
+(``session_back``).
 
 - ``reconnecting``: a member whose session ended with the rendezvous or its host; its daemon
   rejoins (``Node._rejoin``).
@@ -13,6 +14,8 @@ session or the last try failed)}.
 from __future__ import annotations
 
 from typing import Optional
+
+import trio
 
 RECONNECTING, RESTORING = "reconnecting", "restoring"
 
@@ -51,3 +54,17 @@ def restoring_sentence(info: dict) -> str:
     """What a restarted host is doing, for the requests and host commands it cannot serve yet."""
     return (f"This daemon is restoring its session {info['code']} after a restart: it is re-registering it "
             f"at the rendezvous (attempt {info['attempt']}).")
+
+
+async def session_back(node, gone: Optional[trio.Event] = None) -> None:
+    """Return once `node` (kafilad/node/daemon.py ``Node``) is no longer restoring its remembered
+    session, at most host_requests.RECOVERY_WAIT_S: a request sent during a host restart is then
+    served once the session is back (the session's own ``wait_serving`` waits for its members to
+    rejoin). Returns at once when it is not restoring, and when `gone` (the client went away) is set.
+    """
+    from kafilad.node.host_requests import RECOVERY_WAIT_S
+    with trio.move_on_after(RECOVERY_WAIT_S):
+        while node.restoring_sentence() is not None and not (gone is not None and gone.is_set()):
+            changed = node._changed  # set and replaced by Node.changed()
+            with trio.move_on_after(1.0):  # also wakes to see `gone`
+                await changed.wait()

@@ -260,6 +260,7 @@ class Node:
                                                                 or DEFAULT_ADMIT_TIMEOUT_S),
                                           strategy=str(record.get("strategy") or DEFAULT_STRATEGY))
                     session.session_id = str(record["session_id"])
+                    session.rehosted = True  # requests wait while its members rejoin (host_requests.returning)
                     await self.nursery.start(self._run_session, session)
                     self.session = session
                     self.changed()
@@ -349,6 +350,15 @@ class Node:
         self.state.remember_session({"role": "member", "code": session.code, "rendezvous": session.rdv_url})
         self.changed()
         return {"session_id": session.session_id, "host": session.host_name, "state": str(session.state)}
+
+    async def host_session_back(self, gone: Optional[trio.Event] = None):
+        """The hosted session, once a restarted daemon restoring it has it back (comeback.session_back).
+
+        Raises:
+            KafilaError: as `_host_session` (still restoring after the wait: the sentence says so).
+        """
+        await comeback.session_back(self, gone)
+        return self._host_session()
 
     def _host_session(self):
         """The hosted session.
@@ -491,8 +501,9 @@ class Node:
 
     async def op_generate(self, args: dict, emit) -> dict:
         """Generate through the hosted session; the client closing its connection (Ctrl-C) ends the
-        request (`emit.client_gone`, kafilad/control/server.py)."""
-        s = self._host_session()
+        request (`emit.client_gone`, kafilad/control/server.py). A restarted daemon restoring its
+        session makes the request wait for it (`host_session_back`)."""
+        s = await self.host_session_back(getattr(emit, "client_gone", None))
         max_tokens, temperature = _arg(args, "max_tokens", int, 64), _arg(args, "temperature", float, 0.0)
         if max_tokens < 1:
             raise KafilaError(f"--max-tokens must be at least 1 (got {max_tokens}).")

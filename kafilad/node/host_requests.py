@@ -60,6 +60,9 @@ MAX_LOSS_RETRIES = 2
 LOSS_SETTLE_S = 1.0
 #: the states a session that has served passes through on its way back to `ready` (DESIGN §3)
 RETURNING_STATES = (sm.HostState.RECOVERING, sm.HostState.LOADING)
+#: ... and those a session re-hosted by a restarted host daemon passes through before it serves again
+#: (its members rejoin, the planner runs, the ring loads: a few seconds, docs/healing.md)
+REHOSTED_STATES = (sm.HostState.STARTING, sm.HostState.FORMING, sm.HostState.PLANNING) + RETURNING_STATES
 
 
 @attrs.frozen
@@ -79,6 +82,9 @@ class HostRequests:
     _state_changed: Optional[trio.Event] = None
     #: the plan epoch `measured_stage_s` belongs to
     _measured_epoch = 0
+    #: a session a restarted host daemon hosts again (kafilad/node/daemon.py `_rehost`): it served
+    #: before the restart, so requests wait for it while its members rejoin (`returning`)
+    rehosted = False
 
     # ---- the session's changes (SessionDriver._handle calls `_handled` after each event) ----------
     def _handled(self) -> None:
@@ -100,8 +106,12 @@ class HostRequests:
             changed.set()
 
     def returning(self) -> bool:
-        """Whether the session heals from a loss and will serve again (a request may wait for it)."""
-        return self.has_served and self.state in RETURNING_STATES
+        """Whether the session heals from a loss and will serve again (a request may wait for it):
+        a session that has served and is recovering or loading, or one a restarted host daemon
+        re-hosts (`rehosted`) that has not served yet and is forming, planning or loading."""
+        if self.has_served:
+            return self.state in RETURNING_STATES
+        return self.rehosted and self.state in REHOSTED_STATES
 
     def _not_ready(self, why: str = "") -> SessionNotReadyError:
         detail = "; ".join(x.rstrip(".") for x in (self.error, why) if x)

@@ -109,6 +109,10 @@ def test_a_restarted_host_rehosts_the_same_session_and_members_rejoin(stories260
     assert host.wait(timeout=10) == 0
     cluster3.daemons[0] = cluster3.start_daemon(0)
     cluster3.wait_daemon(0)
+    # sent at once: it waits while the daemon restores the session and the members rejoin, then is served
+    t0 = time.monotonic()
+    assert cluster3.generate(STORIES_PROMPT, 24)["token_ids"] == ref, "a request during the host's restart"
+    assert time.monotonic() - t0 < 30
     dt, st = wait_status(cluster3, lambda s: s["state"] == "ready" and planned(s) == 3, 90)
     assert st["code"] == code
     assert cluster3.generate(STORIES_PROMPT, 24)["token_ids"] == ref
