@@ -14,7 +14,8 @@ gets SessionNotReadyError naming the state. A request in flight when a member wa
 naming it, once it has handed output to its client; one that had handed nothing (it arrived a
 moment before the loss was noticed) runs again once the session serves, at most MAX_LOSS_RETRIES
 times, and its `generation` record lists why (`retried_after`). A session that has never been
-ready (still forming) is not waited for.
+ready (still forming) is not waited for, unless a restarted host daemon re-hosts it (`rehosted`:
+it served before the restart, and its members are rejoining).
 
 Each stage's measured decode time (`measured_stage_s`, shown by `status`) belongs to the plan it
 was measured under: a replan (a new epoch) clears them, and a request that ran under an earlier
