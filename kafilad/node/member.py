@@ -30,6 +30,10 @@ log = logging.getLogger("kafilad.member")
 
 #: seconds one frame to the host may take to send before the ctl link counts as broken (send_ctl)
 CTL_SEND_BOUND_S = 5.0
+#: seconds a stage that served on through a rendezvous outage waits, once the rendezvous is back, for
+#: the requests on it to end before it rejoins (the rejoin replaces its stage; docs/healing.md)
+REJOIN_IDLE_WAIT_S = 30.0
+IDLE_POLL_S = 0.05
 #: the loading step (``load["progress"]``) while the stage's tensors are read: some come from the host,
 #: or every one is in this device's caches (a rejoin: nothing is fetched, so nothing says "fetching")
 LOAD_FETCHING, LOAD_FROM_CACHE = "fetching", "reading the weights from the cache"
@@ -107,7 +111,8 @@ class MemberSession(SessionDriver):
             log.info("plan %s leaves this device on standby (no blocks; ready for a replan)", a.epoch)
         elif isinstance(a, sm.FailRequests):
             if self.ring is not None:
-                self.ring.fail_all(a.reason, member=self.host_name if a.member == "host" else (a.member or "?"))
+                # no member named: the reason is the whole sentence (never "member ? is unreachable")
+                self.ring.fail_all(a.reason, member=self.host_name if a.member == "host" else a.member)
         elif isinstance(a, sm.Trace):
             log.info("session %s: %s %s", self.session_id, a.kind, a.fields)
         elif isinstance(a, sm.ForgetSession):
@@ -273,8 +278,16 @@ class MemberSession(SessionDriver):
                     pass
             except (KafilaError, OSError, trio.BrokenResourceError):
                 continue
+            await self._until_idle(REJOIN_IDLE_WAIT_S)  # the rejoin drops this stage: not under a request
             await self._handle(sm.SessionEnded("the rendezvous is back; rejoining to restore the control link"))
             return
+
+    async def _until_idle(self, bound_s: float) -> None:
+        """Return once this stage holds no request (no KV cache here: every request that went through
+        it has ended), at most `bound_s` seconds; polled every IDLE_POLL_S."""
+        with trio.move_on_after(bound_s):
+            while self.ring is not None and self.ring.runner.active_requests:
+                await trio.sleep(IDLE_POLL_S)
 
     # ---- control loop ----------------------------------------------------------------------
     async def _control_loop(self) -> None:

@@ -140,3 +140,39 @@ async def test_a_restarted_host_says_restoring_from_its_first_status_on(tmp_path
             result = await again.op_generate({"prompt": "Once upon a time", "max_tokens": 4}, _ignore)
         assert len(result["token_ids"]) == 4 and again.snapshot()["state"] == "ready", result
         w.nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_request_running_when_the_rendezvous_returns_completes(tmp_path, model_dir, monkeypatch):
+    """A new user's trial (2026-12-01): a direct ring served on through a rendezvous outage, but the
+    moment the rendezvous came back each member dropped its stage to rejoin, failing the request
+    that ran ("member ? is unreachable: the rendezvous is back; rejoining ..."). A member now waits
+    for the requests on its stage to end before it rejoins (member.REJOIN_IDLE_WAIT_S)."""
+    from kafila_testing import reference_tokens
+    from node.session_harness import generate
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, (m1, m2) = await w.form(2)
+        await w.wait(lambda: all(e.get("path") == "direct" for e in h.snapshot()["edges"]), 20, "direct edges")
+        await w.rdv.kill()
+        await w.wait(lambda: h.rendezvous_lost is not None and m1.machine.keeps_serving
+                     and m2.machine.keeps_serving, 20, "the direct ring serving on without the rendezvous")
+        ref = reference_tokens(model_dir, "Once upon a time", 120)
+        started, out = trio.Event(), {}
+
+        async def slow_client(n: int) -> None:  # ~50 tokens/s: the request outlasts the return
+            if n == 3:
+                started.set()
+            await trio.sleep(0.02)
+
+        async def long_request() -> None:
+            out["result"] = await generate(h, "Once upon a time", 120, on_token=slow_client)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long_request)
+                await started.wait()
+                w.rdv.restart()
+        assert out["result"]["token_ids"] == ref
+        # then each member ends its session to rejoin (its daemon's rejoin loop does the rest)
+        await w.wait(lambda: any(m.state == "failed" and "the rendezvous is back" in (m.error or "")
+                                 for m in (m1, m2)), 40, "a member leaving to rejoin")
