@@ -17,7 +17,8 @@ allowed origins are the host's own machine (http or https, any port, on localhos
 (comma-separated origins, or `*` for any). A preflight (`OPTIONS` with
 `Access-Control-Request-Method`) is answered 204 with the path's methods and the requested
 headers (and `Access-Control-Allow-Private-Network` when asked, for Chrome's Private Network
-Access), or 403 with a sentence for an origin not allowed.
+Access), or 403 with a sentence for an origin not allowed; so is any other request but GET and HEAD
+from an origin not allowed (`refuse_foreign_origin`: a simple cross-origin POST needs no preflight).
 """
 
 from __future__ import annotations
@@ -361,6 +362,24 @@ def cors_headers(request) -> list[tuple[str, str]]:
         return []
     o = origin.decode("latin-1")
     return [("access-control-allow-origin", o), ("vary", "origin")] if origin_allowed(o) else [("vary", "origin")]
+
+
+def refuse_foreign_origin(request) -> None:
+    """Refuse a request that changes or spends something (any method but GET, HEAD, OPTIONS) sent by
+    a browser page of an origin not allowed. A "simple" cross-origin POST (text/plain, no
+    preflight) reaches the server whatever CORS says: the page could not read the answer, but its
+    generation would run on the ring.
+
+    Raises:
+        HttpError: 403 with a sentence naming the origin.
+    """
+    if request.method in ("GET", "HEAD", "OPTIONS"):
+        return
+    origin = request.header(b"origin")
+    if origin is not None and not origin_allowed(origin.decode("latin-1")):
+        raise HttpError(403, f"Browser pages from the origin '{shown(origin.decode('latin-1'))}' may not call this "
+                             f"API; the host allows its own machine's origins, and those listed in {ORIGINS_ENV}.",
+                        "permission_denied")
 
 
 def preflight_headers(request, methods: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -54,8 +54,9 @@ import trio
 from kafilad.control import ollama_api, web
 from kafilad.control.api_common import (SSE_BUFFER_EVENTS, HttpError, TokenText, check_model, chat_prompt,
                                         cors_headers, created_s, default_max_tokens, generate_whole, json_object,
-                                        model_id, preflight_headers, ready_session, serving_session, shown,
-                                        state_of, stream_generation, token_reports, vocab_size)
+                                        model_id, preflight_headers, ready_session, refuse_foreign_origin,
+                                        serving_session, shown, state_of, stream_generation, token_reports,
+                                        vocab_size)
 from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
 from kafilad.control.openai_schema import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from kafilad.errors import KafilaError
@@ -106,6 +107,7 @@ async def handle(node, request: Request, res: Responder) -> None:
     """The handler of every request (the server guards it: see http_server.py)."""
     res.extra_headers = cors_headers(request)
     try:
+        refuse_foreign_origin(request)
         await _route(node, request, res)
     except HttpError as e:
         if res.started:

@@ -68,6 +68,13 @@ def test_cors_preflight_and_origins(monkeypatch):
     assert status == 200 and "access-control-allow-origin" not in headers and headers["vary"] == "origin"
     status, headers, _ = run(request("GET", "/api/version", {"origin": "http://[::1]:3000"}))
     assert headers["access-control-allow-origin"] == "http://[::1]:3000"
+    # a "simple" cross-origin POST (text/plain: no preflight) from a page not allowed never runs (a new
+    # user's trial: any web page could start generations on the ring)
+    for path in ("/v1/completions", "/api/generate"):
+        status, headers, body = run(request("POST", path, {"origin": "https://evil.example",
+                                                           "content-type": "text/plain"},
+                                            body=b'{"prompt": "a", "max_tokens": 2}'))
+        assert status == 403 and "'https://evil.example' may not call this API" in body.decode(), (path, body)
     for origin, ok in [("http://127.0.0.1", True), ("https://localhost:5173", True), ("http://0.0.0.0:1", True),
                        ("null", False), ("file://", False), ("http://localhost.evil.example", False),
                        ("ftp://localhost", False), ("http://[zz", False)]:
