@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 from urllib.parse import urlsplit
 
+import h11
 import trio
 
-from kafilad.control.http_server import ClientGone
+from kafilad.control.http_server import SHUTTING_DOWN_MID_STREAM, ClientGone, only_of
 from kafilad.errors import GenerationCancelled, HostBusyError, KafilaError, SessionNotReadyError
 from kafilad.node.step_timeline import TIMELINE
 
@@ -520,38 +521,51 @@ async def stream_generation(s, res, generate: Callable[[Callable], Awaitable[dic
             except ClientGone:
                 state["gone"] = True
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(writer)
-        with send:
-            async def on_token(ev: dict) -> None:
-                if state["gone"] or res.client_gone.is_set():
-                    raise ClientGone("the client closed its connection")
-                payloads = token_payloads(ev)
-                if not payloads:
-                    return
-                if send.statistics().current_buffer_used + len(payloads) > SSE_BUFFER_EVENTS - _END_EVENTS:
-                    state["slow"] = True
-                    raise ClientGone(f"the client fell {SSE_BUFFER_EVENTS} events behind")
-                for p in payloads:
-                    push(p)
-
-            try:
-                result = await generate(on_token)
-                if not state["slow"]:
-                    for p in end_payloads(result):
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            with send:
+                async def on_token(ev: dict) -> None:
+                    if state["gone"] or res.client_gone.is_set():
+                        raise ClientGone("the client closed its connection")
+                    payloads = token_payloads(ev)
+                    if not payloads:
+                        return
+                    if send.statistics().current_buffer_used + len(payloads) > SSE_BUFFER_EVENTS - _END_EVENTS:
+                        state["slow"] = True
+                        raise ClientGone(f"the client fell {SSE_BUFFER_EVENTS} events behind")
+                    for p in payloads:
                         push(p)
-            except KafilaError as e:
-                if state["pushed"] or isinstance(e, GenerationCancelled):
+
+                try:
+                    result = await generate(on_token)
                     if not state["slow"]:
-                        for p in error_payloads(generation_error(e, s, fields).message):
+                        for p in end_payloads(result):
                             push(p)
-                else:  # nothing was sent: answered with its status below
-                    failure = e
-            if state["slow"]:
-                log.info("http: ended a streaming request: its client fell %d events behind", SSE_BUFFER_EVENTS)
-                for p in error_payloads(f"The client read the stream too slowly ({SSE_BUFFER_EVENTS} events "
-                                        "behind); the request was ended."):
-                    push(p)
+                except KafilaError as e:
+                    if state["pushed"] or isinstance(e, GenerationCancelled):
+                        if not state["slow"]:
+                            for p in error_payloads(generation_error(e, s, fields).message):
+                                push(p)
+                    else:  # nothing was sent: answered with its status below
+                        failure = e
+                if state["slow"]:
+                    log.info("http: ended a streaming request: its client fell %d events behind", SSE_BUFFER_EVENTS)
+                    for p in error_payloads(f"The client read the stream too slowly ({SSE_BUFFER_EVENTS} events "
+                                            "behind); the request was ended."):
+                        push(p)
+    except BaseException as e:  # the daemon stops mid-stream: the stream ends with a sentence, not silently
+        if not only_of(e, (trio.Cancelled,)):
+            raise
+        if res.started and not (state["gone"] or res.client_gone.is_set()):
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                try:
+                    for p in error_payloads(SHUTTING_DOWN_MID_STREAM):
+                        await res.write(p)
+                    await res.end()
+                except (ClientGone, h11.LocalProtocolError):
+                    pass
+        raise
     if state["gone"] or res.client_gone.is_set():
         raise ClientGone("the client closed its connection")
     if failure is not None:

@@ -60,7 +60,10 @@ RECEIVE_BYTES = 65_536
 #: connections answered 503 at once (each holds a file handle for at most `send_timeout_s`)
 MAX_REFUSING = 16
 #: the answer to a request the daemon had not answered when it began to stop (503, Retry-After 5)
-SHUTTING_DOWN = "The daemon is shutting down, so this request was not served; send it again once it is back."
+SHUTTING_DOWN = "The daemon is shutting down, so this request was not finished; send it again once it is back."
+#: the last event of a stream the daemon ended by stopping (api_common.stream_generation)
+SHUTTING_DOWN_MID_STREAM = ("The daemon is shutting down, so this request was ended before it finished; send it "
+                            "again once the daemon is back.")
 
 
 @attrs.frozen
@@ -486,7 +489,7 @@ class HttpServer:
                 await self.handler(request, responder)
                 nursery.cancel_scope.cancel()
         except Exception as e:  # noqa: BLE001 - the guard of every request
-            if _only(e, (ClientGone, trio.BrokenResourceError, trio.ClosedResourceError)):
+            if only_of(e, (ClientGone, trio.BrokenResourceError, trio.ClosedResourceError)):
                 return False
             log.exception("http: internal error answering %s %s", request.method, request.path)
             if not responder.started and not gone:
@@ -498,7 +501,7 @@ class HttpServer:
                     pass
             return False
         except BaseException as e:  # the daemon stops: a request not yet answered learns why, then it closes
-            if not _only(e, (trio.Cancelled,)):
+            if not only_of(e, (trio.Cancelled,)):
                 raise
             if not responder.started and not gone:
                 responder.close_after = True
@@ -522,10 +525,10 @@ class HttpServer:
         return not responder.close_after
 
 
-def _only(exc: BaseException, kinds: tuple[type, ...]) -> bool:
+def only_of(exc: BaseException, kinds: tuple[type, ...]) -> bool:
     """True when `exc` is one of `kinds`, or a group holding only those."""
     if isinstance(exc, BaseExceptionGroup):
-        return all(_only(e, kinds) for e in exc.exceptions)
+        return all(only_of(e, kinds) for e in exc.exceptions)
     return isinstance(exc, kinds)
 
 

@@ -420,3 +420,43 @@ def test_a_request_waiting_when_the_daemon_stops_gets_503_with_a_sentence_not_an
         assert status == 503 and headers["retry-after"] == "5" and headers["connection"] == "close"
         assert "shutting down" in json.loads(body)["error"]["message"]
     run(main)
+
+
+def test_a_stream_the_daemon_ends_by_stopping_ends_with_an_error_event_not_silently():
+    """A new user's trial: SIGTERM on the host cut a running SSE stream after 57 tokens with no error
+    event, no finish_reason and no [DONE], which an OpenAI client reads as a whole answer. Now the
+    stream's last event says the daemon stopped (api_common.stream_generation)."""
+    from kafilad.control.api_common import stream_generation
+    from kafilad.control.http_server import SHUTTING_DOWN_MID_STREAM
+
+    async def main():
+        streaming = trio.Event()
+
+        async def generate(emit) -> dict:  # a generation that streams, then runs on until the daemon stops
+            for i in range(3):
+                await emit({"t": "token", "token_id": i, "text": f"t{i} "})
+            streaming.set()
+            await trio.sleep_forever()
+
+        async def handler(request: Request, res: Responder) -> None:
+            await stream_generation(None, res, generate, content_type="text/event-stream",
+                                    token_payloads=lambda ev: [f"data: {ev['text']}\n\n".encode()],
+                                    end_payloads=lambda result: [b"data: [DONE]\n\n"],
+                                    error_payloads=lambda msg: [f"data: error {msg}\n\n".encode()])
+
+        server = HttpServer(handler)
+        client, srv = trio.testing.memory_stream_pair()
+        with trio.CancelScope() as daemon:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.serve_stream, srv)
+                await client.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+                await streaming.wait()
+                await trio.sleep(0.1)  # the three tokens reach the client
+                daemon.cancel()
+        out = bytearray()
+        while data := await client.receive_some(65536):
+            out += data
+        text = bytes(out).decode()
+        assert text.startswith("HTTP/1.1 200 ") and "t2 " in text
+        assert f"data: error {SHUTTING_DOWN_MID_STREAM}" in text and text.endswith("0\r\n\r\n"), text[-300:]
+    run(main)
