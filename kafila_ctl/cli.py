@@ -350,6 +350,22 @@ WAIT_STATES = sorted({s.value for s in sm.HostState} | {s.value for s in sm.Memb
                      | {"idle", "reconnecting", "restoring"})  # the last two: kafilad/node/comeback.py
 
 
+#: the largest --max-tokens the control API carries (a 32-bit count; a session's context is far smaller)
+MAX_TOKENS_ARG = 2**31 - 1
+
+
+def _max_tokens(text: str) -> int:
+    """argparse type of --max-tokens: an integer from 1 to MAX_TOKENS_ARG, else a sentence."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-tokens takes a whole number of tokens, not {text!r}") from None
+    if not 1 <= n <= MAX_TOKENS_ARG:
+        raise argparse.ArgumentTypeError(f"--max-tokens must be between 1 and {MAX_TOKENS_ARG} (got {n}); the "
+                                         "session's context bounds it further")
+    return n
+
+
 def _version() -> str:
     from kafilad.main import package_version
     return f"kafila-ctl {package_version()}"
@@ -440,14 +456,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("generate", help="generate from a prompt (host only)")
     s.add_argument("prompt")
-    s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    s.add_argument("--max-tokens", type=_max_tokens, default=64, help="tokens to generate at most (default 64)")
     s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
     s.add_argument("--json", action="store_true", help="print {text, token_ids, ...} as JSON at the end")
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("chat", help="chat with the served model (host only); /exit or EOF ends")
     s.add_argument("--system", help="a system message")
-    s.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most (default 256)")
+    s.add_argument("--max-tokens", type=_max_tokens, default=256, help="tokens per reply at most (default 256)")
     s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
     s.set_defaults(func=cmd_chat)
 
@@ -471,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve a synthesised random-weight model instead (its text is noise; for shapes)")
     s.add_argument("--members", type=int, default=3, help="daemons on the ring (default 3)")
     s.add_argument("--prompt", default="Once upon a time", help="the prompt (default: %(default)r)")
-    s.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    s.add_argument("--max-tokens", type=_max_tokens, default=32, help="tokens to generate (default 32)")
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("service", help="run kafilad as a user service (systemd or launchd)")

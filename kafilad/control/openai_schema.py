@@ -197,8 +197,9 @@ class ChatRequest(_Common):
 #: field -> the sentence for any type or range error of it (custom refusals keep their own)
 _SENTENCES = {
     "model": "'model' must be a string.",
-    "max_tokens": "'max_tokens' must be a positive integer (or null).",
-    "max_completion_tokens": "'max_completion_tokens' must be a positive integer (or null).",
+    "max_tokens": f"'max_tokens' must be a positive integer of at most {MAX_TOKENS_LIMIT} (or null).",
+    "max_completion_tokens": f"'max_completion_tokens' must be a positive integer of at most {MAX_TOKENS_LIMIT} "
+                             "(or null).",
     "temperature": "'temperature' must be a finite number between 0 and 2 (or null).",
     "top_p": "'top_p' must be a number between 0 and 1.",
     "n": "Only 'n': 1 is supported.",

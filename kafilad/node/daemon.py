@@ -520,7 +520,7 @@ class Node:
     async def op_schedule(self, args: dict, emit) -> dict:
         """Show or set the head's decode schedule (kafilad/node/ring_parts.py `apply_schedule`); the
         host must be the ring's head. A setting lasts for the session, replans included."""
-        from kafilad.node.ring_parts import apply_schedule
+        from kafilad.node.ring_parts import apply_schedule, parse_schedule
         s = self._host_session()
         if s.ring is None:
             raise KafilaError(f"The session has no ring yet (it is {getattr(s.state, 'value', s.state)}); "
@@ -533,7 +533,12 @@ class Node:
         mode = args.get("mode")
         if mode is not None:
             try:
-                apply_schedule(sched, mode)
+                m = parse_schedule(mode)
+                if isinstance(m, int) and m > s.concurrency:
+                    raise ValueError(f"A schedule of {m} micro-batches cannot be filled: at most {s.concurrency} "
+                                     f"requests run at once in this session (--concurrency); give 1 to "
+                                     f"{s.concurrency}, auto, lockstep or per-request.")
+                apply_schedule(sched, m)
             except ValueError as e:
                 raise KafilaError(str(e)) from None
             s.schedule_mode = mode

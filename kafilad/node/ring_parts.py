@@ -85,7 +85,7 @@ def parse_schedule(mode) -> object:
     Raises:
         ValueError: anything else, with a sentence.
     """
-    if isinstance(mode, str) and mode.strip().isdigit():
+    if isinstance(mode, str) and mode.strip().lstrip("+-").isdigit():
         mode = int(mode.strip())
     if isinstance(mode, int) and not isinstance(mode, bool):
         if mode < 1:

@@ -88,6 +88,8 @@ def test_cors_preflight_and_origins(monkeypatch):
     (parse_completion, {"prompt": "x", "max_tokens": 0}, "max_tokens", "'max_tokens' must be a positive integer"),
     (parse_completion, {"prompt": "x", "max_tokens": True}, "max_tokens", "'max_tokens' must be a positive integer"),
     (parse_completion, {"prompt": "x", "max_tokens": "5"}, "max_tokens", "'max_tokens' must be a positive integer"),
+    (parse_completion, {"prompt": "x", "max_tokens": 10**11}, "max_tokens",
+     "'max_tokens' must be a positive integer of at most 2147483647 (or null)."),
     (parse_completion, {"prompt": "x", "temperature": 1e308 * 10}, "temperature", "finite number between 0 and 2"),
     (parse_completion, {"prompt": "x", "temperature": 10**400}, "temperature", "finite number between 0 and 2"),
     (parse_completion, {"prompt": [1, 2, 3]}, "prompt", "'prompt' as token ids is not supported"),

@@ -140,4 +140,8 @@ def test_the_schedule_op_switches_modes_between_requests_and_tokens_stay_the_sam
             c.call(0, "schedule", mode="fast")
         with pytest.raises(KafilaError, match="not possible"):
             c.call(0, "schedule", mode=0)
+        with pytest.raises(KafilaError, match="not possible"):
+            c.call(0, "schedule", mode="-4")  # out of range, not "unknown" (a new user's trial)
+        with pytest.raises(KafilaError, match="5 micro-batches cannot be filled: at most 4 requests"):
+            c.call(0, "schedule", mode="5")  # it was accepted, and status claimed 5 in flight
         assert c.call(0, "schedule", mode="auto")["mode"] == "auto"
