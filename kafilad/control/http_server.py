@@ -136,7 +136,7 @@ def error_body(status: int, message: str) -> bytes:
     """The JSON body of an error answer (the OpenAI error shape)."""
     kind = {404: "not_found", 408: "timeout", 413: "request_too_large", 429: "rate_limit_exceeded",
             503: "service_unavailable"}.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return json.dumps({"error": {"message": message, "type": kind}}).encode()
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
 
 
 class Responder:
@@ -158,6 +158,9 @@ class Responder:
         self.cancel_on_disconnect = True
         #: headers the handler wants on whatever it answers (e.g. CORS), added by `start`
         self.extra_headers: list[tuple[str, str]] = []
+        #: the body of the server's own error answers (a stop, an internal error): `error_body` (the
+        #: OpenAI shape) unless the handler's API has its own (Ollama's {"error": "..."})
+        self.error_shape: Callable[[int, str], bytes] = error_body
 
     async def _send(self, event) -> None:
         await send_event(self._conn, self._stream, event, self._send_timeout_s)
@@ -188,7 +191,7 @@ class Responder:
         await self.end()
 
     async def error(self, status: int, message: str, headers: Optional[list[tuple[str, str]]] = None) -> None:
-        await self.send(status, error_body(status, message), headers=headers)
+        await self.send(status, self.error_shape(status, message), headers=headers)
 
 
 Handler = Callable[[Request, Responder], Awaitable[None]]

@@ -106,6 +106,8 @@ async def serve_openai_api(node, host: str, port: int, *, limits: Optional[HttpL
 async def handle(node, request: Request, res: Responder) -> None:
     """The handler of every request (the server guards it: see http_server.py)."""
     res.extra_headers = cors_headers(request)
+    if request.path.startswith("/api/"):  # Ollama's routes answer errors in Ollama's shape, the server's own too
+        res.error_shape = lambda status, message: json.dumps({"error": message}).encode()
     try:
         refuse_foreign_origin(request)
         await _route(node, request, res)

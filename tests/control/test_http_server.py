@@ -460,3 +460,30 @@ def test_a_stream_the_daemon_ends_by_stopping_ends_with_an_error_event_not_silen
         assert text.startswith("HTTP/1.1 200 ") and "t2 " in text
         assert f"data: error {SHUTTING_DOWN_MID_STREAM}" in text and text.endswith("0\r\n\r\n"), text[-300:]
     run(main)
+
+
+def test_the_servers_own_errors_take_the_handlers_error_shape():
+    """Ollama's routes answer {"error": "..."}: a request the stopping daemon had not answered gets
+    that shape too, not OpenAI's (a new user's trial: /api/generate got OpenAI's shape at a stop)."""
+    async def main():
+        waiting = trio.Event()
+
+        async def ollama_like(request: Request, res: Responder) -> None:
+            res.error_shape = lambda status, message: json.dumps({"error": message}).encode()
+            waiting.set()
+            await trio.sleep_forever()
+
+        client, srv = trio.testing.memory_stream_pair()
+        with trio.CancelScope() as daemon:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(HttpServer(ollama_like).serve_stream, srv)
+                await client.send_all(b"POST /api/generate HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+                await waiting.wait()
+                daemon.cancel()
+        out = bytearray()
+        while data := await client.receive_some(65536):
+            out += data
+        ((status, _, body),) = parse_responses(bytes(out))
+        assert status == 503 and json.loads(body) == {"error": SHUTTING_DOWN}
+    from kafilad.control.http_server import SHUTTING_DOWN
+    run(main)
