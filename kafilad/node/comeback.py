@@ -17,7 +17,36 @@ from typing import Optional
 
 import trio
 
+from kafilad.errors import RendezvousRefused
+
 RECONNECTING, RESTORING = "reconnecting", "restoring"
+
+#: rejoin backoff (issue 8 §2): first wait and cap (s), doubling, each jittered by ±20 %; the cap is the
+#: rendezvous reconnect's (kafilad/node/session_driver.py RECONNECT_MAX_S, which says why 5 s): a member
+#: is back within a few seconds of the rendezvous or its host
+REJOIN_FIRST_S, REJOIN_MAX_S = 1.0, 5.0
+#: a rejoin refused as "unknown_session" (the rendezvous is up but the host is away: it re-registers
+#: with its own backoff from 1 s after a rendezvous restart) is retried at the first wait, not doubled,
+#: this many times before the doubling resumes
+REJOIN_UNKNOWN_SESSION_TRIES = 20
+
+
+def rejoin_delay_s(error: Exception, delay_s: float, unknown_tries: int) -> tuple[float, float, int]:
+    """The wait before the next rejoin attempt after ``error`` (before jitter).
+
+    Args:
+        error: why the last attempt failed. delay_s: the doubling backoff's current wait.
+        unknown_tries: "unknown_session" refusals answered at the fast cadence so far.
+    Returns:
+        (wait_s now, the backoff's next delay_s, the new unknown_tries). An "unknown_session"
+        refusal (kafilad/errors.py RendezvousRefused; its codes: proto_spec 03 §2.3) waits REJOIN_FIRST_S and
+        leaves the backoff where it was, for REJOIN_UNKNOWN_SESSION_TRIES tries; anything else
+        waits ``delay_s`` and doubles it up to REJOIN_MAX_S.
+    """
+    if isinstance(error, RendezvousRefused) and error.code == "unknown_session" \
+            and unknown_tries < REJOIN_UNKNOWN_SESSION_TRIES:
+        return REJOIN_FIRST_S, delay_s, unknown_tries + 1
+    return delay_s, min(delay_s * 2, REJOIN_MAX_S), unknown_tries
 
 
 def session_id_of(code: str) -> Optional[str]:

@@ -22,6 +22,9 @@ from kafilad.errors import KafilaError, RendezvousRefused, collapse_groups
 from kafilad.modelref import resolve_model_dir
 from kafilad.planner.plan import DEFAULT_STRATEGY
 from kafilad.node import comeback
+# the rejoin backoff lives with the rest of a comeback (REJOIN_* are imported from here by tests)
+from kafilad.node.comeback import (REJOIN_FIRST_S, REJOIN_MAX_S, REJOIN_UNKNOWN_SESSION_TRIES,  # noqa: F401
+                                   rejoin_delay_s)
 from kafilad.node.statedir import StateDir
 from kafilad.proto import session as sm
 from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
@@ -29,32 +32,6 @@ from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
 log = logging.getLogger("kafilad")
 
 DEFAULT_ADMIT_TIMEOUT_S = 120.0
-#: rejoin backoff (issue 8 §2): first wait and cap (s), doubling, each jittered by ±20 %; the cap is the
-#: rendezvous reconnect's (kafilad/node/session_driver.py RECONNECT_MAX_S, which says why 5 s): a member
-#: is back within a few seconds of the rendezvous or its host
-REJOIN_FIRST_S, REJOIN_MAX_S = 1.0, 5.0
-#: a rejoin refused as "unknown_session" (the rendezvous is up but the host is away: it re-registers
-#: with its own backoff from 1 s after a rendezvous restart) is retried at the first wait, not doubled,
-#: this many times before the doubling resumes
-REJOIN_UNKNOWN_SESSION_TRIES = 20
-
-
-def rejoin_delay_s(error: Exception, delay_s: float, unknown_tries: int) -> tuple[float, float, int]:
-    """The wait before the next rejoin attempt after ``error`` (before jitter).
-
-    Args:
-        error: why the last attempt failed. delay_s: the doubling backoff's current wait.
-        unknown_tries: "unknown_session" refusals answered at the fast cadence so far.
-    Returns:
-        (wait_s now, the backoff's next delay_s, the new unknown_tries). An "unknown_session"
-        refusal (kafilad/errors.py RendezvousRefused; its codes: proto_spec 03 §2.3) waits REJOIN_FIRST_S and
-        leaves the backoff where it was, for REJOIN_UNKNOWN_SESSION_TRIES tries; anything else
-        waits ``delay_s`` and doubles it up to REJOIN_MAX_S.
-    """
-    if isinstance(error, RendezvousRefused) and error.code == "unknown_session" \
-            and unknown_tries < REJOIN_UNKNOWN_SESSION_TRIES:
-        return REJOIN_FIRST_S, delay_s, unknown_tries + 1
-    return delay_s, min(delay_s * 2, REJOIN_MAX_S), unknown_tries
 
 
 def _strategy(args: dict) -> str:
@@ -320,10 +297,14 @@ class Node:
                     wait_s, delay_s, unknown_tries = rejoin_delay_s(e, delay_s, unknown_tries)
                     wait_s *= random.uniform(0.8, 1.2)
                     reason = str(e)
+                    if isinstance(e, RendezvousRefused) and e.code == "unknown_session":
+                        # the usual race after a rendezvous restart: the host reconnects on its own backoff
+                        reason = ("the host has not registered the session at the rendezvous again yet (it "
+                                  "reconnects too)")
                     self.rejoining = {"code": record["code"], "attempt": attempt + 1, "at": time.time() + wait_s,
                                       "reason": reason}
                     self.changed()
-                    log.warning("rejoining %s failed (%s); retrying in %.1f s", record["code"], e, wait_s)
+                    log.warning("rejoining %s failed (%s); retrying in %.1f s", record["code"], reason, wait_s)
                     await trio.sleep(wait_s)
         finally:
             self.rejoining = None

@@ -256,8 +256,9 @@ class MemberSession(SessionDriver):
     async def _rendezvous_gone(self, reason: str) -> None:
         kinds = [e.get("path") for e in self.paths.edge_list()] if self.paths is not None else []
         direct = len(kinds) >= 2 and all(p == "direct" for p in kinds)
+        already = self.machine.keeps_serving  # the loss was seen before (its events loop and its ctl link)
         await self._handle(sm.RendezvousLost(reason, edges_direct=direct))
-        if self.machine.keeps_serving:
+        if self.machine.keeps_serving and not already:
             log.warning("session %s: the rendezvous is gone (%s); both ring edges are direct, so this stage "
                         "keeps serving", self.session_id, reason)
             self.nursery.start_soon(self._await_rendezvous_back)
