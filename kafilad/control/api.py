@@ -43,6 +43,29 @@ OPS = {
     "stop": "stop the daemon",
 }
 
+#: The arguments each operation takes (a request naming another is refused with a sentence, so a
+#: misspelt argument is never silently ignored)
+OP_ARGS = {
+    "keys": frozenset(),
+    "host": frozenset({"model_dir", "members", "context", "concurrency", "queue", "strategy", "rendezvous", "open",
+                       "admit_timeout_s"}),
+    "join": frozenset({"code", "rendezvous"}),
+    "pending": frozenset(),
+    "admit": frozenset({"peer"}),
+    "deny": frozenset({"peer", "reason"}),
+    "trust_list": frozenset(),
+    "trust_revoke": frozenset({"peer"}),
+    "status": frozenset(),
+    "wait": frozenset({"states", "timeout_s"}),
+    "generate": frozenset({"prompt", "messages", "max_tokens", "temperature"}),
+    "watch": frozenset(),
+    "trace": frozenset(),
+    "schedule": frozenset({"mode"}),
+    "leave": frozenset(),
+    "stop": frozenset(),
+}
+assert set(OP_ARGS) == set(OPS)
+
 
 #: The frame driver of a control connection: ``send(body) -> int``, ``receive() -> dict | None``
 #: (None at a clean end; RemoteProtocolError for a malformed frame or an end inside one), ``aclose()``.

@@ -29,7 +29,7 @@ from typing import Awaitable, Callable
 import attrs
 import trio
 
-from kafilad.control.api import API_VERSION
+from kafilad.control.api import API_VERSION, OP_ARGS
 from kafilad.errors import KafilaError, LocalProtocolError, RemoteProtocolError, find_kafila_error
 from kafilad.proto.frames import FrameDecoder, encode_frame
 
@@ -199,6 +199,11 @@ class ControlServer:
             return _error(f"Unknown control operation '{req['op'][:80]}'.")
         if not isinstance(req.get("args") or {}, dict):
             return _error("Control request arguments must be a map.")
+        takes = OP_ARGS.get(req["op"])
+        unknown = sorted(str(k)[:40] for k in (req.get("args") or {}) if takes is not None and k not in takes)
+        if unknown:
+            return _error(f"'{req['op']}' takes no argument {', '.join(repr(k) for k in unknown[:5])}; it takes "
+                          + (", ".join(sorted(takes)) if takes else "none") + ".")
         return None
 
     async def _dispatch(self, stream: trio.abc.Stream, req: dict) -> None:

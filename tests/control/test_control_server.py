@@ -259,3 +259,31 @@ def test_an_operation_running_when_the_daemon_stops_gets_an_error_reply_not_a_cl
         assert out["error"] == ("The daemon is shutting down, so 'flood' was not finished; send it again once "
                                 "the daemon is back.")
     trio.run(main, tmp_path)
+
+
+def test_an_argument_an_operation_does_not_take_is_refused_with_a_sentence(tmp_path):
+    """A new user's trial: `schedule` with set="banana" answered the status, as if nothing was wrong;
+    a misspelt argument was ignored silently. The daemon's operations take the arguments of
+    kafilad/control/api.py OP_ARGS; anything else is refused naming it and what the op takes."""
+    from kafilad.control.api import OP_ARGS, OPS
+
+    async def status(args, emit):
+        return {"state": "idle"}
+
+    async def schedule(args, emit):
+        return {"mode": args.get("mode", "auto")}
+
+    async def main(tmp):
+        async with trio.open_nursery() as nursery:
+            path = await nursery.start(lambda task_status: serve_control(
+                tmp / "k.sock", {"status": status, "schedule": schedule}, task_status=task_status))
+            reply, _ = await call(path, "schedule", set="banana")
+            assert reply["ok"] is False
+            assert reply["error"] == "'schedule' takes no argument 'set'; it takes mode."
+            reply, _ = await call(path, "status", verbose=True)
+            assert reply["error"] == "'status' takes no argument 'verbose'; it takes none."
+            reply, _ = await call(path, "schedule", mode="lockstep")
+            assert reply["ok"] is True and reply["result"] == {"mode": "lockstep"}
+            nursery.cancel_scope.cancel()
+    assert set(OP_ARGS) == set(OPS)
+    trio.run(main, tmp_path)
