@@ -61,6 +61,11 @@ def status_renderable(snap: dict):
     head.append(f"{snap.get('state')}", style=f"bold {style}")
     if snap.get("error"):
         head.append(f"\n{snap['error']}", style="red")
+    waits = snap.get("plan_waits")
+    if waits:
+        left_s = max(0.0, float(waits.get("until", 0)) - time.time())
+        head.append(f"\nswitching to a new plan (a member joined or returned) once {waits.get('requests')} running "
+                    f"request(s) finish, at most {left_s:.0f} s more; new requests wait", style="yellow")
     rdv = snap.get("rendezvous")
     if isinstance(rdv, str) and rdv != "connected" and snap.get("role") in ("host", "member"):
         why = (snap.get("reconnecting") or snap.get("restoring") or {}).get("reason")

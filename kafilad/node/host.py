@@ -569,7 +569,7 @@ class HostSession(HostRequests, SessionDriver):
                 "fleet": self.fleet_json() if self.fleet_devices else None,
                 "plan": plan.to_json() if plan else None,
                 "edges": stagehost.session_edges(self),
-                "schedule": self._schedule_status()}
+                "schedule": self._schedule_status(), "plan_waits": self.plan_waits}
 
     def _schedule_status(self) -> Optional[dict]:
         """The head's decode schedule when this host is the head (step_policy.StepPolicy.snapshot)."""

@@ -83,6 +83,8 @@ class HostRequests:
     _state_changed: Optional[trio.Event] = None
     #: the plan epoch `measured_stage_s` belongs to
     _measured_epoch = 0
+    #: while a new plan waits for the serving ring's requests (`drain_for`): {"requests", "until" (time.time())}
+    plan_waits: Optional[dict] = None
     #: a session a restarted host daemon hosts again (kafilad/node/daemon.py `_rehost`): it served
     #: before the restart, so requests wait for it while its members rejoin (`returning`)
     rehosted = False
@@ -166,9 +168,16 @@ class HostRequests:
         log.info("waiting (at most %g s) for %d request(s) on the ring before switching to the new plan",
                  DRAIN_WAIT_S, len(self.on_ring))
         self._write_trace("plan_waits", requests=len(self.on_ring), epoch=epoch)
-        with trio.move_on_after(DRAIN_WAIT_S):
-            while self.on_ring and m.intact_epoch == epoch and m.plan_seq == ev.seq:
-                await self._next_change(None)
+        self.plan_waits = {"requests": len(self.on_ring), "until": time.time() + DRAIN_WAIT_S}  # for `status`
+        self.node.changed()
+        try:
+            with trio.move_on_after(DRAIN_WAIT_S):
+                while self.on_ring and m.intact_epoch == epoch and m.plan_seq == ev.seq:
+                    await self._next_change(None)
+                    self.plan_waits["requests"] = len(self.on_ring)
+        finally:
+            self.plan_waits = None
+            self.node.changed()
         if self.on_ring:
             log.warning("%d request(s) still ran when the wait for them ran out; the new plan ends them",
                         len(self.on_ring))

@@ -283,10 +283,20 @@ async def test_a_request_in_flight_when_a_member_returns_completes_and_frees_its
                 await started.wait()
                 assert h.snapshot()["requests"]["running"] == 1
                 m2_again = await w.join("m2", h.code)  # it returns while the request runs
+                await w.wait(lambda: h.snapshot()["plan_waits"] is not None, 20, "the new plan waiting")
+                waits = h.snapshot()["plan_waits"]  # status says what the session waits for
+                assert waits["requests"] == 1 and "long" not in out, waits
+                from io import StringIO
+                from rich.console import Console
+                from kafila_ctl.render import status_renderable
+                buf = StringIO()
+                Console(file=buf, width=300).print(status_renderable({**h.snapshot(), "name": "h", "session": h.session_id}))
+                assert "switching to a new plan (a member joined or returned) once 1 running request(s) finish" \
+                    in buf.getvalue()
                 await w.wait(lambda: ready_over(h, {"h", "m1", "m2"}) and m2_again.state == MemberState.READY, 40,
                              "m2 planned back in")
         assert out["long"]["token_ids"] == long_ref  # it ran to its end on the plan it started under
-        assert h.snapshot()["requests"]["running"] == 0
+        assert h.snapshot()["requests"]["running"] == 0 and h.snapshot()["plan_waits"] is None
         assert (await generate(h, PROMPT, N_TOKENS))["token_ids"] == reference  # the new plan serves
 
 
