@@ -190,6 +190,12 @@ def _is_trio_cancelled(exc: BaseException) -> bool:
     return t.__name__ == "Cancelled" and t.__module__.startswith("trio")
 
 
+def only_cancelled(exc: BaseException) -> bool:
+    """Whether `exc` is trio's Cancelled, or a (nested) group holding nothing else: the caller's scope
+    is being cancelled (e.g. the daemon stops), with no failure of its own."""
+    return all(_is_trio_cancelled(e) for e in _leaves(exc))
+
+
 def collapse(exc: BaseException) -> BaseException:
     """The exception a caller should see for `exc` (trio ≥ 0.25 strict exception groups).
 

@@ -36,8 +36,9 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
-from kafilad.control.http_server import SHUTTING_DOWN_MID_STREAM, ClientGone, only_of
-from kafilad.errors import GenerationCancelled, HostBusyError, KafilaError, SessionNotReadyError
+from kafilad.control.http_server import SHUTTING_DOWN_MID_STREAM, ClientGone
+from kafilad.errors import GenerationCancelled, HostBusyError, KafilaError, SessionNotReadyError, only_cancelled
+from kafilad.node import comeback
 from kafilad.node.step_timeline import TIMELINE
 
 log = logging.getLogger("kafilad.http")
@@ -94,7 +95,7 @@ def not_restoring(node) -> None:
 async def serving_session(node, gone: trio.Event):
     """The hosted session of `node` once it is ready to generate: a session healing from a member
     loss, or one a restarted host daemon is restoring, is waited for, at most RECOVERY_WAIT_S each
-    (kafilad/node/daemon.py `host_session_back`, kafilad/node/host_requests.py `wait_serving`).
+    (kafilad/node/comeback.py `session_back`, kafilad/node/host_requests.py `wait_serving`).
 
     Args:
         gone: set when the request's client went away (`Responder.client_gone`).
@@ -102,12 +103,8 @@ async def serving_session(node, gone: trio.Event):
         HttpError: 503 saying what the daemon is doing instead (`ready`).
         ClientGone: the client went away while its request waited.
     """
-    back = getattr(node, "host_session_back", None)  # a restarted host daemon restoring its session
-    if back is not None:
-        try:
-            await back(gone)
-        except KafilaError:
-            pass  # `not_restoring` / `ready` say what the daemon is doing instead
+    if hasattr(node, "restoring_sentence"):  # a daemon: one restoring its session after a restart is waited for
+        await comeback.session_back(node, gone)
     if gone.is_set():
         raise ClientGone("the client closed its connection")
     not_restoring(node)
@@ -555,7 +552,7 @@ async def stream_generation(s, res, generate: Callable[[Callable], Awaitable[dic
                                             "behind); the request was ended."):
                         push(p)
     except BaseException as e:  # the daemon stops mid-stream: the stream ends with a sentence, not silently
-        if not only_of(e, (trio.Cancelled,)):
+        if not only_cancelled(e):
             raise
         if res.started and not (state["gone"] or res.client_gone.is_set()):
             with trio.CancelScope(shield=True), trio.move_on_after(1.0):

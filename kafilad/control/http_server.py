@@ -51,6 +51,8 @@ import attrs
 import h11
 import trio
 
+from kafilad.errors import only_cancelled
+
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
@@ -492,7 +494,7 @@ class HttpServer:
                 await self.handler(request, responder)
                 nursery.cancel_scope.cancel()
         except Exception as e:  # noqa: BLE001 - the guard of every request
-            if only_of(e, (ClientGone, trio.BrokenResourceError, trio.ClosedResourceError)):
+            if _only(e, (ClientGone, trio.BrokenResourceError, trio.ClosedResourceError)):
                 return False
             log.exception("http: internal error answering %s %s", request.method, request.path)
             if not responder.started and not gone:
@@ -504,7 +506,7 @@ class HttpServer:
                     pass
             return False
         except BaseException as e:  # the daemon stops: a request not yet answered learns why, then it closes
-            if not only_of(e, (trio.Cancelled,)):
+            if not only_cancelled(e):
                 raise
             if not responder.started and not gone:
                 responder.close_after = True
@@ -528,10 +530,10 @@ class HttpServer:
         return not responder.close_after
 
 
-def only_of(exc: BaseException, kinds: tuple[type, ...]) -> bool:
+def _only(exc: BaseException, kinds: tuple[type, ...]) -> bool:
     """True when `exc` is one of `kinds`, or a group holding only those."""
     if isinstance(exc, BaseExceptionGroup):
-        return all(only_of(e, kinds) for e in exc.exceptions)
+        return all(_only(e, kinds) for e in exc.exceptions)
     return isinstance(exc, kinds)
 
 

@@ -30,7 +30,7 @@ import attrs
 import trio
 
 from kafilad.control.api import API_VERSION, OP_ARGS
-from kafilad.errors import KafilaError, LocalProtocolError, RemoteProtocolError, find_kafila_error
+from kafilad.errors import KafilaError, LocalProtocolError, RemoteProtocolError, find_kafila_error, only_cancelled
 from kafilad.proto.frames import FrameDecoder, encode_frame
 
 log = logging.getLogger("kafilad.control")
@@ -217,7 +217,7 @@ class ControlServer:
         try:
             await self._dispatch_in(stream, op, args, send_q, recv_q, writer_done, gone_event, sending)
         except BaseException as e:  # the daemon stops: an operation not yet answered learns why
-            if not _only_cancelled(e):
+            if not only_cancelled(e):
                 raise
             if not gone_event.is_set() and not sending[0]:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
@@ -309,13 +309,6 @@ class ControlServer:
             log.exception("control: handler %s failed", op)
             return _error(f"Internal error in '{op}': {e!r}.")
         return {"t": "reply", "ok": True, "result": result}
-
-
-def _only_cancelled(exc: BaseException) -> bool:
-    """True when `exc` is trio.Cancelled, or a group holding only Cancelled."""
-    if isinstance(exc, BaseExceptionGroup):
-        return all(_only_cancelled(e) for e in exc.exceptions)
-    return isinstance(exc, trio.Cancelled)
 
 
 async def _linger(stream: trio.abc.Stream, timeout_s: float = 1.0, max_bytes: int = 64 * 1024 * 1024) -> None:
