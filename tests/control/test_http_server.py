@@ -393,6 +393,24 @@ def test_a_request_read_whole_with_connection_close_is_answered_and_closed_witho
     run(main)
 
 
+async def stopped_while_handling(handler, path: bytes, ready: trio.Event, settle_s: float = 0.0) -> bytes:
+    """POST `path` to a server of `handler`; once `ready` is set (and `settle_s` more), cancel the
+    server as a stopping daemon's root nursery is cancelled; return all the client got until EOF."""
+    client, srv = trio.testing.memory_stream_pair()
+    with trio.CancelScope() as daemon:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(HttpServer(handler).serve_stream, srv)
+            await client.send_all(b"POST " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+            await ready.wait()
+            await trio.sleep(settle_s)
+            daemon.cancel()
+    assert daemon.cancelled_caught  # the cancellation went on past the server
+    out = bytearray()
+    while data := await client.receive_some(65536):
+        out += data
+    return bytes(out)
+
+
 def test_a_request_waiting_when_the_daemon_stops_gets_503_with_a_sentence_not_an_empty_reply():
     """A new user's report: requests queued at the host got an empty reply when the host daemon
     stopped. The server's cancellation (the daemon's root nursery ends) answers each request not
@@ -404,19 +422,8 @@ def test_a_request_waiting_when_the_daemon_stops_gets_503_with_a_sentence_not_an
             waiting.set()
             await trio.sleep_forever()  # as a request waiting for its turn at the host
 
-        server = HttpServer(queued)
-        client, srv = trio.testing.memory_stream_pair()
-        with trio.CancelScope() as daemon:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(server.serve_stream, srv)
-                await client.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
-                await waiting.wait()
-                daemon.cancel()
-        assert daemon.cancelled_caught
-        out = bytearray()
-        while data := await client.receive_some(65536):
-            out += data
-        ((status, headers, body),) = parse_responses(bytes(out))
+        out = await stopped_while_handling(queued, b"/v1/completions", waiting)
+        ((status, headers, body),) = parse_responses(out)
         assert status == 503 and headers["retry-after"] == "5" and headers["connection"] == "close"
         assert "shutting down" in json.loads(body)["error"]["message"]
     run(main)
@@ -444,19 +451,8 @@ def test_a_stream_the_daemon_ends_by_stopping_ends_with_an_error_event_not_silen
                                     end_payloads=lambda result: [b"data: [DONE]\n\n"],
                                     error_payloads=lambda msg: [f"data: error {msg}\n\n".encode()])
 
-        server = HttpServer(handler)
-        client, srv = trio.testing.memory_stream_pair()
-        with trio.CancelScope() as daemon:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(server.serve_stream, srv)
-                await client.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
-                await streaming.wait()
-                await trio.sleep(0.1)  # the three tokens reach the client
-                daemon.cancel()
-        out = bytearray()
-        while data := await client.receive_some(65536):
-            out += data
-        text = bytes(out).decode()
+        # 0.1 s: the three tokens reach the client first
+        text = (await stopped_while_handling(handler, b"/v1/completions", streaming, settle_s=0.1)).decode()
         assert text.startswith("HTTP/1.1 200 ") and "t2 " in text
         assert f"data: error {SHUTTING_DOWN_MID_STREAM}" in text and text.endswith("0\r\n\r\n"), text[-300:]
     run(main)
@@ -465,6 +461,8 @@ def test_a_stream_the_daemon_ends_by_stopping_ends_with_an_error_event_not_silen
 def test_the_servers_own_errors_take_the_handlers_error_shape():
     """Ollama's routes answer {"error": "..."}: a request the stopping daemon had not answered gets
     that shape too, not OpenAI's (a new user's trial: /api/generate got OpenAI's shape at a stop)."""
+    from kafilad.control.http_server import SHUTTING_DOWN
+
     async def main():
         waiting = trio.Event()
 
@@ -473,17 +471,6 @@ def test_the_servers_own_errors_take_the_handlers_error_shape():
             waiting.set()
             await trio.sleep_forever()
 
-        client, srv = trio.testing.memory_stream_pair()
-        with trio.CancelScope() as daemon:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(HttpServer(ollama_like).serve_stream, srv)
-                await client.send_all(b"POST /api/generate HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
-                await waiting.wait()
-                daemon.cancel()
-        out = bytearray()
-        while data := await client.receive_some(65536):
-            out += data
-        ((status, _, body),) = parse_responses(bytes(out))
+        ((status, _, body),) = parse_responses(await stopped_while_handling(ollama_like, b"/api/generate", waiting))
         assert status == 503 and json.loads(body) == {"error": SHUTTING_DOWN}
-    from kafilad.control.http_server import SHUTTING_DOWN
     run(main)
