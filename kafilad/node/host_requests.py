@@ -161,9 +161,8 @@ class HostRequests:
         after a loss (that ring is gone), or one superseded meanwhile, goes at once.
         """
         m = self.machine
-        old, epoch = m.planned, m.epoch
-        if (old is None or m.intact_epoch != epoch or not self.on_ring
-                or (tuple(ev.order) == tuple(old.order) and ev.head == old.head and dict(ev.blocks) == dict(old.blocks))):
+        epoch = m.epoch
+        if not self.on_ring or not m.replaces_serving_ring(ev):
             return
         log.info("waiting (at most %g s) for %d request(s) on the ring before switching to the new plan",
                  DRAIN_WAIT_S, len(self.on_ring))

@@ -329,19 +329,33 @@ class HostMachine(_Machine):
         self._enter(HostState.PLANNING, row)
         return [self._make_plan(live)]
 
+    def _serving_ring_planned(self) -> bool:
+        """Whether the plan being made is for a ring that still serves (a member joined or returned
+        while ready: `_replan(intact=True)`), not for one a loss ended."""
+        return self.planned is not None and self.intact_epoch == self.epoch
+
+    def _same_division(self, ev: Planned) -> bool:
+        old = self.planned
+        return (tuple(ev.order) == tuple(old.order) and ev.head == old.head
+                and dict(ev.blocks) == dict(old.blocks))
+
+    def replaces_serving_ring(self, ev: Planned) -> bool:
+        """Whether plan `ev`, once handled, replaces a ring that still serves (its requests then end
+        with PLAN_SWITCHED; the driver lets them finish first, kafilad/node/host_requests.py)."""
+        return self._serving_ring_planned() and not self._same_division(ev)
+
     def _on_Planned(self, ev: Planned, row) -> list:
         names = {e.name: e.peer_id for e in self.live()}
         if any(n not in names for n in ev.order):  # a member was lost while the planner ran
             return self._replan(row)
         old = self.planned
-        if (old is not None and self.intact_epoch == self.epoch and tuple(ev.order) == tuple(old.order)
-                and ev.head == old.head and dict(ev.blocks) == dict(old.blocks)):
+        if self._serving_ring_planned() and self._same_division(ev):
             # the same division as the ring that still serves: keep it (only standbys changed)
             self.planned, self.intact_epoch = ev, None
             self._enter(HostState.READY, row)
             return [Trace("plan_kept", {"plan": ev.plan, "epoch": self.epoch, "standby": list(ev.standby)})] + \
                 self._tell_standbys(ev, names)
-        replaced = old is not None and self.intact_epoch == self.epoch  # a ring that still served
+        replaced = self._serving_ring_planned()  # a ring that still serves, with another division
         self.intact_epoch = None
         self.planned = ev
         self.epoch += 1
