@@ -13,6 +13,7 @@ session or the last try failed)}.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import trio
@@ -47,6 +48,11 @@ def rejoin_delay_s(error: Exception, delay_s: float, unknown_tries: int) -> tupl
             and unknown_tries < REJOIN_UNKNOWN_SESSION_TRIES:
         return REJOIN_FIRST_S, delay_s, unknown_tries + 1
     return delay_s, min(delay_s * 2, REJOIN_MAX_S), unknown_tries
+
+
+def record(code: str, attempt: int, reason: Optional[str], *, wait_s: float = 0.0) -> dict:
+    """A comeback record (module docstring): attempt `attempt` of `code`, due in `wait_s` seconds."""
+    return {"code": code, "attempt": attempt, "at": time.time() + wait_s, "reason": reason}
 
 
 def session_id_of(code: str) -> Optional[str]:

@@ -120,8 +120,7 @@ class Node:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         remembered = self.state.remembered_session()
         if remembered is not None:  # said from the first status on: a request never finds "no session" meanwhile
-            comeback_info = {"code": str(remembered.get("code") or ""), "attempt": 1, "at": time.time(),
-                             "reason": "this daemon restarted"}
+            comeback_info = comeback.record(str(remembered.get("code") or ""), 1, "this daemon restarted")
             if remembered.get("role") == "host":
                 self.restoring = comeback_info
             else:
@@ -190,7 +189,7 @@ class Node:
             self.changed()
         if started and self._will_rejoin(session):
             # the host or rendezvous went away: come back by itself
-            self.rejoining = {"code": session.code, "attempt": 1, "at": time.time(), "reason": session.error}
+            self.rejoining = comeback.record(session.code, 1, session.error)
             self.nursery.start_soon(self._rejoin, session.error)
 
     def _will_rejoin(self, session) -> bool:
@@ -226,7 +225,7 @@ class Node:
         try:
             while self.session is None or self.session.state in ("failed", "closed"):
                 attempt += 1
-                self.restoring = {"code": code, "attempt": attempt, "at": time.time(), "reason": reason}
+                self.restoring = comeback.record(code, attempt, reason)
                 self.changed()
                 try:
                     session = HostSession(self, model_dir=record["model_dir"], members=int(record["members"]),
@@ -249,7 +248,7 @@ class Node:
                         return
                     reason = str(e) if isinstance(e, KafilaError) else f"the remembered session is damaged ({e!r})"
                 wait_s = delay_s * random.uniform(0.8, 1.2)
-                self.restoring = {"code": code, "attempt": attempt + 1, "at": time.time() + wait_s, "reason": reason}
+                self.restoring = comeback.record(code, attempt + 1, reason, wait_s=wait_s)
                 self.changed()
                 log.warning("re-hosting the remembered session failed (%s); retrying in %.1f s", reason, wait_s)
                 await trio.sleep(wait_s)
@@ -281,8 +280,7 @@ class Node:
                 if record is None or (self.session is not None and self.session.state not in ("failed", "closed")):
                     return
                 attempt += 1
-                self.rejoining = {"code": record["code"], "attempt": attempt, "at": time.time(),
-                                  "reason": reason or "this daemon restarted"}
+                self.rejoining = comeback.record(record["code"], attempt, reason or "this daemon restarted")
                 self.changed()
                 log.info("rejoining the remembered session %s (attempt %d)", record["code"], attempt)
                 try:
@@ -301,8 +299,7 @@ class Node:
                         # the usual race after a rendezvous restart: the host reconnects on its own backoff
                         reason = ("the host has not registered the session at the rendezvous again yet (it "
                                   "reconnects too)")
-                    self.rejoining = {"code": record["code"], "attempt": attempt + 1, "at": time.time() + wait_s,
-                                      "reason": reason}
+                    self.rejoining = comeback.record(record["code"], attempt + 1, reason, wait_s=wait_s)
                     self.changed()
                     log.warning("rejoining %s failed (%s); retrying in %.1f s", record["code"], reason, wait_s)
                     await trio.sleep(wait_s)
@@ -445,7 +442,7 @@ class Node:
         if info is None:  # the session just failed; the rejoin loop starts at once (`_run_session`)
             if s is None or not self._will_rejoin(s):
                 return None
-            info = {"code": s.code, "attempt": 1, "at": time.time(), "reason": s.error}
+            info = comeback.record(s.code, 1, s.error)
         snap = s.snapshot() if s is not None and getattr(s, "code", None) == info["code"] else {}
         return comeback.reconnecting_snapshot(info, snap, time.time())
 
