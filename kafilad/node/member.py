@@ -33,7 +33,6 @@ CTL_SEND_BOUND_S = 5.0
 #: seconds a stage that served on through a rendezvous outage waits, once the rendezvous is back, for
 #: the requests on it to end before it rejoins (the rejoin replaces its stage; docs/healing.md)
 REJOIN_IDLE_WAIT_S = 30.0
-IDLE_POLL_S = 0.05
 #: the loading step (``load["progress"]``) while the stage's tensors are read: some come from the host,
 #: or every one is in this device's caches (a rejoin: nothing is fetched, so nothing says "fetching")
 LOAD_FETCHING, LOAD_FROM_CACHE = "fetching", "reading the weights from the cache"
@@ -285,10 +284,10 @@ class MemberSession(SessionDriver):
 
     async def _until_idle(self, bound_s: float) -> None:
         """Return once this stage holds no request (no KV cache here: every request that went through
-        it has ended), at most `bound_s` seconds; polled every IDLE_POLL_S."""
-        with trio.move_on_after(bound_s):
-            while self.ring is not None and self.ring.runner.active_requests:
-                await trio.sleep(IDLE_POLL_S)
+        it has ended), at most `bound_s` seconds (kafilad/node/ring.py `wait_idle`)."""
+        if self.ring is not None:
+            with trio.move_on_after(bound_s):
+                await self.ring.wait_idle()
 
     # ---- control loop ----------------------------------------------------------------------
     async def _control_loop(self) -> None:

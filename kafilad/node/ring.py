@@ -127,6 +127,7 @@ class RingMember(StageCalls):
         self.broken: Optional[str] = None
         self.broken_member: Optional[str] = None
         self.broken_event = trio.Event()  # set once the ring cannot serve; sessions report it
+        self._dropped = trio.Event()  # set (and replaced) each time requests leave the runner: `wait_idle`
         self._drop_caches = False  # fail_all asked the ring loop to drop every KV cache
         self._cancels: dict[str, str] = {}  # head: req -> reason, for the ring loop (`cancel`)
         self._early_cancels: dict[str, str] = {}  # head: cancelled before `generate` started (bounded)
@@ -307,6 +308,7 @@ class RingMember(StageCalls):
         await self._compute(self.runner.drop, req)
         stats = list(frame.get("stats", [])) + [self.stats.take_row(self.peer_id, req)]
         await self._send_next({"t": "end", "req": req, "stats": stats})
+        self._wake_idle()  # after the end went on: a member waiting to rejoin must not cut it off
         TIMELINE.flush()
 
     # ---- head -------------------------------------------------------------------------------
@@ -550,6 +552,7 @@ class RingMember(StageCalls):
         row = self.stats.take_row(self.peer_id, req)
         if not self.broken:
             await self._send_next({"t": "end", "req": req, "stats": [row]})
+        self._wake_idle()
         TIMELINE.flush()
 
     def _finish(self, a: FinishRequest) -> None:
@@ -585,6 +588,18 @@ class RingMember(StageCalls):
         self.stats.clear()
         self._spec = None
         await self._compute(self._drop_every_request)
+        self._wake_idle()
+
+    def _wake_idle(self) -> None:
+        """Wake `wait_idle`: requests left the runner (and their `end` went on round the ring)."""
+        self._dropped.set()
+        self._dropped = trio.Event()
+
+    async def wait_idle(self) -> None:
+        """Return once no request holds a KV cache on this stage (every request that went through it
+        has ended or was dropped); wakes on each drop, no polling. Callers bound it (trio.move_on_after)."""
+        while self.runner.active_requests:
+            await self._dropped.wait()
 
     def _drop_every_request(self) -> None:
         for req in self.runner.active_requests:
