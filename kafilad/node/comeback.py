@@ -100,6 +100,15 @@ async def session_back(node, gone: Optional[trio.Event] = None) -> None:
     from kafilad.node.host_requests import RECOVERY_WAIT_S
     with trio.move_on_after(RECOVERY_WAIT_S):
         while node.restoring_sentence() is not None and not (gone is not None and gone.is_set()):
-            changed = node._changed  # set and replaced by Node.changed()
-            with trio.move_on_after(1.0):  # also wakes to see `gone`
-                await changed.wait()
+            await _either(node._changed, gone)  # _changed: set and replaced by Node.changed()
+
+
+async def _either(first: trio.Event, second: Optional[trio.Event]) -> None:
+    """Return once `first` or `second` (when given) is set."""
+    async with trio.open_nursery() as nursery:
+        async def wait_then_stop(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+        for event in (first, second):
+            if event is not None:
+                nursery.start_soon(wait_then_stop, event)

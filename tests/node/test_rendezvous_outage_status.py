@@ -102,6 +102,18 @@ async def test_a_restarted_host_says_it_is_restoring_its_session_until_it_is_reg
         assert ("retry-after", str(RETRY_FORMING_S)) in http.value.headers
         with pytest.raises(KafilaError, match=r"\(state: restoring\)"):
             await again.op_wait({"states": ["ready"], "timeout_s": 0.2}, _ignore)
+        from kafilad.node.comeback import session_back
+        monkeypatch.setattr(host_requests, "RECOVERY_WAIT_S", 60)
+        gone = trio.Event()  # a waiting request's client goes away: its wait ends then, not a poll later
+
+        async def client_leaves() -> None:
+            await trio.sleep(0.1)
+            gone.set()
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client_leaves)
+            await session_back(again, gone)
+        assert trio.current_time() - t0 < 0.5 and again.snapshot()["state"] == "restoring"
 
         w.rdv.restart()
         await w.wait(lambda: again.snapshot()["state"] == "ready", 20, "the session hosted again")
