@@ -13,13 +13,19 @@ and prints where one decode step's milliseconds go: the median over the decode s
 measured request of each segment between consecutive marks of the head (h), the members in ring
 order (m1, m2, ...) and the client (cl).
 
+`--pin` gives each daemon a CPU of its own as far as the machine's go (daemon i on CPU i mod N,
+`taskset`) and runs single-process mlx-lm on CPU 0: with `--members` at most the CPU count, each
+member computes on its own core, as on separate machines, instead of the daemons sharing them all.
+
     python scripts/bench_ring.py [--model DIR | --synth 512,8] [--members 3] [--tokens 64]
-        [--api] [--runs 4] [--modes relayed,direct] [--timeline] [--strategy uniform|kafila|...]
+        [--api] [--runs 4] [--modes relayed,direct] [--timeline] [--strategy uniform|kafila|...] [--pin]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import statistics
 import sys
 import tempfile
@@ -31,6 +37,14 @@ import kafilad.executor  # noqa: F401 - loads the optimised BLAS before mlx (DES
 from kafila_ctl.demo import LoopbackCluster
 from api_client import api_decode  # noqa: E402 - scripts/ is on sys.path when run
 from kafilad.proto.rendezvous import parse_relay_record
+
+
+class PinnedCluster(LoopbackCluster):
+    """A loopback cluster whose daemon i runs on CPU i mod N only (`taskset -c`)."""
+
+    def daemon_argv(self, i: int) -> list[str]:
+        cpus = sorted(os.sched_getaffinity(0))
+        return ["taskset", "-c", str(cpus[i % len(cpus)])] + super().daemon_argv(i)
 
 
 def single_process_tps(model_dir: str, prompt: str, tokens: int, runs: int = 4) -> float:
@@ -158,6 +172,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=4, help="measured generations (after one discarded)")
     ap.add_argument("--modes", default="relayed,direct")
     ap.add_argument("--timeline", action="store_true", help="with --api: where a decode step's time goes")
+    ap.add_argument("--pin", action="store_true", help="a CPU per daemon (taskset), mlx-lm on CPU 0")
     ap.add_argument("--strategy", default="uniform", help="the host's division (kafila-ctl host --strategy); "
                     "default uniform: a ring over every member with the same stages from run to run "
                     "(the host's own default, load, may leave some daemons of one machine standing by)")
@@ -176,7 +191,7 @@ def main() -> int:
         env = {"KAFILA_DIRECT": "0" if mode == "relayed" else "1"}
         if args.timeline:
             env["KAFILA_STEP_TIMELINE"] = tempfile.mkdtemp(prefix="kafila-timeline-")
-        with LoopbackCluster(args.members, record_relay=True, env=env) as c:
+        with (PinnedCluster if args.pin else LoopbackCluster)(args.members, record_relay=True, env=env) as c:
             formed = c.form(model, strategy=args.strategy)
             edges = [e["path"] for e in formed["status"].get("edges", [])]
             print(f"[{mode}] time to form the session: {formed['form_s']:.2f} s "
@@ -195,7 +210,14 @@ def main() -> int:
             results[mode] = statistics.median(rates)
             print(f"[{mode}] relayed through the rendezvous during generation: {relayed} bytes for {tokens_total} "
                   f"tokens = {relayed / tokens_total:.0f} bytes per generated token (prefill included)")
+    every_cpu = os.sched_getaffinity(0)
+    if args.pin:  # one CPU, one BLAS thread (this process loaded OpenBLAS for all of them)
+        os.sched_setaffinity(0, {min(every_cpu)})
+        from kafilad.executor import blas
+        if blas._loaded:
+            ctypes.CDLL(blas._loaded).openblas_set_num_threads(1)
     single_tps = single_process_tps(model, args.prompt, args.tokens, args.runs)
+    os.sched_setaffinity(0, every_cpu)
     print(f"single-process mlx-lm: {single_tps:.1f} tokens/s")
     for mode, tps in results.items():
         print(f"ring ({mode} edges): {tps:.1f} tokens/s; ratio ring/single = {tps / single_tps:.3f}")
