@@ -14,8 +14,22 @@ This module must not import mlx. `kafilad/executor/__init__.py` calls `load_open
 Environment:
     KAFILA_BLAS: "reference" keeps MLX's bundled BLAS; a path loads that library instead of the
         search list below; unset or "openblas" searches the list.
-    OPENBLAS_NUM_THREADS: set to 1 if unset. MLX's CPU backend runs one stream on one thread, and a
-        second BLAS thread spins and eats a cgroup CPU quota (DESIGN §9).
+    OPENBLAS_NUM_THREADS: the BLAS threads; if unset (nor OMP_NUM_THREADS), the CPUs this process
+        may use (kafilad/cpus.py: its affinity mask, capped by its cgroup's CPU quota), set through
+        `openblas_set_num_threads` so the environment children inherit stays as it was. Decode is
+        memory-bound and one core does not draw a machine's memory bandwidth; a process under a
+        quota below two CPUs (the emulated fleet, DESIGN §9) gets 1, as a second thread would eat
+        its quota. Measured on this 2-core VM (issue 12; 2026-12-02, three interleaved runs each,
+        OPENBLAS_NUM_THREADS=1 against unset, medians): single-process mlx-lm 59.7 -> 65.3 tokens/s,
+        and even with three daemons sharing the two cores, one request through the API 38.6 -> 40.7
+        (`scripts/bench_ring.py --synth 512,8 --api --modes direct --runs 4 --tokens 64`), lockstep
+        1 request 35.5 -> 41.2 and 4 concurrent 99.0 -> 102.7 (`scripts/bench_batching.py --runs 3
+        --tokens 48 --modes lockstep`).
+    OPENBLAS_THREAD_TIMEOUT: 4 if unset (OpenBLAS's default 28): log2 of the cycles an idle BLAS
+        thread spins before it sleeps. A ring's stage computes a part of each step; threads spinning
+        ~0.1 s after each call would take the cores of the stage computing next where daemons share a
+        machine. A single process decoded as fast with 4 as with 28 (12.3-14.4 ms a token either way:
+        spot checks of 8 blocks of a hidden-512 Llama, 2 threads, not a benchmark).
 """
 
 from __future__ import annotations
@@ -25,6 +39,8 @@ import os
 import sys
 import warnings
 from typing import Optional
+
+from kafilad.cpus import usable_cpus
 
 #: Candidate OpenBLAS libraries, most preferred first (Debian/Ubuntu multiarch, Fedora, generic).
 OPENBLAS_CANDIDATES = (
@@ -37,6 +53,9 @@ OPENBLAS_CANDIDATES = (
     "/usr/lib/libopenblas.so.0",
     "libopenblas.so.0",
 )
+
+#: OPENBLAS_THREAD_TIMEOUT when unset (OpenBLAS clamps it to 4..30)
+THREAD_TIMEOUT_LOG2 = 4
 
 _loaded: Optional[str] = None
 _tried = False
@@ -57,7 +76,7 @@ def load_openblas() -> Optional[str]:
     if _tried:
         return _loaded
     _tried = True
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", str(THREAD_TIMEOUT_LOG2))  # read when loaded
     choice = os.environ.get("KAFILA_BLAS", "openblas").strip()
     if choice == "reference" or sys.platform == "darwin":
         return None
@@ -70,18 +89,30 @@ def load_openblas() -> Optional[str]:
         if path.startswith("/") and not os.path.exists(path):
             continue
         try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
+        if not any(os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
+            setter = getattr(lib, "openblas_set_num_threads", None)
+            if setter is not None:
+                setter(usable_cpus())
         _loaded = path
         return path
     return None
 
 
+def blas_threads() -> Optional[int]:
+    """The threads OpenBLAS computes with in this process (None when it is not loaded)."""
+    if not _loaded:
+        return None
+    getter = getattr(ctypes.CDLL(_loaded), "openblas_get_num_threads", None)
+    return int(getter()) if getter is not None else None
+
+
 def blas_status() -> str:
     """One line for logs and `status`: which BLAS MLX's CPU backend uses in this process."""
     if _loaded:
-        return f"OpenBLAS ({_loaded}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')})"
+        return f"OpenBLAS ({_loaded}, {blas_threads()} thread(s))"
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
     return "MLX's bundled reference BLAS (slow f32 matmul; install libopenblas0-pthread)"

@@ -112,19 +112,61 @@ def test_a_measured_rho_crosses_the_capability_frame():
 
 
 def _blas_in_child(env_extra: dict) -> list[str]:
-    env = {**os.environ, **env_extra}
-    env.pop("OPENBLAS_NUM_THREADS", None)
-    code = ("import os, kafilad.executor as e, mlx.core as mx; "
-            "mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4))); print(e.BLAS_LIBRARY, os.environ['OPENBLAS_NUM_THREADS'])")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_")}, **env_extra}
+    code = ("import os, kafilad.executor as e, mlx.core as mx; from kafilad.executor.blas import blas_threads; "
+            "mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4))); print(e.BLAS_LIBRARY, blas_threads(), "
+            "os.environ.get('OPENBLAS_NUM_THREADS'))")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
 
 
 def test_blas_reference_switch_and_default():
-    assert _blas_in_child({"KAFILA_BLAS": "reference"}) == ["None", "1"]
+    from kafilad.cpus import usable_cpus
+
+    assert _blas_in_child({"KAFILA_BLAS": "reference"}) == ["None", "None", "None"]
     installed = [p for p in OPENBLAS_CANDIDATES if p.startswith("/") and Path(p).exists()]
-    lib, threads = _blas_in_child({"KAFILA_BLAS": "openblas"})
-    assert threads == "1"
+    lib, threads, env = _blas_in_child({"KAFILA_BLAS": "openblas"})
     assert lib == (installed[0] if installed else "None")
+    if installed:  # every CPU the process may use; the environment its children inherit unchanged
+        assert threads == str(usable_cpus()) == str(len(os.sched_getaffinity(0))) and env == "None"
+        assert _blas_in_child({"KAFILA_BLAS": "openblas", "OPENBLAS_NUM_THREADS": "1"})[1:] == ["1", "1"]
+
+
+@pytest.mark.parametrize("proc, files, want", [
+    ("1:cpu,cpuacct:/fleet_slow\n0::/\n", {"cpu,cpuacct/fleet_slow/cpu.cfs_quota_us": "2000",
+                                             "cpu,cpuacct/fleet_slow/cpu.cfs_period_us": "10000"}, 0.2),
+    ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
+    ("0::/user.slice/a.service\n", {"user.slice/a.service/cpu.max": "250000 100000\n"}, 2.5),
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+    ("0::/gone\n", {}, None),
+])
+def test_cgroup_cpu_limit_reads_v1_and_v2(tmp_path, proc, files, want):
+    from kafilad.cpus import cgroup_cpu_limit
+
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    (tmp_path / "proc_cgroup").write_text(proc)
+    assert cgroup_cpu_limit(str(tmp_path / "proc_cgroup"), str(tmp_path)) == want
+
+
+def test_a_daemon_under_a_quota_below_two_cpus_gets_one_blas_thread():
+    """The emulated fleet (DESIGN §9, scripts/cg.sh): a process at 150 % of a core gets 1 thread."""
+    group = Path("/sys/fs/cgroup/cpu/kafila_test_blas")
+    if not Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists() or os.geteuid() != 0 or not any(
+            Path(p).exists() for p in OPENBLAS_CANDIDATES if p.startswith("/")):
+        pytest.skip("needs root, cgroup v1's cpu controller and OpenBLAS (as on the CI machine)")
+    group.mkdir(exist_ok=True)
+    try:
+        (group / "cpu.cfs_period_us").write_text("10000")
+        (group / "cpu.cfs_quota_us").write_text("15000")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_")}
+        code = (f"open('{group}/cgroup.procs', 'w').write(str(__import__('os').getpid())); "
+                "import os, kafilad.executor; from kafilad.executor.blas import blas_threads; "
+                "print(blas_threads(), os.environ['OPENBLAS_THREAD_TIMEOUT'])")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+        assert out == ["1", "4"]
+    finally:
+        group.rmdir()
 
 
 def test_blas_warns_when_mlx_came_first():
