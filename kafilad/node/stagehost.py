@@ -31,10 +31,17 @@ from kafilad.proto import control as cf
 log = logging.getLogger("kafilad.stage")
 
 
+_announced = False
+
+
 def executor():
-    """kafilad.executor, imported on first use (only it imports mlx)."""
+    """kafilad.executor, imported on first use (only it imports mlx); logs its BLAS the first time."""
+    global _announced
     import kafilad.executor as ex  # noqa: PLC0415
     from kafilad.executor import probe, runner, stage, synth  # noqa: F401,PLC0415
+    if not _announced:
+        _announced = True
+        log.info("the executor's matrix products run on %s", ex.blas_status())
     return ex
 
 
