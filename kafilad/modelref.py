@@ -131,12 +131,28 @@ def resolve_model_ref(ref: str) -> str:
         raise KafilaError(f"The model {repo_id} has no revision {revision!r} on Hugging Face.") from e
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
         raise KafilaError(f"The model {name} is not in this daemon's Hugging Face cache at {cache} and could not "
-                          f"be downloaded: {e}") from e
+                          f"be downloaded: {download_failure(e)}") from e
     missing = missing_model_files(path)
     if missing:
         raise KafilaError(f"The Hugging Face repo {name} lacks files serving needs: {', '.join(missing)} "
                           f"(kafila serves safetensors models in the Hugging Face / mlx-community layout).")
     return str(path)
+
+
+def download_failure(e: BaseException) -> str:
+    """One line saying why a download failed: huggingface_hub's own messages run to several lines
+    and wrap the cause ("Got: ConnectError: ... An error happened while trying to locate the files
+    on the Hub, ..."); the innermost exception of the chain says it in its own words."""
+    root, seen = e, set()
+    while (nxt := root.__cause__ or root.__context__) is not None and id(nxt) not in seen:
+        seen.add(id(root))
+        root = nxt
+    detail = " ".join(str(root).split()) or type(root).__name__
+    if root is not e and isinstance(root, OSError) and not isinstance(root, FileNotFoundError):
+        return (f"the Hugging Face Hub could not be reached ({detail}); check this machine's network, or download "
+                f"the model where there is one and pass its directory.")
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return first if first.endswith(".") else first + "."
 
 
 async def resolve_model_dir(ref: str) -> str:

@@ -102,3 +102,19 @@ def test_packaged_copy_is_the_shared_model():
     shared = shared_model("stories260K")
     for name in MODEL_FILES:
         assert (PACKAGED / name).read_bytes() == (shared / name).read_bytes(), name
+
+
+def test_a_hub_out_of_reach_is_one_line_saying_so(tmp_path):
+    """A new user's trial (2026-12-02): `host --model foo/bar` without a network printed
+    huggingface_hub's multi-line message ("Got: ConnectError: ... An error happened while trying to
+    locate the files on the Hub, ..."). It is one sentence naming the cause now."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_CACHE=str(tmp_path))  # nothing listens on port 9
+    code = ("from kafilad.modelref import resolve_model_ref\n"
+            "try:\n    resolve_model_ref('nobody/no-such-model')\nexcept Exception as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60).stdout
+    assert out.startswith("The model nobody/no-such-model is not in this daemon's Hugging Face cache"), out
+    assert "could not be downloaded: the Hugging Face Hub could not be reached (" in out, out
+    assert "check this machine's network" in out and out.count("\n") == 1, out
