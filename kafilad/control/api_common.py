@@ -403,33 +403,49 @@ def preflight_headers(request, methods: tuple[str, ...]) -> list[tuple[str, str]
 
 
 class TokenText:
-    """The text of single tokens for log-probability reports (decoded once per id)."""
+    """The text one token adds where it stands, for log-probability alternatives (cached per id).
+
+    A lone `decode([id])` loses what a token adds after other text: SentencePiece decoders strip
+    the leading space of the first token ("▁the" -> "the", "▁" -> ""), so "▁the" and "the" would
+    share one `top_logprobs` key. The chosen token's text is the detokenizer's segment
+    (kafilad/executor/tokenizer.py: the decode as it continues the text before it); an alternative
+    is decoded the same way after a fixed word ("a"): `decode(ref + [id])[len(decode(ref)):]`.
+    """
 
     def __init__(self, session):
         self._tok = session.chat_tokenizer()
         self._cache: dict[int, str] = {}
+        self._ref = [int(i) for i in self._tok.encode("a", add_special_tokens=False)]
+        self._ref_text = self._tok.decode(self._ref)
 
     def __call__(self, token_id: int) -> str:
         t = self._cache.get(token_id)
         if t is None:
-            t = self._cache[token_id] = self._tok.decode([int(token_id)])
+            full = self._tok.decode([*self._ref, int(token_id)])
+            if full.startswith(self._ref_text):
+                t = full[len(self._ref_text):]
+            else:  # a decoder that rewrote the reference word: the token alone
+                t = self._tok.decode([int(token_id)])
+            self._cache[token_id] = t
         return t
 
 
-def token_reports(events: list[dict]) -> list[tuple[str, float, list]]:
-    """(text, logprob, top [[id, logprob]]) per generated token that reports a log-probability.
+def token_reports(events: list[dict], text_of: TokenText) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """(text, logprob, [(alternative's text, logprob)]) per generated token that reports a log-probability.
 
     A token's text is what its event streamed (the detokenizer's segment), and text streamed
     without a token (the detokenizer's tail) joins the token before it, so the texts of all
-    tokens add up to the completion's text.
+    tokens add up to the completion's text. Among the alternatives the chosen token has that same
+    text (OpenAI's `top_logprobs` holds `tokens[i]` as a key); the others are `text_of(id)`.
     """
     out: list[list] = []
     for ev in events:
         if ev.get("logprob") is not None:
-            out.append([str(ev.get("text") or ""), ev["logprob"], ev.get("top_logprobs") or []])
+            out.append([str(ev.get("text") or ""), ev["logprob"], ev.get("top_logprobs") or [], ev.get("token_id")])
         elif out and ev.get("token_id") is None:
             out[-1][0] += str(ev.get("text") or "")
-    return [tuple(r) for r in out]
+    return [(text, lp, [(text if chosen is not None and int(i) == int(chosen) else text_of(i), x) for i, x in top])
+            for text, lp, top, chosen in out]
 
 
 # ---- running a generation for an HTTP client ------------------------------------------------

@@ -417,8 +417,8 @@ async def _run(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
                           gone=res.client_gone, sampling=sampling, stop=o.stop or ())
 
     def logprobs(events: list[dict]) -> list[dict]:
-        return [{"token": t, "logprob": lp, "top_logprobs": [{"token": text_of(i), "logprob": x} for i, x in top]}
-                for t, lp, top in token_reports(events)]
+        return [{"token": t, "logprob": lp, "top_logprobs": [{"token": a, "logprob": x} for a, x in top]}
+                for t, lp, top in token_reports(events, text_of)]
 
     def piece(text: str, events: list[dict], done: bool) -> dict:
         out = {"model": r.model, "created_at": _now()}

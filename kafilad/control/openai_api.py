@@ -230,16 +230,19 @@ def sampling_of(s, r) -> Sampling:
 def _chat_logprobs(events: list[dict], text_of: TokenText) -> dict:
     def entry(t: str, lp: float) -> dict:
         return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(text_of(i), x) for i, x in top]}
-                        for t, lp, top in token_reports(events)], "refusal": None}
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, x) for a, x in top]}
+                        for t, lp, top in token_reports(events, text_of)], "refusal": None}
 
 
 def _completion_logprobs(events: list[dict], text_of: TokenText, offset: int = 0) -> dict:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t, lp, top in token_reports(events):
+    for t, lp, top in token_reports(events, text_of):
         out["tokens"].append(t)
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({text_of(i): x for i, x in top})
+        alternatives: dict[str, float] = {}
+        for a, x in top:  # texts that coincide (bytes of one character) keep the likelier
+            alternatives.setdefault(a, x)
+        out["top_logprobs"].append(alternatives)
         out["text_offset"].append(offset)
         offset += len(t)
     return out

@@ -109,6 +109,7 @@ def test_options_reach_the_sampler(cluster):
     lp = client.generate(model="stories260K", prompt=PROMPT, options={"num_predict": 4}, logprobs=True, top_logprobs=2)
     assert len(lp.logprobs) == 4 and "".join(t.token for t in lp.logprobs) == lp.response
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob for t in lp.logprobs)
+    assert all(t.top_logprobs[0].token == t.token for t in lp.logprobs)  # its own text, leading space kept
 
 
 def test_refusals_are_sentences(cluster):

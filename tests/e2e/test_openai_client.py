@@ -179,6 +179,7 @@ def test_logprobs_are_the_heads(served):
     for t in content:
         assert t.logprob <= 0 and len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == t.logprob
         assert t.bytes == list(t.token.encode())
+        assert (t.top_logprobs[0].token, t.top_logprobs[0].bytes) == (t.token, t.bytes)  # greedy: itself first
     streamed = list(c.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                               logprobs=True, top_logprobs=3, stream=True))
     got = [lp.logprob for ch in streamed if ch.choices[0].logprobs for lp in ch.choices[0].logprobs.content]
@@ -187,6 +188,7 @@ def test_logprobs_are_the_heads(served):
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == 5 and "".join(lp.tokens) == comp.choices[0].text
     assert lp.text_offset[0] == 0 and all(len(d) <= 2 for d in lp.top_logprobs)
+    assert all(t in d for t, d in zip(lp.tokens, lp.top_logprobs))  # its own text, leading space kept
     assert c.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}], max_tokens=3
                                      ).choices[0].logprobs is None
 
