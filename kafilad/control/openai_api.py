@@ -106,7 +106,8 @@ async def serve_openai_api(node, host: str, port: int, *, limits: Optional[HttpL
 async def handle(node, request: Request, res: Responder) -> None:
     """The handler of every request (the server guards it: see http_server.py)."""
     res.extra_headers = cors_headers(request)
-    if request.path.startswith("/api/"):  # Ollama's routes answer errors in Ollama's shape, the server's own too
+    ollama = request.path.startswith("/api/")
+    if ollama:  # every /api/ path, known or not, answers errors in Ollama's shape, the server's own too
         res.error_shape = lambda status, message: json.dumps({"error": message}).encode()
     try:
         refuse_foreign_origin(request)
@@ -114,7 +115,7 @@ async def handle(node, request: Request, res: Responder) -> None:
     except HttpError as e:
         if res.started:
             raise
-        await res.send(e.status, error_json(e), headers=e.headers)
+        await res.send(e.status, res.error_shape(e.status, e.message) if ollama else error_json(e), headers=e.headers)
 
 
 def error_json(e: HttpError) -> bytes:
@@ -188,6 +189,10 @@ async def _route(node, request: Request, res: Responder) -> None:
     route = _ROUTES.get(path)
     if route is None and path.startswith(MODEL_PREFIX):
         route = (("GET", "HEAD"), _model)
+    if route is None and path.startswith("/api/"):
+        raise HttpError(404, f"This server does not offer {shown(method)} {shown(path)}: it is a Kafila host serving "
+                             "its session's one model, so it does not pull, push, create, copy, delete or embed "
+                             f"models. Its Ollama routes are {', '.join(sorted(ollama_api.ROUTES))}.", "not_found")
     if route is None:
         raise HttpError(404, f"No route for {shown(method)} {shown(path)}; the API serves "
                              f"{', '.join(sorted([*_ROUTES, MODEL_PREFIX + '{id}']))}.", "not_found")

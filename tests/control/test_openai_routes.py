@@ -53,6 +53,22 @@ def test_methods_paths_and_health_without_a_session():
     assert status == 503 and set(json.loads(body)) == {"error"}  # Ollama's error shape
 
 
+def test_every_api_path_answers_errors_in_ollamas_shape():
+    """Ollama clients read {"error": sentence}: `ollama.Client().pull("llama3")` got an OpenAI error object."""
+    for method, path, code in [("POST", "/api/pull", 404), ("POST", "/api/embed", 404), ("DELETE", "/api/delete", 404),
+                               ("GET", "/api/nothing/", 404), ("GET", "/api/generate", 405), ("POST", "/api/tags", 405)]:
+        status, _, body = run(request(method, path, body=b'{"model": "llama3"}'))
+        error = json.loads(body)
+        assert status == code and list(error) == ["error"] and isinstance(error["error"], str), (path, body)
+    status, _, body = run(request("POST", "/api/pull", body=b'{"model": "llama3"}'))
+    assert json.loads(body)["error"] == (
+        "This server does not offer POST /api/pull: it is a Kafila host serving its session's one model, so it does "
+        "not pull, push, create, copy, delete or embed models. Its Ollama routes are /api/chat, /api/generate, "
+        "/api/ps, /api/show, /api/tags, /api/version.")
+    status, _, body = run(request("POST", "/v1/nothing"))
+    assert status == 404 and json.loads(body)["error"]["type"] == "not_found"  # the OpenAI shape elsewhere
+
+
 def test_cors_preflight_and_origins(monkeypatch):
     preflight = {"origin": "http://localhost:8080", "access-control-request-method": "POST",
                  "access-control-request-headers": "Content-Type, X-Bad Header, Authorization"}
@@ -63,7 +79,7 @@ def test_cors_preflight_and_origins(monkeypatch):
     assert headers["access-control-allow-headers"] == "Content-Type, Authorization"  # a malformed name is left out
     assert "access-control-allow-private-network" not in headers
     status, headers, body = run(request("OPTIONS", "/api/chat", {**preflight, "origin": "https://chat.example"}))
-    assert status == 403 and "'https://chat.example' may not call this API" in json.loads(body)["error"]["message"]
+    assert status == 403 and "'https://chat.example' may not call this API" in json.loads(body)["error"]  # Ollama's
     status, headers, _ = run(request("GET", "/api/version", {"origin": "https://chat.example"}))
     assert status == 200 and "access-control-allow-origin" not in headers and headers["vary"] == "origin"
     status, headers, _ = run(request("GET", "/api/version", {"origin": "http://[::1]:3000"}))

@@ -62,6 +62,7 @@ async function errorSentence(resp) {
   try {
     const body = await resp.json();
     if (body && body.error && body.error.message) return body.error.message;
+    if (body && typeof body.error === "string" && body.error) return body.error;  // /api/ paths: Ollama's shape
   } catch (e) { /* not JSON */ }
   return `The API answered ${resp.status} ${resp.statusText}.`;
 }
