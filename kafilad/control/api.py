@@ -10,6 +10,11 @@ daemon -> ctl   {"t": "reply", "ok": true, "result": ...}
              or {"t": "reply", "ok": false, "error": "whole sentence"}
 ```
 A request whose "v" differs from API_VERSION gets an error reply naming both versions.
+A request the daemon cannot read gets the same error reply, naming what was wrong, before the
+daemon closes the connection: a length prefix of 0 or past the request limit (the reply is sent
+at once, without reading the rest), a body that is not msgpack or not a map, "t" other than
+"request", "v" or "op" missing or of the wrong type, "args" that is not a map (it may be absent),
+or an argument the operation does not take (OP_ARGS).
 Both ends read and write frames with ``FramedStream``, the one frame driver
 (kafilad/net/frame_stream.py ``FrameStream``): ``receive`` returns None when the other end
 closed between frames and raises RemoteProtocolError when it closed inside one.

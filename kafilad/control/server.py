@@ -2,7 +2,9 @@
 
 A handler table maps op names to `async def handler(args: dict, emit) -> result`, where
 `await emit(event_dict)` streams an event to the client. Handler errors that are KafilaError
-become an error reply with their message; a malformed request closes only that connection.
+become an error reply with their message. A malformed request (a length prefix no request can
+have, a body that is not msgpack or not a map, a field missing or of the wrong type) gets an
+error reply naming what was wrong, then that connection alone is closed (kafilad/control/api.py).
 
 Nothing a client does can stop the daemon or starve the other clients (issue 9):
 - at most `max_connections` connections at once (the HTTP API has its own, separate limits);
@@ -29,9 +31,11 @@ from typing import Awaitable, Callable
 import attrs
 import trio
 
+import msgpack
+
 from kafilad.control.api import API_VERSION, OP_ARGS
-from kafilad.errors import KafilaError, LocalProtocolError, RemoteProtocolError, find_kafila_error, only_cancelled
-from kafilad.proto.frames import FrameDecoder, encode_frame
+from kafilad.errors import KafilaError, LocalProtocolError, find_kafila_error, only_cancelled
+from kafilad.proto.frames import HEADER, HEADER_BYTES, encode_frame
 
 log = logging.getLogger("kafilad.control")
 
@@ -139,17 +143,18 @@ class ControlServer:
         return False
 
     async def _read_request(self, stream: trio.abc.Stream) -> tuple[dict | None, int, str | None]:
-        """The request frame; returns (request or None, bytes held from the budget, error sentence or None)."""
+        """The request frame; returns (request or None, bytes held from the budget, error sentence or None).
+        A sentence comes back for a request that cannot be read (`request_from`) or arrive, for a reply."""
         lim = self.limits
-        decoder = FrameDecoder(max_frame_bytes=lim.max_request_bytes)
+        buf = bytearray()
         held = 0
         with trio.move_on_after(lim.request_timeout_s):
             while True:
                 try:
-                    req = decoder.next_event()
-                except RemoteProtocolError as e:
-                    log.warning("control: malformed request closed: %s", e)
-                    return None, held, None
+                    req = request_from(buf, lim.max_request_bytes)
+                except MalformedRequest as e:
+                    log.warning("control: malformed request refused: %s", e)
+                    return None, held, str(e)
                 if req is not None:
                     return req, held, None
                 try:
@@ -157,7 +162,7 @@ class ControlServer:
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     data = b""
                 if not data:
-                    if decoder.pending_bytes:
+                    if buf:
                         log.warning("control: a connection closed in the middle of its request frame")
                     return None, held, None
                 if self.held_request_bytes + len(data) > lim.max_total_request_bytes:
@@ -165,7 +170,7 @@ class ControlServer:
                                         "requests, its limit; retry shortly.")
                 self.held_request_bytes += len(data)
                 held += len(data)
-                decoder.receive_data(data)
+                buf += data
         return None, held, f"The control request did not arrive within {lim.request_timeout_s:g} s."
 
     async def _connection(self, stream: trio.abc.Stream) -> None:
@@ -189,16 +194,27 @@ class ControlServer:
             self.held_request_bytes -= held
 
     def _check(self, req: dict) -> dict | None:
-        """An error reply for a request that cannot be dispatched, else None."""
-        if req.get("t") != "request" or not isinstance(req.get("op"), str):
-            return _error("Malformed control request.")
+        """An error reply for a request that cannot be dispatched, naming the field at fault, else None."""
+        shape = ('a control request is {"t": "request", "v": %d, "op": NAME, "args": {NAME: VALUE, ...}}'
+                 % API_VERSION)
+        if req.get("t") != "request":
+            return _error(f"This frame's \"t\" is {_shown(req.get('t'))}, not \"request\"; {shape}.")
+        if "v" not in req:
+            return _error(f"The control request has no \"v\" (the control API version; this kafilad speaks "
+                          f"v{API_VERSION}); {shape}.")
         if req.get("v") != API_VERSION:
-            return _error(f"kafila-ctl speaks control API v{req.get('v')} but this kafilad speaks "
+            return _error(f"kafila-ctl speaks control API v{_shown(req.get('v'))} but this kafilad speaks "
                           f"v{API_VERSION}; use matching versions.")
+        if "op" not in req:
+            return _error(f"The control request has no \"op\" naming its operation; {shape}.")
+        if not isinstance(req["op"], str):
+            return _error(f"The control request's \"op\" is {_kind(req['op'])}, not a string naming an "
+                          "operation.")
         if req["op"] not in self.handlers:
             return _error(f"Unknown control operation '{req['op'][:80]}'.")
-        if not isinstance(req.get("args") or {}, dict):
-            return _error("Control request arguments must be a map.")
+        if req.get("args") is not None and not isinstance(req["args"], dict):
+            return _error(f"The control request's \"args\" is {_kind(req['args'])}; it must be a map of argument "
+                          "names to values (an empty map for none).")
         takes = OP_ARGS.get(req["op"])
         unknown = sorted(str(k)[:40] for k in (req.get("args") or {}) if takes is not None and k not in takes)
         if unknown:
@@ -328,3 +344,68 @@ async def _linger(stream: trio.abc.Stream, timeout_s: float = 1.0, max_bytes: in
 
 def _error(message: str) -> dict:
     return {"t": "reply", "ok": False, "error": message}
+
+
+class MalformedRequest(KafilaError):
+    """A control request frame that cannot be read; the message says what is wrong with it."""
+
+
+#: what a client that is not kafila-ctl is told to send (kafilad/control/api.py)
+FRAME_HINT = "a control request is a u32 big-endian length, then that many bytes of one msgpack map (proto_spec 02 §1)"
+
+#: msgpack's first bytes that are no type at all (the msgpack spec: 0xc1 is "never used")
+_UNUSED_MSGPACK_BYTES = frozenset({0xC1})
+
+
+def request_from(buf: bytearray, max_bytes: int) -> dict | None:
+    """The request frame at the start of `buf` (its bytes are consumed), or None until it is complete;
+    sans-IO (proto_spec 02 §1-2 framing, one msgpack map per frame).
+
+    Raises:
+        MalformedRequest: a length prefix of 0 or over `max_bytes` (raised as soon as the 4 bytes are
+            in: nothing after it can be read), a body that is not msgpack (with the reason, never an
+            empty one), or a msgpack value that is not a map.
+    """
+    if len(buf) < HEADER_BYTES:
+        return None
+    (length,) = HEADER.unpack_from(buf)
+    if length == 0 or length > max_bytes:
+        raise MalformedRequest(f"The control request's length prefix announces {length} bytes (first bytes "
+                               f"{bytes(buf[:HEADER_BYTES]).hex(' ')}), not 1 to {max_bytes}; {FRAME_HINT}.")
+    end = HEADER_BYTES + length
+    if len(buf) < end:
+        return None
+    raw = bytes(buf[HEADER_BYTES:end])
+    del buf[:end]
+    try:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True, max_buffer_size=len(raw))
+        unpacker.feed(raw)
+        body = unpacker.unpack()
+    except Exception as exc:  # noqa: BLE001 - msgpack raises many types (OutOfData, FormatError, ValueError, ...)
+        raise MalformedRequest(f"The control request's {length} bytes are not msgpack: "
+                               f"{_msgpack_failure(exc, raw)}; {FRAME_HINT}.") from None
+    if not isinstance(body, dict):
+        raise MalformedRequest(f"The control request is {_kind(body)}, not a map; {FRAME_HINT}.")
+    return body
+
+
+def _msgpack_failure(exc: Exception, raw: bytes) -> str:
+    """Why msgpack could not read `raw`, in words (some of its errors carry no message at all)."""
+    if isinstance(exc, msgpack.OutOfData):
+        return "the bytes end inside a msgpack value"
+    if isinstance(exc, msgpack.FormatError) and raw and raw[0] in _UNUSED_MSGPACK_BYTES:
+        return f"its first byte 0x{raw[0]:02x} is not a msgpack type"
+    detail = str(exc).strip().rstrip(".")
+    return f"{type(exc).__name__}: {detail}" if detail else f"{type(exc).__name__} at first byte 0x{raw[0]:02x}"
+
+
+def _kind(value) -> str:
+    """A msgpack value's type in the words of the msgpack spec (a request's fields are msgpack values)."""
+    names = {dict: "a map", list: "an array", str: "a string", bytes: "binary data", bool: "a boolean",
+             int: "an integer", float: "a float", type(None): "nil"}
+    return names.get(type(value), f"a {type(value).__name__}")
+
+
+def _shown(value) -> str:
+    """A request field's value for a sentence, cut short."""
+    return "missing" if value is None else repr(value)[:40]
