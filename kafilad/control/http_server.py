@@ -18,7 +18,9 @@ body      end of the headers             end of the body     408, close         
 handler   end of the body                end of the answer   (a write stalled) close           send_timeout_s per write
 ```
 Limits, each answered with a sentence in `{"error": {"message", "type"}}`:
-- headers over `max_header_bytes`: 431; malformed framing: 400 (h11's hint), then close.
+- headers over `max_header_bytes`: 431; malformed framing: 400 (h11's hint), then close; a body
+  framed by both Content-Length and Transfer-Encoding: 400 at once (RFC 9112 §6.1); an HTTP
+  version other than 1.0 and 1.1: 505.
 - a body over `max_body_bytes`: 413 (from Content-Length before any of it is read, or as it
   arrives when chunked); bodies of all connections together over `max_total_body_bytes`: 413 with
   `Retry-After` (RFC 9110 §15.5.14: a temporary condition).
@@ -401,6 +403,7 @@ class HttpServer:
                 if head_bytes > lim.max_header_bytes:
                     raise _Refused(431, "The request headers are larger than the server accepts "
                                         f"({lim.max_header_bytes} bytes).", linger=True)
+                self._check_framing(event)
                 slot.phase, slot.since_s = "body", trio.current_time()
                 body_deadline = slot.since_s + lim.body_timeout_s
                 self._check_declared_length(event, held)
@@ -427,6 +430,25 @@ class HttpServer:
                                body=bytes(body), http_version=request.http_version.decode("latin-1"))
             elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
                 return None
+
+    @staticmethod
+    def _check_framing(request: h11.Request) -> None:
+        """Refuse what this server cannot read safely: an HTTP version other than 1.0 and 1.1 (505,
+        RFC 9110 §15.6.6), and a body framed both by Content-Length and Transfer-Encoding (400:
+        RFC 9112 §6.1 lets a server reject it, and reading either framing could be the wrong one -
+        request smuggling - or wait for bytes the client never sends).
+
+        Raises:
+            _Refused: 505 or 400 with a sentence; the connection is closed after it.
+        """
+        version = request.http_version.decode("latin-1")
+        if version not in ("1.0", "1.1"):
+            raise _Refused(505, f"This server speaks HTTP/1.1 (and HTTP/1.0), not HTTP/{version}; send the request "
+                                "as HTTP/1.1.", linger=True)
+        names = {name for name, _ in request.headers}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            raise _Refused(400, "The request has both a Content-Length and a Transfer-Encoding header, so its body's "
+                                "length is ambiguous (RFC 9112 §6.1); send only one of them.", linger=True)
 
     def _check_declared_length(self, request: h11.Request, held: list[int]) -> None:
         for name, value in request.headers:

@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import trio
+from hypothesis import given, settings, strategies as st
 import trio.testing
 
 from kafilad.control.http_server import HttpLimits, HttpServer, Request, Responder
@@ -125,6 +126,42 @@ def test_malformed_and_oversized_requests_get_a_sentence(raw, status, words):
         assert s == status and words in json.loads(body)["error"]["message"]
         assert headers["connection"] == "close"
         assert server.budget.held_bytes == 0
+    run(main)
+
+
+@pytest.mark.parametrize("raw, status, words", [
+    (b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\nhello", 400,
+     "both a Content-Length and a Transfer-Encoding header"),
+    (b"GET / HTTP/9.9\r\nhost: x\r\n\r\n", 505, "not HTTP/9.9; send the request as HTTP/1.1"),
+    (b"GET / HTTP/2.0\r\nhost: x\r\n\r\n", 505, "not HTTP/2.0"),
+])
+def test_ambiguous_framing_and_other_http_versions_are_refused_at_once(raw, status, words):
+    """A new user's trial: both framings hung until the body timeout (30 s); HTTP/9.9 was answered 200."""
+    async def main():
+        t0 = trio.current_time()
+        got = await exchange(HttpServer(echo), raw)  # the client keeps its side open
+        assert trio.current_time() - t0 < 2.5  # at once (then at most the lingering close)
+        (s, headers, body), = parse_responses(got)
+        assert s == status and words in json.loads(body)["error"]["message"]
+        assert headers["connection"] == "close"
+    run(main)
+
+
+@settings(max_examples=60, deadline=None)
+@given(length=st.integers(0, 99), coding=st.sampled_from([b"chunked", b"gzip, chunked", b"identity"]),
+       te_first=st.booleans(), upper=st.booleans(), body=st.binary(max_size=40))
+def test_any_request_framed_both_ways_is_refused_at_once(length, coding, te_first, upper, body):
+    async def main():
+        framing = [b"content-length: %d" % length, b"transfer-encoding: " + coding]
+        if te_first:
+            framing.reverse()
+        if upper:
+            framing = [line.title() for line in framing]
+        raw = b"POST /c HTTP/1.1\r\nhost: x\r\n" + b"\r\n".join(framing) + b"\r\n\r\n" + body
+        t0 = trio.current_time()
+        got = await exchange(HttpServer(echo), raw)
+        assert trio.current_time() - t0 < 2.5
+        assert got.startswith(b"HTTP/1.1 400 " if coding == b"chunked" else b"HTTP/1.1 501 ")  # h11: chunked only
     run(main)
 
 
