@@ -9,7 +9,10 @@ bound (in use, not a local address) refuses the start with a sentence: the daemo
 without the API it was asked to serve. Without `--http`, the default 127.0.0.1:8400 is only a
 default: when it is taken (a second daemon on one machine) the daemon logs a warning naming the
 port and `--http`, and runs without the API; kafila-ctl needs only the control socket. Without
-`--state-dir`, `KAFILA_STATE_DIR` names the state directory (as for kafila-ctl).
+`--state-dir`, `KAFILA_STATE_DIR` names the state directory (as for kafila-ctl); before anything
+starts, the daemon checks that its control socket there fits a Unix socket address and that the
+directory can be created, and says what to change when not. `--rendezvous` (or
+`KAFILA_RENDEZVOUS`) is checked at startup too: a ws:// or wss:// URL with a host.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import sys
 import trio
 
 from kafilad.errors import find_kafila_error
-from kafilad.proto.address import parse_host_port
+from kafilad.proto.address import AddressError, parse_host_port
 
 
 #: file handles the daemon asks for (the soft limit is raised up to this, never past the hard limit)
@@ -53,14 +56,102 @@ def _seconds(s: str) -> float:
     return value
 
 
-def _http_address(s: str) -> tuple[str, int] | None:
-    """`--http`: HOST:PORT, a bare PORT (127.0.0.1:PORT), or off/none (no API)."""
+def http_address(s: str) -> tuple[str, int] | None:
+    """`--http`: HOST:PORT, a bare PORT (127.0.0.1:PORT), or off/none (no API).
+
+    Also the check of `kafila-ctl service install --http`, so the two cannot disagree.
+
+    Raises:
+        AddressError: (an argparse.ArgumentTypeError) a port outside 0..65535 or no HOST:PORT, a sentence.
+    """
     s = s.strip()
     if s.lower() in ("off", "none", ""):
         return None
-    if s.isdigit():
+    if s.isascii() and s.isdigit():
+        if int(s) > 65535:
+            raise AddressError(f"{s} is not a port: a port is a number from 0 to 65535 (0: any free port).")
         return parse_host_port(f"127.0.0.1:{s}", allow_any_port=True)
     return _hostport(s)
+
+
+def rendezvous_url(s: str) -> str:
+    """`--rendezvous` (and KAFILA_RENDEZVOUS): a WebSocket URL, ws://HOST[:PORT] or wss://HOST[:PORT], as
+    the daemon's rendezvous client connects to it (trio_websocket's URL rules, kafilad/node/rdv_client.py;
+    without a port: 80 for ws, 443 for wss). Checked at startup, as --http is, rather than at `host`;
+    also the check of `kafila-ctl service install --rendezvous`.
+
+    Returns:
+        The URL as given (surrounding white space removed).
+    Raises:
+        argparse.ArgumentTypeError: not such a URL, with a sentence.
+    """
+    from urllib.parse import urlsplit
+    url = s.strip()
+    looks = "it must look like ws://HOST:PORT or wss://HOST:PORT, e.g. ws://rdv.example.org:7400"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # a port that is no number 0..65535 raises ValueError
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"The rendezvous URL {url!r} is not a WebSocket URL ({e}); {looks}.") from None
+    if parts.scheme not in ("ws", "wss"):
+        raise argparse.ArgumentTypeError(f"The rendezvous URL {url!r} is not a WebSocket URL: "
+                                         f"{'it has no scheme' if not parts.scheme else repr(parts.scheme + '://') + ' is not ws:// or wss://'}; {looks}.")
+    if not parts.hostname:
+        raise argparse.ArgumentTypeError(f"The rendezvous URL {url!r} names no host; {looks}.")
+    if port == 0:
+        raise argparse.ArgumentTypeError(f"The rendezvous URL {url!r} names port 0, which nothing listens on; {looks}.")
+    return url
+
+
+#: environment variable of the default rendezvous URL when --rendezvous is not given
+RENDEZVOUS_ENV = "KAFILA_RENDEZVOUS"
+
+#: longest Unix socket path the OS takes, in bytes: sun_path of sockaddr_un less its NUL
+#: (108 - 1 on Linux, 104 - 1 on macOS and the BSDs)
+MAX_UNIX_SOCKET_PATH_BYTES = 107 if sys.platform.startswith("linux") else 103
+
+
+def prepare_state_dir(state_dir: str | None):
+    """The daemon's state directory, created (kafilad/node/statedir.py StateDir.ensure), after checking
+    that its control socket path fits a Unix socket address.
+
+    Args:
+        state_dir: --state-dir, or None for $KAFILA_STATE_DIR or the platform's default.
+    Returns:
+        The StateDir.
+    Raises:
+        KafilaError: the socket path is too long, a file stands where the directory (or one above it)
+            should be, or the directory cannot be created; each a sentence naming what to change.
+    """
+    from kafilad.errors import KafilaError
+    from kafilad.node.statedir import STATE_DIR_ENV, StateDir
+    state = StateDir(state_dir)
+    path = state.path
+    origin = "" if state_dir is not None or not os.environ.get(STATE_DIR_ENV, "").strip() else f" (from {STATE_DIR_ENV})"
+    named = f"{path}{origin}"
+    fix = "start kafilad with --state-dir naming a directory you can write to (it is created when missing)"
+    sock_bytes = len(os.fsencode(str(state.socket_path)))
+    if sock_bytes > MAX_UNIX_SOCKET_PATH_BYTES:
+        raise KafilaError(f"The control socket in the state directory {named}, {state.socket_path}, is a path of "
+                          f"{sock_bytes} bytes, longer than the {MAX_UNIX_SOCKET_PATH_BYTES} bytes this OS allows for "
+                          f"a Unix socket path; start kafilad with a shorter --state-dir (e.g. ~/.kafila).")
+    try:
+        return state.ensure()
+    except OSError as e:
+        for above in (path, *path.parents):
+            if above.exists() and not above.is_dir():
+                if above == path:
+                    raise KafilaError(f"The state directory {named} is a file, not a directory; {fix}.") from None
+                raise KafilaError(f"The state directory {named} cannot be created: {above} is a file, not a "
+                                  f"directory; {fix}.") from None
+        why = e.strerror or str(e)
+        if isinstance(e, FileNotFoundError):
+            parent = next((a for a in path.parents if a.is_dir()), None)
+            if parent is not None:
+                why = f"{parent} does not take new directories ({e.strerror})"
+        elif e.filename and str(e.filename) != str(path):
+            why = f"{why} ({e.filename})"
+        raise KafilaError(f"The state directory {named} cannot be created: {why}; {fix}.") from None
 
 
 def _raise_open_files_limit(want: int = WANT_OPEN_FILES) -> None:
@@ -90,9 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", help="state directory (default: $KAFILA_STATE_DIR, else the platform's user "
                                        "state dir, e.g. ~/.local/state/kafila)")
     p.add_argument("--name", help="this member's name (default: the host name)")
-    p.add_argument("--rendezvous", default=os.environ.get("KAFILA_RENDEZVOUS") or None,
+    p.add_argument("--rendezvous", type=rendezvous_url, default=None,
                    help="default rendezvous URL, e.g. ws://rdv.example:7400 (env KAFILA_RENDEZVOUS)")
-    p.add_argument("--http", type=_http_address, default=DEFAULT_HTTP,
+    p.add_argument("--http", type=http_address, default=DEFAULT_HTTP,
                    help="serve the OpenAI-compatible API of a hosted session on HOST:PORT, or on "
                         "127.0.0.1:PORT for a bare PORT ('off' disables; default 127.0.0.1:8400, skipped with "
                         "a warning when another program, e.g. a second kafilad, holds it)")
@@ -138,6 +229,18 @@ def _exit_now(code: int) -> None:
 def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "rendezvous":
+        from kafilad.errors import KafilaError
+        if args.rendezvous is None and os.environ.get(RENDEZVOUS_ENV, "").strip():
+            try:
+                args.rendezvous = rendezvous_url(os.environ[RENDEZVOUS_ENV])
+            except argparse.ArgumentTypeError as e:
+                print(f"kafilad: {RENDEZVOUS_ENV}: {e}", file=sys.stderr)
+                return 2
+        try:
+            args.state = prepare_state_dir(args.state_dir)
+        except KafilaError as e:
+            print(f"kafilad: {e}", file=sys.stderr)
+            return 1
         from kafilad.node.ring_parts import daemon_switch_interval_s, pinned_micro_batches
         try:
             pinned_micro_batches()
@@ -242,7 +345,7 @@ async def _daemon(args) -> None:
     from kafilad.node.daemon import Node
     from kafilad.node.statedir import StateDir, default_name
     _raise_open_files_limit()
-    state = StateDir(args.state_dir).ensure()
+    state = getattr(args, "state", None) or StateDir(args.state_dir).ensure()
     _log_to_file(state.log_path)
     http = await _default_http_or_none(args.http) if args.http is DEFAULT_HTTP else args.http
     node = Node(state, name=args.name or default_name(), rendezvous=args.rendezvous, http=http)

@@ -265,3 +265,56 @@ def test_demo_synth_says_its_text_is_noise(tmp_path):
     r = subprocess.run(CTL + ["demo", "--synth", "--model", str(tmp_path)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "not allowed with argument" in r.stderr
+
+
+def test_state_dir_and_rendezvous_startup_errors_say_what_to_change(tmp_path):
+    """A new user's trial: a long --state-dir read "AF_UNIX path too long (check the address and port)",
+    a file read "File exists (/etc/passwd)", and --rendezvous notaurl started and failed only at `host`.
+    Each is refused before the daemon runs, with a sentence naming the cause and what to change."""
+    def daemon(*args, env=None):
+        r = subprocess.run(DAEMON + [*args, "--http", "off"], capture_output=True, text=True, timeout=30,
+                           env={**os.environ, **(env or {})})
+        assert "Traceback" not in r.stderr
+        return r
+
+    long_dir = tmp_path / ("x" * 120)
+    sock = long_dir / "kafilad.sock"
+    r = daemon("--state-dir", str(long_dir))
+    assert r.returncode == 1 and r.stderr == (
+        f"kafilad: The control socket in the state directory {long_dir}, {sock}, is a path of "
+        f"{len(os.fsencode(str(sock)))} bytes, longer than the 107 bytes this OS allows for a Unix socket path; "
+        "start kafilad with a shorter --state-dir (e.g. ~/.kafila).\n")
+    assert not long_dir.exists()
+    a_file = tmp_path / "file"
+    a_file.write_text("not a directory")
+    fix = "start kafilad with --state-dir naming a directory you can write to (it is created when missing)."
+    r = daemon("--state-dir", str(a_file))
+    assert r.returncode == 1 and r.stderr == f"kafilad: The state directory {a_file} is a file, not a directory; {fix}\n"
+    r = daemon("--state-dir", str(a_file / "below"))
+    assert r.returncode == 1 and r.stderr == (
+        f"kafilad: The state directory {a_file / 'below'} cannot be created: {a_file} is a file, not a directory; {fix}\n")
+    r = daemon(env={"KAFILA_STATE_DIR": "/proc/kafila-nope"})
+    assert r.returncode == 1 and r.stderr == (
+        "kafilad: The state directory /proc/kafila-nope (from KAFILA_STATE_DIR) cannot be created: /proc does not "
+        f"take new directories (No such file or directory); {fix}\n")
+
+    looks = "it must look like ws://HOST:PORT or wss://HOST:PORT, e.g. ws://rdv.example.org:7400."
+    state = str(tmp_path / "s")
+    for url, why in (("notaurl", "is not a WebSocket URL: it has no scheme"),
+                     ("http://rdv.example:7400", "is not a WebSocket URL: 'http://' is not ws:// or wss://"),
+                     ("ws://:7400", "names no host"),
+                     ("ws://rdv.example:99999", "is not a WebSocket URL (Port out of range 0-65535)")):
+        r = daemon("--state-dir", state, "--rendezvous", url)
+        assert r.returncode == 2 and f"argument --rendezvous: The rendezvous URL {url!r} {why}; {looks}" in r.stderr
+    r = daemon("--state-dir", state, env={"KAFILA_RENDEZVOUS": "notaurl"})
+    assert r.returncode == 2 and r.stderr == (
+        f"kafilad: KAFILA_RENDEZVOUS: The rendezvous URL 'notaurl' is not a WebSocket URL: it has no scheme; {looks}\n")
+    r = daemon("--state-dir", state, "--http", "99999")
+    assert r.returncode == 2 and "argument --http: 99999 is not a port: a port is a number from 0 to 65535" in r.stderr
+    assert not (tmp_path / "s").exists()  # nothing started
+
+
+def test_rendezvous_urls_the_daemon_takes():
+    from kafilad.main import rendezvous_url
+    for url in ("ws://127.0.0.1:7400", "wss://rdv.example.org", "ws://[::1]:7400", " ws://rdv.example:7400/path "):
+        assert rendezvous_url(url) == url.strip()
