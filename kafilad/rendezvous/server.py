@@ -13,7 +13,10 @@ a stale half-open connection never stalls the one replacing it.
 A connection must `register` or `join` (be told `registered` / `joined`, proto_spec §2.1) within
 `register_timeout_s` of connecting; one that does not is closed (1008, the reason says why), so
 idle or half-open WebSockets cannot pile up. Every connection runs inside a guard: an error in
-its handling ends that connection, never the server.
+its handling ends that connection, never the server. A plain HTTP request (a browser, `curl`) is
+answered 426 with a sentence saying what this port is (`not_websocket_answer`), not wsproto's
+empty 400. The log names the close code the rendezvous itself sent (1008 and its reason), not the
+peer's echo of it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from functools import partial
 from typing import BinaryIO
 
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+from trio_websocket import CloseReason, ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
 from kafilad.proto.rendezvous import (
     CLOSE_POLICY_VIOLATION,
@@ -52,6 +55,95 @@ OUTBOUND_QUEUE_MESSAGES = 64
 STALL_WARNING_S = 1.0
 #: Seconds a connection may take to register or join before it is closed.
 REGISTER_TIMEOUT_S = 10.0
+#: the most bytes of a request's head read to tell a WebSocket upgrade from a plain HTTP request
+MAX_HEAD_BYTES = 16 * 1024
+#: what a plain HTTP request to the rendezvous is told (426 Upgrade Required, text/plain)
+NOT_A_WEBSOCKET = "This is a Kafila rendezvous: connect with a WebSocket (kafilad --rendezvous ws://HOST:PORT).\n"
+
+
+def not_websocket_answer(head: bytes) -> bytes | None:
+    """The answer to a whole HTTP request head (up to its blank line) that asks for no WebSocket
+    upgrade: 426 Upgrade Required (RFC 9110 §15.5.22: with `Upgrade: websocket`) and a plain-text
+    sentence, no body for HEAD. None for an upgrade request (wsproto answers the handshake) and for
+    bytes that are no HTTP/1 request (wsproto refuses those).
+    """
+    lines = head.split(b"\r\n")
+    request_line = lines[0].split(b" ")
+    if len(request_line) != 3 or not request_line[2].startswith(b"HTTP/1."):
+        return None
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() == b"upgrade" and b"websocket" in value.lower():
+            return None
+    body = b"" if request_line[0] == b"HEAD" else NOT_A_WEBSOCKET.encode()
+    return (b"HTTP/1.1 426 Upgrade Required\r\nupgrade: websocket\r\nconnection: close\r\n"
+            b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n\r\n" % len(NOT_A_WEBSOCKET.encode())
+            ) + body
+
+
+class _HeadCheckedStream(trio.abc.Stream):
+    """A connection whose first request head is read here before trio-websocket sees it: a plain
+    HTTP request gets `not_websocket_answer` and then reads as closed; anything else is passed on
+    byte for byte. (trio-websocket has no hook for non-upgrade requests: wsproto answers them 400
+    with no body.) Reading the head is bounded by the server's `connect_timeout`."""
+
+    def __init__(self, stream: trio.abc.Stream):
+        self._stream = stream
+        self._pending = b""
+        self._checked = False
+
+    async def _check_head(self) -> None:
+        self._checked = True
+        head = b""
+        while b"\r\n\r\n" not in head and len(head) < MAX_HEAD_BYTES:
+            data = await self._stream.receive_some(MAX_HEAD_BYTES)
+            if not data:
+                break
+            head += data
+        end = head.find(b"\r\n\r\n")
+        answer = not_websocket_answer(head[:end]) if end >= 0 else None
+        if answer is None:
+            self._pending = head
+            return
+        try:
+            await self._stream.send_all(answer)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        await self._stream.aclose()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if not self._checked:
+            await self._check_head()
+        if self._pending:
+            n = len(self._pending) if max_bytes is None else max_bytes
+            data, self._pending = self._pending[:n], self._pending[n:]
+            return data
+        try:
+            return await self._stream.receive_some(max_bytes)
+        except trio.ClosedResourceError:  # closed after a plain HTTP answer: reads as the end
+            return b""
+
+    async def send_all(self, data) -> None:
+        await self._stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+class _HeadCheckedListener(trio.abc.Listener):
+    """A TCP listener whose connections are `_HeadCheckedStream`s."""
+
+    def __init__(self, listener: trio.SocketListener):
+        self.listener = listener
+
+    async def accept(self) -> _HeadCheckedStream:
+        return _HeadCheckedStream(await self.listener.accept())
+
+    async def aclose(self) -> None:
+        await self.listener.aclose()
 
 
 def describe_close(exc: ConnectionClosed) -> str:
@@ -80,6 +172,8 @@ class RendezvousServer:
         self._queues: dict[int, trio.MemorySendChannel] = {}
         self._scopes: dict[int, trio.CancelScope] = {}
         self._unregistered: set[int] = set()
+        #: the close each connection was sent by this server (its peer's reply echoes another code)
+        self._sent_close: dict[int, CloseReason] = {}
         self.register_timeout_s = register_timeout_s
 
     async def handle(self, request: WebSocketRequest) -> None:
@@ -103,7 +197,7 @@ class RendezvousServer:
         reason = "its connection closed"
         async with trio.open_nursery() as nursery:
             self._scopes[conn] = nursery.cancel_scope
-            nursery.start_soon(self._writer, ws, recv_q)
+            nursery.start_soon(self._writer, conn, ws, recv_q)
             deadline_scope = trio.CancelScope()
             nursery.start_soon(self._register_deadline, conn, deadline_scope)
             try:
@@ -112,9 +206,11 @@ class RendezvousServer:
             except Exception:  # a bug must cost one connection, never the server (proto_spec §6)
                 log.exception("rendezvous: internal error on connection %d; closing it", conn)
                 reason = "the rendezvous hit an internal error on its connection"
+                self._sent_close[conn] = CloseReason(1011, "internal error")
                 with trio.move_on_after(5.0):
                     await ws.aclose(1011, "internal error")
             finally:
+                self._sent_close.pop(conn, None)
                 del self._queues[conn]
                 del self._scopes[conn]
                 self._unregistered.discard(conn)
@@ -156,20 +252,23 @@ class RendezvousServer:
             try:
                 data = await ws.get_message()
             except ConnectionClosed as exc:
-                close = exc.reason
-                log.info("rendezvous: connection %d closed (%s %s%s)", conn, getattr(close, "code", None),
-                         getattr(close, "name", "no close frame"), f": {close.reason}" if close and close.reason else "")
+                sent = self._sent_close.get(conn)
+                close = sent or exc.reason  # the code this server sent, not the peer's echo (1000) of it
+                log.info("rendezvous: connection %d closed%s (%s %s%s)", conn, " by the rendezvous" if sent else "",
+                         getattr(close, "code", None), getattr(close, "name", "no close frame"),
+                         f": {close.reason}" if close and close.reason else "")
                 return describe_close(exc)
             pause_s = self.state.receive_message(conn, data, trio.current_time())
             await self._dispatch(self.state.actions())
             if pause_s > 0:
                 await trio.sleep(pause_s)
 
-    async def _writer(self, ws: WebSocketConnection, queue: trio.MemoryReceiveChannel) -> None:
+    async def _writer(self, conn: int, ws: WebSocketConnection, queue: trio.MemoryReceiveChannel) -> None:
         async with queue:  # closing it on exit unblocks anyone still sending to this connection
             async for item in queue:
                 try:
                     if isinstance(item, CloseConn):
+                        self._sent_close.setdefault(conn, CloseReason(item.code, item.reason))
                         await ws.aclose(item.code, item.reason)
                         return
                     await ws.send_message(item)
@@ -239,13 +338,14 @@ async def serve_rendezvous(
         if not register_timeout_s > 0:
             raise ValueError(f"register_timeout_s must be positive (got {register_timeout_s})")
         server = RendezvousServer(limits, record, stun_addresses, register_timeout_s)
+        listeners = await trio.open_tcp_listeners(port, host=host)
         async with trio.open_nursery() as nursery:
-            ws_server = await nursery.start(partial(
-                serve_websocket, server.handle, host, port, None, handler_nursery=nursery,
-                max_message_size=limits.ws_max_message_bytes, connect_timeout=10, disconnect_timeout=5,
-            ))
+            ws_server = WebSocketServer(server.handle, [_HeadCheckedListener(x) for x in listeners],
+                                        handler_nursery=nursery, max_message_size=limits.ws_max_message_bytes,
+                                        connect_timeout=10, disconnect_timeout=5)
+            await nursery.start(ws_server.run)
             # the caller says where it listens (`kafilad rendezvous` prints one line): not logged twice
-            task_status.started(ws_server.port)
+            task_status.started(listeners[0].socket.getsockname()[1])
     finally:
         if record is not None:
             record.close()

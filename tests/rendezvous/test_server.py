@@ -587,3 +587,48 @@ def test_a_websocket_that_never_registers_is_closed_after_the_deadline():
 
 
 N = pid("N")
+
+
+async def raw_http(url: str, request: bytes) -> bytes:
+    """Send `request` over a plain TCP connection to the rendezvous at `url`; all it answers until it closes."""
+    host, port = url.removeprefix("ws://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(request)
+        out = b""
+        while data := await stream.receive_some(65536):
+            out += data
+    return out
+
+
+def test_a_plain_http_request_is_told_this_is_a_rendezvous_websocket():
+    """A new user's trial: `curl localhost:17400/` got "400" with an empty body."""
+    async def body(url):
+        got = await raw_http(url, b"GET / HTTP/1.1\r\nHost: x\r\nUser-Agent: curl/8\r\nAccept: */*\r\n\r\n")
+        head, _, text = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 426 Upgrade Required\r\n") and b"upgrade: websocket" in head
+        assert text == (b"This is a Kafila rendezvous: connect with a WebSocket "
+                        b"(kafilad --rendezvous ws://HOST:PORT).\n")
+        got = await raw_http(url, b"HEAD / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 426 ") and got.endswith(b"\r\n\r\n")  # no body for HEAD
+        async with AsyncExitStack() as stack:  # WebSockets are served as before
+            _, host, [a] = await session(stack, url, ["A"], members=3)
+
+    run_with_server(body)
+
+
+def test_the_log_names_the_close_code_the_rendezvous_sent(caplog):
+    """A new user's trial: the log read "connection 1 closed (1000 NORMAL_CLOSURE)" for a connection the
+    rendezvous had just closed with 1008 (the 1000 was the peer's echo of the close)."""
+    caplog.set_level("INFO", logger="kafilad.rendezvous.server")
+
+    async def body(url):
+        async with trio_websocket.open_websocket_url(url) as idle:
+            await raw_challenge(idle)
+            with pytest.raises(trio_websocket.ConnectionClosed):
+                await idle.get_message()
+
+    run_with_server(body, register_timeout_s=0.2)
+    assert ("connection 1 closed by the rendezvous (1008 POLICY_VIOLATION: did not register or join a session "
+            "within 0.2 s)") in caplog.text
+    assert "NORMAL_CLOSURE" not in caplog.text
