@@ -78,6 +78,13 @@ def cmd_join(args) -> int:
     return 0
 
 
+def join_failed_sentence(error) -> str:
+    """What `join` exits with when the member failed: its error as it stands when that is a whole
+    sentence ("The session failed on the host: ..."), else wrapped in one."""
+    error = str(error or "the session failed")
+    return error if error[:1].isupper() and error.endswith(".") else f"Joining failed: {error.rstrip('.')}."
+
+
 async def _follow_join(client: ControlClient, *, tty: bool) -> None:
     """Follow `watch` snapshots until the member is ready.
 
@@ -109,7 +116,7 @@ async def _follow_join(client: ControlClient, *, tty: bool) -> None:
                 if outcome is not None:
                     break
     if outcome == "failed":
-        raise KafilaError(f"Joining failed: {snap.get('error') or 'the session failed'}.")
+        raise KafilaError(join_failed_sentence(snap.get("error")))
     if outcome == "closed":
         raise KafilaError(f"The session closed before this member was ready{': ' + snap['error'] if snap.get('error') else ''}.")
 
@@ -330,19 +337,45 @@ def cmd_demo(args) -> int:
 
 
 def cmd_service_install(args) -> int:
+    """Write the service file. The daemon's settings from this shell's environment (KAFILA_STATE_DIR,
+    KAFILA_RENDEZVOUS) are carried into its command line, since a service manager's environment lacks
+    them; --http and --rendezvous are checked with the daemon's own parsers (kafilad/main.py), so a
+    unit never restarts forever on a daemon that refuses its arguments."""
     from kafila_ctl import service
+    from kafila_ctl.client import UsageError
+    from kafilad.main import RENDEZVOUS_ENV, rendezvous_url
     kind = args.manager or service.default_kind()
     state_dir = args.state_dir or os.environ.get("KAFILA_STATE_DIR") or None
+    rendezvous = args.rendezvous
+    if rendezvous is None and os.environ.get(RENDEZVOUS_ENV, "").strip():
+        try:
+            rendezvous = rendezvous_url(os.environ[RENDEZVOUS_ENV])
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"{RENDEZVOUS_ENV} (carried into the service as --rendezvous): {e} Pass "
+                             "--rendezvous URL, or unset it.") from None
     argv = service.daemon_argv(state_dir=state_dir and str(Path(state_dir).expanduser().resolve()),
-                               name=args.name, rendezvous=args.rendezvous, http=args.http)
+                               name=args.name, rendezvous=rendezvous, http=args.http)
+    path = Path(args.path).expanduser() if args.path else None
     if args.print:
-        print(service.render(kind, argv), end="")
+        print(service.render(kind, argv, path=path), end="")
         return 0
-    path = service.install(kind, argv, path=Path(args.path).expanduser() if args.path else None, force=args.force)
+    path = service.install(kind, argv, path=path, force=args.force)
     print(f"wrote {path}\nExecStart: {' '.join(argv)}\nenable and start it with:")
     for c in service.enable_commands(kind, path):
         print(f"  {c}")
+    if kind == "systemd" and service.enable_commands(kind, path)[0].startswith("systemctl --user link"):
+        print(f"(the link points at {path}: keep the file there, or copy it into "
+              f"{service.default_path(kind).parent}/ instead of linking it)")
     return 0
+
+
+def _daemon_checked(check):
+    """An argparse `type` passing a value to one of the daemon's own parsers (kafilad/main.py), so
+    kafila-ctl refuses what kafilad would; the value is kept as written."""
+    def parse(text: str) -> str:
+        check(text)
+        return text.strip()
+    return parse
 
 
 #: every state `wait --state` accepts (kafilad/node/daemon.py WAIT_STATES)
@@ -494,9 +527,12 @@ def build_parser() -> argparse.ArgumentParser:
     svc = s.add_subparsers(dest="service_command", required=True, parser_class=_Parser)
     t = svc.add_parser("install", help="write a systemd user unit (Linux) or launchd agent (macOS) that runs "
                                        "kafilad with this Python (sys.executable -m kafilad.main)")
-    t.add_argument("--rendezvous", help="the daemon's default rendezvous URL")
+    from kafilad.main import http_address, rendezvous_url
+    t.add_argument("--rendezvous", type=_daemon_checked(rendezvous_url),
+                   help="the daemon's default rendezvous URL, ws://HOST:PORT (default: $KAFILA_RENDEZVOUS)")
     t.add_argument("--name", help="this member's name (default: the host name)")
-    t.add_argument("--http", help="the daemon's --http (default 127.0.0.1:8400)")
+    t.add_argument("--http", type=_daemon_checked(http_address),
+                   help="the daemon's --http: HOST:PORT, PORT or off (default 127.0.0.1:8400)")
     t.add_argument("--manager", choices=("systemd", "launchd"),
                    help="service manager (default: launchd on macOS, systemd elsewhere)")
     t.add_argument("--path", help="file to write (default ~/.config/systemd/user/kafilad.service or "
@@ -515,8 +551,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from kafila_ctl.client import UsageError
     try:
         return args.func(args) or 0
+    except UsageError as e:
+        print(f"kafila-ctl: {e}", file=sys.stderr)
+        return 2
     except KafilaError as e:
         print(f"kafila-ctl: {e}", file=sys.stderr)
         return 1

@@ -15,6 +15,11 @@ class DaemonNotRunning(KafilaError):
     """No kafilad answers on the control socket."""
 
 
+class UsageError(KafilaError):
+    """An argument kafila-ctl refuses before it starts or changes anything (exit status 2, as argparse's
+    own usage errors); the message is a sentence naming the argument and what it takes."""
+
+
 class ControlClient:
     """Talks to one kafilad over `socket_path`."""
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import os
 import plistlib
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional
 
+from kafila_ctl.client import UsageError
 from kafilad.errors import KafilaError
 
 SYSTEMD_UNIT = "kafilad.service"
@@ -50,12 +52,13 @@ def _systemd_quote(arg: str) -> str:
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def systemd_unit(argv: list[str]) -> str:
-    """A systemd user unit running `argv` (restarted on failure; SIGTERM stops it cleanly)."""
+def systemd_unit(argv: list[str], commands: Optional[list[str]] = None) -> str:
+    """A systemd user unit running `argv` (restarted on failure; SIGTERM stops it cleanly); its head
+    comment shows `commands` (default: those of the unit at its default path, `enable_commands`)."""
+    commands = commands or _systemd_commands("kafilad", None)
     return "\n".join([
         "# kafilad as a systemd user service, written by `kafila-ctl service install`.",
-        "#   systemctl --user daemon-reload && systemctl --user enable --now kafilad",
-        "#   journalctl --user -u kafilad -f",
+        *(f"#   {c}" for c in commands),
         "[Unit]",
         "Description=Kafila daemon: serve one LLM across a trusted group's machines",
         "After=network-online.target",
@@ -98,35 +101,61 @@ def default_path(kind: str, home: Optional[Path] = None) -> Path:
     return config / "systemd" / "user" / SYSTEMD_UNIT
 
 
-def render(kind: str, argv: list[str], home: Optional[Path] = None) -> str:
-    """The service file of `kind` for `argv`.
+def render(kind: str, argv: list[str], home: Optional[Path] = None, path: Optional[Path] = None) -> str:
+    """The service file of `kind` for `argv` (to be written at `path`, default `default_path`).
 
     Raises:
         KafilaError: an unknown kind.
     """
     if kind == "systemd":
-        return systemd_unit(argv)
+        return systemd_unit(argv, enable_commands(kind, path or default_path(kind, home), home))
     if kind == "launchd":
         return launchd_plist(argv, str((home or Path.home()) / "Library" / "Logs" / "kafilad.log"))
     raise KafilaError(f"Unknown service manager {kind!r}; choose one of {', '.join(KINDS)}.")
 
 
-def enable_commands(kind: str, path: Path) -> list[str]:
-    """The commands that load and start the installed service."""
+def enable_commands(kind: str, path: Path, home: Optional[Path] = None) -> list[str]:
+    """The commands that load and start the service installed at `path`.
+
+    A systemd unit outside systemd's user unit directory (`--path` elsewhere) is unknown to
+    `systemctl --user enable NAME`: it is linked in first (`systemctl --user link PATH`, which
+    keeps pointing at the file, so it must stay there). The unit is named after the file.
+    """
     if kind == "launchd":
-        return [f"launchctl bootstrap gui/{os.getuid()} {path}", "tail -f ~/Library/Logs/kafilad.log"]
-    return ["systemctl --user daemon-reload", "systemctl --user enable --now kafilad",
-            "journalctl --user -u kafilad -f"]
+        return [f"launchctl bootstrap gui/{os.getuid()} {shlex.quote(str(path))}", "tail -f ~/Library/Logs/kafilad.log"]
+    path = Path(path)
+    in_search_path = path.parent.resolve() == default_path(kind, home).parent.resolve()
+    return _systemd_commands(path.name.removesuffix(".service"), None if in_search_path else path)
+
+
+def _systemd_commands(unit: str, link: Optional[Path]) -> list[str]:
+    """systemctl commands that enable and start `unit`, linking the file at `link` in first."""
+    first = [f"systemctl --user link {shlex.quote(str(Path(link).absolute()))}"] if link is not None else []
+    return [*first, "systemctl --user daemon-reload", f"systemctl --user enable --now {shlex.quote(unit)}",
+            f"journalctl --user -u {shlex.quote(unit)} -f"]
+
+
+def check_path(kind: str, path: Path) -> None:
+    """Refuse a service file systemd could never load: a unit file's name ends in `.service`.
+
+    Raises:
+        UsageError: a systemd unit path whose name does not end in .service.
+    """
+    if kind == "systemd" and (not path.name.endswith(".service") or path.name == ".service"):
+        raise UsageError(f"systemd loads a service only from a file named NAME.service, not {path.name!r}; pass "
+                          f"--path {path.with_name(SYSTEMD_UNIT)} or another NAME.service.")
 
 
 def install(kind: str, argv: list[str], *, path: Optional[Path] = None, force: bool = False) -> Path:
     """Write the service file; return its path. An identical file is left as it is.
 
     Raises:
-        KafilaError: a different file is already there (and not `force`), or it cannot be written.
+        KafilaError: a systemd unit path not named NAME.service (`check_path`), a different file is
+            already there (and not `force`), or it cannot be written.
     """
     path = Path(path) if path is not None else default_path(kind)
-    text = render(kind, argv)
+    check_path(kind, path)
+    text = render(kind, argv, path=path)
     if path.exists() and not force and path.read_text() != text:
         raise KafilaError(f"{path} already exists with other contents; pass --force to replace it "
                           f"(or --print to see the new one).")

@@ -84,3 +84,75 @@ def test_status_line_for_watch_into_a_pipe():
     loading = {"name": "m1", "session": "abc", "role": "member", "state": "loading", "error": None,
                "load": {"progress": "fetching", "done_bytes": 1.5e6, "total_bytes": 3e6}}
     assert status_line(loading) == "m1: session abc (member) loading; fetching 1.5/3.0 MB"
+
+
+def install_cli(monkeypatch, tmp_path, *argv, env=None):
+    """`kafila-ctl service install ARGV` in this process, HOME and XDG_CONFIG_HOME under tmp_path."""
+    from kafila_ctl.cli import main
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    for name in ("KAFILA_STATE_DIR", "KAFILA_RENDEZVOUS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    try:
+        return main(["service", "install", "--manager", "systemd", *argv])
+    except SystemExit as e:  # argparse's usage errors
+        return e.code
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--http", "99999"], "argument --http: 99999 is not a port: a port is a number from 0 to 65535"),
+    (["--http", "127.0.0.1:70000"], "argument --http: '127.0.0.1:70000' is not HOST:PORT with a port between 0 and 65535"),
+    (["--rendezvous", "notaurl"], "argument --rendezvous: The rendezvous URL 'notaurl' is not a WebSocket URL: it has "
+                                  "no scheme; it must look like ws://HOST:PORT or wss://HOST:PORT"),
+    (["--rendezvous", "http://rdv.example:7400"], "'http://' is not ws:// or wss://"),
+])
+def test_install_refuses_what_the_daemon_would_refuse(monkeypatch, tmp_path, capsys, argv, words):
+    """A new user's trial: --http 99999 and --rendezvous notaurl were written into a unit whose daemon
+    exits 2 at once (Restart=on-failure: a loop for ever). They are checked by the daemon's own
+    parsers (kafilad/main.py http_address, rendezvous_url); nothing is written."""
+    assert install_cli(monkeypatch, tmp_path, *argv) == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "cfg").exists()
+
+
+def test_install_carries_kafila_rendezvous_like_the_state_dir(monkeypatch, tmp_path, capsys):
+    """KAFILA_STATE_DIR was baked into ExecStart, KAFILA_RENDEZVOUS silently dropped: both are carried
+    (a service manager's environment has neither), and a bad KAFILA_RENDEZVOUS is refused by name."""
+    unit = tmp_path / "cfg" / "systemd" / "user" / "kafilad.service"
+    env = {"KAFILA_STATE_DIR": str(tmp_path / "st"), "KAFILA_RENDEZVOUS": "ws://rdv.example:7400"}
+    assert install_cli(monkeypatch, tmp_path, env=env) == 0
+    assert exec_start(unit.read_text()) == [sys.executable, "-m", "kafilad.main", "--state-dir", str(tmp_path / "st"),
+                                            "--rendezvous", "ws://rdv.example:7400"]
+    capsys.readouterr()
+    assert install_cli(monkeypatch, tmp_path, "--force", "--rendezvous", "ws://other:1", env=env) == 0
+    assert exec_start(unit.read_text())[-2:] == ["--rendezvous", "ws://other:1"]  # the option wins
+    capsys.readouterr()
+    assert install_cli(monkeypatch, tmp_path, "--force", env={"KAFILA_RENDEZVOUS": "notaurl"}) == 2
+    assert capsys.readouterr().err == (
+        "kafila-ctl: KAFILA_RENDEZVOUS (carried into the service as --rendezvous): The rendezvous URL 'notaurl' is "
+        "not a WebSocket URL: it has no scheme; it must look like ws://HOST:PORT or wss://HOST:PORT, e.g. "
+        "ws://rdv.example.org:7400. Pass --rendezvous URL, or unset it.\n")
+
+
+def test_install_at_a_custom_path_says_how_to_link_it(monkeypatch, tmp_path, capsys):
+    """With --path elsewhere the old instructions (`systemctl --user enable --now kafilad`) found no unit:
+    the unit is linked in first; a name systemd would not load (not NAME.service) is refused."""
+    path = tmp_path / "u" / "kafilad.service"
+    assert install_cli(monkeypatch, tmp_path, "--path", str(path)) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[3:7] == [f"  systemctl --user link {path}", "  systemctl --user daemon-reload",
+                                     "  systemctl --user enable --now kafilad", "  journalctl --user -u kafilad -f"]
+    assert f"keep the file there, or copy it into {tmp_path / 'cfg' / 'systemd' / 'user'}/ instead" in out
+    assert f"#   systemctl --user link {path}\n" in path.read_text()
+    mine = tmp_path / "cfg" / "systemd" / "user" / "kafila-lab.service"  # in systemd's directory: no link
+    assert install_cli(monkeypatch, tmp_path, "--path", str(mine)) == 0
+    assert capsys.readouterr().out.splitlines()[3:6] == [
+        "  systemctl --user daemon-reload", "  systemctl --user enable --now kafila-lab",
+        "  journalctl --user -u kafila-lab -f"]
+    assert install_cli(monkeypatch, tmp_path, "--path", str(tmp_path / "u" / "kafilad.txt")) == 2
+    assert capsys.readouterr().err == (
+        "kafila-ctl: systemd loads a service only from a file named NAME.service, not 'kafilad.txt'; pass --path "
+        f"{tmp_path / 'u' / 'kafilad.service'} or another NAME.service.\n")
+    assert not (tmp_path / "u" / "kafilad.txt").exists()
