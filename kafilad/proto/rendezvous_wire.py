@@ -143,10 +143,19 @@ def decode_message(data: bytes) -> ControlMessage | RelayData:
     except msgpack.OutOfData:
         raise RemoteProtocolError("A rendezvous control message was truncated.") from None
     except Exception as exc:  # msgpack raises several unrelated types on bad input
-        raise RemoteProtocolError(f"A rendezvous control message is not valid msgpack: {exc}.") from None
+        raise RemoteProtocolError(f"A rendezvous control message is not valid msgpack: {_msgpack_fault(exc)}.") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
         raise RemoteProtocolError("A rendezvous control message must be a msgpack map with a string 't'.")
     return ControlMessage(obj["t"], obj)
+
+
+def _msgpack_fault(exc: Exception) -> str:
+    """What msgpack found wrong, in words: its FormatError and StackError carry no text."""
+    if isinstance(exc, msgpack.FormatError):
+        return "it holds a byte that starts no msgpack value (such as 0xc1, which msgpack never uses)"
+    if isinstance(exc, msgpack.StackError):
+        return "its values nest deeper than the decoder allows"
+    return str(exc).rstrip(".") or type(exc).__name__
 
 
 def check_fields(msg: ControlMessage, schema: dict[str, type | tuple[type, ...]]) -> None:

@@ -78,7 +78,9 @@ def test_control_roundtrip(type_, fields):
         (b"\x00" + msgpack.packb([1, 2]), "map with a string 't'"),
         (b"\x00" + msgpack.packb({"t": 5}), "map with a string 't'"),
         (b"\x00" + msgpack.packb({"t": "join", "x": "abcdef"})[:-3], "truncated"),
-        (b"\x00\xc1", "not valid msgpack"),
+        (b"\x00\xc1", "not valid msgpack: it holds a byte that starts no msgpack value"),  # had no detail: ": ."
+        (b"\x00" + b"\x91" * 2000 + b"\x00", "not valid msgpack: its values nest deeper than the decoder allows"),
+        (b"\x00\x81\x01\x02", "not valid msgpack: int is not allowed for map key"),
         ("text", "binary WebSocket messages only"),
     ],
 )
