@@ -101,20 +101,24 @@ class HostSession(HostRequests, SessionDriver):
         """Refuse arguments no plan could honour, before anyone joins (DESIGN §5.4).
 
         Raises:
-            KafilaError: members outside [1, blocks], context or concurrency below 1, or a
+            KafilaError: members outside [1, blocks], concurrency below 1, context below 2, or a
                 context beyond the model's max_position_embeddings.
         """
         n_blocks = self.info.num_hidden_layers
-        if not 1 <= self.expected <= n_blocks:
-            raise KafilaError(f"--members counts every machine, the host included, and each holds at least one "
-                              f"block: it must be between 1 and {n_blocks} for {self.info.model_id} (got {self.expected}).")
+        if not 1 <= self.expected <= n_blocks:  # the planner takes at most one device per block (DESIGN §5)
+            raise KafilaError(f"--members counts every machine, the host included, and a session has at most one "
+                              f"per block of the model: it must be between 1 and {n_blocks} for {self.info.model_id} "
+                              f"(got {self.expected}).")
         limit = self.info.config.get("max_position_embeddings")
         if self.context is None:
             self.context = min(DEFAULT_CONTEXT, int(limit)) if limit else DEFAULT_CONTEXT
         if not self.admit_timeout_s > 0:
             raise KafilaError(f"--admit-timeout must be a positive number of seconds (got {self.admit_timeout_s:g}).")
-        if self.context < 1 or self.concurrency < 1:
-            raise KafilaError(f"--context and --concurrency must be at least 1 (got {self.context} and {self.concurrency}).")
+        if self.concurrency < 1:
+            raise KafilaError(f"--concurrency must be at least 1 (got {self.concurrency}).")
+        if self.context < 2:  # a request needs a prompt token and the token it generates
+            raise KafilaError(f"--context must be at least 2 tokens, room for one prompt token and one generated "
+                              f"token (got {self.context}).")
         if limit and self.context > int(limit):
             raise KafilaError(f"--context {self.context} exceeds {self.info.model_id}'s max_position_embeddings "
                               f"({int(limit)}); pass --context {int(limit)} or less.")

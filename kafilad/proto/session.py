@@ -26,7 +26,9 @@ Member states::
 Events that arrive from a peer (a control frame) in a state whose row does not list them are the
 peer's protocol error: the action closes that peer's link with a sentence. Local events out of
 place are our bug: :class:`LocalProtocolError`. In ``failed`` and ``closed`` every event but
-``Close`` is ignored (the session is over; late frames change nothing).
+``Close`` is ignored (the session is over; late frames change nothing), except that a failed host
+answers a device that joins with a ``denied`` saying what to do (FAILED_DENIAL), and its members,
+told ``session_failed``, forget the session instead of rejoining it.
 """
 
 from __future__ import annotations
@@ -141,11 +143,14 @@ HOST_TABLE: dict = {
     H.DEGRADED: _row(H.DEGRADED, Capability={H.RECOVERING}, MemberLost={H.DEGRADED}, Leaving={H.DEGRADED},
                      Ready={H.DEGRADED}, OwnStageLoaded={H.DEGRADED}, Edges={H.DEGRADED}, Failed={H.DEGRADED},
                      RingBroken={H.DEGRADED}, RingFailed={H.DEGRADED}, RendezvousLost={H.DEGRADED}),
-    H.FAILED: {Close: {H.CLOSED}},
+    H.FAILED: {MemberJoined: {H.FAILED}, Close: {H.CLOSED}},  # a joining device is told (FAILED_DENIAL)
     H.CLOSED: {},
 }
 #: consecutive re-forms of the ring without reaching `ready` before the session gives up
 MAX_REFORMS = 3
+#: what a device that joins a failed session is told (proto_spec 05 §2 `denied`): the host admits no one
+FAILED_DENIAL = ("its session failed and admits no device; the host must run `kafila-ctl leave` and host the model "
+                 "again, then share the new session code")
 #: why a request still running when a new plan replaces a serving ring (a member joined or returned)
 #: ends: the host waited for the ring to drain first (kafilad/node/host_requests.py `drain_for`)
 PLAN_SWITCHED = ("The session switched to a new plan to take in a member that joined or returned, and this request "
@@ -248,6 +253,8 @@ class HostMachine(_Machine):
         return len(self.members) >= self.expected
 
     def _on_MemberJoined(self, ev: MemberJoined, row) -> list:
+        if self.state == HostState.FAILED:
+            return [Send(ev.peer_id, cf.Denied(FAILED_DENIAL)), CloseLink(ev.peer_id, "")]
         out = []
         old = self.members.get(ev.peer_id)
         if old is not None and old.control_down and old.public_key == ev.public_key:
@@ -380,7 +387,9 @@ class HostMachine(_Machine):
 
     def _on_PlanFailed(self, ev: PlanFailed, row) -> list:
         if self.state == HostState.PLANNING:
-            return self._fail(f"no plan fits this fleet: {ev.reason.rstrip('.')}", None, row)
+            return self._fail(f"No plan fits this fleet: {ev.reason.rstrip('.')}. To try again, run `kafila-ctl leave` "
+                              "on the host and host the model again with settings that fit (`kafila-ctl host`); "
+                              "the members then join its new code.", None, row)
         self.error = (f"waiting for a member to join: the model no longer fits the {len(self.live())} member(s) "
                       f"left ({ev.reason.rstrip('.')})")
         self._enter(HostState.DEGRADED, row)
@@ -561,10 +570,11 @@ class HostMachine(_Machine):
         for p in list(self.pending):  # a device still waiting for `admit` is answered, not left hanging
             out += [Send(p, cf.Denied(f"the session failed: {reason}")), CloseLink(p, "")]
         self.pending.clear()
+        remote = [e for e in self.members.values() if not e.is_host]
         if tell:
-            out += [Send(e.peer_id, cf.SessionFailed(reason)) for e in self.members.values()
-                    if not e.is_host and e.lost is None and not e.control_down]
-        return out
+            out += [Send(e.peer_id, cf.SessionFailed(reason)) for e in remote if e.lost is None and not e.control_down]
+        # their links end here, after that frame: the members stop (no rejoin), none is blamed for going quiet
+        return out + [CloseLink(e.peer_id, "the session failed") for e in remote]
 
     def _on_Abort(self, ev: Abort, row) -> list:
         return self._fail(f"internal error: {ev.reason}", None, row)

@@ -80,7 +80,7 @@ class MemberMachine(_Machine):
         return [JoinAccepted()]
 
     def _on_denied(self, ev: cf.Denied, row) -> list:
-        self.error = f"The host refused this device: {ev.reason}."
+        self.error = f"The host refused this device: {ev.reason.rstrip('.')}."
         self._enter(MemberState.FAILED, row)
         return [Refused(self.error)]
 
@@ -172,7 +172,10 @@ class MemberMachine(_Machine):
                           f"{lost}, and this device's ring edges were relayed through it", None, row)
 
     def _on_session_failed(self, ev: cf.SessionFailed, row) -> list:
-        return self._fail(ev.reason or "the host reported a failure", None, row, host=True)
+        """The host's session failed (it plans nothing more, proto_spec 05 §2.3): this device is in no
+        session any more, so it forgets it (no rejoin) and its status says why."""
+        reason = (ev.reason or "the host reported a failure").rstrip(".")
+        return self._fail(f"The session failed on the host: {reason}.", None, row, host=True) + [ForgetSession()]
 
     def _on_SessionEnded(self, ev: SessionEnded, row) -> list:
         if self.state in (MemberState.JOINING, MemberState.PENDING):

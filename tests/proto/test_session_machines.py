@@ -215,7 +215,9 @@ def a_member_without_blocks_is_told_to_stand_by(h, fire):
 @host_case(H.PLANNING, sm.PlanFailed, H.FAILED)
 def no_plan_fits_at_formation(h, fire):
     out = fire(sm.PlanFailed("Device 'alpha' cannot hold one block."))
-    reason = "no plan fits this fleet: Device 'alpha' cannot hold one block"
+    reason = ("No plan fits this fleet: Device 'alpha' cannot hold one block. To try again, run `kafila-ctl leave` on "
+              "the host and host the model again with settings that fit (`kafila-ctl host`); the members then join "
+              "its new code.")
     failure(out, reason, None, told=(A, B))
     assert h.error == reason
 

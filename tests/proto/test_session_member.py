@@ -64,7 +64,9 @@ for _s in BEFORE_ADMISSION:
 for _s in BEFORE_ADMISSION + AFTER_ADMISSION:
     @member_case(_s, cf.SessionFailed, M.FAILED)
     def host_reports_failure(m, fire):
-        member_failure(fire(cf.SessionFailed("internal error: x")), "internal error: x", "host")
+        out = fire(cf.SessionFailed("internal error: x"))
+        member_failure(out, "The session failed on the host: internal error: x.", "host")
+        assert out[2:] == [sm.ForgetSession()]  # in no session any more: its daemon does not rejoin
 
     @member_case(_s, sm.Abort, M.FAILED)
     def abort(m, fire):

@@ -12,7 +12,7 @@ import pytest
 
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
-from kafilad.proto.session import HOST_TABLE
+from kafilad.proto.session import FAILED_DENIAL, HOST_TABLE
 
 from proto.session_helpers import (
     A, B, C, HOST, HOST_NAME, HOST_SERVING_STATES, LOAD, PARAMS, SESSION_ID, H, Rows, cap_frame, failure, key,
@@ -539,6 +539,18 @@ def close_after_failure(h, fire):
 def daemon_stops_after_failure(h, fire):
     out = fire(sm.Close("bye", final=False))
     assert out == [sm.Trace("session_closed", {"reason": "bye"}), sm.CloseLink(A, "bye"), sm.CloseLink(B, "bye")]
+
+
+@host_case(H.FAILED, sm.MemberJoined, H.FAILED)
+def a_device_joining_a_failed_session_is_told_what_to_do(h, fire):
+    """Trial 2026-12-02: a failed host closed a joining device's link without a word, and the
+    members' daemons kept rejoining ("The host closed the link before admitting this device")."""
+    err = h.error
+    out = fire(sm.MemberJoined(C, "gamma", key(C), True))
+    assert out == [sm.Send(C, cf.Denied(FAILED_DENIAL)), sm.CloseLink(C, "")]
+    assert FAILED_DENIAL == ("its session failed and admits no device; the host must run `kafila-ctl leave` and "
+                             "host the model again, then share the new session code")
+    assert h.error == err and C not in h.members and C not in h.pending
 
 
 # ---- the row tests ------------------------------------------------------------------------------
