@@ -120,27 +120,31 @@ async def serving_session(node, gone: trio.Event):
     return ready(s)
 
 
+#: what to do when this daemon serves no session (the end of the 503's sentence)
+HOST_ONE = ("host one with `kafila-ctl host --model MODEL` and admit its members, or send requests to the API of "
+            "the daemon hosting a session.")
+NOT_HOSTING = "No session is being served by this daemon: it is not hosting one. To serve, " + HOST_ONE
+
+
 def ready(s):
     """`s` if it is a hosted session ready to generate; else HttpError 503 saying its state."""
     from kafilad.node.host import HostSession
     if s is None:
-        raise HttpError(503, "No session is being served by this daemon: it is not hosting one.",
-                        "service_unavailable")
+        raise HttpError(503, NOT_HOSTING, "service_unavailable")
     state = state_of(s)
     if not isinstance(s, HostSession):
         if state in ("failed", "closed"):
-            raise HttpError(503, "No session is being served by this daemon: it is not hosting one.",
-                            "service_unavailable")
+            raise HttpError(503, NOT_HOSTING, "service_unavailable")
         raise HttpError(503, "This daemon is a member of a session, not its host; send requests to the host's API.",
                         "service_unavailable")
     if state == "ready":
         return s
     if state == "failed":
         reason = api_text(str(s.error or "no reason was recorded")).rstrip(".")
-        raise HttpError(503, f"The session failed: {reason}. No session is being served by this daemon.",
+        raise HttpError(503, f"The session failed: {reason}. No session is being served by this daemon; {HOST_ONE}",
                         "service_unavailable")
     if state in ("closing", "closed"):
-        raise HttpError(503, f"The session is {state}; no session is being served by this daemon.",
+        raise HttpError(503, f"The session is {state}, so no session is being served by this daemon; {HOST_ONE}",
                         "service_unavailable")
     raise HttpError(503, f"The session is {state}; it serves requests once it is ready.", "service_unavailable",
                     headers=[("retry-after", str(RETRY_FORMING_S))])
@@ -317,6 +321,11 @@ def generation_error(e: KafilaError, session, fields: Optional[dict[str, str]] =
         return HttpError(429, api_text(str(e), fields), "rate_limit_exceeded",
                          headers=[("retry-after", str(max(1, int(e.retry_after_s))))])
     numbers = [getattr(e, k, None) for k in ("prompt_tokens", "max_tokens", "context")]
+    field = getattr(e, "prompt_field", None)  # set when the request had no max_tokens: the API chose it
+    if all(isinstance(n, int) for n in numbers) and field:  # so the prompt alone fills the context
+        return HttpError(400, f"The prompt ({'at least ' if getattr(e, 'at_least', False) else ''}{numbers[0]} "
+                              f"tokens) leaves no room to generate in the session's context of {numbers[2]} tokens; "
+                              f"shorten the {field}.", param=field, code="context_length_exceeded")
     if all(isinstance(n, int) for n in numbers):  # ContextTooLongError
         field = (fields or {}).get("max_tokens", "max_tokens")
         return HttpError(400, f"The prompt ({numbers[0]} tokens) plus '{field}' {numbers[1]} exceeds the "
@@ -334,7 +343,8 @@ def generation_error(e: KafilaError, session, fields: Optional[dict[str, str]] =
             if isinstance(e, SessionNotReadyError):  # it never started: the session's state says it all
                 return unavailable
             # it failed because the session changed under it (a member lost): say which, then the state
-            return HttpError(unavailable.status, f"{message.rstrip('.')}. {unavailable.message}", unavailable.kind,
+            cause = message[:1].upper() + message[1:].rstrip(".")  # "the host closed the session" begins a sentence
+            return HttpError(unavailable.status, f"{cause}. {unavailable.message}", unavailable.kind,
                              unavailable.headers, code=unavailable.code)
     return HttpError(500, message, "server_error")
 

@@ -59,7 +59,7 @@ from kafilad.control.api_common import (SSE_BUFFER_EVENTS, HttpError, TokenText,
                                         vocab_size)
 from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
 from kafilad.control.openai_schema import ChatRequest, CompletionRequest, parse_chat, parse_completion
-from kafilad.errors import KafilaError
+from kafilad.errors import ContextTooLongError, KafilaError
 from kafilad.proto.sampling import Sampling
 
 log = logging.getLogger("kafilad.http")
@@ -263,6 +263,7 @@ async def _generate(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
     """Run a checked completion or chat request and answer it, whole or streamed."""
     sampling = sampling_of(s, r)
     max_tokens = (r.max_completion_tokens if chat and r.max_completion_tokens is not None else r.max_tokens)
+    defaulted = max_tokens is None
     if max_tokens is None:
         max_tokens = default_max_tokens(s, prompt, DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -270,9 +271,14 @@ async def _generate(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
     model = model_id(s)
     text_of = TokenText(s) if sampling.logprobs is not None else None
 
-    def generate(emit):
-        return s.generate(prompt, max_tokens=max_tokens, temperature=sampling.temperature, emit=emit,
-                          gone=res.client_gone, sampling=sampling, stop=r.stop or ())
+    async def generate(emit):
+        try:
+            return await s.generate(prompt, max_tokens=max_tokens, temperature=sampling.temperature, emit=emit,
+                                    gone=res.client_gone, sampling=sampling, stop=r.stop or ())
+        except ContextTooLongError as e:
+            if defaulted:  # not "'max_tokens' 256 exceeds...": the client sent none (api_common generation_error)
+                e.prompt_field = "messages" if chat else "prompt"
+            raise
 
     if not r.stream:
         result, events = await generate_whole(s, res, generate)

@@ -491,7 +491,8 @@ class Node:
         if args.get("messages") is not None:
             prompt = s.chat_prompt(_arg(args, "messages", list, None))
         if not isinstance(prompt, str) or not prompt:
-            raise KafilaError("The prompt is empty.")
+            raise KafilaError('The prompt is empty; give the text for the model to continue, e.g. '
+                              'kafila-ctl generate "Once upon a time".')
         return await s.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=emit,
                                 gone=getattr(emit, "client_gone", None))
 

@@ -60,7 +60,9 @@ def test_a_completion_arriving_while_the_session_heals_waits_for_its_close_and_i
             h, route, lambda: h._handle(sm.Close("the host closed the session", final=True)), after_s=2.5)
         assert status == 503 and after_s == 2.5
         message = body["error"]["message"] if route is COMPLETION else body["error"]
-        assert message == "The session is closed; no session is being served by this daemon."
+        assert message == ("The session is closed, so no session is being served by this daemon; host one with "
+                           "`kafila-ctl host --model MODEL` and admit its members, or send requests to the API of the "
+                           "daemon hosting a session.")
     run(main)
 
 

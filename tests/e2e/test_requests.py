@@ -203,6 +203,13 @@ def test_concurrency_one_runs_one_queues_four_and_refuses_the_sixth(host_head):
     assert c.call(0, "status")["requests"] == {"running": 0, "queued": 0, "concurrency": 1, "queue_limit": 4}
 
 
+def test_kafila_ctl_generate_of_an_empty_prompt_says_what_to_give(host_head):
+    """A new user's trial: `kafila-ctl generate ""` said only "The prompt is empty."."""
+    with pytest.raises(KafilaError) as e:
+        host_head.generate("", 4)
+    assert str(e.value) == 'The prompt is empty; give the text for the model to continue, e.g. kafila-ctl generate "Once upon a time".'
+
+
 def test_kafila_ctl_generate_past_the_queue_says_the_host_is_busy(host_head):
     c = host_head
     port = port_of(c)
