@@ -32,6 +32,10 @@ START_TIMEOUT_S = 30.0
 RING_STRATEGY = "kafila"
 
 
+#: the context `LoopbackCluster.form` (and so `kafila-ctl demo`) asks the host for, in tokens
+DEMO_CONTEXT = 512
+
+
 #: prompts of the concurrent load `LoopbackCluster.aggregate_tps` sends (different prompts, short)
 LOAD_PROMPTS = ("Once upon a time", "The caravan left at dawn", "Kafila serves a model", "A ring of machines",
                 "In the beginning", "Tokens travel round", "Seven camels", "Under the desert sky")
@@ -139,7 +143,7 @@ class LoopbackCluster:
     def call(self, i: int, op: str, **args):
         return trio.run(lambda: self.client(i).call(op, **args))
 
-    def form(self, model_dir: str, *, members: Optional[int] = None, context: int = 512, concurrency: int = 1,
+    def form(self, model_dir: str, *, members: Optional[int] = None, context: int = DEMO_CONTEXT, concurrency: int = 1,
              timeout_s: float = 120.0, rendezvous: Optional[str] = None,
              strategy: Optional[str] = RING_STRATEGY) -> dict:
         """Host on daemon 0 (open session), join with the others, wait until ready; return timings.
@@ -283,9 +287,45 @@ def generation_markup(prompt: str, result: dict, *, synth: bool) -> str:
             "to is noise, not shown)")
 
 
+def check_demo_args(model: str, members: int, context: int = DEMO_CONTEXT) -> None:
+    """Refuse what the demo's host would refuse, before any process starts: `members` outside 1 to
+    the model's blocks or a `context` past the model's (the host's own check, kafila_ctl/checks.py),
+    and a model directory the daemon could not read (kafilad.modelinfo's sentence). A Hugging Face
+    repo id is read by the daemon.
+
+    Args:
+        model: what `model_ref` made of --model (a directory, or a repo id).
+        context: the context `LoopbackCluster.form` asks the host for.
+    Raises:
+        UsageError: any of these refusals.
+    """
+    from kafila_ctl.checks import host_refusal
+    from kafila_ctl.client import UsageError
+    from kafilad.modelinfo import read_model_info
+    from kafilad.modelref import parse_repo_id
+    if parse_repo_id(model) is not None:
+        if members < 1:
+            raise UsageError(f"--members counts the daemons on the demo's ring, each holding at least one block: "
+                             f"give 1 or more (got {members}).")
+        return
+    try:
+        info = read_model_info(model)
+    except KafilaError as e:
+        raise UsageError(str(e)) from None
+    refusal = host_refusal(info, members=members, context=context)
+    if refusal is not None:
+        raise UsageError(refusal)
+
+
 def run_demo(*, model: Optional[str], members: int, prompt: str, max_tokens: int, synth: bool = False) -> int:
     """The `kafila-ctl demo` command: serve `model` (default: the packaged stories260K; `synth`:
-    the synthesised random-weight model) on a loopback ring and print a generation."""
+    the synthesised random-weight model) on a loopback ring and print a generation. Every argument
+    is checked before anything starts (`check_demo_args`).
+
+    Raises:
+        UsageError: a model or --members the host would refuse (exit status 2).
+        KafilaError: a model name that matches nothing (`model_ref`), or a process that did not start.
+    """
     from rich.console import Console
     from rich.markup import escape
     from kafila_ctl.render import members_table
@@ -293,15 +333,18 @@ def run_demo(*, model: Optional[str], members: int, prompt: str, max_tokens: int
     if synth:
         from kafilad.executor.synth import default_synth_model_dir
         model = str(default_synth_model_dir())
-        console.print(f"model: synthesised at {escape(model)}: random weights and a byte-level tokenizer, so its "
-                      "text is noise; it shows the ring's shapes and timings (`kafila-ctl demo` alone serves a "
-                      "real tiny model)")
+        said = (f"model: synthesised at {escape(model)}: random weights and a byte-level tokenizer, so its text is "
+                "noise; it shows the ring's shapes and timings (`kafila-ctl demo` alone serves a real tiny model)")
     elif model is not None:
         model = model_ref(model)  # before any daemon starts: a name that matches nothing is a sentence
+        said = None
     else:
         model = str(packaged_model_dir())
-        console.print(f"model: {DEMO_MODEL}, Andrej Karpathy's 260K-parameter TinyStories Llama (MIT licence), "
-                      f"shipped with kafila at {escape(model)}")
+        said = (f"model: {DEMO_MODEL}, Andrej Karpathy's 260K-parameter TinyStories Llama (MIT licence), "
+                f"shipped with kafila at {escape(model)}")
+    check_demo_args(model, members)
+    if said:
+        console.print(said)
     with LoopbackCluster(members) as cluster:
         console.print(f"rendezvous {cluster.rdv_url}; {members} daemons started")
         formed = cluster.form(model, members=members)
