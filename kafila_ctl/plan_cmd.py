@@ -51,7 +51,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Divide a model over a fleet described in a JSON file and compare the division "
                     "with the uniform and memory-proportional baselines. No daemon is needed.")
     p.add_argument("--fleet", required=True, type=Path, help="fleet JSON file (proto_spec/06-fleet.md)")
-    p.add_argument("--model", required=True, type=Path, help="model directory (config.json + safetensors headers)")
+    p.add_argument("--model", required=True,
+                   help="model directory (config.json + safetensors headers), or the name of a model shipped with "
+                        "kafila (stories260K), as `host` and `demo` take it")
     p.add_argument("--context", type=_positive_int, default=None,
                    help=f"context tokens per request (default: fleet's, else {DEFAULT_CONTEXT} capped at the "
                         f"model's max_position_embeddings, as the host does)")
@@ -247,7 +249,10 @@ def plot(outcomes: dict[str, Outcome], path: Path, title: str = "") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `kafila-ctl plan`; returns the exit status (0 ok, 2 nothing fits, 1 bad input)."""
+    """Run `kafila-ctl plan`; returns the exit status (0 ok, 2 nothing fits, 1 bad input: an unreadable
+    fleet or model, or a context the host would refuse, in the host's words)."""
+    from kafila_ctl.checks import host_refusal
+    from kafila_ctl.demo import model_ref
     from kafilad.modelinfo import read_model_info
 
     console = Console()
@@ -257,16 +262,25 @@ def run(args: argparse.Namespace) -> int:
         if args.plot is not None and not Path(args.plot).parent.is_dir():
             raise KafilaError(f"Cannot write the plot: directory {Path(args.plot).parent} does not exist.")
         fleet = load_fleet(args.fleet)
-        info = read_model_info(args.model)
+        info = read_model_info(model_ref(str(args.model)))
         profile = info.profile(float_dtype_bytes=HOLD_DTYPE_BYTES[args.hold_dtype])
+        context = args.context if args.context is not None else (fleet.context or default_context(info.config))
+        limit = info.config.get("max_position_embeddings")
+        if args.context is None and limit and context > int(limit):  # the fleet file's context is a default:
+            context = int(limit)  # capped as the host caps its own
+            print(f"kafila-ctl: the fleet file's context {fleet.context} is past {info.model_id}'s "
+                  f"max_position_embeddings; planning with {context}, as the host caps its default "
+                  "(--context chooses another).", file=sys.stderr)
+        concurrency = args.concurrency if args.concurrency is not None else (fleet.concurrency or DEFAULT_CONCURRENCY)
+        refusal = host_refusal(info, context=context, concurrency=concurrency)  # the host's own check and sentence
+        if refusal is not None:
+            raise KafilaError(refusal)
     except KafilaError as e:
         if args.json:
             print(json.dumps(error_json(e)))
         else:
             print(f"kafila-ctl: {e}", file=sys.stderr)
         return 1
-    context = args.context if args.context is not None else (fleet.context or default_context(info.config))
-    concurrency = args.concurrency if args.concurrency is not None else (fleet.concurrency or DEFAULT_CONCURRENCY)
     outcomes = plan_all(fleet.devices, profile, context=context, concurrency=concurrency, mu=args.mu)
     chosen = outcomes[args.strategy]
     if args.json:

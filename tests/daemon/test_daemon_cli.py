@@ -318,3 +318,28 @@ def test_rendezvous_urls_the_daemon_takes():
     from kafilad.main import rendezvous_url
     for url in ("ws://127.0.0.1:7400", "wss://rdv.example.org", "ws://[::1]:7400", " ws://rdv.example:7400/path "):
         assert rendezvous_url(url) == url.strip()
+
+
+def test_plan_and_demo_refuse_members_and_context_in_the_hosts_own_words(daemon, tmp_path):
+    """kafila-ctl's early checks (kafila_ctl/checks.py: `demo` before its daemons, `plan` offline) give
+    the sentence the host gives (kafilad/node/host.py HostSession._validate), word for word; and `plan` takes a
+    shipped model's bare name as `host` and `demo` do (a new user's trial: "stories260K is not a
+    directory")."""
+    _, state = daemon
+    run = dict(capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    fleet = os.path.join(os.path.dirname(__file__), "..", "..", "fleets", "home-lab.json")
+    host = ["--state-dir", str(state), "host", "--model", "stories260K", "--rendezvous", "ws://127.0.0.1:9"]
+    r = subprocess.run(CTL + host + ["--members", "6"], **run)
+    assert r.returncode == 1 and "must be between 1 and 5 for stories260K (got 6)" in r.stderr
+    d = subprocess.run(CTL + ["demo", "--members", "6"], **run)
+    assert d.returncode == 2 and d.stderr == r.stderr
+    r = subprocess.run(CTL + host + ["--members", "2", "--context", "10000000"], **run)
+    assert r.returncode == 1 and "exceeds stories260K's max_position_embeddings (512)" in r.stderr
+    p = subprocess.run(CTL + ["plan", "--fleet", fleet, "--model", "stories260K", "--context", "10000000"], **run)
+    assert p.returncode == 1 and p.stderr == r.stderr
+    p = subprocess.run(CTL + ["plan", "--fleet", fleet, "--model", "stories260K", "--json"], **run)
+    assert p.returncode == 0, p.stderr
+    import json
+    assert json.loads(p.stdout)["context"] == 512  # the fleet file's 4096, capped as the host caps its default
+    assert p.stderr == ("kafila-ctl: the fleet file's context 4096 is past stories260K's max_position_embeddings; "
+                        "planning with 512, as the host caps its default (--context chooses another).\n")

@@ -102,20 +102,20 @@ def test_uniform_cannot_place_32b_but_kafila_can(qwen_dir, capsys):
 
 def test_hold_dtype_f32_doubles_resident_weights(qwen_dir, capsys):
     base = ["--fleet", str(FLEETS / "gaming-pcs.json"), "--model", str(qwen_dir / "qwen3-14b"), "--json", "--strategy", "uniform"]
-    _, out = run_cli(base + ["--context", "1"], capsys)
+    _, out = run_cli(base + ["--context", "2"], capsys)  # the least context the host takes
     bf16 = json.loads(out)
-    rc, out = run_cli(base + ["--context", "1", "--hold-dtype", "f32"], capsys)
+    rc, out = run_cli(base + ["--context", "2", "--hold-dtype", "f32"], capsys)
     assert rc == 2  # 4070: blocks [10, 20) at f32 need 13.2 GB of its 11.8 GB
     err = json.loads(out)["error"]
     f32 = read_model_info(qwen_dir / "qwen3-14b").profile(float_dtype_bytes=4)
-    work = working_bytes(f32.shape, context=1, concurrency=1, head=False)
-    need = sum(f32.block_bytes[10:20]) + 10 * f32.kv_bytes_per_block_token * 1 + work
+    work = working_bytes(f32.shape, context=2, concurrency=1, head=False)
+    need = sum(f32.block_bytes[10:20]) + 10 * f32.kv_bytes_per_block_token * 2 + work
     assert err["device"] == "pc-4070" and err["shortfall_bytes"] == need - (11 * 2**30)
-    bf16_work = working_bytes(read_model_info(qwen_dir / "qwen3-14b").profile().shape, context=1, concurrency=1,
+    bf16_work = working_bytes(read_model_info(qwen_dir / "qwen3-14b").profile().shape, context=2, concurrency=1,
                               head=False)
     assert bf16["working_bytes"]["pc-4070"] == bf16_work < work
-    assert bf16["resident_bytes"]["pc-4070"] == sum(f32.block_bytes[10:20]) // 2 + 10 * 4096 + bf16_work
-    assert bf16["context"] == 1 and bf16["concurrency"] == 1
+    assert bf16["resident_bytes"]["pc-4070"] == sum(f32.block_bytes[10:20]) // 2 + 10 * 4096 * 2 + bf16_work
+    assert bf16["context"] == 2 and bf16["concurrency"] == 1
 
 
 def test_table_and_plot(qwen_dir, capsys, tmp_path):
