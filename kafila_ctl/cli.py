@@ -316,11 +316,27 @@ def cmd_leave(args) -> int:
     return 0
 
 
+def schedule_line(result: dict, typed: str | None = None) -> str:
+    """`kafila-ctl schedule`'s line: the mode as the user typed it (lockstep, auto, per-request or N),
+    else as the daemon reports it ("auto", "per-request" or a pinned N; lockstep is N = 1), then the
+    micro-batches in flight now (a pure function of the `schedule` result)."""
+    mode = typed.strip() if typed is not None else result["mode"]
+    if isinstance(mode, str) and mode.lstrip("+").isdigit():
+        mode = int(mode)
+    if mode == "per-request":
+        return "decode schedule: per-request (every request decodes in its own passes)"
+    now = result.get("micro_batches")
+    in_flight = f" ({now} micro-batch{'es' if now != 1 else ''} in flight now)" if now is not None else ""
+    if mode == 1 and typed is None:
+        mode = "lockstep"  # the daemon's pinned 1 (kafilad/node/ring_parts.py apply_schedule)
+    if isinstance(mode, int):
+        return f"decode schedule: {mode} micro-batch{'es' if mode != 1 else ''} pinned{in_flight}"
+    return f"decode schedule: {mode}{in_flight}"
+
+
 def cmd_schedule(args) -> int:
     r = _call(args, "schedule", mode=args.mode)
-    print(f"decode schedule: {r['mode']}"
-          + (f" ({r['micro_batches']} micro-batch{'es' if r['micro_batches'] > 1 else ''} in flight now)"
-             if r["mode"] != "per-request" else ""))
+    print(schedule_line(r, args.mode))
     return 0
 
 

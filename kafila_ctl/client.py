@@ -15,6 +15,10 @@ class DaemonNotRunning(KafilaError):
     """No kafilad answers on the control socket."""
 
 
+class DaemonStopped(KafilaError):
+    """The daemon went away during an operation: nothing answers on its socket any more."""
+
+
 class UsageError(KafilaError):
     """An argument kafila-ctl refuses before it starts or changes anything (exit status 2, as argparse's
     own usage errors); the message is a sentence naming the argument and what it takes."""
@@ -34,6 +38,22 @@ class ControlClient:
                 f"kafilad is not running at {self.socket_path} ({e.strerror or e}); "
                 f"start it with `kafilad --state-dir {self.socket_path.parent}`.") from None
         return FramedStream(stream)
+
+    async def _gone(self, op: str, how: str) -> KafilaError:
+        """The error for a connection the daemon closed before its reply: when nothing answers on the
+        socket any more the daemon stopped (it exited or was killed), and the sentence says where to
+        look; else the daemon closed only this connection."""
+        log = self.socket_path.parent / "kafilad.log"
+        try:
+            probe = await trio.open_unix_socket(str(self.socket_path))
+        except OSError:
+            return DaemonStopped(
+                f"kafilad stopped during '{op}': it closed the control connection{how}, and nothing answers on "
+                f"{self.socket_path} now. Its log says why: {log} (as a service: `systemctl --user status "
+                f"kafilad` or `journalctl --user -u kafilad`); start it again with `kafilad --state-dir "
+                f"{self.socket_path.parent}`.")
+        await probe.aclose()
+        return KafilaError(f"kafilad closed the control connection during '{op}'{how}; its log may say why: {log}.")
 
     async def call(self, op: str, **args: Any) -> Any:
         """One request; returns its result.
@@ -66,9 +86,9 @@ class ControlClient:
                     raise RemoteProtocolError(
                         f"kafilad closed the control connection during '{op}': {str(e).rstrip('.')}.") from None
                 except trio.BrokenResourceError as e:
-                    raise KafilaError(f"kafilad closed the control connection during '{op}': {e}.") from None
+                    raise await self._gone(op, f": {e}") from None
                 if msg is None:
-                    raise KafilaError(f"kafilad closed the control connection during '{op}' without a reply.")
+                    raise await self._gone(op, " without a reply")
                 if msg.get("t") == "event":
                     yield "event", msg
                 elif msg.get("t") == "reply":

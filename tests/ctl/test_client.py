@@ -11,7 +11,7 @@ import pytest
 import trio
 from trio.testing import trio_test
 
-from kafila_ctl.client import ControlClient, DaemonNotRunning
+from kafila_ctl.client import ControlClient, DaemonNotRunning, DaemonStopped
 from kafilad.control.api import API_VERSION, FramedStream
 from kafilad.errors import KafilaError, RemoteProtocolError, collapse_groups
 from kafilad.proto.frames import encode_frame
@@ -76,10 +76,36 @@ async def test_a_daemon_closing_between_frames_is_a_clean_end_without_reply(tmp_
     async def script(stream, request):
         await FramedStream(stream).send({"t": "event", "kind": "progress"})
 
-    with pytest.raises(KafilaError) as info:
+    with pytest.raises(DaemonStopped) as info:
         await _run(tmp_path, script)
     assert not isinstance(info.value, RemoteProtocolError)
-    assert str(info.value) == "kafilad closed the control connection during 'status' without a reply."
+    sock = tmp_path / "kafilad.sock"  # nothing answers on it any more: the daemon stopped
+    assert str(info.value) == (
+        f"kafilad stopped during 'status': it closed the control connection without a reply, and nothing answers "
+        f"on {sock} now. Its log says why: {tmp_path / 'kafilad.log'} (as a service: `systemctl --user status "
+        f"kafilad` or `journalctl --user -u kafilad`); start it again with `kafilad --state-dir {tmp_path}`.")
+
+
+@trio_test
+async def test_a_daemon_still_answering_that_closed_one_connection_did_not_stop(tmp_path):
+    path = tmp_path / "kafilad.sock"
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await sock.bind(str(path))
+    sock.listen(4)
+    listener = trio.SocketListener(sock)
+    async with listener:
+        with pytest.raises(KafilaError) as info:
+            with collapse_groups():
+                async with trio.open_nursery() as nursery:
+                    async def close_first():
+                        stream = await listener.accept()
+                        await FramedStream(stream).receive()
+                        await stream.aclose()  # the listener goes on: the daemon still answers
+                    nursery.start_soon(close_first)
+                    await ControlClient(path).call("watch")
+    assert not isinstance(info.value, DaemonStopped)
+    assert str(info.value) == (f"kafilad closed the control connection during 'watch' without a reply; its log may "
+                               f"say why: {tmp_path / 'kafilad.log'}.")
 
 
 @trio_test

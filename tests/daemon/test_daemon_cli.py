@@ -343,3 +343,25 @@ def test_plan_and_demo_refuse_members_and_context_in_the_hosts_own_words(daemon,
     assert json.loads(p.stdout)["context"] == 512  # the fleet file's 4096, capped as the host caps its default
     assert p.stderr == ("kafila-ctl: the fleet file's context 4096 is past stories260K's max_position_embeddings; "
                         "planning with 512, as the host caps its default (--context chooses another).\n")
+
+
+def test_watch_says_the_daemon_stopped_and_where_to_look(daemon):
+    """A new user's trial: `status --watch` over a daemon that died read "kafilad closed the control
+    connection during 'watch' without a reply."; it says the daemon stopped and where its log is."""
+    p, state = daemon
+    watch = subprocess.Popen(CTL + ["--state-dir", str(state), "status", "--watch"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert "alpha: not in a session" in watch.stdout.readline()
+        p.kill()  # the daemon dies (no shutdown reply)
+        p.wait()
+        assert watch.wait(30) == 1
+        err = watch.stderr.read()
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    assert err == (f"kafila-ctl: kafilad stopped during 'watch': it closed the control connection without a reply, "
+                   f"and nothing answers on {state / 'kafilad.sock'} now. Its log says why: {state / 'kafilad.log'} "
+                   f"(as a service: `systemctl --user status kafilad` or `journalctl --user -u kafilad`); start it "
+                   f"again with `kafilad --state-dir {state}`.\n")
