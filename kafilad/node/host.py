@@ -22,6 +22,7 @@ from kafilad.modelinfo import read_model_info
 from kafilad.node import paths, stagehost
 from kafilad.node.admission import Limiter
 from kafilad.node.fetch_serving import MemberFetches, serve_fetch
+from kafilad.node.host_pending import wait_while_pending
 from kafilad.node.host_requests import HostRequests, RequestFailed
 from kafilad.node.link import Link, secure_link
 from kafilad.node.liveness import Liveness
@@ -350,7 +351,8 @@ class HostSession(HostRequests, SessionDriver):
             await link.close()
 
     async def _admitted_member(self, pid: str, link: Link, remote_static: bytes) -> None:
-        """Admission (a known key, `kafila-ctl admit`, or the timeout), then the member's frames.
+        """Admission (a known key, `kafila-ctl admit`, or the timeout; a device that goes while it
+        waits frees its place at once: host_pending.py), then the member's frames.
 
         Raises:
             LinkClosed: as `_member_loop`.
@@ -358,10 +360,13 @@ class HostSession(HostRequests, SessionDriver):
         known = self.node.state.load_roster().get(pid, {}).get("public_key") == remote_static.hex()
         decided = self._decided[pid] = trio.Event()
         await self._handle(sm.MemberJoined(pid, link.peer_name, remote_static, known))
+        first = None
         if pid in self.machine.pending:
-            with trio.move_on_after(self.admit_timeout_s):
-                await decided.wait()
-            if pid in self.machine.pending:
+            first, gone = await wait_while_pending(link, decided, self.admit_timeout_s)
+            if gone is not None and pid in self.machine.pending:
+                log.info("%s went before it was admitted: %s", link.peer_name, gone)
+                await self._handle(sm.MemberLost(pid, gone))  # its pending entry goes (proto.session)
+            elif pid in self.machine.pending:
                 await self._handle(sm.PendingTimedOut(pid, self.admit_timeout_s))
         self._decided.pop(pid, None)
         if pid not in self.machine.members or self.links.get(pid) is not link:
@@ -373,7 +378,7 @@ class HostSession(HostRequests, SessionDriver):
             async with trio.open_nursery() as watch:
                 watch.start_soon(live.run)
                 watch.start_soon(fetches.run)
-                await self._member_loop(pid, link, live, fetches)
+                await self._member_loop(pid, link, live, fetches, first)
 
     def decide(self, who: str, decision: str, reason: str = "") -> dict:
         """Admit or deny a pending peer named by peer id or name (`kafila-ctl admit|deny`).
@@ -391,17 +396,18 @@ class HostSession(HostRequests, SessionDriver):
     def pending(self) -> dict:
         return self.machine.pending
 
-    async def _member_loop(self, pid: str, link: Link, live: Liveness, fetches: MemberFetches) -> None:
+    async def _member_loop(self, pid: str, link: Link, live: Liveness, fetches: MemberFetches,
+                           first: Optional[dict] = None) -> None:
         """Frames from one admitted member: state frames to the machine, `fetch` frames to their
         own task (kafilad/node/fetch_serving.py: this loop never waits on a `data` send), the rest
-        served here.
+        served here. `first`: a frame read while it waited for admission (host_pending.py), handled first.
 
         Raises:
             LinkClosed: the link ended, a frame was malformed, or the member had more than
                 `cf.FETCHES_IN_FLIGHT_MAX` fetches unanswered (proto_spec 05 §2.1).
         """
         while True:
-            raw = await link.receive()
+            raw, first = (first, None) if first is not None else (await link.receive(), None)
             live.saw_frame()
             try:
                 f = cf.decode_control(raw)

@@ -38,6 +38,11 @@ REJOIN_IDLE_WAIT_S = 30.0
 LOAD_FETCHING, LOAD_FROM_CACHE = "fetching", "reading the weights from the cache"
 
 
+def _only_cancelled(e: BaseException) -> bool:
+    """Whether `e` is trio's Cancelled, alone or in a group of nothing else."""
+    return isinstance(e, trio.Cancelled) or (isinstance(e, BaseExceptionGroup) and e.split(trio.Cancelled)[1] is None)
+
+
 class MemberSession(SessionDriver):
     """This daemon as a member of someone else's session. Runs inside the node's root nursery."""
 
@@ -48,7 +53,7 @@ class MemberSession(SessionDriver):
         self.code = code
         self.session_id, self.host_fingerprint = parse_session_code(code)
         self.rdv_url = rendezvous
-        self.machine = sm.MemberMachine()
+        self.machine = sm.MemberMachine(node.name)
         self.host_name = "?"
         self.link: Optional[Link] = None
         self.ring_order: list[str] = []
@@ -170,6 +175,10 @@ class MemberSession(SessionDriver):
                 raise err from None
             if self.state not in (sm.MemberState.FAILED, sm.MemberState.CLOSED):
                 await self._handle(sm.RendezvousLost(reason))
+        except BaseException as e:  # cancelled: the daemon stops, or this device left (`kafila-ctl leave`)
+            if started or self.state != sm.MemberState.CLOSED or not _only_cancelled(e):
+                raise
+            raise SessionError(self.error or "This device left as it joined the session.") from None  # it left while it waited: the join ends saying so
 
     async def _open_ctl(self, rdv, host_pid: str) -> None:
         circuit = await rdv.open_circuit(host_pid, "ctl")

@@ -37,7 +37,7 @@ from typing import Optional
 
 from kafilad.proto import control as cf
 from kafilad.proto.session_machine import _OVER, _Machine  # noqa: F401 - _OVER re-exported
-from kafilad.proto.session_member import MEMBER_TABLE, MemberMachine  # noqa: F401 - re-exported
+from kafilad.proto.session_member import DENIED_BY_HOST, MEMBER_TABLE, MemberMachine  # noqa: F401 - re-exported
 from kafilad.proto.session_events import (  # noqa: F401 - re-exported: the machines' vocabulary
     Registered, MemberJoined, Decision, PendingTimedOut, OwnCapability, FrameFrom,
     Planned, PlanFailed, OwnStageLoaded, MemberLost, RingFailed, RendezvousLost,
@@ -285,7 +285,7 @@ class HostMachine(_Machine):
             return []
         self.changed = True
         if not ev.admit:
-            return [Send(p.peer_id, cf.Denied(ev.reason or "the host denied this device")), CloseLink(p.peer_id, "")]
+            return [Send(p.peer_id, cf.Denied(ev.reason or DENIED_BY_HOST)), CloseLink(p.peer_id, "")]
         if self._full():
             return [Send(p.peer_id, cf.Denied("the session became complete while this device waited")),
                     CloseLink(p.peer_id, "")]

@@ -16,6 +16,8 @@ from kafilad.proto.session_events import (
 from kafilad.proto.session_machine import _Machine
 
 M = MemberState
+#: the reason of the host's `denied` after `kafila-ctl deny` (kafilad/proto/session.py `_on_Decision`)
+DENIED_BY_HOST = "the host denied this device"
 _MEMBER_FAILURES = {HostLinkLost: {M.FAILED}, cf.SessionFailed: {M.FAILED}, SessionEnded: {M.FAILED},
                     cf.SessionClosed: {M.CLOSED},
                     RendezvousLost: {M.FAILED}, Abort: {M.FAILED}, Close: {M.CLOSED}}
@@ -43,8 +45,10 @@ class MemberMachine(_Machine):
 
     TABLE = MEMBER_TABLE
 
-    def __init__(self):
+    def __init__(self, name: str = "NAME"):
         super().__init__(MemberState.JOINING)
+        #: this device's name, for the sentences that tell its user what to ask the host
+        self.name = name
         self.admitted: Optional[cf.Admitted] = None
         self.plan: Optional[cf.PlanFrame] = None
         self.capability: Optional[dict] = None
@@ -80,7 +84,11 @@ class MemberMachine(_Machine):
         return [JoinAccepted()]
 
     def _on_denied(self, ev: cf.Denied, row) -> list:
-        self.error = f"The host refused this device: {ev.reason.rstrip('.')}."
+        if ev.reason == DENIED_BY_HOST:  # `kafila-ctl deny`: it may try again, if the host agrees
+            self.error = (f"The host refused this device with `kafila-ctl deny`; to try again, run `kafila-ctl join` "
+                          f"again and ask the host to run `kafila-ctl admit {self.name}`.")
+        else:
+            self.error = f"The host refused this device: {ev.reason.rstrip('.')}."
         self._enter(MemberState.FAILED, row)
         return [Refused(self.error)]
 
@@ -200,6 +208,8 @@ class MemberMachine(_Machine):
 
     def _on_Close(self, ev: Close, row) -> list:
         was = self.state
+        if was in (MemberState.JOINING, MemberState.PENDING):  # what the interrupted join says
+            self.error = "This device left before the host admitted it."
         self._enter(MemberState.CLOSED, row)
         out = [Send("", cf.Leaving(ev.reason))] if was not in (MemberState.FAILED,) else []
         return out + [FailRequests(ev.reason, None), CloseLink("", ev.reason)]

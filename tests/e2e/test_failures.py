@@ -73,7 +73,7 @@ def test_admission_deny_timeout_admit(tmp_path, synth_llama):
         assert pending[0]["name"] == "m1" and pending[0]["peer_id"] == c.call(1, "keys")["peer_id"]
         c.call(0, "deny", peer="m1")
         j.join()
-        assert isinstance(j.error, KafilaError) and "The host refused this device: the host denied this device" in str(j.error)
+        assert isinstance(j.error, KafilaError) and "The host refused this device with `kafila-ctl deny`" in str(j.error)
         # admitted: the session forms; the key is now on the host's roster
         j = Background(lambda: c.call(2, "join", code=code))
         c.call(0, "admit", peer=wait_pending(c)[0]["peer_id"])

@@ -41,6 +41,21 @@ for _s in BEFORE_ADMISSION:
             sm.Refused("The host refused this device: the session is already complete.")]
         assert m.error == "The host refused this device: the session is already complete."
 
+    @member_case(_s, cf.Denied, M.FAILED)
+    def denied_by_the_host(m, fire):
+        """Trial 2026-12-02: "The host refused this device: the host denied this device." said nothing to do."""
+        said = ("The host refused this device with `kafila-ctl deny`; to try again, run `kafila-ctl join` again and "
+                "ask the host to run `kafila-ctl admit NAME`.")
+        assert fire(cf.Denied(sm.DENIED_BY_HOST)) == [sm.Refused(said)] and m.error == said
+        assert "refused this device" in said  # what the daemon's rejoin loop stops on (kafilad/node/daemon.py _rejoin)
+
+    @member_case(_s, sm.Close, M.CLOSED)
+    def leave_before_admission(m, fire):
+        """The join it interrupts says so (the trial's said "The host ended the session ...")."""
+        r = "its user ran `kafila-ctl leave`"
+        assert fire(sm.Close(r)) == [sm.Send("", cf.Leaving(r)), sm.FailRequests(r, None), sm.CloseLink("", r)]
+        assert m.error == "This device left before the host admitted it."
+
     @member_case(_s, sm.JoinFailed, M.FAILED)
     def join_failed(m, fire):
         assert fire(sm.JoinFailed("Cannot join: no such session.")) == []

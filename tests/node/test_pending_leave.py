@@ -1,0 +1,91 @@
+"""A device waiting for admission that leaves, or is denied, frees its place at once.
+
+A new user's trial (2026-12-02): a device that ran `kafila-ctl leave` while it waited for `admit`
+was told "The host ended the session before admitting this device." (it had left), and for the
+whole admit timeout (120 s) every new `join` of it was refused: "this device is already in the
+session". The host kept the waiting device's link without watching it. Now it watches the link
+while the device waits (kafilad/node/host.py `_admitted_member`): a `leaving` frame or the link's
+end drops the pending entry and the link at once, and the device can join again.
+
+A real HostSession (not --open) and a real member daemon (kafilad/node/daemon.py ``Node``) over the
+in-process world (tests/node/session_harness.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from trio.testing import trio_test
+
+from kafilad.errors import KafilaError
+from kafilad.node.daemon import _ignore
+from node.session_harness import session_world
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def model_dir(session_model):
+    return session_model
+
+
+def _join_soon(w, daemon, code: str) -> dict:
+    """`kafila-ctl join` in the background: the dict gets "result" or "error", and "done"."""
+    out: dict = {"done": trio.Event()}
+
+    async def attempt() -> None:
+        try:
+            out["result"] = await daemon.op_join({"code": code}, _ignore)
+        except KafilaError as e:
+            out["error"] = e
+        finally:
+            out["done"].set()
+    w.nursery.start_soon(attempt)
+    return out
+
+
+@trio_test
+async def test_a_device_that_leaves_while_pending_can_join_again_at_once(tmp_path, model_dir, monkeypatch):
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h = await w.host(members=2, open_=False, admit_timeout_s=120)
+        e = w.daemon("e")
+        first = _join_soon(w, e, h.code)
+        await w.wait(lambda: "e" in [p.name for p in h.pending.values()], 10, "e pending")
+        await e.op_leave({}, _ignore)
+        await w.wait(lambda: first["done"].is_set(), 5, "the first join ended")
+        assert str(first["error"]) == "This device left before the host admitted it.", first
+        took_s = await w.wait(lambda: not h.pending and e.peer_id not in h.links, 5, "the host freed the place")
+        assert took_s < 2, took_s
+
+        again = _join_soon(w, e, h.code)
+        await w.wait(lambda: "e" in [p.name for p in h.pending.values()] or again["done"].is_set(), 10,
+                     "e pending again")
+        assert "error" not in again, again.get("error")
+        h.decide("e", "admit")
+        await w.wait(lambda: again["done"].is_set(), 10, "the second join admitted")
+        assert again["result"]["host"] == "h", again
+        await w.wait(lambda: h.state == "ready" and e.snapshot()["state"] == "ready", 30, "formation")
+        w.nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_denied_device_hears_what_to_do_and_can_join_again(tmp_path, model_dir, monkeypatch):
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h = await w.host(members=2, open_=False, admit_timeout_s=120)
+        e = w.daemon("e")
+        first = _join_soon(w, e, h.code)
+        await w.wait(lambda: "e" in [p.name for p in h.pending.values()], 10, "e pending")
+        h.decide("e", "deny")
+        await w.wait(lambda: first["done"].is_set(), 5, "the join refused")
+        assert str(first["error"]) == ("The host refused this device with `kafila-ctl deny`; to try again, run "
+                                       "`kafila-ctl join` again and ask the host to run `kafila-ctl admit e`."), first
+        await w.wait(lambda: not h.pending and e.peer_id not in h.links, 2, "the host freed the place")
+
+        again = _join_soon(w, e, h.code)
+        await w.wait(lambda: "e" in [p.name for p in h.pending.values()] or again["done"].is_set(), 10,
+                     "e pending again")
+        assert "error" not in again, again.get("error")
+        h.decide("e", "admit")
+        await w.wait(lambda: again["done"].is_set(), 10, "the second join admitted")
+        assert "result" in again, again.get("error")
+        w.nursery.cancel_scope.cancel()
