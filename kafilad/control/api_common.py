@@ -198,13 +198,22 @@ def vocab_size(session) -> Optional[int]:
     return v if isinstance(v, int) and v > 0 else None
 
 
-def prompt_tokens(session, prompt: str) -> int:
-    return len(session.chat_tokenizer().encode(prompt))
+async def prompt_tokens(session, prompt: str, limit: Optional[int] = None) -> tuple[int, bool]:
+    """(the prompt's tokens, True), counted in a worker thread so the event loop serves on; or (a
+    lower bound, False) when that alone exceeds `limit`, found without tokenizing a prompt that
+    certainly does not fit (kafilad/node/host_requests.py `prompt_tokens`)."""
+    return await session.prompt_tokens(prompt, limit)
 
 
-def default_max_tokens(session, prompt: str, default: int) -> int:
+def tokens_text(n: int, exact: bool) -> str:
+    """'N tokens', or 'at least N tokens' for a lower bound."""
+    return f"{n} tokens" if exact else f"at least {n} tokens"
+
+
+async def default_max_tokens(session, prompt: str, default: int) -> int:
     """`default`, or less when the prompt leaves less of the session's context (at least 1)."""
-    room = int(getattr(session, "context", 0) or 0) - prompt_tokens(session, prompt)
+    context = int(getattr(session, "context", 0) or 0)
+    room = context - (await prompt_tokens(session, prompt, context))[0]
     return max(1, min(default, room)) if room > 0 else default
 
 
@@ -283,14 +292,15 @@ def api_text(message: str, fields: Optional[dict[str, str]] = None) -> str:
     return _FLAG.sub(field, message)
 
 
-def chat_prompt(session, messages: list[dict]) -> str:
-    """The prompt for checked `messages` ([{"role": str, "content": str}]) by the model's chat template.
+async def chat_prompt(session, messages: list[dict]) -> str:
+    """The prompt for checked `messages` ([{"role": str, "content": str}]) by the model's chat template,
+    applied in a worker thread (kafilad/node/host_requests.py `off_loop`).
 
     Raises:
         HttpError: 400 when the template refuses the messages or makes an empty prompt.
     """
     try:
-        prompt = session.chat_prompt(messages)
+        prompt = await session.off_loop(session.chat_prompt, messages)
     except KafilaError as e:
         raise HttpError(400, api_text(str(e)), param="messages") from None
     except Exception as e:  # noqa: BLE001 - the model's template is code we do not control
@@ -328,7 +338,8 @@ def generation_error(e: KafilaError, session, fields: Optional[dict[str, str]] =
                               f"shorten the {field}.", param=field, code="context_length_exceeded")
     if all(isinstance(n, int) for n in numbers):  # ContextTooLongError
         field = (fields or {}).get("max_tokens", "max_tokens")
-        return HttpError(400, f"The prompt ({numbers[0]} tokens) plus '{field}' {numbers[1]} exceeds the "
+        return HttpError(400, f"The prompt ({tokens_text(numbers[0], not getattr(e, 'at_least', False))}) plus "
+                              f"'{field}' {numbers[1]} exceeds the "
                               f"session's context of {numbers[2]} tokens.", param=field,
                          code="context_length_exceeded")
     message = api_text(str(e), fields)

@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kafilad.control.api_common import (HttpError, TokenText, chat_prompt, check_model, created_s, generate_whole,
                                         json_object, model_id, prompt_tokens, ready_session, serving_session,
-                                        stream_generation, token_reports, vocab_size)
+                                        stream_generation, token_reports, tokens_text, vocab_size)
 from kafilad.control.http_server import Request, Responder
 from kafilad.control.openai_schema import field_path, refusal
 from kafilad.proto.sampling import Sampling
@@ -351,7 +351,7 @@ def _sampling(s, r, o: Options) -> Sampling:
                     repetition_penalty=rep, logprobs=(r.top_logprobs or 0) if r.logprobs else None, **kw)
 
 
-def _max_tokens(s, prompt: str, o: Options) -> int:
+async def _max_tokens(s, prompt: str, o: Options) -> int:
     """num_predict, capped by num_ctx when given; unset, -1 or -2: what the context leaves."""
     context = s.context
     if o.num_ctx is not None:
@@ -359,22 +359,22 @@ def _max_tokens(s, prompt: str, o: Options) -> int:
             raise HttpError(400, f"'options.num_ctx' {o.num_ctx} exceeds the session's context of {s.context} "
                                  "tokens.", param="options.num_ctx")
         context = o.num_ctx
-    n_prompt = prompt_tokens(s, prompt)
+    n_prompt, exact = await prompt_tokens(s, prompt, context - 1)
     room = context - n_prompt
     if room < 1:
-        raise HttpError(400, f"The prompt ({n_prompt} tokens) leaves no room to generate in a context of {context} "
-                             "tokens.", param="options.num_ctx" if o.num_ctx is not None else "prompt")
+        raise HttpError(400, f"The prompt ({tokens_text(n_prompt, exact)}) leaves no room to generate in a context "
+                             f"of {context} tokens.", param="options.num_ctx" if o.num_ctx is not None else "prompt")
     if o.num_predict is not None and o.num_predict > 0:
         return min(o.num_predict, room) if o.num_ctx is not None else o.num_predict
     return room
 
 
-def _generate_prompt(s, r: GenerateRequest) -> str:
+async def _generate_prompt(s, r: GenerateRequest) -> str:
     template = getattr(s.chat_tokenizer(), "chat_template", None)
     if r.raw or not template:
         return f"{r.system}\n\n{r.prompt}" if r.system and not r.raw else r.prompt
     messages = ([{"role": "system", "content": r.system}] if r.system else []) + [{"role": "user", "content": r.prompt}]
-    return chat_prompt(s, messages)
+    return await chat_prompt(s, messages)
 
 
 async def _generate_route(node, request: Request, res: Responder) -> None:
@@ -386,7 +386,7 @@ async def _generate_route(node, request: Request, res: Responder) -> None:
             await _send(res, 200, {"model": r.model, "created_at": _now(), "response": "", "done": True,
                                    "done_reason": "load"})
             return
-        await _run(s, res, r, _generate_prompt(s, r), chat=False)
+        await _run(s, res, r, await _generate_prompt(s, r), chat=False)
     await _answer(res, body())
 
 
@@ -400,7 +400,7 @@ async def _chat_route(node, request: Request, res: Responder) -> None:
                                    "message": {"role": "assistant", "content": ""}, "done": True,
                                    "done_reason": "load"})
             return
-        prompt = chat_prompt(s, [{"role": m.role, "content": m.content} for m in r.messages])
+        prompt = await chat_prompt(s, [{"role": m.role, "content": m.content} for m in r.messages])
         await _run(s, res, r, prompt, chat=True)
     await _answer(res, body())
 
@@ -408,7 +408,7 @@ async def _chat_route(node, request: Request, res: Responder) -> None:
 async def _run(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
     o = r.options or Options()
     sampling = _sampling(s, r, o)
-    max_tokens = _max_tokens(s, prompt, o)
+    max_tokens = await _max_tokens(s, prompt, o)
     t0 = time.perf_counter()
     text_of = TokenText(s) if sampling.logprobs is not None else None
 

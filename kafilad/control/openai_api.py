@@ -167,7 +167,7 @@ async def _chat_completions(node, request: Request, res: Responder) -> None:
     r = parse_chat(json_object(request.body))
     s = await serving_session(node, res.client_gone)
     check_model(s, r.model)
-    await _generate(s, res, r, chat_prompt(s, r.prompt_messages()), chat=True)
+    await _generate(s, res, r, await chat_prompt(s, r.prompt_messages()), chat=True)
 
 
 #: path -> (methods, handler). The web page's routes (kafilad/control/web.py) and the Ollama API's
@@ -265,7 +265,7 @@ async def _generate(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
     max_tokens = (r.max_completion_tokens if chat and r.max_completion_tokens is not None else r.max_tokens)
     defaulted = max_tokens is None
     if max_tokens is None:
-        max_tokens = default_max_tokens(s, prompt, DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS)
+        max_tokens = await default_max_tokens(s, prompt, DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     model = model_id(s)

@@ -27,12 +27,24 @@ text is held back until the next token or `finalize`:
     rewrite the run (decoders/byte_fallback.rs);
   * with `clean_up_tokenization_spaces`, a trailing " " or " '" that " ," or " 's" would rewrite.
 
+Lower bound on a prompt's tokens (`Tokenizer.min_tokens`): when every token of the text covers at
+most L of its characters, the text encodes to at least ceil(len(text) / L) tokens, found without
+tokenizing (a multi-megabyte prompt takes seconds to encode). L is the longest vocabulary entry as
+the model spells it: a byte-level BPE entry ('Ġthe') has one character per byte it covers, a
+SentencePiece one ('▁the', '<0x0A>') at least one per character, so no entry covers more characters
+than it has. That holds only when nothing of the text vanishes on the way to the tokens, which
+`_keeps_every_character` checks of the `tokenizers` pipeline: length-keeping normalizers (NFC and
+NFKC only on text already in that form: composing shortens it), pre-tokenizers that drop nothing
+(no whitespace splitting), a model without fused unknowns (a run of unknown characters is one
+`<unk>`), and no added token that strips the whitespace around it. Any other tokenizer gets 0.
+
 This module imports no mlx: `ContinuationDetokenizer` needs only a `decode(ids) -> str`.
 """
 
 from __future__ import annotations
 
 import json
+import unicodedata
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -150,6 +162,59 @@ class ContinuationDetokenizer:
         return segment
 
 
+#: normalizers that never shorten the text; NFC and NFKC shorten only text not already composed
+_KEEPING_NORMALIZERS = {"Prepend", "Append", "Lowercase", "NFD", "NFKD"}
+_COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
+#: pre-tokenizers that split without dropping characters (Split and Punctuation: unless "Removed")
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+
+
+def _keeps_every_character(backend, byte_fallback_complete: bool) -> Optional[tuple[str, ...]]:
+    """The Unicode forms a text must be in for each of its characters to reach some token (empty:
+    any text), or None when the `tokenizers` pipeline of `backend` may drop or fuse characters
+    (module docstring). `byte_fallback_complete`: the vocabulary has all 256 `<0xNN>` tokens."""
+    def flat(doc: dict, key: str) -> list[dict]:  # a Sequence's members, nested ones included
+        return [p for d in doc.get(key, []) for p in flat(d, key)] if doc.get("type") == "Sequence" else [doc]
+
+    def parts(component, key: str) -> Optional[list[dict]]:
+        if component is None:
+            return []
+        try:
+            return flat(json.loads(component.__getstate__()), key)
+        except Exception:  # noqa: BLE001 - a component without a JSON state: nothing is known of it
+            return None
+
+    normalizers, pre_tokenizers = parts(backend.normalizer, "normalizers"), parts(backend.pre_tokenizer, "pretokenizers")
+    if normalizers is None or pre_tokenizers is None:
+        return None
+    forms = []
+    for n in normalizers:
+        kind = n.get("type")
+        if kind in _COMPOSING_NORMALIZERS:
+            forms.append(kind)
+        elif kind == "Replace":
+            pattern = (n.get("pattern") or {}).get("String")
+            if not isinstance(pattern, str) or len(str(n.get("content", ""))) < len(pattern):
+                return None
+        elif kind not in _KEEPING_NORMALIZERS:
+            return None
+    if any(p.get("type") not in _KEEPING_PRE_TOKENIZERS or p.get("behavior") == "Removed" for p in pre_tokenizers):
+        return None
+    model = backend.model
+    kind = type(model).__name__
+    if kind == "BPE":
+        fuses = getattr(model, "unk_token", None) is not None and getattr(model, "fuse_unk", False)
+    elif kind == "Unigram":
+        fuses = True  # a run of unknown characters is one <unk>, unless bytes stand in for them
+    else:  # WordPiece, WordLevel: an unknown word of any length is one token
+        return None
+    if fuses and not (getattr(model, "byte_fallback", False) and byte_fallback_complete):
+        return None
+    if any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values()):
+        return None
+    return tuple(forms)
+
+
 def declared_eos_token_ids(model_dir: str | Path) -> Optional[set[int]]:
     """The `eos_token_id` values of config.json and generation_config.json (int or list), or None
     when neither names one.
@@ -191,6 +256,23 @@ class Tokenizer:
         pieces = wrapper.convert_ids_to_tokens(list(range(len(wrapper))))
         self.byte_ids = frozenset(i for i, p in enumerate(pieces)
                                   if isinstance(p, str) and len(p) == 6 and p.startswith("<0x") and p.endswith(">"))
+        backend = getattr(getattr(wrapper, "_tokenizer", None), "backend_tokenizer", None)
+        keeps = _keeps_every_character(backend, len(self.byte_ids) == 256) if backend is not None else None
+        #: characters of the text one token covers at most (None: no bound, see the module docstring)
+        self.max_token_chars: Optional[int] = (
+            max(len(p) for p in pieces if isinstance(p, str)) if keeps is not None and pieces else None)
+        self._composed_forms = keeps or ()
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))` found without tokenizing (module docstring): O(1),
+        or O(len(text)) in C when the tokenizer composes Unicode (NFC/NFKC). 0 when none is known."""
+        if not self.max_token_chars or not all(unicodedata.is_normalized(f, text) for f in self._composed_forms):
+            return 0
+        return -(-len(text) // self.max_token_chars)
+
+    def count_tokens(self, text: str) -> int:
+        """`len(encode(text))`, without transformers' warning about sequences past the model's length."""
+        return len(self.encode(text, verbose=False))
 
     def __getattr__(self, name):
         if name.startswith("_"):

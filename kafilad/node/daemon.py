@@ -489,7 +489,7 @@ class Node:
             raise KafilaError(f"--temperature must be 0 (greedy) or a finite positive number (got {temperature:g}).")
         prompt = _arg(args, "prompt", str, None)
         if args.get("messages") is not None:
-            prompt = s.chat_prompt(_arg(args, "messages", list, None))
+            prompt = await s.off_loop(s.chat_prompt, _arg(args, "messages", list, None))  # a worker thread
         if not isinstance(prompt, str) or not prompt:
             raise KafilaError('The prompt is empty; give the text for the model to continue, e.g. '
                               'kafila-ctl generate "Once upon a time".')

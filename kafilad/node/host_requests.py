@@ -17,6 +17,12 @@ times, and its `generation` record lists why (`retried_after`). A session that h
 ready (still forming) is not waited for, unless a restarted host daemon re-hosts it (`rehosted`:
 it served before the restart, and its members are rejoining).
 
+A prompt is tokenized (and a chat template applied) in a worker thread, at most TOKENIZE_THREADS
+at once, never on the trio thread nor the MLX one (`off_loop`): a multi-megabyte prompt takes
+seconds to encode, and the loop must meanwhile keep the ring's links and every other stream going
+(the `tokenizers` encoder releases the GIL). A prompt the tokenizer's lower bound already shows to be
+longer than the context is refused without being tokenized (`prompt_tokens`).
+
 Each stage's measured decode time (`measured_stage_s`, shown by `status`) belongs to the plan it
 was measured under: a replan (a new epoch) clears them, and a request that ran under an earlier
 plan records none.
@@ -27,7 +33,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Optional, Sequence
+from functools import partial
+from typing import Callable, Optional, Sequence, TypeVar
 
 import attrs
 import trio
@@ -64,6 +71,11 @@ RETURNING_STATES = (sm.HostState.RECOVERING, sm.HostState.LOADING)
 #: ... and those a session re-hosted by a restarted host daemon passes through before it serves again
 #: (its members rejoin, the planner runs, the ring loads: a few seconds, docs/healing.md)
 REHOSTED_STATES = (sm.HostState.STARTING, sm.HostState.FORMING, sm.HostState.PLANNING) + RETURNING_STATES
+#: prompts tokenized or templated at once, each in a worker thread (module docstring): a few
+#: clients with huge prompts neither starve the trio loop of the GIL nor take every core
+TOKENIZE_THREADS = 2
+
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -88,6 +100,8 @@ class HostRequests:
     #: a session a restarted host daemon hosts again (kafilad/node/daemon.py `_rehost`): it served
     #: before the restart, so requests wait for it while its members rejoin (`returning`)
     rehosted = False
+    #: bounds the worker threads that tokenize prompts (`off_loop`); made on first use
+    _tokenize_limiter: Optional[trio.CapacityLimiter] = None
 
     # ---- the session's changes (SessionDriver._handle calls `_handled` after each event) ----------
     def _handled(self) -> None:
@@ -227,18 +241,21 @@ class HostRequests:
         Raises:
             SessionNotReadyError: the session is not ready, and did not become ready within
                 RECOVERY_WAIT_S while it healed (its state is named).
-            ContextTooLongError: prompt + max_tokens exceed the admitted context.
+            ContextTooLongError: prompt + max_tokens exceed the admitted context (its `at_least`:
+                `prompt_tokens` is a lower bound, the prompt was not tokenized).
             HostBusyError: `concurrency` requests run and the queue is full.
             GenerationCancelled: the client went away (or read too slowly); the request was ended.
             GenerationError: a member was lost (named in the message) after the request handed
                 output to `emit`, or it failed MAX_LOSS_RETRIES + 1 times; the head failed it.
         """
         await self.wait_serving(gone)
-        n_prompt = len(self.chat_tokenizer().encode(prompt))
+        n_prompt, exact = await self.prompt_tokens(prompt, self.context)  # exact unless alone past the context
         if n_prompt + max_tokens > self.context:
-            raise ContextTooLongError(f"The prompt ({n_prompt} tokens) plus --max-tokens {max_tokens} exceeds the "
-                                      f"session's admitted context of {self.context} tokens.",
+            err = ContextTooLongError(f"The prompt ({'' if exact else 'at least '}{n_prompt} tokens) plus --max-tokens "
+                                      f"{max_tokens} exceeds the session's admitted context of {self.context} tokens.",
                                       prompt_tokens=n_prompt, max_tokens=max_tokens, context=self.context)
+            err.at_least = not exact  # the prompt was refused by its lower bound, not tokenized
+            raise err
         slot = await self.admission.acquire(abandoned=gone)
         if slot is None:
             raise GenerationCancelled("The client went away while its request waited for its turn.")
@@ -468,6 +485,25 @@ class HostRequests:
                           predicted_stage_s=self.plan.stage_s if self.plan else {},
                           path=stagehost.edge_paths(self), edges=stagehost.generation_edges(self, result))
         self.node.changed()
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` (tokenizing, a chat template) in a worker thread, at most TOKENIZE_THREADS at
+        once, while the trio loop serves on (module docstring). Raises what `fn` raises."""
+        if self._tokenize_limiter is None:
+            self._tokenize_limiter = trio.CapacityLimiter(TOKENIZE_THREADS)
+        return await trio.to_thread.run_sync(partial(fn, *args), limiter=self._tokenize_limiter)
+
+    async def prompt_tokens(self, prompt: str, limit: Optional[int] = None) -> tuple[int, bool]:
+        """The prompt's token count by the host's tokenizer, counted off the trio thread: (count, True),
+        or (a lower bound, False) when the bound alone exceeds `limit`, without tokenizing the prompt
+        (kafilad/executor/tokenizer.py `Tokenizer.min_tokens`)."""
+        def count() -> tuple[int, bool]:
+            tok = self.chat_tokenizer()
+            bound = tok.min_tokens(prompt) if hasattr(tok, "min_tokens") else 0
+            if limit is not None and bound > limit:
+                return bound, False
+            return (tok.count_tokens(prompt) if hasattr(tok, "count_tokens") else len(tok.encode(prompt))), True
+        return await self.off_loop(count)
 
     def chat_prompt(self, messages) -> str:
         """The prompt text for chat `messages` ([{role, content}]) by the model's chat template.
