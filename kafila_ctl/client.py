@@ -44,16 +44,30 @@ class ControlClient:
         socket any more the daemon stopped (it exited or was killed), and the sentence says where to
         look; else the daemon closed only this connection."""
         log = self.socket_path.parent / "kafilad.log"
-        try:
-            probe = await trio.open_unix_socket(str(self.socket_path))
-        except OSError:
+        if not await self._answers():
             return DaemonStopped(
                 f"kafilad stopped during '{op}': it closed the control connection{how}, and nothing answers on "
                 f"{self.socket_path} now. Its log says why: {log} (as a service: `systemctl --user status "
                 f"kafilad` or `journalctl --user -u kafilad`); start it again with `kafilad --state-dir "
                 f"{self.socket_path.parent}`.")
-        await probe.aclose()
         return KafilaError(f"kafilad closed the control connection during '{op}'{how}; its log may say why: {log}.")
+
+    async def _answers(self, timeout_s: float = 2.0) -> bool:
+        """Whether a daemon replies to `keys` on the socket now (a dying daemon's listening socket may
+        still take a connection for a moment, so a connection alone proves nothing)."""
+        with trio.move_on_after(timeout_s):
+            try:
+                conn = FramedStream(await trio.open_unix_socket(str(self.socket_path)))
+            except OSError:
+                return False
+            try:
+                await conn.send(request("keys", {}))
+                return (await conn.receive() or {}).get("t") == "reply"
+            except (OSError, trio.BrokenResourceError, RemoteProtocolError):
+                return False
+            finally:
+                await conn.aclose()
+        return False
 
     async def call(self, op: str, **args: Any) -> Any:
         """One request; returns its result.

@@ -100,7 +100,11 @@ async def test_a_daemon_still_answering_that_closed_one_connection_did_not_stop(
                     async def close_first():
                         stream = await listener.accept()
                         await FramedStream(stream).receive()
-                        await stream.aclose()  # the listener goes on: the daemon still answers
+                        await stream.aclose()  # the listener goes on: the daemon still answers ...
+                        probe = FramedStream(await listener.accept())
+                        assert (await probe.receive())["op"] == "keys"  # ... the client's probe
+                        await probe.send({"t": "reply", "ok": True, "result": {"name": "alpha"}})
+                        await probe.aclose()
                     nursery.start_soon(close_first)
                     await ControlClient(path).call("watch")
     assert not isinstance(info.value, DaemonStopped)
