@@ -536,6 +536,7 @@ async def open_rendezvous(
             raise SessionError(f"Cannot reach the rendezvous at {url}: {exc.strerror or exc}. Check the URL and "
                                "that the rendezvous is running.") from None
         client = RendezvousClient(ws, url, static_private, name, limits, circuit_buffer, event_buffer)
+        stack.push_async_exit(_goodbye_on_error(ws))
         with collapse_groups():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(client._reader)
@@ -551,6 +552,23 @@ async def open_rendezvous(
                     yield client
                 finally:
                     nursery.cancel_scope.cancel()
+
+
+#: seconds a connection ended by cancellation (the daemon stopping) waits for its close handshake
+GOODBYE_BOUND_S = 1.0
+
+
+def _goodbye_on_error(ws):
+    """open_rendezvous's exit callback: a block ended by an exception (a stopping daemon's cancellation)
+    closes `ws` with 1001 "going away" (RFC 6455 §7.4.1), shielded and bounded, so the others do not
+    read "the connection dropped without a goodbye". A normal end closes with trio_websocket's 1000."""
+    async def on_exit(exc_type, exc, tb) -> bool:
+        if exc_type is not None and ws.closed is None:
+            with trio.move_on_after(GOODBYE_BOUND_S) as scope:
+                scope.shield = True
+                await ws.aclose(1001)
+        return False
+    return on_exit
 
 
 class CurrentRendezvous:

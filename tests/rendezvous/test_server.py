@@ -228,6 +228,27 @@ def test_a_dropped_member_connection_is_told_in_plain_words_and_its_code_logged(
     assert "closed (1006 ABNORMAL_CLOSURE)" in caplog.text
 
 
+def test_a_member_whose_daemon_stops_says_goodbye(caplog):
+    """A new user's trial (2026-12-02): `kafila-ctl stop` on a member showed in the host's trace as
+    "the connection dropped without a goodbye (network loss, or the other side was killed)": the
+    stopping daemon's cancellation cut its WebSocket close short. It closes with 1001 now."""
+    caplog.set_level("INFO", logger="kafilad.rendezvous.server")
+
+    async def body(url):
+        async with AsyncExitStack() as stack:
+            sid, host, _ = await session(stack, url, [], members=3)
+            with trio.CancelScope() as daemon:  # the member daemon's root scope
+                async with rdv(url, "A", "a") as a:
+                    assert await a.join(sid) == H
+                    assert await host.events.receive() == MemberJoined(A, "a")
+                    daemon.cancel()  # SIGTERM
+                    await trio.sleep_forever()
+            assert await host.events.receive() == MemberLeft(A, "it is going away (shutting down)")
+
+    run_with_server(body)
+    assert "1001 GOING_AWAY" in caplog.text
+
+
 def test_close_codes_read_as_sentences():
     assert close_clause(1000) == "it closed the connection"
     assert close_clause(1001) == "it is going away (shutting down)"
