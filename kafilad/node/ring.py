@@ -324,12 +324,12 @@ class RingMember(StageCalls):
         Raises:
             GenerationError: the ring broke (the message names the member), or an empty prompt.
         """
+        ids = list(await trio.to_thread.run_sync(self.tokenizer.encode, prompt))  # a long prompt: off the loop
         if self.broken:
             raise GenerationError(self.broken)
         early = self._early_cancels.pop(req, None)
         if early is not None:
             raise GenerationCancelled(early)
-        ids = list(self.tokenizer.encode(prompt))
         if not ids:
             raise GenerationError("The prompt encodes to no tokens.")
         if sampling is not None:
