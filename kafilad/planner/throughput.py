@@ -113,12 +113,19 @@ def _scale(rho: Sequence[float], rows: int) -> list[float]:
 
 def micro_batchings(users: int) -> list[tuple[int, int]]:
     """(P, b) pairs worth trying for `users` rows: P = ceil(K / b) for b = 1..K, most P first
-    (per-request pipelining first: on ties it relies least on batching)."""
-    out: dict[int, int] = {}
-    for b in range(1, users + 1):
+    (per-request pipelining first: on ties it relies least on batching), each P with the fewest
+    rows b that give it. There are at most 2·sqrt(K) distinct P; they are visited directly (the next
+    b whose P is below p is ceil(K / (p - 1))), so a declared concurrency of 10^8 plans in
+    milliseconds (b = 1..K took 36 s on the host's event loop, a new-user trial)."""
+    out: list[tuple[int, int]] = []
+    b = 1
+    while b <= users:
         p = -(-users // b)
-        out.setdefault(p, b)  # the fewest rows for this P
-    return sorted(out.items(), reverse=True)
+        out.append((p, b))
+        if p == 1:
+            break
+        b = -(-users // (p - 1))
+    return out
 
 
 def predict(stage_s: Sequence[float], rho: Sequence[float], hop_s: float, users: int) -> Throughput:

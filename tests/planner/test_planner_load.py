@@ -67,6 +67,24 @@ def test_uneven_micro_batches_are_charged_the_larger_size():
     assert t.tokens_per_s == pytest.approx(100.0)  # one stage, no batching gain: 1 / t
 
 
+@given(st.integers(1, 3000))
+def test_micro_batchings_visit_every_p_with_its_fewest_rows(users):
+    """The O(sqrt K) walk equals the definition: for b = 1..K, P = ceil(K / b), the fewest b per P."""
+    want: dict[int, int] = {}
+    for b in range(1, users + 1):
+        want.setdefault(-(-users // b), b)
+    assert micro_batchings(users) == sorted(want.items(), reverse=True)
+
+
+def test_a_huge_declared_concurrency_plans_at_once():
+    """A new-user trial (2026-12-02): `host --concurrency 100000000` held the host's event loop 36 s
+    (micro_batchings walked b = 1..K); there are at most 2 sqrt(K) distinct P."""
+    import time
+    t0 = time.perf_counter()
+    out = micro_batchings(10 ** 8)
+    assert time.perf_counter() - t0 < 5 and len(out) <= 2 * 10 ** 4 and out[0] == (10 ** 8, 1) and out[-1] == (1, 10 ** 8)
+
+
 # -- exact search vs exhaustive enumeration ------------------------------------------------------
 
 @st.composite
