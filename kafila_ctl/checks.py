@@ -1,5 +1,5 @@
-"""The host's refusals of `--members`, `--context` and `--concurrency` (kafilad/node/host.py
-`HostSession._validate`, DESIGN §5.4), made by kafila-ctl before anything starts: `kafila-ctl demo` before
+"""The host's refusals of `--members`, `--context` and `--concurrency` (kafilad/node/admission.py
+`check_session_arguments`, DESIGN §5.4), made by kafila-ctl before anything starts: `kafila-ctl demo` before
 its daemons, `kafila-ctl plan` offline. The host's own check runs on the values, so the sentence is
 the one `kafila-ctl host` would print and the two cannot drift apart (a copied sentence did, within
 a day; tests/daemon/test_daemon_cli.py compares them with a daemon's).
@@ -7,7 +7,6 @@ a day; tests/daemon/test_daemon_cli.py compares them with a daemon's).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Optional
 
 from kafilad.errors import KafilaError
@@ -22,11 +21,9 @@ def host_refusal(info, *, members: int = 1, context: Optional[int] = None, concu
         context: --context, or None for the host's default (capped at max_position_embeddings).
         concurrency: --concurrency.
     """
-    from kafilad.node.host import HostSession
-    values = SimpleNamespace(info=info, expected=members, context=context, concurrency=concurrency,
-                             admit_timeout_s=1.0)
+    from kafilad.node.admission import check_session_arguments
     try:
-        HostSession._validate(values)  # the host's checks on these values alone (it reads only these attributes)
+        check_session_arguments(info, members=members, context=context, concurrency=concurrency)
     except KafilaError as e:
         return str(e)
     return None

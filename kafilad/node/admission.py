@@ -34,7 +34,7 @@ from typing import Optional
 import attrs
 import trio
 
-from kafilad.errors import HostBusyError
+from kafilad.errors import HostBusyError, KafilaError
 
 #: default queue length per slot: a host with --concurrency K queues 4K requests
 QUEUE_PER_SLOT = 4
@@ -210,3 +210,42 @@ class Limiter:
 
 
 __all__ = ["AdmissionQueue", "HostBusyError", "Limiter", "QUEUE_PER_SLOT", "Slot", "Verdict"]
+
+
+#: tokens, when --context is not given (capped at max_position_embeddings)
+DEFAULT_CONTEXT = 4096
+
+
+def check_session_arguments(info, *, members: int, context: Optional[int], concurrency: int,
+                            admit_timeout_s: float = 1.0) -> int:
+    """Refuse session arguments no plan could honour, before anyone joins (DESIGN §5.4); pure, so
+    kafila-ctl demo and plan refuse with the host's own sentences (kafila_ctl/checks.py).
+
+    Args:
+        info: the model (kafilad.modelinfo.ModelInfo). members: --members, the host included.
+        context: --context, or None for the default (DEFAULT_CONTEXT, capped at max_position_embeddings).
+    Returns:
+        The context to use, in tokens.
+    Raises:
+        KafilaError: members outside [1, blocks], concurrency below 1, context below 2, a context
+            beyond the model's max_position_embeddings, or an admit timeout that is not positive.
+    """
+    n_blocks = info.num_hidden_layers
+    if not 1 <= members <= n_blocks:  # the planner takes at most one device per block (DESIGN §5)
+        raise KafilaError(f"--members counts every machine, the host included, and a session has at most one "
+                          f"per block of the model: it must be between 1 and {n_blocks} for {info.model_id} "
+                          f"(got {members}).")
+    limit = info.config.get("max_position_embeddings")
+    if context is None:
+        context = min(DEFAULT_CONTEXT, int(limit)) if limit else DEFAULT_CONTEXT
+    if not admit_timeout_s > 0:
+        raise KafilaError(f"--admit-timeout must be a positive number of seconds (got {admit_timeout_s:g}).")
+    if concurrency < 1:
+        raise KafilaError(f"--concurrency must be at least 1 (got {concurrency}).")
+    if context < 2:  # a request needs a prompt token and the token it generates
+        raise KafilaError(f"--context must be at least 2 tokens, room for one prompt token and one generated "
+                          f"token (got {context}).")
+    if limit and context > int(limit):
+        raise KafilaError(f"--context {context} exceeds {info.model_id}'s max_position_embeddings "
+                          f"({int(limit)}); pass --context {int(limit)} or less.")
+    return context

@@ -20,7 +20,7 @@ from kafilad.errors import (HandshakeError, KafilaError, LinkClosed, RemoteProto
                             collapse_groups)
 from kafilad.modelinfo import read_model_info
 from kafilad.node import paths, stagehost
-from kafilad.node.admission import Limiter
+from kafilad.node.admission import Limiter, check_session_arguments
 from kafilad.node.fetch_serving import MemberFetches, serve_fetch
 from kafilad.node.host_pending import wait_while_pending
 from kafilad.node.host_requests import HostRequests, RequestFailed
@@ -39,7 +39,6 @@ from kafilad.proto.identity import compose_session_code, peer_id as peer_id_of
 
 log = logging.getLogger("kafilad.host")
 
-DEFAULT_CONTEXT = 4096  # tokens, when --context is not given (capped at max_position_embeddings)
 
 
 class HostSession(HostRequests, SessionDriver):
@@ -99,30 +98,9 @@ class HostSession(HostRequests, SessionDriver):
         return self.machine.ring_order
 
     def _validate(self) -> None:
-        """Refuse arguments no plan could honour, before anyone joins (DESIGN §5.4).
-
-        Raises:
-            KafilaError: members outside [1, blocks], concurrency below 1, context below 2, or a
-                context beyond the model's max_position_embeddings.
-        """
-        n_blocks = self.info.num_hidden_layers
-        if not 1 <= self.expected <= n_blocks:  # the planner takes at most one device per block (DESIGN §5)
-            raise KafilaError(f"--members counts every machine, the host included, and a session has at most one "
-                              f"per block of the model: it must be between 1 and {n_blocks} for {self.info.model_id} "
-                              f"(got {self.expected}).")
-        limit = self.info.config.get("max_position_embeddings")
-        if self.context is None:
-            self.context = min(DEFAULT_CONTEXT, int(limit)) if limit else DEFAULT_CONTEXT
-        if not self.admit_timeout_s > 0:
-            raise KafilaError(f"--admit-timeout must be a positive number of seconds (got {self.admit_timeout_s:g}).")
-        if self.concurrency < 1:
-            raise KafilaError(f"--concurrency must be at least 1 (got {self.concurrency}).")
-        if self.context < 2:  # a request needs a prompt token and the token it generates
-            raise KafilaError(f"--context must be at least 2 tokens, room for one prompt token and one generated "
-                              f"token (got {self.context}).")
-        if limit and self.context > int(limit):
-            raise KafilaError(f"--context {self.context} exceeds {self.info.model_id}'s max_position_embeddings "
-                              f"({int(limit)}); pass --context {int(limit)} or less.")
+        """Refuse arguments no plan could honour (`check_session_arguments`); fills in the default context."""
+        self.context = check_session_arguments(self.info, members=self.expected, context=self.context,
+                                               concurrency=self.concurrency, admit_timeout_s=self.admit_timeout_s)
 
     # ---- the machine's actions (events enter through SessionDriver._handle) -------------------
     async def _perform(self, a) -> None:
