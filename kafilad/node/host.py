@@ -549,7 +549,7 @@ class HostSession(HostRequests, SessionDriver):
                                 "nat_class": (r.capability or {}).get("nat_class")})
         return {"role": "host", "session_id": self.session_id, "code": self.code, "state": self.state.value,
                 "error": self.error, "model_id": self.info.model_id, "expected_members": self.expected,
-                "rendezvous": self._rendezvous_status(),
+                "rendezvous": self._rendezvous_status(), **self._reconnecting_status(),
                 "context": self.context, "concurrency": self.concurrency, "members": members,
                 "requests": self.admission.snapshot(),
                 "pending": [{"peer_id": p.peer_id, "name": p.name} for p in self.pending.values()],

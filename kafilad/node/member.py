@@ -269,23 +269,25 @@ class MemberSession(SessionDriver):
         if self.machine.keeps_serving and not already:
             log.warning("session %s: the rendezvous is gone (%s); both ring edges are direct, so this stage "
                         "keeps serving", self.session_id, reason)
-            self.nursery.start_soon(self._await_rendezvous_back)
+            self.nursery.start_soon(self._await_rendezvous_back, reason)
 
-    async def _await_rendezvous_back(self) -> None:
+    async def _await_rendezvous_back(self, why: str) -> None:
         """While the stage serves on without the rendezvous, probe it (capped, jittered backoff); once
-        it answers, end this session so the daemon rejoins it with a fresh ctl link (issue 8 §3)."""
+        it answers, end this session so the daemon rejoins it with a fresh ctl link (issue 8 §3).
+        `why`: how it was lost; each failed probe's reason replaces it in `status` (`reconnecting`)."""
         from kafilad.node.rdv_client import open_rendezvous
         attempt = 0
         while not self._over.is_set():
             attempt += 1
             delay_s = reconnect_delay_s(attempt)
-            self._note_reconnect(attempt, delay_s)
+            self._note_reconnect(attempt, delay_s, next_in_s=round(delay_s, 1), reason=why)
             await trio.sleep(delay_s)
             try:
                 async with open_rendezvous(self.rdv_url, static_private=self.node.static_private,
                                            name=self.node.name, connect_timeout_s=5.0):
                     pass
-            except (KafilaError, OSError, trio.BrokenResourceError):
+            except (KafilaError, OSError, trio.BrokenResourceError) as e:
+                why = str(e)
                 continue
             await self._until_idle(REJOIN_IDLE_WAIT_S)  # the rejoin drops this stage: not under a request
             await self._handle(sm.SessionEnded("the rendezvous is back; rejoining to restore the control link"))
@@ -476,7 +478,7 @@ class MemberSession(SessionDriver):
                             "predicted_stage_s": plan.get("stage_s", {}).get(name), "measured_stage_s": None})
         return {"role": "member", "session_id": self.session_id, "code": self.code, "state": self.state.value,
                 "error": self.error, "host": self.host_name, "members": members,
-                "rendezvous": self._rendezvous_status(),
+                "rendezvous": self._rendezvous_status(), **self._reconnecting_status(),
                 "control": "down" if self.rendezvous_lost else ("up" if self.link else None),
                 "blocks": [p.start, p.end] if p else None, "head": bool(p and p.head),
                 "capability": self.capability, "load": self.load, "plan": plan or None}

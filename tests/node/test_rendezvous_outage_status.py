@@ -168,6 +168,10 @@ async def test_a_request_running_when_the_rendezvous_returns_completes(tmp_path,
         await w.rdv.kill()
         await w.wait(lambda: h.rendezvous_lost is not None and m1.machine.keeps_serving
                      and m2.machine.keeps_serving, 20, "the direct ring serving on without the rendezvous")
+        await w.wait(lambda: (m1.snapshot().get("reconnecting") or {}).get("attempt", 0) >= 2, 15,
+                     "a second probe of the rendezvous")
+        about = m1.snapshot()["reconnecting"]  # status says why, as the README promises (a trial saw none)
+        assert about["reason"].startswith("Cannot reach the rendezvous at ") and 0 <= about["next_in_s"] <= 6, about
         ref = reference_tokens(model_dir, "Once upon a time", 120)
         started, out = trio.Event(), {}
 
