@@ -236,18 +236,18 @@ def _main(argv: list[str] | None = None) -> int:
             except argparse.ArgumentTypeError as e:
                 print(f"kafilad: {RENDEZVOUS_ENV}: {e}", file=sys.stderr)
                 return 2
-        try:
-            args.state = prepare_state_dir(args.state_dir)
-        except KafilaError as e:
-            print(f"kafilad: {e}", file=sys.stderr)
-            return 1
         from kafilad.node.ring_parts import daemon_switch_interval_s, pinned_micro_batches
-        try:
+        try:  # every switch is checked before the state directory is made: a bad one leaves nothing behind
             pinned_micro_batches()
             switch_s = daemon_switch_interval_s()
         except ValueError as e:
             print(f"kafilad: {e}", file=sys.stderr)
             return 2
+        try:
+            args.state = prepare_state_dir(args.state_dir)
+        except KafilaError as e:
+            print(f"kafilad: {e}", file=sys.stderr)
+            return 1
         if switch_s is not None:
             sys.setswitchinterval(switch_s)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
