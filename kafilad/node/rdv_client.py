@@ -554,8 +554,9 @@ async def open_rendezvous(
                     nursery.cancel_scope.cancel()
 
 
-#: seconds a connection ended by cancellation (the daemon stopping) waits for its close handshake
-GOODBYE_BOUND_S = 1.0
+#: seconds a stopping daemon's connection may take to send its close frame; the reply is not awaited (the
+#: stop cancels the connection's reader too): a stop took 1.05 s with 1 s here, 0.28 s with 0.1 (0.27 without)
+GOODBYE_BOUND_S = 0.1
 
 
 def _goodbye_on_error(ws):
