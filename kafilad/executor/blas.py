@@ -19,12 +19,11 @@ Environment:
         `openblas_set_num_threads` so the environment children inherit stays as it was. Decode is
         memory-bound and one core does not draw a machine's memory bandwidth; a process under a
         quota below two CPUs (the emulated fleet, DESIGN §9) gets 1, as a second thread would eat
-        its quota. Measured on this 2-core VM (issue 12; 2026-12-02, three interleaved runs each,
-        OPENBLAS_NUM_THREADS=1 against unset, medians): single-process mlx-lm 59.7 -> 65.3 tokens/s,
-        and even with three daemons sharing the two cores, one request through the API 38.6 -> 40.7
-        (`scripts/bench_ring.py --synth 512,8 --api --modes direct --runs 4 --tokens 64`), lockstep
-        1 request 35.5 -> 41.2 and 4 concurrent 99.0 -> 102.7 (`scripts/bench_batching.py --runs 3
-        --tokens 48 --modes lockstep`).
+        its quota. Measured on this 2-core VM (issue 12, docs/performance.md "2026-12-02"; three
+        interleaved runs each, OPENBLAS_NUM_THREADS=1 against unset, the machine otherwise idle):
+        three daemons sharing the two cores served the 386 MB Qwen3 at 11.9 -> 17.0 tokens/s, one
+        request through the API (`scripts/bench_ring.py --model ... --api --modes direct --runs 3
+        --tokens 48`); single-process mlx-lm 14.8 -> 23.8.
     OPENBLAS_THREAD_TIMEOUT: 4 if unset (OpenBLAS's default 28): log2 of the cycles an idle BLAS
         thread spins before it sleeps. A ring's stage computes a part of each step; threads spinning
         ~0.1 s after each call would take the cores of the stage computing next where daemons share a
