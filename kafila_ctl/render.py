@@ -150,8 +150,13 @@ JOIN_PHASES = {
     "loading": "loading the stage",
 }
 
-#: states that end `kafila-ctl join`'s wait
-JOIN_DONE_STATES = ("ready", "failed", "closed")
+#: states that end `kafila-ctl join`'s wait (standby: admitted, and the plan leaves it without blocks)
+JOIN_DONE_STATES = ("ready", "standby", "failed", "closed")
+
+#: what a join that ends on standby says (strategy load, proto_spec 05 §2 `standby`)
+STANDBY_SENTENCE = ("standing by in session {session}: the plan is faster without this device's blocks, so it "
+                    "holds none; it stays in the session and takes blocks when the host plans again (a member "
+                    "leaves or returns); `kafila-ctl status` on the host says why")
 
 
 class RateMeter:
@@ -243,6 +248,8 @@ def join_progress_line(snap: dict, rate_bytes_per_s: float | None = None) -> str
     """One plain line of join progress (stdout is not a terminal)."""
     if join_outcome(snap) == "ready":
         return join_ready_sentence(snap)
+    if join_outcome(snap) == "standby":
+        return STANDBY_SENTENCE.format(session=snap.get("session"))
     phase = join_phase(snap)
     if snap.get("state") == "failed":
         return f"failed: {snap.get('error') or 'no reason given'}"
@@ -264,6 +271,8 @@ def join_progress_renderable(snap: dict, rate_bytes_per_s: float | None = None):
     outcome = join_outcome(snap)
     if outcome == "ready":
         return Text(join_ready_sentence(snap), style="green")
+    if outcome == "standby":
+        return Text(STANDBY_SENTENCE.format(session=snap.get("session")), style="green")
     if outcome == "failed":
         return Text(f"failed: {snap.get('error') or 'no reason given'}", style="red")
     if outcome == "closed":

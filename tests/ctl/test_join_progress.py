@@ -13,7 +13,7 @@ import trio
 from rich.console import Console
 
 from kafilad.errors import KafilaError
-from kafila_ctl.render import (RateMeter, join_outcome, join_progress_key, join_progress_line,
+from kafila_ctl.render import (STANDBY_SENTENCE, RateMeter, join_outcome, join_progress_key, join_progress_line,
                                join_progress_renderable)
 
 
@@ -73,6 +73,12 @@ def test_the_phases_before_and_after_the_fetch():
     assert "failed: bravo could not load its stage: out of memory" in _text(join_progress_renderable(failed))
     assert join_outcome({"name": "bravo", "session": None, "state": "idle"}) == "closed"
     assert join_outcome(_snap("loading")) is None and join_outcome(_snap("admitted")) is None
+    # a trial (2026-12-02): a member the plan left on standby waited in `join` for 11 min, printing nothing
+    standby = _snap("standby")
+    assert join_outcome(standby) == "standby"
+    said = " ".join(_text(join_progress_renderable(standby)).split())
+    assert said.startswith("standing by in session k3v9q2xa: the plan is faster without this device's blocks")
+    assert join_progress_line(standby) == STANDBY_SENTENCE.format(session="k3v9q2xa")
 
 
 def test_plain_lines_change_with_the_phase_and_each_tenth_of_the_fetch():
