@@ -86,7 +86,7 @@ class HostSession(HostRequests, SessionDriver):
         self.trace = None
         self._serving = trio.Event()
         self.on_ring: set[str] = set()  # requests running on the ring (host_requests.drain_for)
-        self._t0 = time.perf_counter()
+        self._t0 = self._replan_t0 = time.perf_counter()
 
     # ---- the machine's view (state, error, rendezvous_lost: SessionDriver) ----------------
     @property
@@ -140,10 +140,11 @@ class HostSession(HostRequests, SessionDriver):
                 self._write_trace(a.kind, **a.fields, fleet=self.fleet_json())
             else:
                 self._write_trace(a.kind, **a.fields)
-        elif isinstance(a, sm.Formed):
-            self.formed_s = time.perf_counter() - self._t0
+        elif isinstance(a, sm.Formed):  # form_s: the first formation from the session's start, a later one from its plan
+            took_s = time.perf_counter() - (self._t0 if self.formed_s is None else self._replan_t0)
+            self.formed_s = self.formed_s if self.formed_s is not None else took_s
             self._write_trace("edges", edges=stagehost.session_edges(self))
-            self._write_trace("session_formed", form_s=self.formed_s,
+            self._write_trace("session_formed", form_s=took_s,
                               load={e.name: e.load for e in self.members.values()})
         elif isinstance(a, sm.EdgesChanged):
             self._write_trace("edges", edges=stagehost.session_edges(self), cause="upgrade", reporter=a.reporter)
@@ -414,6 +415,7 @@ class HostSession(HostRequests, SessionDriver):
 
     # ---- formation --------------------------------------------------------------------------
     async def _make_plan(self, order: tuple, seq: int) -> None:
+        self._replan_t0 = time.perf_counter()
         self.fleet_devices = [Device(name=e.name, memory_bytes=int(e.capability["memory_bytes"]),
                                      bandwidth_Bps=e.capability.get("bandwidth_Bps"),
                                      step_overhead_s=float(e.capability.get("step_overhead_s") or 0.0),

@@ -137,6 +137,7 @@ async def test_a_member_cut_off_fails_the_request_naming_it_and_the_host_replans
                                                                                monkeypatch):
     async with session_world(tmp_path, model_dir, monkeypatch) as w:
         h, (m1, m2) = await w.form(2)
+        await trio.sleep(1.0)  # the session is older than a re-formation takes (form_s below)
 
         async def cut_after_3(n: int) -> None:
             if n == 3:
@@ -151,6 +152,15 @@ async def test_a_member_cut_off_fails_the_request_naming_it_and_the_host_replans
         assert (await generate(h, PROMPT, N_TOKENS))["token_ids"] == reference
         events = trace_events(h)
         assert "member_lost" in events and "replanned" in events
+        # each session_formed says what that formation took (a trial saw the re-formations' form_s grow with
+        # the session's age: 666.9, 675.6, 691.1 s), while status keeps the first formation's
+        path = h.node.state.trace_path(h.session_id)
+        records = list(map(json.loads, path.read_text().splitlines()))
+        formed = [e for e in records if e["event"] == "session_formed"]
+        assert len(formed) >= 2 and formed[0]["form_s"] == h.snapshot()["form_s"], formed
+        replanned_ts = next(e["ts"] for e in records if e["event"] == "replanned")
+        took = formed[1]["ts"] - replanned_ts  # the re-formation, from its replan to formed
+        assert 0 < formed[1]["form_s"] <= took + 0.3 < formed[1]["ts"] - records[0]["ts"] - 0.5, (formed, took)
 
 
 @trio_test
