@@ -177,9 +177,14 @@ def status_line(snap: dict) -> str:
     members = []
     for m in snap.get("members") or []:
         b = m.get("blocks")
-        state = (("left" if m.get("left") else "lost") if m.get("lost") else
-                 ("ready" if m.get("ready") else (m.get("progress") or "joining")))
-        members.append(f"{m.get('name')}{'*' if m.get('head') else ''}{f' [{b[0]},{b[1]})' if b else ''} {state}")
+        if m.get("lost"):
+            state = "left" if m.get("left") else "lost"
+        elif m.get("ready") or m.get("standby") or m.get("progress"):
+            state = "ready" if m.get("ready") else ("standby" if m.get("standby") else m["progress"])
+        else:  # a member's own view lists its ring without each one's readiness (no "ready" key): no word
+            state = "joining" if "ready" in m else ""
+        members.append(f"{m.get('name')}{'*' if m.get('head') else ''}{f' [{b[0]},{b[1]})' if b else ''}"
+                       f"{' ' + state if state else ''}")
     if members:
         parts.append("members " + ", ".join(members))
     plan = snap.get("plan") or {}

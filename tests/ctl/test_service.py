@@ -84,6 +84,13 @@ def test_status_line_for_watch_into_a_pipe():
     loading = {"name": "m1", "session": "abc", "role": "member", "state": "loading", "error": None,
                "load": {"progress": "fetching", "done_bytes": 1.5e6, "total_bytes": 3e6}}
     assert status_line(loading) == "m1: session abc (member) loading; fetching 1.5/3.0 MB"
+    # a member's own view (no "ready" per row) named every member "joining" in a ready session (a trial)
+    member = {"name": "m2", "session": "abc", "role": "member", "state": "ready",
+              "members": [{"name": "m2", "head": True, "blocks": [0, 4]}, {"name": "h", "blocks": [4, 5]}]}
+    assert status_line(member) == "m2: session abc (member) ready; members m2* [0,4), h [4,5)"
+    host_view = {**snap, "members": [{"name": "m1", "blocks": None, "ready": False},
+                                     {"name": "m3", "blocks": None, "ready": False, "standby": True}]}
+    assert "members m1 joining, m3 standby;" in status_line(host_view)
 
 
 def install_cli(monkeypatch, tmp_path, *argv, env=None):
