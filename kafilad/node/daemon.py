@@ -501,6 +501,17 @@ class Node:
         host must be the ring's head. A setting lasts for the session, replans included."""
         from kafilad.node.ring_parts import apply_schedule, parse_schedule
         s = self._host_session()
+        mode, m = args.get("mode"), None
+        if mode is not None:  # a bad setting is refused for what it is, wherever the head runs
+            try:
+                m = parse_schedule(mode)
+            except ValueError as e:
+                raise KafilaError(str(e)) from None
+            if isinstance(m, int) and m > s.concurrency:
+                runs = "1 request runs" if s.concurrency == 1 else f"{s.concurrency} requests run"
+                give = "1" if s.concurrency == 1 else f"1 to {s.concurrency}"
+                raise KafilaError(f"A schedule of {m} micro-batches cannot be filled: at most {runs} at once in "
+                                  f"this session (--concurrency); give {give}, auto, lockstep or per-request.")
         if s.ring is None:
             raise KafilaError(f"The session has no ring yet (it is {getattr(s.state, 'value', s.state)}); "
                               "set the schedule once it is ready.")
@@ -509,14 +520,8 @@ class Node:
             head = (s.plan.head if s.plan is not None else None) or "not chosen yet"
             raise KafilaError(f"This host is not the ring's head (the head is {head}); set KAFILA_MICRO_BATCHES "
                               "or KAFILA_BATCH in the head daemon's environment instead.")
-        mode = args.get("mode")
         if mode is not None:
             try:
-                m = parse_schedule(mode)
-                if isinstance(m, int) and m > s.concurrency:
-                    raise ValueError(f"A schedule of {m} micro-batches cannot be filled: at most {s.concurrency} "
-                                     f"requests run at once in this session (--concurrency); give 1 to "
-                                     f"{s.concurrency}, auto, lockstep or per-request.")
                 apply_schedule(sched, m)
             except ValueError as e:
                 raise KafilaError(str(e)) from None
