@@ -48,8 +48,9 @@ class ControlClient:
             return DaemonStopped(
                 f"kafilad stopped during '{op}': it closed the control connection{how}, and nothing answers on "
                 f"{self.socket_path} now. Its log says why: {log} (as a service: `systemctl --user status "
-                f"kafilad` or `journalctl --user -u kafilad`); start it again with `kafilad --state-dir "
-                f"{self.socket_path.parent}`.")
+                f"kafilad` or `journalctl --user -u kafilad`); start it again as it was started "
+                f"(`systemctl --user start kafilad`, or its own command line with `--state-dir "
+                f"{self.socket_path.parent}` and the same --rendezvous and --http).")
         return KafilaError(f"kafilad closed the control connection during '{op}'{how}; its log may say why: {log}.")
 
     async def _answers(self, timeout_s: float = 2.0) -> bool:

@@ -83,7 +83,8 @@ async def test_a_daemon_closing_between_frames_is_a_clean_end_without_reply(tmp_
     assert str(info.value) == (
         f"kafilad stopped during 'status': it closed the control connection without a reply, and nothing answers "
         f"on {sock} now. Its log says why: {tmp_path / 'kafilad.log'} (as a service: `systemctl --user status "
-        f"kafilad` or `journalctl --user -u kafilad`); start it again with `kafilad --state-dir {tmp_path}`.")
+        f"kafilad` or `journalctl --user -u kafilad`); start it again as it was started (`systemctl --user start "
+        f"kafilad`, or its own command line with `--state-dir {tmp_path}` and the same --rendezvous and --http).")
 
 
 @trio_test
