@@ -46,6 +46,7 @@ from http import HTTPStatus
 import json
 import logging
 import math
+import re
 import sys
 from typing import Awaitable, Callable, Optional
 
@@ -136,9 +137,18 @@ def reason_phrase(status: int) -> bytes:
         return b""
 
 
+def h11_reason(e: Exception) -> str:
+    """h11's reason for refusing a request, for a sentence: its byte reprs as plain quoted text
+    ("illegal request line: bytearray(b'GARBAGE')" -> "illegal request line: 'GARBAGE'"), no final period."""
+    text = re.sub(r"bytearray\((b'[^']*'|b\"[^\"]*\")\)", r"\1", str(e))
+    text = re.sub(r"\bb('[^']*'|\"[^\"]*\")", r"\1", text)
+    return " ".join(text.split()).rstrip(".") or type(e).__name__
+
+
 def error_body(status: int, message: str) -> bytes:
     """The JSON body of an error answer (the OpenAI error shape)."""
     kind = {404: "not_found", 408: "timeout", 413: "request_too_large", 429: "rate_limit_exceeded",
+            501: "invalid_request_error", 505: "invalid_request_error",  # what the client sent, not a fault here
             503: "service_unavailable"}.get(status, "invalid_request_error" if status < 500 else "server_error")
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
 
@@ -375,9 +385,12 @@ class HttpServer:
                 event = conn.next_event()
             except h11.RemoteProtocolError as e:
                 status = e.error_status_hint if 400 <= e.error_status_hint < 600 else 400
+                reason = h11_reason(e)
                 message = ("The request headers are larger than the server accepts "
                            f"({lim.max_header_bytes} bytes)." if status == 431 else
-                           f"The request is not valid HTTP/1.1 ({e}).")
+                           f"This server takes a request body with a Content-Length or `Transfer-Encoding: "
+                           f"chunked` and no other coding ({reason})." if status == 501 else
+                           f"The request is not valid HTTP/1.1: {reason}.")
                 raise _Refused(status, message, linger=True) from None
             if event is h11.NEED_DATA:
                 if request is None and slot.phase == "idle":

@@ -129,6 +129,22 @@ def test_malformed_and_oversized_requests_get_a_sentence(raw, status, words):
     run(main)
 
 
+@pytest.mark.parametrize("raw, status, kind, words", [
+    (b"GARBAGE\r\n\r\n", 400, "invalid_request_error", "not valid HTTP/1.1: illegal request line: 'GARBAGE'."),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip, chunked\r\n\r\n", 501, "invalid_request_error",
+     "with a Content-Length or `Transfer-Encoding: chunked` and no other coding"),
+])
+def test_refusals_read_as_sentences_without_python_reprs(raw, status, kind, words):
+    """A trial (2026-12-02): "illegal request line: bytearray(b'GARBAGE')" and a 501 typed server_error."""
+    async def main():
+        got = await exchange(HttpServer(echo), raw, eof=True)
+        (s, _, body), = parse_responses(got)
+        err = json.loads(body)["error"]
+        assert s == status and err["type"] == kind and words in err["message"], err
+        assert "bytearray" not in err["message"] and "b'" not in err["message"]
+    run(main)
+
+
 @pytest.mark.parametrize("raw, status, words", [
     (b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\nhello", 400,
      "both a Content-Length and a Transfer-Encoding header"),
