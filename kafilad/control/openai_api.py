@@ -247,6 +247,7 @@ def _completion_logprobs(events: list[dict], text_of: TokenText, offset: int = 0
         alternatives: dict[str, float] = {}
         for a, x in top:  # texts that coincide (bytes of one character) keep the likelier
             alternatives.setdefault(a, x)
+        alternatives.setdefault(t, lp)  # the sampled token is always listed (OpenAI: up to logprobs + 1)
         out["top_logprobs"].append(alternatives)
         out["text_offset"].append(offset)
         offset += len(t)

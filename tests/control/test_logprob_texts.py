@@ -58,3 +58,15 @@ def test_chat_alternatives_decode_as_the_chosen_token(tok):
         assert (chosen["token"], chosen["bytes"]) == (c["token"], c["bytes"]) == (c["token"], list(c["token"].encode()))
     assert [[(a["token"], a["bytes"]) for a in c["top_logprobs"][1:]] for c in content] == [
         [(" he", [32, 104, 101])], [(" ", [32])], [(" Once", [32, 79, 110, 99, 101])]]
+
+
+def test_a_sampled_token_outside_the_top_alternatives_is_listed_too(tok):
+    """A trial (2026-12-02): at temperature 1.8 the sampled ' n' (-4.166) was missing from its own
+    top_logprobs {' b', ' f'}; OpenAI's completions list it too (up to logprobs + 1 entries)."""
+    n, b, f = tok.convert_tokens_to_ids(["▁n", "▁b", "▁f"])
+    detok = tok.continuation_detokenizer(tok.encode("Once upon a time"))
+    detok.add_token(n)
+    events = [{"t": "token", "token_id": n, "text": detok.last_segment, "logprob": -4.166,
+               "top_logprobs": [[b, -2.174], [f, -2.538]]}]
+    lp = _completion_logprobs(events, TokenText(SimpleNamespace(chat_tokenizer=lambda: tok)))
+    assert lp["tokens"] == [" n"] and lp["top_logprobs"] == [{" b": -2.174, " f": -2.538, " n": -4.166}]
