@@ -1,7 +1,6 @@
 """The CPUs a process may use: its affinity mask and its cgroup's CPU quota (no mlx here).
 
-kafilad/executor/blas.py gives OpenBLAS that many threads; kafila_ctl/demo.py divides them between
-the daemons of a loopback cluster (several daemons on one machine).
+kafilad/executor/blas.py gives OpenBLAS that many threads (issue 12; docs/performance.md "2026-12-02").
 """
 
 from __future__ import annotations
