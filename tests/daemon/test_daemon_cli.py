@@ -364,4 +364,5 @@ def test_watch_says_the_daemon_stopped_and_where_to_look(daemon):
     assert err == (f"kafila-ctl: kafilad stopped during 'watch': it closed the control connection without a reply, "
                    f"and nothing answers on {state / 'kafilad.sock'} now. Its log says why: {state / 'kafilad.log'} "
                    f"(as a service: `systemctl --user status kafilad` or `journalctl --user -u kafilad`); start it "
-                   f"again with `kafilad --state-dir {state}`.\n")
+                   f"again as it was started (`systemctl --user start kafilad`, or its own command line with "
+                   f"`--state-dir {state}` and the same --rendezvous and --http).\n")
