@@ -9,16 +9,7 @@ Sentences name API fields, never command-line flags (`api_text`), and the field 
 API spells it (Ollama's `options.num_predict`, not OpenAI's `max_tokens`: `fields`). A generation request that
 arrives while the session heals from a member loss waits for it to serve again, at most
 `RECOVERY_WAIT_S` (kafilad/node/host_requests.py; `serving_session`), before that 503.
-
-Browser clients (CORS, https://fetch.spec.whatwg.org/#http-cors-protocol): a request whose
-`Origin` is allowed gets `Access-Control-Allow-Origin` (that origin) and `Vary: Origin`; the
-allowed origins are the host's own machine (http or https, any port, on localhost, 127.0.0.1,
-[::1] or 0.0.0.0), as Ollama allows by default, plus those listed in `KAFILA_HTTP_ORIGINS`
-(comma-separated origins, or `*` for any). A preflight (`OPTIONS` with
-`Access-Control-Request-Method`) is answered 204 with the path's methods and the requested
-headers (and `Access-Control-Allow-Private-Network` when asked, for Chrome's Private Network
-Access), or 403 with a sentence for an origin not allowed; so is any other request but GET and HEAD
-from an origin not allowed (`refuse_foreign_origin`: a simple cross-origin POST needs no preflight).
+Browser clients (CORS): kafilad/control/cors.py.
 """
 
 from __future__ import annotations
@@ -26,12 +17,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
-from urllib.parse import urlsplit
 
 import h11
 import trio
@@ -45,12 +34,6 @@ log = logging.getLogger("kafilad.http")
 
 #: seconds a client is told to wait (Retry-After) while the session is still coming up
 RETRY_FORMING_S = 5
-#: environment variable: extra origins allowed to call the API from a browser (comma-separated, or *)
-ORIGINS_ENV = "KAFILA_HTTP_ORIGINS"
-#: how long a browser may cache a preflight answer (s)
-PREFLIGHT_MAX_AGE_S = 600
-_LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1", "0.0.0.0")
-_HEADER_TOKEN = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 
 
 class HttpError(Exception):
@@ -358,69 +341,6 @@ def generation_error(e: KafilaError, session, fields: Optional[dict[str, str]] =
             return HttpError(unavailable.status, f"{cause}. {unavailable.message}", unavailable.kind,
                              unavailable.headers, code=unavailable.code)
     return HttpError(500, message, "server_error")
-
-
-# ---- browsers (CORS) ------------------------------------------------------------------------
-def origin_allowed(origin: str, environ=os.environ) -> bool:
-    """Whether a browser page of `origin` may call the API (module docstring)."""
-    extra = [o.strip().rstrip("/") for o in environ.get(ORIGINS_ENV, "").split(",") if o.strip()]
-    if "*" in extra or origin.rstrip("/") in extra:
-        return True
-    try:
-        parts = urlsplit(origin)
-        host = parts.hostname
-    except ValueError:
-        return False
-    return parts.scheme in ("http", "https") and host is not None and (host in _LOCAL_HOSTS or f"[{host}]" in _LOCAL_HOSTS)
-
-
-def cors_headers(request) -> list[tuple[str, str]]:
-    """The CORS headers of an answer to `request` (none when it has no allowed Origin)."""
-    origin = request.header(b"origin")
-    if origin is None:
-        return []
-    o = origin.decode("latin-1")
-    return [("access-control-allow-origin", o), ("vary", "origin")] if origin_allowed(o) else [("vary", "origin")]
-
-
-def refuse_foreign_origin(request) -> None:
-    """Refuse a request that changes or spends something (any method but GET, HEAD, OPTIONS) sent by
-    a browser page of an origin not allowed. A "simple" cross-origin POST (text/plain, no
-    preflight) reaches the server whatever CORS says: the page could not read the answer, but its
-    generation would run on the ring.
-
-    Raises:
-        HttpError: 403 with a sentence naming the origin.
-    """
-    if request.method in ("GET", "HEAD", "OPTIONS"):
-        return
-    origin = request.header(b"origin")
-    if origin is not None and not origin_allowed(origin.decode("latin-1")):
-        raise HttpError(403, f"Browser pages from the origin '{shown(origin.decode('latin-1'))}' may not call this "
-                             f"API; the host allows its own machine's origins, and those listed in {ORIGINS_ENV}.",
-                        "permission_denied")
-
-
-def preflight_headers(request, methods: tuple[str, ...]) -> list[tuple[str, str]]:
-    """The headers of a 204 answer to a CORS preflight of a path serving `methods`.
-
-    Raises:
-        HttpError: 403 when the page's origin is not allowed.
-    """
-    origin = (request.header(b"origin") or b"").decode("latin-1")
-    if not origin_allowed(origin):
-        raise HttpError(403, f"Browser pages from the origin '{shown(origin)}' may not call this API; the host "
-                             f"allows its own machine's origins, and those listed in {ORIGINS_ENV}.",
-                        "permission_denied")
-    asked = (request.header(b"access-control-request-headers") or b"").decode("latin-1")
-    names = [h.strip() for h in asked.split(",") if h.strip()]
-    allowed = ", ".join(h for h in names if _HEADER_TOKEN.match(h)) or "authorization, content-type"
-    out = [("access-control-allow-origin", origin), ("vary", "origin"),
-           ("access-control-allow-methods", ", ".join((*methods, "OPTIONS"))),
-           ("access-control-allow-headers", allowed), ("access-control-max-age", str(PREFLIGHT_MAX_AGE_S))]
-    if (request.header(b"access-control-request-private-network") or b"").lower() == b"true":
-        out.append(("access-control-allow-private-network", "true"))
-    return out
 
 
 class TokenText:

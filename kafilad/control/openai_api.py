@@ -10,7 +10,7 @@ GET  /v1/models               {"object": "list", "data": [{"id": model_id, "obje
 GET  /v1/models/{id}          that model object, or 404 `model_not_found`
 POST /v1/completions          {"prompt": str, "max_tokens": 16, ...}   -> "text_completion"
 POST /v1/chat/completions     {"messages": [...], "max_tokens": 256, ...} -> "chat.completion"
-OPTIONS <any route>           CORS preflight (kafilad/control/api_common.py): 204, or 403 for an origin not allowed
+OPTIONS <any route>           CORS preflight (kafilad/control/cors.py): 204, or 403 for an origin not allowed
 ```
 HEAD is answered wherever GET is (RFC 9110 §9.3.2); a known path with another method is 405
 with `Allow`. Request bodies are validated by typed models (kafilad/control/openai_schema.py):
@@ -53,10 +53,10 @@ import trio
 
 from kafilad.control import ollama_api, web
 from kafilad.control.api_common import (SSE_BUFFER_EVENTS, HttpError, TokenText, check_model, chat_prompt,
-                                        cors_headers, created_s, default_max_tokens, generate_whole, json_object,
-                                        model_id, preflight_headers, ready_session, refuse_foreign_origin,
-                                        serving_session, shown, state_of, stream_generation, token_reports,
-                                        vocab_size)
+                                        created_s, default_max_tokens, generate_whole, json_object, model_id,
+                                        ready_session, serving_session, shown, state_of, stream_generation,
+                                        token_reports, vocab_size)
+from kafilad.control.cors import cors_headers, preflight_headers, refuse_foreign_origin
 from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
 from kafilad.control.openai_schema import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from kafilad.errors import ContextTooLongError, KafilaError

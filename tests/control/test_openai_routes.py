@@ -11,7 +11,8 @@ import pytest
 import trio
 
 from kafilad.control import openai_api
-from kafilad.control.api_common import HttpError, json_object, origin_allowed
+from kafilad.control.api_common import HttpError, json_object
+from kafilad.control.cors import origin_allowed
 from kafilad.control.ollama_api import ChatRequest, GenerateRequest, _parse
 from kafilad.control.openai_schema import parse_chat, parse_completion
 
