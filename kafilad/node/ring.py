@@ -63,7 +63,8 @@ from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, Phase, PROGRESS_FACTOR,
                                     StageStats, TokensSampled)
 from kafilad.node.step_policy import StepPolicy
 from kafilad.node.step_timeline import TIMELINE
-from kafilad.node.ring_parts import (BATCH_ENV, MICRO_BATCHES_ENV, RequestState, Speculation, StageCalls,  # noqa: F401
+from kafilad.node.ring_parts import (BATCH_ENV, MICRO_BATCHES_ENV, RequestState, RingViews, Speculation,  # noqa: F401
+                                     StageCalls,
                                      _frame_reqs, _plain, _recent, batching_enabled, pinned_micro_batches,
                                      run_on_mlx_thread)
 
@@ -83,7 +84,7 @@ PROGRESS_CHECK_S = 0.5
 _WAKE: dict = {"t": "wake"}
 
 
-class RingMember(StageCalls):
+class RingMember(StageCalls, RingViews):
     """Drives this member's stage on the ring (and, on the head, the HeadScheduler).
 
     Args:
@@ -135,38 +136,6 @@ class RingMember(StageCalls):
         #: or taken back (`_unspeculate`)
         self._spec: Optional[Speculation] = None
         self._returned_group = 0  # head: the micro-batch group of the batched act being sampled
-
-    # ---- views for status and tests --------------------------------------------------------
-    @property
-    def decode_steps(self) -> int:
-        return self.scheduler.decode_steps if self.scheduler is not None else 0
-
-    @property
-    def decode_rows(self) -> int:
-        return self.scheduler.decode_rows if self.scheduler is not None else 0
-
-    @property
-    def max_batch_rows(self) -> int:
-        return self.scheduler.max_batch_rows if self.scheduler is not None else 0
-
-    @property
-    def steps_total(self) -> int:
-        return self.stats.steps_total
-
-    @property
-    def req_steps(self) -> dict:
-        """req -> step time (s) of every pass, on this member."""
-        return self.stats.steps_s
-
-    @property
-    def req_share_s(self) -> dict:
-        """req -> its share of this member's compute (s)."""
-        return self.stats.share_s
-
-    @property
-    def req_bytes(self) -> dict:
-        """req -> its share of the bytes sent to the next member."""
-        return self.stats.sent_bytes
 
     # ---- plumbing -----------------------------------------------------------------------
     async def feed_from(self, link: Link) -> None:

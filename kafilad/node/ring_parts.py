@@ -269,3 +269,39 @@ class StageCalls:
 
     def _head_sample_rows_wire(self, rids: list[str], h_wire: dict, samplings: list, histories: list) -> list:
         return self.runner.head_sample_rows(rids, self.ex.array_from_wire(h_wire), samplings, histories)
+
+
+class RingViews:
+    """RingMember's read-only views for `status` and tests: its head scheduler's step counts
+    (`self.scheduler`, None off the head) and its per-request statistics (`self.stats`)."""
+
+    @property
+    def decode_steps(self) -> int:
+        return self.scheduler.decode_steps if self.scheduler is not None else 0
+
+    @property
+    def decode_rows(self) -> int:
+        return self.scheduler.decode_rows if self.scheduler is not None else 0
+
+    @property
+    def max_batch_rows(self) -> int:
+        return self.scheduler.max_batch_rows if self.scheduler is not None else 0
+
+    @property
+    def steps_total(self) -> int:
+        return self.stats.steps_total
+
+    @property
+    def req_steps(self) -> dict:
+        """req -> step time (s) of every pass, on this member."""
+        return self.stats.steps_s
+
+    @property
+    def req_share_s(self) -> dict:
+        """req -> its share of this member's compute (s)."""
+        return self.stats.share_s
+
+    @property
+    def req_bytes(self) -> dict:
+        """req -> its share of the bytes sent to the next member."""
+        return self.stats.sent_bytes
