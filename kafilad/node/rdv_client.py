@@ -20,7 +20,7 @@ import contextlib
 import itertools
 import logging
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, AsyncIterator, ClassVar
+from typing import Any, AsyncIterator
 
 import attrs
 import trio
@@ -29,6 +29,8 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from kafilad.errors import LocalProtocolError, RemoteProtocolError, RendezvousRefused, SessionError, collapse_groups
 from kafilad.net.channels import send_noting_stall
+from kafilad.node.rdv_events import (Disconnected, MemberJoined, MemberLeft, RendezvousErrorEvent,  # noqa: F401
+                                     RendezvousEvent, SessionClosed, Signal)  # (re-exported: the drivers import them here)
 from kafilad.proto.identity import peer_id as peer_id_of
 from kafilad.proto.rendezvous import (
     ControlMessage,
@@ -52,69 +54,6 @@ def _closed_by_rendezvous(exc: ConnectionClosed) -> str:
     close = exc.reason
     return close_clause(getattr(close, "code", None), getattr(close, "reason", None), who="the rendezvous",
                         peer="the rendezvous")
-
-
-@attrs.frozen
-class MemberJoined:
-    """A member joined our session (proto_spec §2.2 `member_joined`)."""
-
-    type: ClassVar[str] = "member_joined"
-
-    peer_id: str
-    name: str
-
-
-@attrs.frozen
-class MemberLeft:
-    """A member left or lost its connection (proto_spec §2.2 `member_left`)."""
-
-    type: ClassVar[str] = "member_left"
-
-    peer_id: str
-    reason: str
-
-
-@attrs.frozen
-class Signal:
-    """An opaque signalling body from another member (proto_spec §2.2 `signal`)."""
-
-    type: ClassVar[str] = "signal"
-
-    from_peer_id: str
-    body: Any
-
-
-@attrs.frozen
-class SessionClosed:
-    """The host left; the session is gone (proto_spec §2.2 `session_closed`)."""
-
-    type: ClassVar[str] = "session_closed"
-
-    session_id: str
-    reason: str
-
-
-@attrs.frozen
-class RendezvousErrorEvent:
-    """A non-fatal `error` not tied to a waiting request, e.g. `budget_exhausted` (proto_spec §2.3)."""
-
-    type: ClassVar[str] = "error"
-
-    code: str
-    reason: str
-
-
-@attrs.frozen
-class Disconnected:
-    """The WebSocket to the rendezvous is gone; every circuit is broken. Always the last event."""
-
-    type: ClassVar[str] = "disconnected"
-
-    reason: str
-
-
-#: Every event has a `type` class attribute equal to the proto_spec §2.2 message type.
-RendezvousEvent = MemberJoined | MemberLeft | Signal | SessionClosed | RendezvousErrorEvent | Disconnected
 
 
 class Circuit:
