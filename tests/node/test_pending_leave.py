@@ -44,6 +44,16 @@ def _join_soon(w, daemon, code: str) -> dict:
     return out
 
 
+async def _join_again_admitted(w, h, e) -> dict:
+    """`e` joins the session again, is pending (not refused), and the host admits it; its join's outcome."""
+    again = _join_soon(w, e, h.code)
+    await w.wait(lambda: "e" in [p.name for p in h.pending.values()] or again["done"].is_set(), 10, "e pending again")
+    assert "error" not in again, again.get("error")
+    h.decide("e", "admit")
+    await w.wait(lambda: again["done"].is_set(), 10, "the second join admitted")
+    return again
+
+
 @trio_test
 async def test_a_device_that_leaves_while_pending_can_join_again_at_once(tmp_path, model_dir, monkeypatch):
     async with session_world(tmp_path, model_dir, monkeypatch) as w:
@@ -57,12 +67,7 @@ async def test_a_device_that_leaves_while_pending_can_join_again_at_once(tmp_pat
         took_s = await w.wait(lambda: not h.pending and e.peer_id not in h.links, 5, "the host freed the place")
         assert took_s < 2, took_s
 
-        again = _join_soon(w, e, h.code)
-        await w.wait(lambda: "e" in [p.name for p in h.pending.values()] or again["done"].is_set(), 10,
-                     "e pending again")
-        assert "error" not in again, again.get("error")
-        h.decide("e", "admit")
-        await w.wait(lambda: again["done"].is_set(), 10, "the second join admitted")
+        again = await _join_again_admitted(w, h, e)
         assert again["result"]["host"] == "h", again
         await w.wait(lambda: h.state == "ready" and e.snapshot()["state"] == "ready", 30, "formation")
         w.nursery.cancel_scope.cancel()
@@ -81,11 +86,6 @@ async def test_a_denied_device_hears_what_to_do_and_can_join_again(tmp_path, mod
                                        "`kafila-ctl join` again and ask the host to run `kafila-ctl admit e`."), first
         await w.wait(lambda: not h.pending and e.peer_id not in h.links, 2, "the host freed the place")
 
-        again = _join_soon(w, e, h.code)
-        await w.wait(lambda: "e" in [p.name for p in h.pending.values()] or again["done"].is_set(), 10,
-                     "e pending again")
-        assert "error" not in again, again.get("error")
-        h.decide("e", "admit")
-        await w.wait(lambda: again["done"].is_set(), 10, "the second join admitted")
+        again = await _join_again_admitted(w, h, e)
         assert "result" in again, again.get("error")
         w.nursery.cancel_scope.cancel()
