@@ -14,7 +14,7 @@ from typing import Optional
 import trio
 
 from kafilad.errors import (HandshakeError, KafilaError, LinkBroken, LinkClosed, RemoteProtocolError,
-                            RingEdgeError, SessionError, collapse_groups)
+                            RingEdgeError, SessionError, collapse_groups, only_cancelled)
 from kafilad.node import paths, stagehost
 from kafilad.node.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name
 from kafilad.node.host_requests import result_of
@@ -36,11 +36,6 @@ REJOIN_IDLE_WAIT_S = 30.0
 #: the loading step (``load["progress"]``) while the stage's tensors are read: some come from the host,
 #: or every one is in this device's caches (a rejoin: nothing is fetched, so nothing says "fetching")
 LOAD_FETCHING, LOAD_FROM_CACHE = "fetching", "reading the weights from the cache"
-
-
-def _only_cancelled(e: BaseException) -> bool:
-    """Whether `e` is trio's Cancelled, alone or in a group of nothing else."""
-    return isinstance(e, trio.Cancelled) or (isinstance(e, BaseExceptionGroup) and e.split(trio.Cancelled)[1] is None)
 
 
 class MemberSession(SessionDriver):
@@ -176,7 +171,7 @@ class MemberSession(SessionDriver):
             if self.state not in (sm.MemberState.FAILED, sm.MemberState.CLOSED):
                 await self._handle(sm.RendezvousLost(reason))
         except BaseException as e:  # cancelled: the daemon stops, or this device left (`kafila-ctl leave`)
-            if started or self.state != sm.MemberState.CLOSED or not _only_cancelled(e):
+            if started or self.state != sm.MemberState.CLOSED or not only_cancelled(e):
                 raise
             raise SessionError(self.error or "This device left as it joined the session.") from None  # it left while it waited: the join ends saying so
 
