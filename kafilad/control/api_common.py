@@ -316,8 +316,8 @@ def generation_error(e: KafilaError, session, fields: Optional[dict[str, str]] =
     numbers = [getattr(e, k, None) for k in ("prompt_tokens", "max_tokens", "context")]
     field = getattr(e, "prompt_field", None)  # set when the request had no max_tokens: the API chose it
     if all(isinstance(n, int) for n in numbers) and field:  # so the prompt alone fills the context
-        return HttpError(400, f"The prompt ({'at least ' if getattr(e, 'at_least', False) else ''}{numbers[0]} "
-                              f"tokens) leaves no room to generate in the session's context of {numbers[2]} tokens; "
+        return HttpError(400, f"The prompt ({tokens_text(numbers[0], not getattr(e, 'at_least', False))}) "
+                              f"leaves no room to generate in the session's context of {numbers[2]} tokens; "
                               f"shorten the {field}.", param=field, code="context_length_exceeded")
     if all(isinstance(n, int) for n in numbers):  # ContextTooLongError
         field = (fields or {}).get("max_tokens", "max_tokens")
