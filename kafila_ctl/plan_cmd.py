@@ -25,10 +25,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kafilad.errors import AdmissionError, KafilaError, PlanError
+from kafilad.node.admission import DEFAULT_CONTEXT, default_context  # the host's own default
 from kafilad.planner import DEFAULT_STRATEGY, STRATEGIES, Plan, load_fleet, plan
 
 HOLD_DTYPE_BYTES = {"stored": None, "f32": 4, "f16": 2, "bf16": 2}
-DEFAULT_CONTEXT = 4096
 DEFAULT_CONCURRENCY = 1
 
 Outcome = Union[Plan, PlanError]
@@ -69,12 +69,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="draw per-device stage time under each division")
     p.set_defaults(func=run)
     return p
-
-
-def default_context(config: dict) -> int:
-    """The host's default context: 4096, capped at the model's max_position_embeddings."""
-    limit = config.get("max_position_embeddings")
-    return min(DEFAULT_CONTEXT, int(limit)) if limit else DEFAULT_CONTEXT
 
 
 def error_json(e: KafilaError) -> dict:

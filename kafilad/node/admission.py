@@ -216,6 +216,13 @@ __all__ = ["AdmissionQueue", "HostBusyError", "Limiter", "QUEUE_PER_SLOT", "Slot
 DEFAULT_CONTEXT = 4096
 
 
+def default_context(config: dict) -> int:
+    """The context a session gets when --context is not given: DEFAULT_CONTEXT, capped at the model's
+    max_position_embeddings (config.json)."""
+    limit = config.get("max_position_embeddings")
+    return min(DEFAULT_CONTEXT, int(limit)) if limit else DEFAULT_CONTEXT
+
+
 def check_session_arguments(info, *, members: int, context: Optional[int], concurrency: int,
                             admit_timeout_s: float = 1.0) -> int:
     """Refuse session arguments no plan could honour, before anyone joins (DESIGN §5.4); pure, so
@@ -237,7 +244,7 @@ def check_session_arguments(info, *, members: int, context: Optional[int], concu
                           f"(got {members}).")
     limit = info.config.get("max_position_embeddings")
     if context is None:
-        context = min(DEFAULT_CONTEXT, int(limit)) if limit else DEFAULT_CONTEXT
+        context = default_context(info.config)
     if not admit_timeout_s > 0:
         raise KafilaError(f"--admit-timeout must be a positive number of seconds (got {admit_timeout_s:g}).")
     if concurrency < 1:
