@@ -382,9 +382,10 @@ def cmd_service_install(args) -> int:
         return 0
     path = service.install(kind, argv, path=path, force=args.force)
     print(f"wrote {path}\nExecStart: {' '.join(argv)}\nenable and start it with:")
-    for c in service.enable_commands(kind, path):
+    commands = service.enable_commands(kind, path)
+    for c in commands:
         print(f"  {c}")
-    if kind == "systemd" and service.enable_commands(kind, path)[0].startswith("systemctl --user link"):
+    if kind == "systemd" and commands[0].startswith("systemctl --user link"):
         print(f"(the link points at {path}: keep the file there, or copy it into "
               f"{service.default_path(kind).parent}/ instead of linking it)")
     return 0
