@@ -115,13 +115,18 @@ class ContextTooLongError(GenerationError):
 
     Attributes:
         prompt_tokens, max_tokens, context: the numbers that did not fit (tokens).
+        at_least: prompt_tokens is a lower bound (the prompt was refused without being tokenized).
+        prompt_field: set by an API when its client sent no max_tokens (the API chose it): the field
+            holding the prompt, which alone leaves no room (kafilad/control/api_common.py).
     """
 
-    def __init__(self, message: str, *, prompt_tokens: int, max_tokens: int, context: int):
+    def __init__(self, message: str, *, prompt_tokens: int, max_tokens: int, context: int, at_least: bool = False):
         super().__init__(message)
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.context = context
+        self.at_least = at_least
+        self.prompt_field: str | None = None
 
 
 class SessionNotReadyError(GenerationError):

@@ -40,7 +40,6 @@ from kafilad.proto.identity import compose_session_code, peer_id as peer_id_of
 log = logging.getLogger("kafilad.host")
 
 
-
 class HostSession(HostRequests, SessionDriver):
     """One session hosted by this daemon. Runs inside the node's root nursery.
 

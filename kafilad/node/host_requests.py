@@ -251,11 +251,10 @@ class HostRequests:
         await self.wait_serving(gone)
         n_prompt, exact = await self.prompt_tokens(prompt, self.context)  # exact unless alone past the context
         if n_prompt + max_tokens > self.context:
-            err = ContextTooLongError(f"The prompt ({'' if exact else 'at least '}{n_prompt} tokens) plus --max-tokens "
+            raise ContextTooLongError(f"The prompt ({'' if exact else 'at least '}{n_prompt} tokens) plus --max-tokens "
                                       f"{max_tokens} exceeds the session's admitted context of {self.context} tokens.",
-                                      prompt_tokens=n_prompt, max_tokens=max_tokens, context=self.context)
-            err.at_least = not exact  # the prompt was refused by its lower bound, not tokenized
-            raise err
+                                      prompt_tokens=n_prompt, max_tokens=max_tokens, context=self.context,
+                                      at_least=not exact)
         slot = await self.admission.acquire(abandoned=gone)
         if slot is None:
             raise GenerationCancelled("The client went away while its request waited for its turn.")
