@@ -164,8 +164,9 @@ class StageRunner:
         """Tokens held in this request's KV cache (0 if unknown)."""
         with self._lock:
             self._take_out_of_batch([request_id])
-            cache = self._caches.get(request_id)
-            return int(cache[0].offset) if cache else 0
+            cache = self._caches.get(request_id) or []
+            # the first cache that counts tokens (a linear-attention or Mamba cache does not)
+            return next((int(c.offset) for c in cache if isinstance(getattr(c, "offset", None), int)), 0)
 
     def _cache(self, request_id: str) -> list:
         self._take_out_of_batch([request_id])

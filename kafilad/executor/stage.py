@@ -185,10 +185,11 @@ class _Absent(nn.Module):
     def __init__(self, dims: int):
         super().__init__()
         object.__setattr__(self, "_dims", dims)
+        object.__setattr__(self, "_dtype", mx.float32)
 
     def __call__(self, x, *args, **kwargs):
-        if mx.issubdtype(x.dtype, mx.integer):
-            return mx.zeros((*x.shape, self._dims), dtype=mx.float32)
+        if mx.issubdtype(x.dtype, mx.integer):  # in the stage's dtype, as the embedding's output would be
+            return mx.zeros((*x.shape, self._dims), dtype=self._dtype)
         return x
 
 
@@ -295,16 +296,25 @@ class Stage:
         self._blocks = blocks  # held blocks, block start + i at index i
         self._n_run = len(blocks)  # blocks a pass runs (a prefix: the probe times fewer)
         self._skips = skips  # one per model position
-        self._templates = cache_templates  # one fresh cache per model position that has one
+        self._templates = cache_templates  # the model's own make_cache(), fresh
         self.hidden_size = hidden_size
+        #: indices into the model's cache list that this stage's blocks use, in order (a model's
+        #: list need not follow block positions: Nemotron-H's skips its MLP blocks, Gemma 4's
+        #: ends before its KV-shared blocks)
+        self._held = self._held_cache_indices()
         kinds = [_cache_kind(c) for c in cache_templates]
-        held = {}
-        for j in range(start, min(end, len(kinds))):
-            held.setdefault(kinds[j], j)
-        #: position -> the held position whose cache stands in for it (None: a spare of its kind)
-        self._stand_in = [held.get(k) for k in kinds]
-        self._spares = [copy.deepcopy(c) if self._stand_in[i] is None else None for i, c in enumerate(cache_templates)]
+        held_kind = {}
+        for p, k in enumerate(self._held):
+            held_kind.setdefault(kinds[k], p)
+        #: cache index -> position in this stage's cache list standing in for it (None: a spare)
+        self._stand_in = [held_kind.get(kind) for kind in kinds]
+        for p, k in enumerate(self._held):
+            self._stand_in[k] = p
+        self._spares: list = [None] * len(cache_templates)
         self.dtype = _float_dtype(model)
+        for m in model.modules():
+            if isinstance(m, _Absent):  # a model may take dtypes from its embedding (Ministral 3's attention scale)
+                object.__setattr__(m, "_dtype", self.dtype)
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -337,31 +347,63 @@ class Stage:
 
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
+    def _held_cache_indices(self) -> list[int]:
+        """Which entries of the model's cache list this stage's blocks are given, read from one
+        pass of the model's own `__call__` in which every block position records the cache it
+        receives (nothing runs: every position is a placeholder)."""
+        seen: dict[int, Optional[int]] = {}
+        index_of = {id(c): k for k, c in enumerate(self._templates)}
+        owner = self._owner
+
+        def recorder(i: int):
+            skip = self._skips[i]
+
+            class _Recorder:
+                def __getattr__(self, name):
+                    return getattr(skip, name)
+
+                def __call__(self, x, *args, **kwargs):
+                    seen[i] = next((index_of[id(v)] for v in (*args, *kwargs.values()) if id(v) in index_of), None)
+                    if i == last:  # what follows the blocks is not needed here
+                        raise _StageDone(None)
+                    return skip(x)
+            return _Recorder()
+
+        last = len(self._skips) - 1
+        kept = owner["layers"]
+        owner["layers"] = [recorder(i) for i in range(len(self._skips))]
+        try:
+            self.model(mx.zeros((1, 1), dtype=mx.int32), cache=list(self._templates))
+        except _StageDone:
+            pass
+        finally:
+            owner["layers"] = kept
+        return [k for i in range(self.start, self.end) if (k := seen.get(i)) is not None]
+
     def make_cache(self) -> list:
         """Fresh caches for this stage's blocks: mlx-lm's own kinds (the model's `make_cache`),
-        one per held block that keeps one (a block that reads another block's cache, as Gemma 4's
-        KV-shared blocks do, has none)."""
-        return [copy.deepcopy(c) for c in self._templates[self.start:self.end]]
+        one per held block that keeps one, in block order (a block without a cache, as
+        Nemotron-H's MLP blocks and Gemma 4's KV-shared blocks, has none)."""
+        return [copy.deepcopy(self._templates[k]) for k in self._held]
 
     def _full_cache(self, cache: Optional[list]) -> Optional[list]:
-        """The model-wide cache list for one pass: this stage's caches at its positions, a held
-        cache of the same kind (or a spare of that kind, at the same offset) elsewhere."""
+        """The model-wide cache list for one pass: this stage's caches where its blocks look, a
+        held cache of the same kind (or a spare of that kind, at the same offset) elsewhere, so
+        the model's own mask and offset reads see this stage's state."""
         if cache is None:
             return None
         offset = next((c.offset for c in cache if hasattr(c, "offset")), None)
         full = []
-        for i, stand_in in enumerate(self._stand_in):
-            if self.start <= i < self.start + len(cache):
-                full.append(cache[i - self.start])
-            elif stand_in is not None and stand_in - self.start < len(cache):
-                full.append(cache[stand_in - self.start])
-            else:
-                spare = self._spares[i]
-                if spare is None:  # a held kind beyond a shortened (probe) cache list
-                    spare = self._spares[i] = copy.deepcopy(self._templates[i])
-                if offset is not None and hasattr(spare, "offset"):
-                    spare.offset = offset
-                full.append(spare)
+        for k, p in enumerate(self._stand_in):
+            if p is not None and p < len(cache):
+                full.append(cache[p])
+                continue
+            spare = self._spares[k]
+            if spare is None:
+                spare = self._spares[k] = copy.deepcopy(self._templates[k])
+            if offset is not None and hasattr(spare, "offset"):
+                spare.offset = offset
+            full.append(spare)
         return full
 
     def _forward(self, inputs: mx.array, cache: Optional[list], calls: list) -> Any:
