@@ -6,7 +6,8 @@ of Llama, Mistral, Qwen2/3, Qwen3 MoE, Qwen3-Next and Qwen3.5 (hybrid linear att
 and 4, gpt-oss, DeepSeek-V3/R1 and Kimi K2 (MLA + MoE), GLM-4.5, Phi-3, Granite, Mixtral, OLMo 2,
 SmolLM3, LFM2, Nemotron-H and Llama 4. Sliding windows are 8 tokens, so a 24-token prompt is
 longer than every window. `synthesize_arch` writes one as an mlx-lm model directory
-(config.json, model.safetensors in mlx-lm's own tensor names) in a precision: float32, bfloat16,
+(config.json, model.safetensors in mlx-lm's own tensor names, the synthetic models' byte-level
+tokenizer, kafilad/executor/synth.py, so daemons can serve it) in a precision: float32, bfloat16,
 or quantised (4-bit or 8-bit affine, group 32; mxfp4 where the family ships it).
 
 Weights: mlx-lm's own initialisation (seeded), then every block's matrices scaled by
@@ -27,6 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import _get_classes, quantize_model, save_model
+
+from kafilad.executor.synth import BOS_ID, EOS_ID, write_tokenizer_files
 
 #: every block's 2-D weights are multiplied by this after mlx-lm's initialisation
 BLOCK_GAIN = 2.0
@@ -178,9 +181,11 @@ def synthesize_arch(out_dir: str | Path, arch: str, precision: str = "float32", 
     elif precision in ("q4", "q8", "mxfp4"):
         bits, mode = {"q4": (4, "affine"), "q8": (8, "affine"), "mxfp4": (4, "mxfp4")}[precision]
         model, config = quantize_model(model, config, 32, bits, mode=mode)
-    config = {**config, "torch_dtype": "bfloat16" if precision == "bfloat16" else "float32"}
+    config = {**config, "torch_dtype": "bfloat16" if precision == "bfloat16" else "float32",
+              "bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
     save_model(out, model, donate_model=False)
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    write_tokenizer_files(out, model_max_length=int((config.get("text_config") or config)["max_position_embeddings"]))
     return out
 
 
