@@ -158,6 +158,12 @@ class ModelInfo:
         """Tensors that are not in any block: embedding, final norm, lm_head."""
         return [t for t in self.tensors.values() if t.block is None]
 
+    def checkpoint_shapes(self) -> list[list]:
+        """Every tensor of the checkpoint as [name, safetensors dtype, shape]: what a stage's
+        mlx-lm `sanitize` must see beside its own tensors (kafilad/executor/stage.py
+        `build_stage`; the `plan` frame's "checkpoint", proto_spec 05 §2)."""
+        return [[t.name, t.dtype, list(t.shape)] for t in self.tensors.values()]
+
     def stage_tensors(self, start: int, end: int, head: bool) -> list[TensorInfo]:
         """Tensors a stage holding blocks [start, end) (plus head parts if `head`) loads."""
         out = [t for t in self.tensors.values() if t.block is not None and start <= t.block < end]
@@ -267,7 +273,9 @@ def unsplittable_reason(config: dict) -> Optional[str]:
     return None
 
 
-def _block_of(name: str) -> Optional[int]:
+def block_of(name: str) -> Optional[int]:
+    """The block index in a tensor or parameter name (`...layers.N....`), or None for the head's
+    parts (embedding, final norm, output) and anything else outside the blocks."""
     m = _BLOCK_RE.search(name)
     return int(m.group(1)) if m else None
 
@@ -323,5 +331,5 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
                 raise ModelFormatError(f"{fname}: tensor {name!r} has a malformed header entry.") from e
             if dtype not in DTYPE_BYTES or end < begin:
                 raise ModelFormatError(f"{fname}: tensor {name!r} has dtype {dtype!r} or offsets {begin}..{end} we cannot read.")
-            tensors[name] = TensorInfo(name, fname, dtype, shape, data_start + begin, end - begin, _block_of(name))
+            tensors[name] = TensorInfo(name, fname, dtype, shape, data_start + begin, end - begin, block_of(name))
     return ModelInfo(model_dir=model_dir, config=config, tensors=tensors)

@@ -39,7 +39,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes, infer_quant_config
 
 from kafilad.errors import ModelFormatError
-from kafilad.modelinfo import FLOAT_DTYPES, TensorInfo, read_model_info
+from kafilad.modelinfo import FLOAT_DTYPES, TensorInfo, block_of, read_model_info
 
 #: safetensors dtype -> numpy dtype of the stored bytes (little-endian). BF16 is read as uint16.
 _NP_DTYPES = {
@@ -561,7 +561,38 @@ def _divided_model(config: dict, start: int, end: int, head: bool):
     return model, blocks, skips, templates, hidden_size
 
 
-def build_stage(config: dict, start: int, end: int, head: bool, weights: dict[str, mx.array]) -> Stage:
+def _sanitized(model: nn.Module, weights: dict[str, mx.array], checkpoint: Optional[list], start: int, end: int,
+               head: bool) -> dict[str, mx.array]:
+    """This stage's tensors after the model's own `sanitize`, run as mlx_lm.load runs it: over
+    the whole checkpoint. The tensors other stages hold are lazy zeros of their shapes (never
+    computed), since mlx-lm's sanitize functions decide by what the checkpoint holds (Mixtral
+    stacks experts when block 0 has unstacked ones; Qwen3.5 and Qwen3-Next shift norms by one when
+    any conv1d weight is in Hugging Face's layout). Of the result, the stage keeps its blocks'
+    parameters, and the head's parts on the head."""
+    if not hasattr(model, "sanitize"):
+        return weights
+    if not checkpoint:
+        return model.sanitize(dict(weights))
+    full = dict(weights)
+    for name, dtype, shape in checkpoint:
+        if name not in full:
+            full[name] = mx.zeros(tuple(shape), dtype=_PLACEHOLDER_DTYPES.get(dtype, mx.uint8))
+    out = model.sanitize(full)
+
+    def held(key: str) -> bool:
+        b = block_of(key)
+        return head if b is None else start <= b < end
+    return {k: v for k, v in out.items() if held(k)}
+
+
+#: safetensors dtype -> the MLX dtype of a stand-in for a tensor another stage holds (F8: bytes)
+_PLACEHOLDER_DTYPES = {"F64": mx.float32, "F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16,
+                       "I64": mx.int64, "I32": mx.int32, "I16": mx.int16, "I8": mx.int8, "U64": mx.uint64,
+                       "U32": mx.uint32, "U16": mx.uint16, "U8": mx.uint8, "BOOL": mx.bool_}
+
+
+def build_stage(config: dict, start: int, end: int, head: bool, weights: dict[str, mx.array], *,
+                checkpoint: Optional[list] = None) -> Stage:
     """Build the stage holding blocks [start, end) (plus head parts if `head`) and load `weights`.
 
     Args:
@@ -570,14 +601,15 @@ def build_stage(config: dict, start: int, end: int, head: bool, weights: dict[st
         head: also hold the embedding, final norm and lm_head (DESIGN §2); then start is 0.
         weights: exactly this stage's tensors, keyed by checkpoint names (`model.layers.7...`):
             the model's own `sanitize` maps them to its module names, as mlx_lm.load does.
+        checkpoint: every tensor of the checkpoint as [name, safetensors dtype, shape]
+            (`ModelInfo.checkpoint_shapes`, the `plan` frame's "checkpoint"), so `sanitize` sees
+            the whole checkpoint (`_sanitized`); None: it sees this stage's tensors only.
     Raises:
         ModelFormatError: bad range, unsupported architecture, or tensors that do not match the
             stage (missing or surplus), naming them.
     """
     model, blocks, skips, templates, hidden = _divided_model(config, start, end, head)
-    weights = dict(weights)
-    if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
+    weights = _sanitized(model, dict(weights), checkpoint, start, end, head)
     _quantize(model, config, weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
@@ -638,4 +670,4 @@ def load_stage_from_dir(model_dir: str | Path, start: int, end: int, head: bool,
     info = read_model_info(model_dir)
     weights = {t.name: tensor_from_bytes(t, read_tensor_bytes(info.model_dir, t), dtype=dtype)
                for t in info.stage_tensors(start, end, head)}
-    return build_stage(info.config, start, end, head, weights)
+    return build_stage(info.config, start, end, head, weights, checkpoint=info.checkpoint_shapes())
