@@ -24,8 +24,9 @@ at most RECOVERY_WAIT_S (kafilad/node/host_requests.py), as the OpenAI routes do
 The model is named by its id or `id:latest`. `options` honoured: temperature (default 0,
 greedy: this server's default, not Ollama's 0.8), top_p, top_k, min_p, seed, num_predict (-1 and
 -2: up to the session's context, the default), stop, repeat_penalty, repeat_last_n (0: no
-penalties, -1: the context), presence_penalty, frequency_penalty, num_ctx (at most the session's
-context: it caps prompt + generated tokens). Options that change sampling in ways this server
+penalties, -1: the context), presence_penalty, frequency_penalty, num_ctx (it caps prompt + generated
+tokens; a num_ctx above the session's context is clamped to it, not refused: front-ends send
+their own default whatever the model). Options that change sampling in ways this server
 does not implement (mirostat, typical_p, tfs_z, penalize_newline, num_keep) are refused with a
 400; options about how Ollama runs a model on its machine (num_gpu, num_thread, num_batch,
 main_gpu, use_mmap, use_mlock, numa, low_vram, f16_kv, vocab_only, logits_all, embedding_only)
@@ -352,13 +353,10 @@ def _sampling(s, r, o: Options) -> Sampling:
 
 
 async def _max_tokens(s, prompt: str, o: Options) -> int:
-    """num_predict, capped by num_ctx when given; unset, -1 or -2: what the context leaves."""
-    context = s.context
-    if o.num_ctx is not None:
-        if o.num_ctx > s.context:
-            raise HttpError(400, f"'options.num_ctx' {o.num_ctx} exceeds the session's context of {s.context} "
-                                 "tokens.", param="options.num_ctx")
-        context = o.num_ctx
+    """num_predict, capped by num_ctx when given (num_ctx above the session's context is clamped to it:
+    front-ends send their own default, e.g. 4096 or 32768, whatever the model); unset, -1 or -2: what
+    the context leaves."""
+    context = s.context if o.num_ctx is None else min(o.num_ctx, s.context)  # above the session's: clamped
     n_prompt, exact = await prompt_tokens(s, prompt, context - 1)
     room = context - n_prompt
     if room < 1:
