@@ -26,6 +26,7 @@ import h11
 import trio
 
 from kafilad.control.http_server import SHUTTING_DOWN_MID_STREAM, ClientGone
+from kafilad.control.metrics import metered
 from kafilad.errors import GenerationCancelled, HostBusyError, KafilaError, SessionNotReadyError, only_cancelled
 from kafilad.node import comeback
 from kafilad.node.step_timeline import TIMELINE
@@ -411,6 +412,7 @@ async def generate_whole(s, res, generate: Callable[[Callable], Awaitable[dict]]
         HttpError: the generation's error as an answer (`generation_error`).
     """
     res.cancel_on_disconnect = False
+    generate = metered(generate)
     events: list[dict] = []
 
     async def on_event(ev: dict) -> None:
@@ -451,6 +453,7 @@ async def stream_generation(s, res, generate: Callable[[Callable], Awaitable[dic
             first payload.
     """
     res.cancel_on_disconnect = False
+    generate = metered(generate)
     send, recv = trio.open_memory_channel(SSE_BUFFER_EVENTS)
     state = {"slow": False, "gone": False, "pushed": False}
     failure: Optional[KafilaError] = None

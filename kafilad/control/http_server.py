@@ -163,6 +163,8 @@ class Responder:
         self._conn, self._stream, self._send_timeout_s = conn, stream, send_timeout_s
         self._head = method == "HEAD"
         self.started = False
+        #: the status sent (None until `start`): what /metrics counts the request as
+        self.status: Optional[int] = None
         self.finished = False
         self.close_after = False
         #: set when the client closes its side while the handler runs
@@ -185,7 +187,7 @@ class Responder:
             headers = [*headers, *self.extra_headers]
         if self.close_after:
             headers = [*headers, ("connection", "close")]
-        self.started = True
+        self.started, self.status = True, status
         await self._send(h11.Response(status_code=status, headers=headers, reason=reason_phrase(status)))
 
     async def write(self, data: bytes) -> None:

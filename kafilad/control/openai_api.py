@@ -51,13 +51,14 @@ from urllib.parse import unquote
 
 import trio
 
-from kafilad.control import ollama_api, web
+from kafilad.control import anthropic_api, ollama_api, responses_api, web
 from kafilad.control.api_common import (SSE_BUFFER_EVENTS, HttpError, TokenText, check_model, chat_prompt,
                                         created_s, default_max_tokens, generate_whole, json_object, model_id,
                                         ready_session, serving_session, shown, state_of, stream_generation,
                                         token_reports, vocab_size)
 from kafilad.control.cors import cors_headers, preflight_headers, refuse_foreign_origin
 from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
+from kafilad.control.metrics import CONTENT_TYPE, CURRENT, ApiMetrics, RequestMeter
 from kafilad.control.openai_schema import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from kafilad.errors import ContextTooLongError, KafilaError
 from kafilad.proto.sampling import Sampling
@@ -98,24 +99,68 @@ async def serve_openai_api(node, host: str, port: int, *, limits: Optional[HttpL
                           "pick another with --http HOST:PORT, or --http off.") from None
     actual = listeners[0].socket.getsockname()[1]
     log.info("OpenAI-compatible API on http://%s:%s/v1", host, actual)
-    server = HttpServer(partial(handle, node), limits or default_limits())
+    server = HttpServer(partial(handle, node, metrics=ApiMetrics()), limits or default_limits())
     task_status.started(actual)
     await server.serve(listeners)
 
 
-async def handle(node, request: Request, res: Responder) -> None:
-    """The handler of every request (the server guards it: see http_server.py)."""
+async def handle(node, request: Request, res: Responder, *, metrics: Optional[ApiMetrics] = None) -> None:
+    """The handler of every request (the server guards it: see http_server.py).
+
+    Args:
+        metrics: what GET /metrics reports and this request is counted in (kafilad/control/
+            metrics.py); None: this process's `DEFAULT_METRICS`.
+    """
     res.extra_headers = cors_headers(request)
-    ollama = request.path.startswith("/api/")
-    if ollama:  # every /api/ path, known or not, answers errors in Ollama's shape, the server's own too
-        res.error_shape = lambda status, message: json.dumps({"error": message}).encode()
+    shape = _error_shape(request.path)
+    if shape is not None:  # the server's own errors (413, a stop, an internal error) take that shape too
+        res.error_shape = shape
+    meter = RequestMeter(metrics or DEFAULT_METRICS, _route_label(request.method, request.path), request.method)
+    token = CURRENT.set(meter)  # read by api_common's generation (metrics.metered) in this task
     try:
         refuse_foreign_origin(request)
         await _route(node, request, res)
     except HttpError as e:
         if res.started:
             raise
-        await res.send(e.status, res.error_shape(e.status, e.message) if ollama else error_json(e), headers=e.headers)
+        await res.send(e.status, shape(e.status, e.message) if shape else error_json(e), headers=e.headers)
+    finally:
+        CURRENT.reset(token)
+        # no status sent: the client left first, or the server answers its own error (500, 503 on a stop)
+        meter.answered(str(res.status) if res.status is not None else
+                       "gone" if res.client_gone.is_set() else "error")
+
+
+#: the metrics of handlers given none (one HTTP server per daemon gets its own: `serve_openai_api`)
+DEFAULT_METRICS = ApiMetrics()
+
+
+def _route_label(method: str, path: str) -> str:
+    """The route template a request is counted under: a known path, "/v1/models/{id}", or "other"."""
+    path = path.rstrip("/") or "/"
+    if path in _ROUTES:
+        return path
+    if path.startswith(MODEL_PREFIX):
+        return MODEL_PREFIX + "{id}"
+    return "other"
+
+
+async def _metrics(node, request: Request, res: Responder) -> None:
+    """GET /metrics (kafilad/control/metrics.py): the API's counters and the node's status snapshot."""
+    meter = CURRENT.get()
+    metrics = meter.metrics if meter is not None else DEFAULT_METRICS
+    snapshot = node.snapshot() if callable(getattr(node, "snapshot", None)) else None
+    await res.send(200, metrics.render(snapshot), content_type=CONTENT_TYPE)
+
+
+def _error_shape(path: str) -> Optional[Callable[[int, str], bytes]]:
+    """The error body of the API that `path` belongs to; None: OpenAI's (`error_json`). Every /api/
+    path, known or not, answers in Ollama's shape; /v1/messages and below in Anthropic's."""
+    if path.startswith("/api/"):
+        return lambda status, message: json.dumps({"error": message}).encode()
+    if path.rstrip("/") == anthropic_api.PREFIX or path.startswith(anthropic_api.PREFIX + "/"):
+        return anthropic_api.error_body
+    return None
 
 
 def error_json(e: HttpError) -> bytes:
@@ -174,10 +219,13 @@ async def _chat_completions(node, request: Request, res: Responder) -> None:
 #: (kafilad/control/ollama_api.py) are registered here too.
 _ROUTES: dict[str, tuple[tuple[str, ...], Handler]] = {
     "/health": (("GET", "HEAD"), _health),
+    "/metrics": (("GET", "HEAD"), _metrics),
     "/v1/models": (("GET", "HEAD"), _models),
     "/v1/completions": (("POST",), _completions),
     "/v1/chat/completions": (("POST",), _chat_completions),
     **ollama_api.ROUTES,
+    **anthropic_api.ROUTES,
+    **responses_api.ROUTES,
 }
 _ROUTES.update({p: (m, web.handle) for p, m in web.ROUTES.items()})  # the web page (kafilad/control/web.py)
 #: a path under this prefix names a model: GET /v1/models/{id}

@@ -266,6 +266,41 @@ def error_sentence(e: ValidationError, model: type) -> HttpError:
     return HttpError(400, f"'{path}' is invalid: {msg[:1].lower() + msg[1:]}.", param=path)
 
 
+def parse_body(model: type, body: dict, why_unsupported: Optional[dict[str, str]] = None,
+               sentences: Optional[dict[str, str]] = None):
+    """`body` validated as the typed request `model` (the Anthropic and Responses APIs' bodies).
+
+    Args:
+        why_unsupported: a top-level field the API defines and this server does not offer -> why,
+            for the 400's sentence ("'thinking' is not supported: this server does not think.").
+        sentences: a top-level field -> the sentence for any type or range error of it.
+    Raises:
+        HttpError: 400 naming the first field at fault (`param`): a refusal of the model's own as
+            it stands, a missing or unknown field, or pydantic's words for a type or range error.
+    """
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = tuple(err.get("loc") or ())
+        path = field_path(loc) or None
+        if err["type"] == "kafila":
+            msg = err["msg"]
+            raise HttpError(400, msg if msg.startswith("'") or not path else f"'{path}' {msg}", param=path) from None
+        if err["type"] == "missing":
+            raise HttpError(400, f"'{path}' is required.", param=path) from None
+        if err["type"] == "extra_forbidden":
+            why = (why_unsupported or {}).get(str(loc[0])) if len(loc) == 1 else None
+            raise HttpError(400, f"'{path}' is not supported" + (f": {why}." if why else
+                            " by this server (it is not a field of this request)."), param=path) from None
+        if err["type"] in ("model_type", "dict_type", "model_attributes_type") and len(loc) > 1:
+            raise HttpError(400, f"'{path}' must be an object.", param=path) from None
+        if len(loc) == 1 and str(loc[0]) in (sentences or {}):
+            raise HttpError(400, sentences[str(loc[0])], param=path) from None
+        msg = err["msg"]
+        raise HttpError(400, f"'{path}' is invalid: {msg[:1].lower() + msg[1:]}.", param=path) from None
+
+
 def parse_completion(body: dict) -> CompletionRequest:
     """Raises HttpError 400 (module docstring)."""
     try:
@@ -283,4 +318,4 @@ def parse_chat(body: dict) -> ChatRequest:
 
 
 __all__ = ["CompletionRequest", "ChatRequest", "ChatMessage", "parse_completion", "parse_chat", "error_sentence",
-           "MAX_TOKENS_LIMIT", "MAX_STOPS"]
+           "parse_body", "MAX_TOKENS_LIMIT", "MAX_STOPS"]

@@ -557,7 +557,7 @@ class HostSession(HostRequests, SessionDriver):
                 "pending": [{"peer_id": p.peer_id, "name": p.name} for p in self.pending.values()],
                 "form_s": self.formed_s, "last_generation": self.last_generation,
                 "fleet": self.fleet_json() if self.fleet_devices else None,
-                "plan": plan.to_json() if plan else None,
+                "plan": plan.to_json() if plan else None, "epoch": self.machine.epoch,
                 "edges": stagehost.session_edges(self),
                 "schedule": self._schedule_status(), "plan_waits": self.plan_waits}
 

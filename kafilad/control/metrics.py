@@ -1,0 +1,243 @@
+"""GET /metrics: the host's HTTP API and its session in Prometheus' text format (prometheus_client).
+
+Two sources. What the API sees as requests run is counted by :class:`ApiMetrics` (one per HTTP
+server; `handle` in kafilad/control/openai_api.py meters every request, and api_common's
+`generate_whole` / `stream_generation` meter each generation through `metered`). What the session
+knows is read from the daemon's status snapshot (`Node.snapshot()`, the `kafila-ctl status
+--json` object) at each scrape (:class:`SnapshotCollector`), so it never goes stale:
+
+```
+kafila_http_requests_total{route, method, code}        answers by route template ("other" for unknown
+                                                       paths) and status; code "gone": the client left first
+kafila_generations_total{route, outcome}               generation requests by outcome: stop, length,
+                                                       client_gone, busy (429), refused (400), failed
+kafila_prompt_tokens_total{route}                      prompt tokens of finished generations
+kafila_generated_tokens_total{route}                   tokens generated (a request a client left counts its own)
+kafila_time_to_first_token_seconds{route}              histogram: request read -> first token handed to the answer
+kafila_inter_token_seconds{route}                      histogram: between consecutive tokens of one request
+kafila_generation_seconds{route}                       histogram: request read -> generation's end
+kafila_session_state{state}                            1 for the session's state (every HostState listed), none: idle
+kafila_session_info{session_id, model}                 1 while a session is hosted
+kafila_requests_running / _queued, kafila_concurrency, kafila_queue_limit      the admission queue (gauges)
+kafila_replans_total                                   plans made after the session's first (its plan epoch - 1)
+kafila_members{status}                                 members ready / lost / standby / other
+kafila_stage_predicted_step_seconds{member}            the plan's decode step time per stage
+kafila_stage_measured_step_seconds{member}             the median decode step measured on the last request
+kafila_edge_path{from, to, path}                       1 per ring edge with its path kind (direct, relayed, pending, ...)
+kafila_edge_rtt_seconds{from, to}                      measured round-trip time per edge (where measured)
+kafila_edge_sent_bytes_total{from, to}                 ring bytes the edge's sender sent for finished requests
+kafila_last_generation_tokens_per_second               decode speed of the last finished request (when known)
+```
+Counters of the API start at zero with the daemon (Prometheus handles the reset of a restart);
+`route` is a route template, never a client's path, so label sets stay bounded.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from typing import Awaitable, Callable, Iterable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from kafilad.errors import GenerationCancelled, HostBusyError, KafilaError
+
+#: what GET /metrics answers with (the text format every Prometheus scrapes)
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+#: histogram buckets (s): a first token takes a prefill over the ring; tokens come every step
+TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+INTER_TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+GENERATION_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: the session states listed under kafila_session_state (kafilad/proto/session_events.py HostState)
+SESSION_STATES = ("starting", "forming", "planning", "loading", "ready", "recovering", "degraded", "failed",
+                  "closed")
+
+
+class ApiMetrics:
+    """The event counters and histograms of one HTTP API (module docstring); `render` answers a scrape."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kafila_http_requests", "HTTP requests answered, by route template and status.",
+                                ["route", "method", "code"], registry=r)
+        self.generations = Counter("kafila_generations", "Generation requests by outcome.", ["route", "outcome"],
+                                   registry=r)
+        self.prompt_tokens = Counter("kafila_prompt_tokens", "Prompt tokens of finished generations.", ["route"],
+                                     registry=r)
+        self.generated_tokens = Counter("kafila_generated_tokens", "Tokens generated.", ["route"], registry=r)
+        self.ttft = Histogram("kafila_time_to_first_token_seconds", "From the request read to its first token.",
+                              ["route"], buckets=TTFT_BUCKETS_S, registry=r)
+        self.inter_token = Histogram("kafila_inter_token_seconds", "Between consecutive tokens of one request.",
+                                     ["route"], buckets=INTER_TOKEN_BUCKETS_S, registry=r)
+        self.duration = Histogram("kafila_generation_seconds", "From the request read to its generation's end.",
+                                  ["route"], buckets=GENERATION_BUCKETS_S, registry=r)
+
+    def render(self, snapshot: Optional[dict]) -> bytes:
+        """The text a scrape gets: these metrics, then the snapshot's (None: the API's alone)."""
+        out = generate_latest(self.registry)
+        if snapshot is not None:
+            scrape = CollectorRegistry(auto_describe=False)
+            scrape.register(SnapshotCollector(snapshot))
+            out += generate_latest(scrape)
+        return out
+
+
+class RequestMeter:
+    """One request's metering: its route label and when it was read (`time.perf_counter()` s)."""
+
+    def __init__(self, metrics: ApiMetrics, route: str, method: str, clock: Callable[[], float] = time.perf_counter):
+        self.metrics, self.route, self.method, self.clock = metrics, route, method, clock
+        self.t0_s = clock()
+
+    def answered(self, code: str) -> None:
+        """Count the answer: an HTTP status ("200"), or "gone" when the client left before one."""
+        self.metrics.requests.labels(self.route, self.method, code).inc()
+
+
+#: the meter of the request the current trio task serves (set by openai_api.handle for each request)
+CURRENT: contextvars.ContextVar[Optional[RequestMeter]] = contextvars.ContextVar("kafila_request_meter",
+                                                                                 default=None)
+
+
+Generate = Callable[[Callable[[dict], Awaitable[None]]], Awaitable[dict]]
+
+
+def metered(generate: Generate, meter: Optional[RequestMeter] = None) -> Generate:
+    """`generate(emit)` (api_common) that also feeds the request's meter (`CURRENT` when not given):
+    time to first token, time between tokens, tokens in and out, the outcome. Without a meter
+    `generate` itself."""
+    meter = meter or CURRENT.get()
+    if meter is None:
+        return generate
+    m, route = meter.metrics, meter.route
+
+    async def run(emit: Callable[[dict], Awaitable[None]]) -> dict:
+        last: list[Optional[float]] = [None]
+        seen = [0]
+
+        async def on_event(ev: dict) -> None:
+            if ev.get("token_id") is not None:
+                now = meter.clock()
+                if last[0] is None:
+                    m.ttft.labels(route).observe(now - meter.t0_s)
+                else:
+                    m.inter_token.labels(route).observe(now - last[0])
+                last[0] = now
+                seen[0] += 1
+            await emit(ev)
+
+        try:
+            result = await generate(on_event)
+        except GenerationCancelled as e:
+            m.generations.labels(route, "client_gone").inc()
+            m.generated_tokens.labels(route).inc(getattr(e, "tokens", None) or seen[0])
+            raise
+        except HostBusyError:
+            m.generations.labels(route, "busy").inc()
+            raise
+        except KafilaError as e:
+            outcome = "refused" if all(isinstance(getattr(e, k, None), int) for k in ("prompt_tokens", "context")) \
+                else "failed"
+            m.generations.labels(route, outcome).inc()
+            m.generated_tokens.labels(route).inc(seen[0])
+            raise
+        m.generations.labels(route, str(result.get("finish_reason") or "stop")).inc()
+        m.prompt_tokens.labels(route).inc(int(result.get("prompt_tokens") or 0))
+        m.generated_tokens.labels(route).inc(len(result.get("token_ids") or ()))
+        m.duration.labels(route).observe(meter.clock() - meter.t0_s)
+        return result
+
+    return run
+
+
+class SnapshotCollector:
+    """The session's gauges and counters from one status snapshot (module docstring)."""
+
+    def __init__(self, snapshot: dict):
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterable:
+        snap = self.snapshot
+        state = snap.get("state")
+        hosting = snap.get("role") == "host"
+        states = GaugeMetricFamily("kafila_session_state", "1 for the hosted session's state.", labels=["state"])
+        if hosting:
+            for s in SESSION_STATES if state in SESSION_STATES else (*SESSION_STATES, str(state)):
+                states.add_metric([s], 1.0 if s == state else 0.0)
+        yield states
+        if not hosting:
+            return
+        info = GaugeMetricFamily("kafila_session_info", "1 while a session is hosted.",
+                                 labels=["session_id", "model"])
+        info.add_metric([str(snap.get("session_id") or ""), str(snap.get("model_id") or "")], 1.0)
+        yield info
+        req = snap.get("requests") or {}
+        for key, name, doc in (("running", "kafila_requests_running", "Requests running on the ring."),
+                               ("queued", "kafila_requests_queued", "Requests waiting for their turn (queue depth)."),
+                               ("concurrency", "kafila_concurrency", "Requests the session runs at once."),
+                               ("queue_limit", "kafila_queue_limit", "Requests that may wait past those.")):
+            if isinstance(req.get(key), (int, float)):
+                yield GaugeMetricFamily(name, doc, value=float(req[key]))
+        epoch = snap.get("epoch")
+        if isinstance(epoch, int):
+            yield CounterMetricFamily("kafila_replans", "Plans made after the session's first.",
+                                      value=float(max(0, epoch - 1)))
+        yield from self._members(snap.get("members") or [])
+        yield from self._edges(snap.get("edges") or [])
+        last = snap.get("last_generation") or {}
+        if isinstance(last.get("decode_tokens_per_s"), (int, float)):
+            yield GaugeMetricFamily("kafila_last_generation_tokens_per_second",
+                                    "Decode speed of the last finished request.",
+                                    value=float(last["decode_tokens_per_s"]))
+
+    @staticmethod
+    def _members(members: list) -> Iterable:
+        counts = {"ready": 0, "lost": 0, "standby": 0, "other": 0}
+        predicted = GaugeMetricFamily("kafila_stage_predicted_step_seconds", "The plan's decode step time per stage.",
+                                      labels=["member"])
+        measured = GaugeMetricFamily("kafila_stage_measured_step_seconds",
+                                     "Median decode step measured per stage on the last request.", labels=["member"])
+        for m in members:
+            if not isinstance(m, dict):
+                continue
+            kind = "lost" if m.get("lost") else "standby" if m.get("standby") else "ready" if m.get("ready") \
+                else "other"
+            counts[kind] += 1
+            name = str(m.get("name"))
+            if isinstance(m.get("predicted_stage_s"), (int, float)):
+                predicted.add_metric([name], float(m["predicted_stage_s"]))
+            if isinstance(m.get("measured_stage_s"), (int, float)):
+                measured.add_metric([name], float(m["measured_stage_s"]))
+        fam = GaugeMetricFamily("kafila_members", "Members of the session by status.", labels=["status"])
+        for k, n in counts.items():
+            fam.add_metric([k], float(n))
+        yield fam
+        yield predicted
+        yield measured
+
+    @staticmethod
+    def _edges(edges: list) -> Iterable:
+        path = GaugeMetricFamily("kafila_edge_path", "1 per ring edge, labelled with its path kind.",
+                                 labels=["from", "to", "path"])
+        rtt = GaugeMetricFamily("kafila_edge_rtt_seconds", "Measured round-trip time per ring edge.",
+                                labels=["from", "to"])
+        sent = CounterMetricFamily("kafila_edge_sent_bytes", "Ring bytes the edge's sender sent for finished requests.",
+                                   labels=["from", "to"])
+        for e in edges:
+            if not isinstance(e, dict):
+                continue
+            ends = [str(e.get("from")), str(e.get("to"))]
+            path.add_metric([*ends, str(e.get("path") or "pending")], 1.0)
+            if isinstance(e.get("rtt_ms"), (int, float)):
+                rtt.add_metric(ends, float(e["rtt_ms"]) / 1000.0)
+            if isinstance(e.get("bytes_sent"), (int, float)):
+                sent.add_metric(ends, float(e["bytes_sent"]))
+        yield path
+        yield rtt
+        yield sent
+
+
+__all__ = ["ApiMetrics", "RequestMeter", "CURRENT", "metered", "SnapshotCollector", "CONTENT_TYPE", "SESSION_STATES"]
