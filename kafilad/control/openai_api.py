@@ -2,16 +2,25 @@
 
 Served on localhost by the daemon (`kafilad --http 127.0.0.1:8400`; `--http off` disables it).
 Routes (https://platform.openai.com/docs/api-reference, the subset a local server offers), plus
-the Ollama API (kafilad/control/ollama_api.py) and the web page (kafilad/control/web.py):
+the Ollama API (kafilad/control/ollama_api.py), the Anthropic Messages API
+(kafilad/control/anthropic_api.py), the OpenAI Responses API (kafilad/control/responses_api.py),
+the metrics (kafilad/control/metrics.py) and the web page (kafilad/control/web.py):
 
 ```
 GET  /health                  200 {"status": "ok", "state": "ready", "model"} | 503 {"status": "unavailable", ...}
+GET  /metrics                 Prometheus text format: requests, tokens, TTFT, the session's state, stages, edges
 GET  /v1/models               {"object": "list", "data": [{"id": model_id, "object": "model", "created", "owned_by"}]}
 GET  /v1/models/{id}          that model object, or 404 `model_not_found`
 POST /v1/completions          {"prompt": str, "max_tokens": 16, ...}   -> "text_completion"
 POST /v1/chat/completions     {"messages": [...], "max_tokens": 256, ...} -> "chat.completion"
+POST /v1/responses            {"input": str | [items], "max_output_tokens"?, ...} -> "response" (stateless)
+POST /v1/messages             Anthropic: {"messages", "max_tokens", "system"?, ...} -> "message"
+POST /v1/messages/count_tokens  Anthropic: {"messages", "system"?} -> {"input_tokens"}
+/api/...                      the Ollama API (kafilad/control/ollama_api.py)
 OPTIONS <any route>           CORS preflight (kafilad/control/cors.py): 204, or 403 for an origin not allowed
 ```
+Errors of /v1/messages and below are in Anthropic's shape (`{"type": "error", "error": {"type",
+"message"}}`), of /api/ in Ollama's (`{"error": sentence}`), of the rest in OpenAI's (below).
 HEAD is answered wherever GET is (RFC 9110 §9.3.2); a known path with another method is 405
 with `Allow`. Request bodies are validated by typed models (kafilad/control/openai_schema.py):
 each field gets a precise 400 naming it (`param`), unknown and unsupported fields are refused,
