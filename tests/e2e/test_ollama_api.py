@@ -118,7 +118,7 @@ def test_refusals_are_sentences(cluster):
         (dict(options={"mirostat": 2}), 400, "'options.mirostat' is not supported: this server does not implement it"),
         (dict(options={"temperature": "hot"}), 400, "'options.temperature' is invalid"),
         (dict(options={"num_predict": 10000}), 400, "plus 'options.num_predict' 10000 exceeds the session's context"),
-        (dict(format="json"), 400, "'format' is not supported"),
+        (dict(format="xml"), 400, "'format' must be \"json\" or a JSON schema"),
         (dict(images=["aGk="]), 400, "'images' is not supported"),
         (dict(model="llama3"), 404, "model 'llama3' not found"),
     ]
@@ -133,6 +133,5 @@ def test_refusals_are_sentences(cluster):
     wide = client.generate(model="stories260K", prompt=PROMPT, options={"num_predict": 12, "num_ctx": 4096})
     assert wide.response == cluster.generate(PROMPT, 12)["text"] and wide.eval_count == 12
     with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model="stories260K", messages=[{"role": "user", "content": "hi"}],
-                    tools=[{"type": "function", "function": {"name": "f"}}])
-    assert e.value.status_code == 400 and "does not call tools" in e.value.error
+        client.chat(model="stories260K", messages=[{"role": "user", "content": "hi"}], format="xml")
+    assert e.value.status_code == 400 and "'format' must be \"json\" or a JSON schema" in e.value.error
