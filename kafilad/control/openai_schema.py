@@ -141,6 +141,7 @@ class CompletionRequest(_Common):
 
 #: OpenAI's function names: letters, digits, '_' and '-', at most 64
 _FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+FUNCTION_NAME = _FUNCTION_NAME  # for the other APIs' tools (anthropic_api.py, responses_api.py)
 
 
 class FunctionCall(_Model):

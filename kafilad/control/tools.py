@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 import attrs
 
-from kafilad.control.api_common import HttpError
+from kafilad.control.api_common import HttpError, chat_prompt
 from kafilad.control.grammars import json_grammar, tool_call_schema
 
 #: the Hermes convention for templates without tool support (mlx-lm's json_tools parser)
@@ -255,3 +255,19 @@ def _marker_prefix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+async def tool_prompt(session, messages: list[dict], tools: Optional[list[dict]], tool_choice: Any,
+                      parallel: Optional[bool]) -> tuple[str, Optional[ToolPlan], Optional[str]]:
+    """(prompt, ToolPlan or None, grammar of a forced call or None) of a chat given in OpenAI's form
+    (`messages` with assistant `tool_calls` and `tool` results; `tools`, `tool_choice` as
+    `plan_tools` takes them): the path of the OpenAI chat route, for the APIs that translate their
+    own tools into it (kafilad/control/anthropic_api.py, responses_api.py).
+
+    Raises:
+        HttpError: 400 as `plan_tools`, `chat_prompt` and `ToolPlan.grammar` raise it.
+    """
+    plan = plan_tools(session.chat_tokenizer(), tools, tool_choice, parallel)
+    prompt = await chat_prompt(session, template_messages(messages, plan),
+                               list(plan.tools) if plan is not None and plan.native else None)
+    return prompt, plan, plan.grammar() if plan is not None else None

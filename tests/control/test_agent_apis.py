@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from kafila_ctl.demo import packaged_model_dir
-from kafilad.control.anthropic_api import parse_count_tokens, parse_messages, stop_reason
+from kafilad.control.anthropic_api import parse_count_tokens, parse_messages, stop_reason, tool_use
 from kafilad.control.api_common import HttpError
 from kafilad.control.metrics import SESSION_STATES, ApiMetrics, RequestMeter, SnapshotCollector, metered
 from kafilad.control.responses_api import parse_responses
@@ -30,6 +30,8 @@ from control.http_harness import exchange, http_request
 from node.healing_host import ready_host
 
 STORY = [{"role": "user", "content": "Tell me a story."}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"name": "get_weather", "description": "Weather for a city", "input_schema": CITY}
 IDLE = SimpleNamespace(session=None, snapshot=lambda: {"role": None, "state": "idle"})
 
 
@@ -61,28 +63,68 @@ def test_anthropic_bodies():
     assert refused(parse_messages, {"messages": STORY, "max_tokens": 1, "temperature": 1.5}) == (
         "temperature", "'temperature' must be a number between 0 and 1.")
     assert refused(parse_messages, {"messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t", "content": "4"}]}], "max_tokens": 1}) == (
-        "messages[0].content", "'messages[0].content' holds a block of type 'tool_result' (block 0); this server "
-        "takes text blocks only ({\"type\": \"text\", \"text\": ...}): it does not call tools or read images or "
-        "documents.")
+        {"type": "image", "source": {"type": "base64", "data": "aGk="}}]}], "max_tokens": 1}) == (
+        "messages[0].content", "'messages[0].content' holds a block of type 'image' (block 0); this server takes "
+        "text, tool_use and tool_result blocks: it does not read images or documents.")
     assert refused(parse_messages, {"messages": [{"role": "system", "content": "x"}], "max_tokens": 1})[0] == \
         "messages[0].role"
+    assert refused(parse_messages, {"messages": [{"role": "user", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}], "max_tokens": 1}) == (
+        "messages[0]", "'messages[0]' holds a tool_use block, which only an assistant message may hold.")
+    assert refused(parse_messages, {"messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f"}]}], "max_tokens": 1}) == (
+        "messages[0].content[0]", "'messages[0].content[0]' is a tool_use block and needs 'input'.")
+    assert refused(parse_messages, {"messages": STORY, "max_tokens": 1, "tools": [
+        {"type": "web_search_20250305", "name": "web_search"}]}) == (
+        "tools", "'tools[0]' is a tool of type 'web_search_20250305', which is not supported: this server calls "
+        "client tools ({\"name\", \"description\", \"input_schema\"}) only.")
     assert refused(parse_messages, {"messages": STORY, "max_tokens": 1, "tools": [{"name": "f"}]}) == (
-        "tools", "'tools' is not supported: this server does not call tools.")
-    assert refused(parse_messages, {"messages": STORY, "max_tokens": 1, "tool_choice": {"type": "any"}})[0] == \
-        "tool_choice"
+        "tools[0].input_schema", "'tools[0].input_schema' is required.")
+    assert refused(parse_messages, {"messages": STORY, "max_tokens": 1, "tool_choice": {"type": "tool"}}) == (
+        "tool_choice", "'tool_choice' of type 'tool' needs 'name' (and only it has one).")
     assert refused(parse_messages, {"messages": STORY, "max_tokens": 1, "thinking": {"type": "enabled"}}) == (
         "thinking", "'thinking' is not supported: this server does not offer extended thinking.")
     assert refused(parse_messages, {"messages": STORY, "max_tokens": 1, "stop_sequences": [""]}) == (
         "stop_sequences", "'stop_sequences' must be a list of at most 64 non-empty strings.")
-    assert refused(parse_messages, {"messages": STORY, "max_tokens": 1, "output_config": {"format": {}}}) == (
-        "output_config.format", "'output_config.format' is not supported: this server generates free text only.")
+    assert refused(parse_messages, {"messages": STORY, "max_tokens": 1, "output_config": {"format": {}}})[0] == \
+        "output_config.format.type"
+    assert refused(parse_messages, {"messages": STORY, "max_tokens": 1, "tools": [WEATHER], "tool_choice": {
+        "type": "any"}, "output_config": {"format": {"type": "json_schema", "schema": CITY}}}) == (
+        None, "'output_config.format' and a forced 'tool_choice' cannot both shape the reply; send one.")
+
+
+def test_anthropic_tools_become_the_openai_chat_routes():
+    r = parse_messages({"max_tokens": 5, "tools": [WEATHER], "tool_choice": {
+        "type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}, "messages": [
+        *STORY, {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                                  {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                   "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": "rain"}]},
+                                     {"type": "text", "text": "And tomorrow?"}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+                                      "content": "no such city"}]}]})
+    assert r.prompt_messages() == [
+        *STORY, {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "rain"}, {"role": "user", "content": "And tomorrow?"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such city"}]
+    assert r.tool_dicts() == [{"type": "function", "function": {"name": "get_weather", "parameters": CITY,
+                                                                "description": "Weather for a city"}}]
+    assert r.tool_choice_value() == {"type": "function", "function": {"name": "get_weather"}}
+    assert r.parallel() is False
+    assert parse_messages({"max_tokens": 1, "messages": STORY, "tools": [WEATHER],
+                           "tool_choice": {"type": "any"}}).tool_choice_value() == "required"
+    assert tool_use({"id": "call_abc", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}) == \
+        {"type": "tool_use", "id": "toolu_abc", "name": "f", "input": {"a": 1}}
     assert refused(parse_messages, {"messages": STORY, "max_tokens": 1, "n": 2}) == (
         "n", "'n' is not supported by this server (it is not a field of this request).")
 
 
 def test_stop_reasons():
     assert stop_reason({"finish_reason": "length"}) == ("max_tokens", None)
+    assert stop_reason({"finish_reason": "length"}, called=True) == ("max_tokens", None)
+    assert stop_reason({"finish_reason": "stop"}, called=True) == ("tool_use", None)
     assert stop_reason({"finish_reason": "stop"}) == ("end_turn", None)
     assert stop_reason({"finish_reason": "stop", "stop_sequence": "\n\n"}) == ("stop_sequence", "\n\n")
 
@@ -102,16 +144,23 @@ def test_responses_bodies():
     assert refused(parse_responses, {"input": "x", "previous_response_id": "resp_1"}) == (
         "previous_response_id", "'previous_response_id' is not supported: this server is stateless and keeps no "
         "responses; send the whole conversation in 'input'.")
-    assert refused(parse_responses, {"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}) == (
-        "input", "'input[0]' is an item of type 'function_call_output', which is not supported: this server does "
-        "not call tools.")
+    assert refused(parse_responses, {"input": [{"type": "reasoning", "summary": []}]}) == (
+        "input", "'input[0]' is an item of type 'reasoning', which is not supported: this server takes message, "
+        "function_call and function_call_output items.")
+    assert refused(parse_responses, {"input": [{"type": "function_call_output", "call_id": "c"}]}) == (
+        "input[0]", "'input[0]' is a function_call_output item and needs 'output'.")
+    assert refused(parse_responses, {"input": [{"role": "user", "content": "x", "call_id": "c"}]}) == (
+        "input[0]", "'input[0]' is a message item and cannot carry 'call_id'.")
     assert refused(parse_responses, {"input": [{"role": "user", "content": [{"type": "input_image"}]}]})[0] == \
         "input[0].content"
-    assert refused(parse_responses, {"input": "x", "tools": [{"type": "function", "name": "f"}]}) == (
-        "tools", "'tools' is not supported: this server does not call tools.")
+    assert refused(parse_responses, {"input": "x", "tools": [{"type": "web_search"}]}) == (
+        "tools", "'tools[0]' is a tool of type 'web_search', which is not supported: this server calls function "
+        "tools only.")
+    assert refused(parse_responses, {"input": "x", "tool_choice": {"type": "function"}})[0] == "tool_choice"
     assert refused(parse_responses, {"input": "x", "truncation": "auto"})[0] == "truncation"
-    assert refused(parse_responses, {"input": "x", "text": {"format": {"type": "json_schema"}}})[0] == \
-        "text.format.type"
+    assert refused(parse_responses, {"input": "x", "text": {"format": {"type": "json_schema"}}}) == (
+        "text.format", "'text.format' of type 'json_schema' needs 'schema' (and only it has one).")
+    assert refused(parse_responses, {"input": "x", "text": {"format": {"type": "xml"}}})[0] == "text.format.type"
     assert refused(parse_responses, {"input": "x", "stream_options": {"include_obfuscation": False}}) == (
         "stream_options", "'stream_options' is only allowed when 'stream' is true.")
     assert refused(parse_responses, {"input": "x", "reasoning": {"effort": "low"}})[0] == "reasoning"
@@ -119,6 +168,38 @@ def test_responses_bodies():
         "max_output_tokens", "'max_output_tokens' must be a positive integer of at most 2147483647 (or null).")
     assert refused(parse_responses, {"input": 5}) == (
         "input", "'input' must be a string or a list of message items ({\"role\", \"content\"}).")
+
+
+def test_responses_tools_become_the_openai_chat_routes():
+    r = parse_responses({"instructions": "Be brief.", "tools": [{"type": "function", "name": "get_weather",
+                                                                 "parameters": CITY, "strict": True}],
+                         "tool_choice": {"type": "function", "name": "get_weather"}, "parallel_tool_calls": False,
+                         "input": [*STORY, {"type": "message", "role": "assistant", "content": "Let me look."},
+                                   {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                                    "arguments": '{"city": "Oslo"}', "id": "fc_1", "status": "completed"},
+                                   {"type": "function_call", "call_id": "call_2", "name": "get_weather",
+                                    "arguments": '{"city": "Rome"}'},
+                                   {"type": "function_call_output", "call_id": "call_1", "output": "rain"},
+                                   {"type": "function_call_output", "call_id": "call_2",
+                                    "output": [{"type": "input_text", "text": "sun"}]}]})
+    assert r.prompt_messages() == [
+        {"role": "system", "content": "Be brief."}, *STORY,
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "sun"}]
+    assert r.tool_dicts() == [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
+    assert r.tool_choice_value() == {"type": "function", "function": {"name": "get_weather"}}
+    only_call = parse_responses({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]})
+    assert only_call.prompt_messages() == [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    assert parse_responses({"input": "x", "text": {"format": {"type": "json_schema", "name": "city",
+                                                              "schema": CITY}}}).grammar() is not None
+    assert parse_responses({"input": "x", "text": {"format": {"type": "text"}}}).grammar() is None
+    with pytest.raises(HttpError) as e:
+        parse_responses({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": 5}}}}).grammar()
+    assert e.value.param == "text.format.schema"
 
 
 json_values = st.recursive(

@@ -29,7 +29,7 @@ STORY = [{"role": "user", "content": "Tell me a story."}]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, synth_llama):
     with LoopbackCluster(3, root=str(tmp_path_factory.mktemp("c"))) as c:
-        c.form(str(synth_llama), context=512)
+        c.form(str(synth_llama), context=4096)
         c.base = c.call(0, "status")["http"].removesuffix("/v1")
         c.port = int(c.base.rsplit(":", 1)[1])
         c.model = synth_llama.name
@@ -113,7 +113,7 @@ def test_anthropic_messages_whole_streamed_and_counted(served):
 
     status, body = post(c, "/v1/messages", {"model": c.model, "max_tokens": 4, "messages": STORY, "stream": True})
     raw = sse_events(body)
-    assert status == 200 and [e for e, _ in raw][:3] == ["message_start", "content_block_start", "ping"]
+    assert status == 200 and [e for e, _ in raw][:3] == ["message_start", "ping", "content_block_start"]
     assert all(e == d["type"] for e, d in raw)  # each event named by its type, as Anthropic streams
 
     count = c.anthropic.messages.count_tokens(model=c.model, messages=STORY)
@@ -149,12 +149,57 @@ def test_anthropic_stop_sequences_and_refusals(served):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}]}])
     assert e.value.body["error"]["message"].startswith("'messages[0].content' holds a block of type 'image'")
     with pytest.raises(anthropic.BadRequestError) as e:
-        c.anthropic.messages.create(model=c.model, max_tokens=600, messages=STORY)
-    assert "exceeds the session's context of 512 tokens" in e.value.body["error"]["message"]
+        c.anthropic.messages.create(model=c.model, max_tokens=5000, messages=STORY)
+    assert "exceeds the session's context of 4096 tokens" in e.value.body["error"]["message"]
     status, body = post(c, "/v1/messages", {"messages": STORY})
     assert status == 400 and json.loads(body)["error"]["message"] == "'max_tokens' is required."
     status, body = post(c, "/v1/messages/count_tokens", b"{not json", raw=True)
     assert status == 400 and json.loads(body)["type"] == "error"  # Anthropic's shape on every /v1/messages path
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+        "required": ["city", "days"], "additionalProperties": False}
+ZONE = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+SCHEMAS = {"get_weather": CITY, "get_time": ZONE}
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def matches(doc: dict, schema: dict) -> bool:
+    props = schema["properties"]
+    return set(doc) == set(schema["required"]) and all(
+        (doc[k] in p["enum"]) if "enum" in p else (p["minimum"] <= doc[k] <= p["maximum"]) for k, p in props.items())
+
+
+def test_anthropic_tool_use_forced_whole_streamed_and_round_trip(served):
+    """With random weights a forced call (tool_choice any / tool) still parses and matches its schema."""
+    c = served
+    tools = [{"name": "get_weather", "description": "Weather for a city", "input_schema": CITY},
+             {"name": "get_time", "input_schema": ZONE}]
+    msg = c.anthropic.messages.create(model=c.model, max_tokens=300, messages=WEATHER_Q, tools=tools,
+                                      tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
+    call = msg.content[0]
+    assert call.id.startswith("toolu_") and matches(call.input, SCHEMAS[call.name])
+
+    with c.anthropic.messages.stream(model=c.model, max_tokens=300, messages=WEATHER_Q, tools=tools,
+                                     tool_choice={"type": "tool", "name": "get_time"}) as stream:
+        final = stream.get_final_message()
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and uses and all(b.name == "get_time" and matches(b.input, ZONE)
+                                                            for b in uses)
+
+    follow = [*WEATHER_Q, {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.name,
+                                                            "input": call.input}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "21 C"}]}]
+    again = c.anthropic.messages.create(model=c.model, max_tokens=300, messages=follow, tools=tools,
+                                        tool_choice={"type": "tool", "name": "get_weather"})
+    assert again.stop_reason == "tool_use" and matches(again.content[0].input, CITY)
+    free = c.anthropic.messages.create(model=c.model, max_tokens=6, messages=follow, tools=tools)  # auto: any reply
+    assert free.stop_reason in ("max_tokens", "end_turn", "tool_use") and free.usage.output_tokens <= 6
+    assert c.anthropic.messages.count_tokens(model=c.model, messages=follow, tools=tools).input_tokens > \
+        c.anthropic.messages.count_tokens(model=c.model, messages=follow).input_tokens  # the tools are in the prompt
 
 
 # ---- Responses --------------------------------------------------------------------------------------
@@ -192,9 +237,47 @@ def test_responses_plain_and_streamed(served):
         c.openai.responses.create(model=c.model, input="hi", previous_response_id="resp_abc")
     assert e.value.param == "previous_response_id" and "stateless" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
-        c.openai.responses.create(model=c.model, input="hi", tools=[{"type": "function", "name": "f",
-                                                                      "parameters": {}, "strict": False}])
-    assert e.value.param == "tools"
+        c.openai.responses.create(model=c.model, input="hi", tools=[{"type": "web_search"}])
+    assert e.value.param == "tools" and "function tools only" in e.value.message
+
+
+def test_responses_function_tools_and_json_schema(served):
+    c = served
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather for a city", "parameters": CITY,
+              "strict": True}, {"type": "function", "name": "get_time", "parameters": ZONE, "strict": True}]
+    r = c.openai.responses.create(model=c.model, input="What is the weather in Paris?", tools=tools,
+                                  tool_choice="required", parallel_tool_calls=False, max_output_tokens=300)
+    assert r.status == "completed" and [o.type for o in r.output] == ["function_call"]
+    call = r.output[0]
+    assert call.call_id.startswith("call_") and matches(json.loads(call.arguments), SCHEMAS[call.name])
+
+    events = list(c.openai.responses.create(model=c.model, input="What is the weather in Paris?", tools=tools,
+                                            tool_choice={"type": "function", "name": "get_time"},
+                                            max_output_tokens=300, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" not in kinds and kinds.count("response.function_call_arguments.done") >= 1
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert all(e.name == "get_time" and matches(json.loads(e.arguments), ZONE) for e in done)
+    assert [o.type for o in events[-1].response.output] == ["function_call"] * len(done)
+
+    with c.openai.responses.stream(model=c.model, input="What is the weather in Paris?", tools=tools,
+                                   tool_choice="required", parallel_tool_calls=False,
+                                   max_output_tokens=300) as stream:
+        final = stream.get_final_response()
+    assert matches(json.loads(final.output[0].arguments), SCHEMAS[final.output[0].name])
+
+    follow = c.openai.responses.create(model=c.model, tools=tools, tool_choice="required", parallel_tool_calls=False,
+                                       max_output_tokens=300, input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}])
+    assert follow.output[0].type == "function_call"
+    assert matches(json.loads(follow.output[0].arguments), SCHEMAS[follow.output[0].name])
+
+    shaped = c.openai.responses.create(model=c.model, input="A city, please.", max_output_tokens=200, text={
+        "format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}})
+    assert shaped.status == "completed" and matches(json.loads(shaped.output_text), CITY)
 
 
 # ---- /metrics ---------------------------------------------------------------------------------------
