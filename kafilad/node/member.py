@@ -136,7 +136,7 @@ class MemberSession(SessionDriver):
             async with open_rendezvous(self.rdv_url, static_private=self.node.static_private,
                                        name=self.node.name) as rdv:
                 self.rdv = rdv
-                host_pid = await rdv.join(self.session_id)
+                host_pid = await rdv.join(self.session_id, self.host_fingerprint)
                 await progress({"msg": f"joined session {self.session_id} at the rendezvous; verifying the host"})
                 await self._open_ctl(rdv, host_pid)
                 self.fetcher = Fetcher(self.send_ctl, self.node.state.cache_dir)

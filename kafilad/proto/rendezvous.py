@@ -7,6 +7,10 @@ kafilad/proto/rendezvous_wire.py; its names are re-exported here.
 the driver feeds it `receive_message(conn, data, now)` and executes the actions it drains from
 `actions()` (h11 / aioquic style, STYLE.md). Nothing here imports trio or sockets.
 
+Sessions are held under the whole session code, `<session id>-<host key fingerprint>` (§2.2): a
+`join` must carry the fingerprint, so the 8-character id alone finds nothing, learns nothing and
+holds no slot, and a session of another host key under the same id is another session.
+
 Identity (proto_spec §2.4): every connection is sent a `challenge` on connect, and `register` /
 `join` are admitted only with proof of the static key behind the claimed peer id
 (`kafilad.proto.rendezvous_proof`). A proven peer that joins again while an older connection of
@@ -23,6 +27,7 @@ import attrs
 import msgpack
 
 from kafilad.errors import RemoteProtocolError
+from kafilad.proto.identity import fingerprint
 from kafilad.proto.noise import MAX_MESSAGE_BYTES as NOISE_MAX_MESSAGE_BYTES
 from kafilad.proto.rendezvous_proof import NONCE_BYTES, Challenge, check_proof, public_key
 from kafilad.proto.rendezvous_wire import (  # noqa: F401 - re-exported: the wire format
@@ -112,7 +117,7 @@ class _Conn:
     server_private: bytes  # per-connection X25519 ephemeral key of the challenge (§2.4)
     challenge: Challenge
     static_public: bytes = b""  # proven by register / join
-    session_id: str | None = None
+    session_id: str | None = None  # the key of its session (`_Session.key`)
     peer_id: str = ""
     name: str = ""
 
@@ -128,11 +133,13 @@ class _Session:
     bucket: TokenBucket
     relayed_bytes: int = 0
     circuits: set[int] = attrs.Factory(set)
+    #: "<session id>-<host key fingerprint>": the whole session code, under which the server holds it (§2.2)
+    key: str = ""
 
 
 @attrs.define
 class _Circuit:
-    session_id: str
+    session_id: str  # the session's key
     ends: tuple[int, int]  # (opener conn, acceptor conn)
 
 
@@ -284,7 +291,7 @@ class RendezvousState:
                     self._conns[member].session_id = None
                     self._send(member, t="session_closed", session_id=session.session_id,
                                reason=f"The host {state.name!r} left the session: {reason}")
-            del self._sessions[session.session_id]
+            del self._sessions[session.key]
             return
         for cid in list(session.circuits):
             ends = self._circuits[cid].ends
@@ -332,33 +339,35 @@ class RendezvousState:
         state.static_public = self._prove(conn, "register", f)
         sid = self._reregistered_id(conn, f, state.static_public)
         if sid is None:
-            sid = self._new_id(5, self._sessions)
-        self._sessions[sid] = _Session(
+            sid = self._new_id(5, {s.session_id for s in self._sessions.values()})
+        key = f"{sid}-{fingerprint(state.static_public)}"
+        self._sessions[key] = _Session(
             sid, f["model_id"], f["members"], f["capability"], conn, {f["peer_id"]: conn},
-            TokenBucket(lim.session_rate_Bps, lim.session_burst_bytes, self._now))
-        state.session_id, state.peer_id, state.name = sid, f["peer_id"], f["name"]
+            TokenBucket(lim.session_rate_Bps, lim.session_burst_bytes, self._now), key=key)
+        state.session_id, state.peer_id, state.name = key, f["peer_id"], f["name"]
         self._send(conn, t="registered", session_id=sid, **({"stun": self.stun} if self.stun else {}), **_req(f))
 
     def _reregistered_id(self, conn: int, f: dict, static_public: bytes) -> "str | None":
         """The session id a `register` re-creates (§2.5), or None for a new session.
 
         A host that lost its connection (or whose rendezvous restarted) registers again with its
-        session's id, proven with the same key: the id is free, or still held by a connection of
-        that same key (then superseded, as a member's rejoin is, and its session ends first).
+        session's id, proven with the same key. Sessions are held under the id *and* the host key's
+        fingerprint (§2.2), so a session of another key under the same id (an outsider who saw the
+        id and registered it first) is another session: it takes nothing from this one. A
+        connection of this same key still holding it is superseded, as a member's rejoin is.
 
         Raises:
-            _Refusal: `invalid_request` (not an id of the §2.2 form) or `duplicate_peer` (the id is
-                held by a session of another host key).
+            _Refusal: `invalid_request` (not an id of the §2.2 form).
         """
         sid = f.get("session_id")
         if sid is None:
             return None
         if not isinstance(sid, str) or len(sid) != 8 or not all(c in "abcdefghijklmnopqrstuvwxyz234567" for c in sid):
             raise _Refusal("invalid_request", "A re-registered session id is 8 characters of lowercase base32.")
-        old = self._sessions.get(sid)
+        old = self._sessions.get(f"{sid}-{fingerprint(static_public)}")
         if old is not None:
             holder = self._conns.get(old.host_conn)
-            if holder is None or holder.static_public != static_public:
+            if holder is None or holder.static_public != static_public:  # a fingerprint collision (80 bits)
                 raise _Refusal("duplicate_peer", f"Session {sid!r} is held by another host key.")
             reason = f"The host of session {sid!r} registered it again from a newer connection."
             self._send(old.host_conn, t="error", code="superseded", reason=reason, fatal=True)
@@ -371,7 +380,13 @@ class RendezvousState:
         if state.session_id is not None:
             raise _Refusal("already_in_session", "This connection is already in a session; leave it first.")
         static_public = self._prove(conn, "join", f)
-        session = self._sessions.get(f["session_id"].lower())
+        fp = f.get("host_fingerprint")
+        if not isinstance(fp, str):
+            raise _Refusal("fingerprint_required",
+                           "A 'join' must carry 'host_fingerprint', the part of the session code after its '-' "
+                           "(this rendezvous admits only holders of the whole code); upgrade kafilad.")
+        # the session id alone finds nothing: a wrong fingerprint reads exactly as no session (§2.2)
+        session = self._sessions.get(f"{f['session_id'].lower()}-{fp.lower()}")
         if session is None:
             raise _Refusal("unknown_session",
                            f"No session {f['session_id']!r} is open at this rendezvous; check the code "
@@ -394,7 +409,7 @@ class RendezvousState:
         for member in session.members.values():
             self._send(member, t="member_joined", peer_id=f["peer_id"], name=f["name"])
         session.members[f["peer_id"]] = conn
-        state.session_id, state.peer_id, state.name = session.session_id, f["peer_id"], f["name"]
+        state.session_id, state.peer_id, state.name = session.key, f["peer_id"], f["name"]
         state.static_public = static_public
         host_peer = self._conns[session.host_conn].peer_id
         self._send(conn, t="joined", session_id=session.session_id, host_peer_id=host_peer,
@@ -428,7 +443,7 @@ class RendezvousState:
             raise _Refusal("too_many_circuits",
                            f"Session {session.session_id!r} already has {self.limits.max_circuits} circuits.")
         cid = self._new_id(8, self._circuits)
-        self._circuits[cid] = _Circuit(session.session_id, (conn, target))
+        self._circuits[cid] = _Circuit(session.key, (conn, target))
         session.circuits.add(cid)
         self._send(target, t="circuit_incoming", circuit=cid, **{"from": self._conns[conn].peer_id},
                    label=f["label"])
