@@ -117,6 +117,8 @@ class Request:
     headers: tuple[tuple[bytes, bytes], ...]
     body: bytes
     http_version: str
+    #: the IP address the connection arrived at (this server's side); None off a socket
+    local_ip: Optional[str] = None
 
     def header(self, name: bytes) -> Optional[bytes]:
         """The first value of header `name` (lower-case bytes), or None."""
@@ -264,13 +266,14 @@ class _Slot:
     last_data_s: float = 0.0
 
 
-def peer_address(stream: trio.abc.Stream) -> Optional[str]:
-    """The IP address at the other end of a socket stream; None for any other stream."""
+def peer_address(stream: trio.abc.Stream, *, local: bool = False) -> Optional[str]:
+    """The IP address at the other end of a socket stream (with `local`, at this end); None for
+    any other stream."""
     sock = getattr(stream, "socket", None)
     if sock is None:
         return None
     try:
-        peer = sock.getpeername()
+        peer = sock.getsockname() if local else sock.getpeername()
     except OSError:
         return None
     return str(peer[0]) if isinstance(peer, tuple) else None
@@ -552,7 +555,8 @@ class HttpServer:
                 target = request.target.decode("latin-1")
                 return Request(method=request.method.decode("latin-1").upper(), target=target,
                                path=target.split("?", 1)[0], headers=tuple(request.headers),
-                               body=bytes(body), http_version=request.http_version.decode("latin-1"))
+                               body=bytes(body), http_version=request.http_version.decode("latin-1"),
+                               local_ip=peer_address(stream, local=True))
             elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
                 return None
 
