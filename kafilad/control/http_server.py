@@ -28,8 +28,9 @@ Limits, each answered with a sentence in `{"error": {"message", "type"}}`:
   `Retry-After` (RFC 9110 §15.5.14: a temporary condition).
 - a body is *slow* once it is `body_grace_s` old and has not kept up with `min_body_rate_Bps`
   (capped at its Content-Length), or has sent nothing for `body_grace_s`. Its connection is closed
-  like one idle or in its headers when another client needs the room (issue 22 §4: 16 clients
-  declaring 4 MiB and sending 1 byte used to hold every POST at 413 for 30 s).
+  like one idle or in its headers when another client needs the room, after a 408 with
+  `Retry-After` saying why (issue 22 §4: 16 clients declaring 4 MiB and sending 1 byte used to hold
+  every POST at 413 for 30 s).
 - more than `max_connections` open connections, or `max_connections_per_address` from one peer
   address: that address's (or the server's) connection longest idle or in its headers is closed to
   make room, else its slowest body (so idle and trickling connections cannot lock normal clients
@@ -74,12 +75,13 @@ log = logging.getLogger("kafilad.http")
 RECEIVE_BYTES = 65_536
 #: connections answered 503 at once (each holds a file handle for at most 1 s + REFUSAL_LINGER_S);
 #: past that the accept loop waits, so newcomers queue in the kernel instead of being reset
-MAX_REFUSING = 64
-#: after a 503 refusal the server reads what the client still sends (a short lingering close: the
-#: request the client had sent is read, so closing sends FIN, not a reset) until the client closes,
-#: sends nothing for REFUSAL_QUIET_S, or REFUSAL_LINGER_S have passed
-REFUSAL_LINGER_S = 0.25
-REFUSAL_QUIET_S = 0.05
+MAX_REFUSING = 128
+#: after a 503 refusal (or a 408 to a body closed to make room) the server reads what the client
+#: still sends (a short lingering close: the request the client had sent is read, so closing sends
+#: FIN, not a reset) until the client closes, sends nothing for REFUSAL_QUIET_S, or
+#: REFUSAL_LINGER_S have passed
+REFUSAL_LINGER_S = 1.0
+REFUSAL_QUIET_S = 0.2
 #: the answer to a request the daemon had not answered when it began to stop (503, Retry-After 5)
 SHUTTING_DOWN = "The daemon is shutting down, so this request was not finished; send it again once it is back."
 #: the last event of a stream the daemon ended by stopping (api_common.stream_generation)
@@ -264,6 +266,9 @@ class _Slot:
     body_declared: Optional[int] = None
     body_bytes: int = 0
     last_data_s: float = 0.0
+    #: the phase the connection was in when the server closed it to make room (`_close_evicted`;
+    #: it may have read on to another phase before the cancellation reached it)
+    evicted: Optional[str] = None
 
 
 def peer_address(stream: trio.abc.Stream, *, local: bool = False) -> Optional[str]:
@@ -306,7 +311,9 @@ class HttpServer:
 
     @property
     def open_connections(self) -> int:
-        return len(self._slots)
+        """Connections being served, not counting those closed to make room that are still closing
+        (each for at most REFUSAL_QUIET_S, or 1 s + REFUSAL_LINGER_S after an answer)."""
+        return sum(1 for s in self._slots.values() if s.evicted is None)
 
     async def serve(self, listeners: list[trio.SocketListener], *,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -369,6 +376,8 @@ class HttpServer:
         try:
             with slot.scope:
                 await self._connection(stream, slot)
+            if slot.evicted is not None and slot.phase != "handler":  # unanswered: told why, not reset
+                await self._close_evicted(stream, slot)
         except Exception:  # noqa: BLE001 - one connection's failure must not reach the server
             log.exception("http: internal error on a connection; closed it")
         finally:
@@ -414,16 +423,53 @@ class HttpServer:
         if victim is None:
             return False
         log.debug("http: closing a connection %s from %s to make room", victim.phase, victim.address)
+        victim.evicted = victim.phase
         victim.scope.cancel()
         self._release(victim)
         return True
 
     async def _refuse_busy(self, stream: trio.abc.Stream, message: str, turn: Optional[object]) -> None:
-        """Answer 503 with Retry-After and `message`, then close without a reset: shut down our side
-        and read what the client still sends for a moment (RFC 9112 §9.6)."""
+        """Answer 503 with Retry-After and `message`, then close without a reset (`_answer_and_close`);
+        `turn` (the accept loop's) is released at the end."""
         try:
-            body = error_body(503, message)
-            head = (f"HTTP/1.1 503 {reason_phrase(503).decode()}\r\ncontent-type: application/json\r\n"
+            await self._answer_and_close(stream, 503, message)
+        finally:
+            if turn is not None:
+                self._refusal_room.release_on_behalf_of(turn)
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+
+    async def _close_evicted(self, stream: trio.abc.Stream, slot: _Slot) -> None:
+        """Close a connection evicted to make room without a reset: a body or headers in progress get
+        408 with Retry-After and why; an idle one is closed quietly unless a request turns out to be
+        waiting in it (accepted in a burst, not read yet), which gets 503 with Retry-After."""
+        if slot.phase == "body":
+            why = (f": its body arrived slower than {self.limits.min_body_rate_Bps:g} bytes/s, or stopped"
+                   if slot.evicted == "body" else " before reading all of it")
+            await self._answer_and_close(stream, 408, f"The server closed this request to make room for others{why}; "
+                                                      "send it again.")
+            return
+        if slot.phase == "head":
+            await self._answer_and_close(stream, 408, "The server closed this connection to make room for others "
+                                                      "before its request headers were complete; send it again.")
+            return
+        try:
+            with trio.move_on_after(REFUSAL_QUIET_S) as quiet:
+                data = await stream.receive_some(RECEIVE_BYTES)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        if quiet.cancelled_caught or not data:
+            return  # idle indeed (closing sends FIN: nothing unread), or closed by the client too
+        await self._answer_and_close(stream, 503, "The server closed this connection to make room for others before "
+                                                  "reading its request; send it again.")
+
+    async def _answer_and_close(self, stream: trio.abc.Stream, status: int, message: str) -> None:
+        """Send `status` with Retry-After and `message` (no request read, or one abandoned), then close
+        without a reset: shut down our side and read what the client still sends until it closes, is
+        quiet for REFUSAL_QUIET_S, or REFUSAL_LINGER_S pass (RFC 9112 §9.6)."""
+        try:
+            body = error_body(status, message)
+            head = (f"HTTP/1.1 {status} {reason_phrase(status).decode()}\r\ncontent-type: application/json\r\n"
                     f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n").encode()
             with trio.move_on_after(min(1.0, self.limits.send_timeout_s)):
                 await stream.send_all(head + body)
@@ -436,11 +482,6 @@ class HttpServer:
                         break
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError, AttributeError):
             pass  # AttributeError: a stream without send_eof
-        finally:
-            if turn is not None:
-                self._refusal_room.release_on_behalf_of(turn)
-            with trio.CancelScope(shield=True):
-                await trio.aclose_forcefully(stream)
 
     # ---- one connection ------------------------------------------------------------------------
     async def _connection(self, stream: trio.abc.Stream, slot: _Slot) -> None:
@@ -451,6 +492,7 @@ class HttpServer:
                 try:
                     request = await self._read_request(conn, stream, slot)
                 except _Refused as r:
+                    self._release(slot)  # its body's bytes are not kept while it lingers
                     await self._answer_refusal(conn, stream, r)
                     return
                 if request is None:

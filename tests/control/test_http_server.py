@@ -250,7 +250,8 @@ def test_a_stalled_body_holding_the_budget_is_evicted_once_past_its_grace():
             await trio.sleep(1.5)  # 2.5 s old: past its grace, and silent
             (s, _, body), = parse_responses(await exchange(server, request))
             assert s == 200 and len(json.loads(body)["body"]) == 500_000
-            assert await stalled.receive_some(65536) == b""  # closed, without an answer
+            (s, headers, body), = parse_responses(await stalled.receive_some(65536))  # told why, then closed
+            assert s == 408 and headers["retry-after"] == "1" and "to make room" in json.loads(body)["error"]["message"]
         assert server.budget.held_bytes == 0 and server.open_connections == 0
     run(main)
 
@@ -274,7 +275,9 @@ def test_a_trickling_body_is_evicted_when_the_server_is_full_and_not_before_its_
             await trio.sleep(2.0)
             (s, _, body), = parse_responses(await exchange(server, legit))
             assert s == 200 and json.loads(body)["path"] == "/ok"
-            assert await trickling[0].receive_some(65536) == b""  # the oldest, furthest behind, was closed
+            (s, _, body), = parse_responses(await trickling[0].receive_some(65536))  # the furthest behind
+            assert s == 408 and "arrived slower than 16384 bytes/s" in json.loads(body)["error"]["message"]
+            await trio.sleep(1.0)  # its short lingering close
             assert server.open_connections == 3
             nursery.cancel_scope.cancel()
     run(main)
