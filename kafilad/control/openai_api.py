@@ -25,7 +25,12 @@ request naming another model than the one served is 404 `model_not_found`.
 Generation: `temperature` (default 0: greedy, token-identical to single-process mlx-lm),
 `top_p`, `seed` (the same seed draws the same tokens), `presence_penalty`, `frequency_penalty`,
 `logit_bias`, `logprobs` / `top_logprobs` and the extensions `top_k`, `min_p`,
-`repetition_penalty` reach the head's sampler (kafilad/proto/sampling.py); `stop` ends the
+`repetition_penalty` reach the head's sampler (kafilad/proto/sampling.py); `response_format`
+json_object / json_schema constrain the reply on the head (kafilad/control/grammars.py, llguidance);
+`tools`, `tool_choice` (auto, none, required, a named function) and `parallel_tool_calls` go into
+the chat template and calls come back as `message.tool_calls` with `finish_reason` "tool_calls",
+whole or streamed as `delta.tool_calls` (a forced call's arguments match the function's schema by
+construction; kafilad/control/tools.py); `stop` ends the
 request before its first stop string, which is never emitted, not even partly in a stream
 (kafilad/node/stops.py). With `"stream": true` the reply is Server-Sent Events: chat chunks
 carry `role` in the first delta only, then `content`; the last chunk has `finish_reason`;
@@ -53,6 +58,7 @@ from functools import partial
 from typing import Awaitable, Callable, Optional
 from urllib.parse import unquote
 
+import attrs
 import trio
 
 from kafilad.control import ollama_api, web
@@ -62,8 +68,10 @@ from kafilad.control.api_common import (SSE_BUFFER_EVENTS, HttpError, TokenText,
                                         token_reports, vocab_size)
 from kafilad.control.auth import ApiKeys
 from kafilad.control.cors import cors_headers, preflight_headers, refuse_foreign_origin
+from kafilad.control.grammars import ANY_OBJECT, json_grammar
 from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
 from kafilad.control.openai_schema import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from kafilad.control.tools import ToolCallText, ToolPlan, plan_tools, template_messages
 from kafilad.errors import ContextTooLongError, KafilaError
 from kafilad.proto.sampling import Sampling
 
@@ -191,7 +199,21 @@ async def _chat_completions(node, request: Request, res: Responder) -> None:
     r = parse_chat(json_object(request.body))
     s = await serving_session(node, res.client_gone)
     check_model(s, r.model)
-    await _generate(s, res, r, await chat_prompt(s, r.prompt_messages()), chat=True)
+    plan = plan_tools(s.chat_tokenizer(), r.tool_dicts(), r.tool_choice_value(), r.parallel_tool_calls)
+    messages = template_messages(r.prompt_messages(), plan)
+    prompt = await chat_prompt(s, messages, list(plan.tools) if plan is not None and plan.native else None)
+    grammar = plan.grammar() if plan is not None else None
+    if grammar is None and r.response_format is not None and r.response_format.type != "text":
+        grammar = response_grammar(r.response_format)
+    await _generate(s, res, r, prompt, chat=True, plan=plan, grammar=grammar)
+
+
+def response_grammar(rf) -> str:
+    """The grammar of a `response_format` of type json_object or json_schema (kafilad/control/grammars.py)."""
+    if rf.type == "json_object":
+        return json_grammar(ANY_OBJECT, param="response_format")
+    schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else ANY_OBJECT
+    return json_grammar(schema, param="response_format.json_schema.schema")
 
 
 #: path -> (methods, handler). The web page's routes (kafilad/control/web.py) and the Ollama API's
@@ -284,9 +306,14 @@ def _usage(result: dict) -> dict:
             "total_tokens": result["prompt_tokens"] + n}
 
 
-async def _generate(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
-    """Run a checked completion or chat request and answer it, whole or streamed."""
+async def _generate(s, res: Responder, r, prompt: str, *, chat: bool, plan: Optional[ToolPlan] = None,
+                    grammar: Optional[str] = None) -> None:
+    """Run a checked completion or chat request and answer it, whole or streamed; with `plan`, tool
+    calls are taken out of the reply (kafilad/control/tools.py); `grammar` constrains it."""
     sampling = sampling_of(s, r)
+    if grammar is not None:
+        sampling = attrs.evolve(sampling, grammar=grammar)
+    calls = ToolCallText(plan) if plan is not None and plan.parses else None
     max_tokens = (r.max_completion_tokens if chat and r.max_completion_tokens is not None else r.max_tokens)
     defaulted = max_tokens is None
     if max_tokens is None:
@@ -309,7 +336,15 @@ async def _generate(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
         result, events = await generate_whole(s, res, generate)
         finish = result.get("finish_reason") or "stop"
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result["text"], "refusal": None},
+            message = {"role": "assistant", "content": result["text"], "refusal": None}
+            if calls is not None:
+                content, found = calls.feed(result["text"])
+                rest, more = calls.finish()
+                if found or more:
+                    message = {"role": "assistant", "content": (content + rest) or None, "refusal": None,
+                               "tool_calls": found + more}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": 0, "message": message,
                       "logprobs": _chat_logprobs(events, text_of) if text_of else None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": result["text"],
@@ -344,19 +379,43 @@ async def _generate(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
         sent["offset"] += len(text or "")
         return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
+    def call_payloads(found: list[dict]) -> list[bytes]:
+        """One chunk per completed tool call: the whole call in one delta, indexed (OpenAI's shape)."""
+        out = []
+        for c in found:
+            out.append(chunk([{"index": 0, "delta": {"tool_calls": [{"index": sent.setdefault("calls", 0), **c}]},
+                               "logprobs": None, "finish_reason": None}]))
+            sent["calls"] += 1
+        return out
+
     def token_payloads(ev: dict) -> list[bytes]:
         text = str(ev.get("text") or "")
         has_lp = ev.get("logprob") is not None and text_of is not None
-        if not text and not has_lp:
+        found: list[dict] = []
+        if calls is not None:
+            text, found = calls.feed(text)
+        if not text and not has_lp and not found:
             return []
         out = []
         if chat and not sent["role"]:  # the first chunk: the role, and no content yet (as OpenAI streams)
             out.append(chunk([choice("", None, [])]))
-        out.append(chunk([choice(text, None, [ev] if has_lp else [])]))
-        return out
+        if text or has_lp:
+            out.append(chunk([choice(text, None, [ev] if has_lp else [])]))
+        return out + call_payloads(found)
 
     def end_payloads(result: dict) -> list[bytes]:
-        out = [chunk([choice(None if chat else "", result.get("finish_reason") or "stop", [])])]
+        finish = result.get("finish_reason") or "stop"
+        out = []
+        if calls is not None:
+            rest, found = calls.finish()
+            if chat and not sent["role"] and (rest or found):
+                out.append(chunk([choice("", None, [])]))
+            if rest:
+                out.append(chunk([choice(rest, None, [])]))
+            out += call_payloads(found)
+            if calls.calls and finish == "stop":
+                finish = "tool_calls"
+        out.append(chunk([choice(None if chat else "", finish, [])]))
         if include_usage:
             out.append(chunk([], usage=_usage(result)))
         return out + [sse("[DONE]")]

@@ -38,7 +38,7 @@ def executor():
     """kafilad.executor, imported on first use (only it imports mlx); logs its BLAS the first time."""
     global _announced
     import kafilad.executor as ex  # noqa: PLC0415
-    from kafilad.executor import probe, runner, stage, synth  # noqa: F401,PLC0415
+    from kafilad.executor import grammar, probe, runner, stage, synth  # noqa: F401,PLC0415
     if not _announced:
         _announced = True
         log.info("the executor's matrix products run on %s", ex.blas_status())
@@ -254,7 +254,10 @@ def edge_paths(session) -> dict:
 
 def make_ring_member(node, *, stage, head: bool, tokenizer) -> RingMember:
     ex = executor()
-    return RingMember(peer_id=node.peer_id, name=node.name, runner=ex.runner.StageRunner(stage),
+    runner = ex.runner.StageRunner(stage)
+    if head and tokenizer is not None:  # constrained decoding over the head's tokenizer (issue 23 item 2)
+        runner.grammars = ex.grammar.Grammars(tokenizer, int(stage.config.get("vocab_size") or len(tokenizer)))
+    return RingMember(peer_id=node.peer_id, name=node.name, runner=runner,
                       mlx_lock=node.mlx_lock, head=head, tokenizer=tokenizer, executor=ex.runner)
 
 

@@ -119,7 +119,13 @@ def test_cors_preflight_and_origins(monkeypatch):
     (parse_completion, {"prompt": "x", "stop": [""]}, "stop", "non-empty strings"),
     (parse_completion, {"prompt": "x", "stream": 1}, "stream", "'stream' must be true or false."),
     (parse_chat, {"messages": []}, "messages", "'messages' must be a non-empty list"),
-    (parse_chat, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'messages[0].role' is invalid"),
+    (parse_chat, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0]",
+     "'messages[0]' has role 'tool' and must carry the 'tool_call_id'"),
+    (parse_chat, {"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role", "'messages[0].role' is invalid"),
+    (parse_chat, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "always"}, "tool_choice",
+     "'tool_choice' must be \"none\", \"auto\", \"required\""),
+    (parse_chat, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+     "response_format", "needs 'json_schema'"),
     (parse_chat, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content",
      "must hold parts of the form"),
     (parse_chat, {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs",
@@ -127,7 +133,7 @@ def test_cors_preflight_and_origins(monkeypatch):
     (parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True},
      "top_logprobs", "between 0 and 20"),
     (parse_chat, {"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions",
-     "'functions' is not supported: this server does not call tools."),
+     "'functions' is not supported: use 'tools' and 'tool_choice'"),
 ])
 def test_every_field_gets_a_precise_400(parse, body, param, words):
     with pytest.raises(HttpError) as e:
