@@ -84,6 +84,8 @@ REFUSAL_LINGER_S = 1.0
 REFUSAL_QUIET_S = 0.2
 #: the answer to a request the daemon had not answered when it began to stop (503, Retry-After 5)
 SHUTTING_DOWN = "The daemon is shutting down, so this request was not finished; send it again once it is back."
+#: the answer to a request whose connection was closed to make room just as it was read (503, Retry-After 1)
+EVICTED = "The server closed this connection to make room for others as this request arrived; send it again."
 #: the last event of a stream the daemon ended by stopping (api_common.stream_generation)
 SHUTTING_DOWN_MID_STREAM = ("The daemon is shutting down, so this request was ended before it finished; send it "
                             "again once the daemon is back.")
@@ -499,7 +501,7 @@ class HttpServer:
                     return
                 slot.phase, slot.since_s = "handler", trio.current_time()
                 responder = Responder(conn, stream, request.method, lim.send_timeout_s)
-                if not await self._run_handler(request, responder, conn, stream):
+                if not await self._run_handler(request, responder, conn, stream, slot):
                     return
             finally:
                 self._release(slot)
@@ -680,7 +682,7 @@ class HttpServer:
                 return
 
     async def _run_handler(self, request: Request, responder: Responder, conn: h11.Connection,
-                           stream: trio.abc.Stream) -> bool:
+                           stream: trio.abc.Stream, slot: Optional[_Slot] = None) -> bool:
         """Run the handler while watching for the client leaving; True when the connection may go on."""
         gone = False
 
@@ -720,9 +722,11 @@ class HttpServer:
                 raise
             if not responder.started and not gone:
                 responder.close_after = True
+                evicted = slot is not None and slot.evicted is not None  # closed to make room, as it was read
                 with trio.CancelScope(shield=True), trio.move_on_after(min(1.0, self.limits.send_timeout_s)):
                     try:
-                        await responder.error(503, SHUTTING_DOWN, headers=[("retry-after", "5")])
+                        await responder.error(503, EVICTED if evicted else SHUTTING_DOWN,
+                                              headers=[("retry-after", "1" if evicted else "5")])
                     except (ClientGone, h11.LocalProtocolError):
                         pass
             raise

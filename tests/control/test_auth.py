@@ -206,3 +206,27 @@ def test_the_page_opened_at_the_lan_address_may_call_the_api():
     # another site's page is still refused, key or not
     status, _, _ = trio.run(real_call, ip, ApiKeys([KEY]), ip + ":PORT", "https://evil.example", KEY)
     assert status == 403
+
+
+@settings(max_examples=400, deadline=None)
+@given(origin=st.one_of(st.text(max_size=40), st.sampled_from(["http://192.0.2.2:8400", "https://192.0.2.2:8400",
+                                                               "http://kafila.lan:8400", "http://[fe80::1]:8400",
+                                                               "http://user@192.0.2.2:8400", "http://192.0.2.2:8400/x"])),
+       host=st.one_of(st.text(max_size=30), st.sampled_from(["192.0.2.2:8400", "kafila.lan:8400", "[fe80::1]:8400"])),
+       local=st.sampled_from([None, "192.0.2.2", "fe80::1", "127.0.0.1"]), keyed=st.booleans())
+def test_hostile_origin_and_host_headers_never_raise_and_only_the_own_origin_passes(origin, host, local, keyed):
+    """Any Origin and Host: the CORS check never raises; a non-local origin passes only as the API's
+    own (scheme http/https, no user or path, its host:port equal to Host, and that host the IP the
+    connection arrived at, or any name once the API has keys)."""
+    from urllib.parse import urlsplit
+    from kafilad.control.cors import origin_allowed
+    from kafilad.control.http_server import Request
+    req = Request(method="POST", target="/", path="/", headers=((b"host", host.encode("utf-8", "replace")),),
+                  body=b"", http_version="1.1", local_ip=local)
+    allowed = origin_allowed(origin, {}, request=req, keyed=keyed)
+    assert isinstance(allowed, bool)
+    if allowed and not origin_allowed(origin, {}):  # passed as the API's own origin, not a local one
+        parts = urlsplit(origin)
+        assert parts.scheme in ("http", "https") and parts.username is None and parts.path in ("", "/")
+        assert parts.netloc.lower() == host.encode("utf-8", "replace").decode("latin-1").strip().lower()
+        assert keyed or parts.hostname.strip("[]") == local
