@@ -262,6 +262,8 @@ class _Slot:
     scope: trio.CancelScope
     #: the peer's address (its IP), None for a stream that is not a socket (tests' memory streams)
     address: Optional[str] = None
+    #: its key in the server's table of connections
+    cid: int = -1
     #: body bytes reserved from the server's BodyBudget for the request being read
     held_bytes: int = 0
     #: the body's Content-Length (None when chunked), bytes of it received, when the last arrived
@@ -370,8 +372,8 @@ class HttpServer:
         live = [s for s in self._slots.values() if not s.scope.cancel_called]
         if len(live) >= lim.max_connections and not self._evict(live):
             return f"The server is answering {len(live)} connections, its limit; retry shortly."
-        slot = _Slot("idle", trio.current_time(), trio.CancelScope(), address=address)
-        self._slots[next(self._ids)] = slot
+        slot = _Slot("idle", trio.current_time(), trio.CancelScope(), address=address, cid=next(self._ids))
+        self._slots[slot.cid] = slot
         return slot
 
     async def _serve_admitted(self, stream: trio.abc.Stream, slot: _Slot) -> None:
@@ -383,9 +385,7 @@ class HttpServer:
         except Exception:  # noqa: BLE001 - one connection's failure must not reach the server
             log.exception("http: internal error on a connection; closed it")
         finally:
-            for cid, s in list(self._slots.items()):
-                if s is slot:
-                    del self._slots[cid]
+            self._slots.pop(slot.cid, None)
             self._release(slot)
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
