@@ -303,7 +303,8 @@ def _completion_logprobs(events: list[dict], text_of: TokenText, offset: int = 0
 def _usage(result: dict) -> dict:
     n = len(result["token_ids"])
     return {"prompt_tokens": result["prompt_tokens"], "completion_tokens": n,
-            "total_tokens": result["prompt_tokens"] + n}
+            "total_tokens": result["prompt_tokens"] + n,
+            "prompt_tokens_details": {"cached_tokens": int(result.get("cached_tokens") or 0)}}
 
 
 async def _generate(s, res: Responder, r, prompt: str, *, chat: bool, plan: Optional[ToolPlan] = None,

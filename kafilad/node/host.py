@@ -493,7 +493,7 @@ class HostSession(HostRequests, SessionDriver):
         if epoch != self.machine.epoch:
             return  # replanned while building
         await self._join_ring(stage, tok, head=head, epoch=epoch, roster=roster, on_edges=self._own_edges_changed,
-                              stage_nursery=stage_nursery)
+                              stage_nursery=stage_nursery, plan=self.machine.planned.plan)
         await self._handle(sm.OwnStageLoaded({"fetched_bytes": 0, "cached_bytes": 0,
                                               "load_s": time.perf_counter() - t0}, epoch))
 
@@ -563,7 +563,26 @@ class HostSession(HostRequests, SessionDriver):
                 "fleet": self.fleet_json() if self.fleet_devices else None,
                 "plan": plan.to_json() if plan else None,
                 "edges": stagehost.session_edges(self),
-                "schedule": self._schedule_status(), "plan_waits": self.plan_waits}
+                "schedule": self._schedule_status(), "plan_waits": self.plan_waits,
+                "prompt_cache": self._prompt_cache_status()}
+
+    def _prompt_cache_status(self) -> Optional[dict]:
+        """The prompt cache (kafilad/executor/prefix.py) as this host's stage sees it: on or off and
+        why; with the head here, its entries, hits and prompt tokens saved (a remote head reports
+        each request's reused tokens in its result, `cached_tokens`). None without a stage here."""
+        runner = getattr(self.ring, "runner", None)
+        if runner is None:
+            return None
+        if not runner.stage.prefix_cacheable:
+            return {"on": False, "why": "the model keeps caches that cannot be cut back to a prefix (sliding "
+                                        "windows, linear attention or SSM state)"}
+        if not self.ring.head:
+            return {"on": True, "head": "remote"}
+        index = runner.prefix_index
+        if index is None:
+            return {"on": False, "why": f"{stagehost.PROMPT_CACHE_ENV}=0"}
+        return {"on": True, "entries": len(index.tokens), "entry_tokens": sum(len(t) for t in index.tokens.values()),
+                "budget_tokens": index.budget_tokens, "hits": index.hits, "tokens_saved": index.tokens_saved}
 
     def _schedule_status(self) -> Optional[dict]:
         """The head's decode schedule when this host is the head (step_policy.StepPolicy.snapshot)."""

@@ -409,7 +409,7 @@ class MemberSession(SessionDriver):
             self.node.changed()
             await self._join_ring(stage, tok, head=f.head, epoch=epoch, roster=self.roster,
                                   on_edges=lambda: self.send_ctl(cf.Edges(self.paths.edge_list()).to_wire()),
-                                  stage_nursery=stage_nursery)
+                                  stage_nursery=stage_nursery, plan=f.plan)
             self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "hf_cache_bytes": hf_cached,
                          "tensors": len(f.tensors), "load_s": time.perf_counter() - t0,
                          "edges": self.paths.edge_list()}
