@@ -1,6 +1,7 @@
 """`kafilad` command line: the daemon (foreground) and `kafilad rendezvous`.
 
-    kafilad [--version] [--state-dir DIR] [--name NAME] [--rendezvous ws://HOST:PORT] [--http HOST:PORT|PORT|off] [-v]
+    kafilad [--version] [--state-dir DIR] [--name NAME] [--rendezvous ws://HOST:PORT] [--http HOST:PORT|PORT|off]
+            [--api-key KEY ...] [--http-insecure] [-v]
     kafilad rendezvous --listen HOST:PORT [--stun ADDR:PORT ...] [--record-relay FILE] [--register-timeout S]
 
 `--http` takes HOST:PORT, a bare PORT (meaning 127.0.0.1:PORT, the API stays local), or `off`.
@@ -12,7 +13,10 @@ port and `--http`, and runs without the API; kafila-ctl needs only the control s
 `--state-dir`, `KAFILA_STATE_DIR` names the state directory (as for kafila-ctl); before anything
 starts, the daemon checks that its control socket there fits a Unix socket address and that the
 directory can be created, and says what to change when not. `--rendezvous` (or
-`KAFILA_RENDEZVOUS`) is checked at startup too: a ws:// or wss:// URL with a host.
+`KAFILA_RENDEZVOUS`) is checked at startup too: a ws:// or wss:// URL with a host. `--api-key`
+(repeatable) and `KAFILA_API_KEYS` (comma-separated) are the HTTP API's keys
+(kafilad/control/auth.py); an `--http` address other than loopback without a key refuses the
+start with a sentence unless `--http-insecure` is given.
 """
 
 from __future__ import annotations
@@ -187,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the OpenAI-compatible API of a hosted session on HOST:PORT, or on "
                         "127.0.0.1:PORT for a bare PORT ('off' disables; default 127.0.0.1:8400, skipped with "
                         "a warning when another program, e.g. a second kafilad, holds it)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="a key the HTTP API asks for (Authorization: Bearer KEY or x-api-key: KEY); repeat for "
+                        "more; also KAFILA_API_KEYS=KEY1,KEY2, which other users cannot read in the process list")
+    p.add_argument("--http-insecure", action="store_true",
+                   help="serve the HTTP API on an address other machines reach without an API key")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command")
     r = sub.add_parser("rendezvous", help="run the rendezvous / relay / STUN service")
@@ -236,6 +245,14 @@ def _main(argv: list[str] | None = None) -> int:
             except argparse.ArgumentTypeError as e:
                 print(f"kafilad: {RENDEZVOUS_ENV}: {e}", file=sys.stderr)
                 return 2
+        from kafilad.control.auth import check_binding, keys_from
+        try:
+            args.api_keys = keys_from(args.api_key)
+            if args.http is not None:
+                check_binding(args.http[0], args.api_keys, args.http_insecure)
+        except KafilaError as e:
+            print(f"kafilad: {e}", file=sys.stderr)
+            return 2
         from kafilad.node.ring_parts import daemon_switch_interval_s, pinned_micro_batches
         try:  # every switch is checked before the state directory is made: a bad one leaves nothing behind
             pinned_micro_batches()
@@ -348,7 +365,8 @@ async def _daemon(args) -> None:
     state = getattr(args, "state", None) or StateDir(args.state_dir).ensure()
     _log_to_file(state.log_path)
     http = await _default_http_or_none(args.http) if args.http is DEFAULT_HTTP else args.http
-    node = Node(state, name=args.name or default_name(), rendezvous=args.rendezvous, http=http)
+    node = Node(state, name=args.name or default_name(), rendezvous=args.rendezvous, http=http,
+                api_keys=getattr(args, "api_keys", None))
     await node.run()
 
 

@@ -5,13 +5,17 @@ Routes (https://platform.openai.com/docs/api-reference, the subset a local serve
 the Ollama API (kafilad/control/ollama_api.py) and the web page (kafilad/control/web.py):
 
 ```
-GET  /health                  200 {"status": "ok", "state": "ready", "model"} | 503 {"status": "unavailable", ...}
+GET  /health                  200 {"status": "ok"} | 503 {"status": "unavailable"}: ready or not, nothing more
 GET  /v1/models               {"object": "list", "data": [{"id": model_id, "object": "model", "created", "owned_by"}]}
 GET  /v1/models/{id}          that model object, or 404 `model_not_found`
 POST /v1/completions          {"prompt": str, "max_tokens": 16, ...}   -> "text_completion"
 POST /v1/chat/completions     {"messages": [...], "max_tokens": 256, ...} -> "chat.completion"
 OPTIONS <any route>           CORS preflight (kafilad/control/cors.py): 204, or 403 for an origin not allowed
 ```
+With API keys (kafilad/control/auth.py: `--api-key`, KAFILA_API_KEYS) every route but `/health`,
+the web page's static files and OPTIONS asks for one (`Authorization: Bearer KEY` or `x-api-key`):
+without it the answer is 401 with `WWW-Authenticate: Bearer` (RFC 6750 §3), in OpenAI's error
+shape (`"code": "invalid_api_key"`), or Ollama's `{"error": ...}` on /api/ paths.
 HEAD is answered wherever GET is (RFC 9110 §9.3.2); a known path with another method is 405
 with `Allow`. Request bodies are validated by typed models (kafilad/control/openai_schema.py):
 each field gets a precise 400 naming it (`param`), unknown and unsupported fields are refused,
@@ -60,8 +64,9 @@ import trio
 from kafilad.control import ollama_api, web
 from kafilad.control.api_common import (SSE_BUFFER_EVENTS, HttpError, TokenText, check_model, chat_prompt,
                                         created_s, default_max_tokens, generate_whole, json_object, model_id,
-                                        ready_session, serving_session, shown, state_of, stream_generation,
+                                        ready_session, serving_session, shown, stream_generation,
                                         token_reports, vocab_size)
+from kafilad.control.auth import ApiKeys
 from kafilad.control.cors import cors_headers, preflight_headers, refuse_foreign_origin
 from kafilad.control.grammars import ANY_OBJECT, json_grammar
 from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
@@ -91,8 +96,12 @@ def default_limits() -> HttpLimits:
 
 
 async def serve_openai_api(node, host: str, port: int, *, limits: Optional[HttpLimits] = None,
-                           task_status=trio.TASK_STATUS_IGNORED) -> None:
+                           keys: ApiKeys = ApiKeys(), task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the API for `node` on host:port until cancelled; `task_status.started(actual_port)`.
+
+    Args:
+        keys: the API keys a request must present (none: the API is open; kafilad/main.py allows that
+            on loopback only, unless --http-insecure).
 
     Raises:
         KafilaError: the address cannot be served (port out of range, in use, not local).
@@ -105,21 +114,37 @@ async def serve_openai_api(node, host: str, port: int, *, limits: Optional[HttpL
         raise KafilaError(f"The HTTP API cannot listen on {host}:{port}: {e.strerror or e}; "
                           "pick another with --http HOST:PORT, or --http off.") from None
     actual = listeners[0].socket.getsockname()[1]
-    log.info("OpenAI-compatible API on http://%s:%s/v1", host, actual)
-    server = HttpServer(partial(handle, node), limits or default_limits())
+    log.info("OpenAI-compatible API on http://%s:%s/v1 (%s)", host, actual,
+             f"{len(keys)} API key{'s' if len(keys) != 1 else ''}" if keys else "no API key")
+    server = HttpServer(partial(handle, node, keys=keys), limits or default_limits())
     task_status.started(actual)
     await server.serve(listeners)
 
 
-async def handle(node, request: Request, res: Responder) -> None:
-    """The handler of every request (the server guards it: see http_server.py)."""
-    res.extra_headers = cors_headers(request)
+#: paths served without an API key: the web page's files (it asks for the key) and /health
+OPEN_PATHS = frozenset({"/health", *web.STATIC})
+
+
+async def handle(node, request: Request, res: Responder, *, keys: ApiKeys = ApiKeys()) -> None:
+    """The handler of every request (the server guards it: see http_server.py).
+
+    Args:
+        keys: the API keys that open every route but OPEN_PATHS and OPTIONS (none: all open).
+    """
+    keyed = bool(keys)
+    res.extra_headers = cors_headers(request, keyed=keyed)
     ollama = request.path.startswith("/api/")
     if ollama:  # every /api/ path, known or not, answers errors in Ollama's shape, the server's own too
         res.error_shape = lambda status, message: json.dumps({"error": message}).encode()
     try:
-        refuse_foreign_origin(request)
-        await _route(node, request, res)
+        refuse_foreign_origin(request, keyed=keyed)
+        if keyed and request.method != "OPTIONS" and (request.path.rstrip("/") or "/") not in OPEN_PATHS \
+                and not keys.allows(request.headers):
+            raise HttpError(401, "This API needs an API key: send it as `Authorization: Bearer KEY` (OpenAI and "
+                                 "Ollama clients: api_key=KEY) or `x-api-key: KEY`; the host's owner set the keys "
+                                 "with kafilad --api-key or KAFILA_API_KEYS.", "invalid_request_error",
+                            headers=[("www-authenticate", 'Bearer realm="kafila"')], code="invalid_api_key")
+        await _route(node, request, res, keyed=keyed)
     except HttpError as e:
         if res.started:
             raise
@@ -135,17 +160,16 @@ Handler = Callable[[object, Request, Responder], Awaitable[None]]
 
 
 async def _health(node, request: Request, res: Responder) -> None:
-    """200 while a session is ready to serve; else 503 with the same sentence the API would give."""
-    s = node.session
+    """200 {"status": "ok"} while a session is ready to serve, else 503 {"status": "unavailable"}
+    (with Retry-After while it comes up): ready or not and nothing more, since it is served without
+    an API key (no states, paths or errors; an API call with a key says why it is not ready)."""
     try:
         ready_session(node)
     except HttpError as e:
-        restoring = getattr(node, "restoring_sentence", lambda: None)() is not None  # a restarted host
-        state = "restoring" if restoring else (state_of(s) if s is not None else None)
-        await res.send(503, json.dumps({"status": "unavailable", "state": state,
-                                        "message": e.message}).encode(), headers=e.headers)
+        retry = [h for h in e.headers or () if h[0] == "retry-after"]
+        await res.send(503, json.dumps({"status": "unavailable"}).encode(), headers=retry)
         return
-    await res.send(200, json.dumps({"status": "ok", "state": "ready", "model": model_id(s)}).encode())
+    await res.send(200, json.dumps({"status": "ok"}).encode())
 
 
 def _model_object(s) -> dict:
@@ -206,7 +230,7 @@ _ROUTES.update({p: (m, web.handle) for p, m in web.ROUTES.items()})  # the web p
 MODEL_PREFIX = "/v1/models/"
 
 
-async def _route(node, request: Request, res: Responder) -> None:
+async def _route(node, request: Request, res: Responder, *, keyed: bool = False) -> None:
     method, path = request.method, request.path.rstrip("/") or "/"
     route = _ROUTES.get(path)
     if route is None and path.startswith(MODEL_PREFIX):
@@ -223,7 +247,7 @@ async def _route(node, request: Request, res: Responder) -> None:
         if request.header(b"access-control-request-method") is None:
             await res.start(204, [("allow", ", ".join((*allowed, "OPTIONS")))])
         else:
-            await res.start(204, preflight_headers(request, allowed))
+            await res.start(204, preflight_headers(request, allowed, keyed=keyed))
         await res.end()
         return
     if method not in allowed:

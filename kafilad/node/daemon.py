@@ -12,6 +12,7 @@ import math
 import random
 import signal
 import time
+from functools import partial
 from typing import Optional
 
 import trio
@@ -89,14 +90,18 @@ class Node:
         state: the state directory (key, roster, cache, socket, traces).
         name: this member's display name.
         rendezvous: default rendezvous URL for host/join (overridable per command).
+        http: the HTTP API's (host, port), or None for none.
+        api_keys: the HTTP API's keys (kafilad/control/auth.py ApiKeys); None: the API is open.
     """
 
     def __init__(self, state: StateDir, *, name: str, rendezvous: Optional[str],
-                 http: Optional[tuple[str, int]] = None):
+                 http: Optional[tuple[str, int]] = None, api_keys=None):
         self.state = state.ensure()
         self.name = name
         self.rendezvous = rendezvous
         self.http = http
+        #: the HTTP API's keys (kafilad/control/auth.py ApiKeys; None: none, the API is open)
+        self.api_keys = api_keys
         self.http_port: Optional[int] = None
         self.static_private, self.public_key = self.state.load_or_create_static_key()
         self.peer_id = peer_id_of(self.public_key)
@@ -132,7 +137,9 @@ class Node:
             if self.http is not None:
                 from kafilad.control.openai_api import serve_openai_api
                 # a port in use or out of range refuses the start with a sentence (KafilaError)
-                self.http_port = await nursery.start(serve_openai_api, self, *self.http)
+                from kafilad.control.auth import ApiKeys
+                self.http_port = await nursery.start(partial(serve_openai_api, self, *self.http,
+                                                             keys=self.api_keys or ApiKeys()))
             log.info("kafilad %s (peer %s) listening on %s", self.name, self.peer_id, self.state.socket_path)
             if remembered is not None and remembered.get("role") == "host":
                 nursery.start_soon(self._rehost, remembered)

@@ -123,7 +123,11 @@ class HostSession(HostRequests, SessionDriver):
         elif isinstance(a, sm.Remember):
             roster = self.node.state.load_roster()
             roster[a.peer_id] = {"public_key": a.public_key.hex(), "name": a.name}
-            self.node.state.save_roster(roster)
+            try:
+                self.node.state.save_roster(roster)
+            except KafilaError as e:  # admitted in this session all the same; only its memory is lost
+                log.warning("%s %s stays admitted in this session, but must be admitted again in the next one.",
+                            e, a.name)
             self._decided_on(a.peer_id)
         elif isinstance(a, sm.MakePlan):
             self.nursery.start_soon(self._make_plan, a.order, a.seq)

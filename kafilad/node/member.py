@@ -16,7 +16,7 @@ import trio
 from kafilad.errors import (HandshakeError, KafilaError, LinkBroken, LinkClosed, RemoteProtocolError,
                             RingEdgeError, SessionError, collapse_groups, only_cancelled)
 from kafilad.node import paths, stagehost
-from kafilad.node.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name
+from kafilad.node.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name, store_error
 from kafilad.node.host_requests import result_of
 from kafilad.node.link import Link, secure_link
 from kafilad.node.liveness import Liveness
@@ -380,12 +380,14 @@ class MemberSession(SessionDriver):
             if f.head:
                 model_id = checked_file_name(self.machine.admitted.model_id.replace("/", "--"))
                 tok_dir = self.node.state.path / "models" / f"{model_id}-{self.session_id}"
-                tok_dir.mkdir(parents=True, exist_ok=True)
                 for fi in f.files:
                     name = checked_file_name(fi["name"])
                     data, _ = await self.fetcher.fetch_verified(file=name, offset=0, nbytes=fi["nbytes"],
                                                                 sha256=fi["sha256"])
-                    await trio.to_thread.run_sync((tok_dir / name).write_bytes, data)
+                    try:
+                        await trio.to_thread.run_sync(_write_file, tok_dir / name, data)
+                    except OSError as e:
+                        raise store_error(e, tok_dir, len(data)) from None
             config = self.machine.admitted.config
 
             def build():
@@ -487,3 +489,9 @@ class MemberSession(SessionDriver):
     async def close(self, reason: str = "its user ran `kafila-ctl leave`") -> None:
         """Leave the session: the host is told why (`leaving`, proto_spec 05 §2)."""
         await self._handle(sm.Close(reason))
+
+
+def _write_file(path, data: bytes) -> None:
+    """Write `data` to `path`, creating its directory (off the trio thread)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
