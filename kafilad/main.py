@@ -3,6 +3,9 @@
     kafilad [--version] [--state-dir DIR] [--name NAME] [--rendezvous ws://HOST:PORT] [--http HOST:PORT|PORT|off]
             [--api-key KEY ...] [--http-insecure] [-v]
     kafilad rendezvous --listen HOST:PORT [--stun ADDR:PORT ...] [--record-relay FILE] [--register-timeout S]
+                       [--max-sessions N] [--max-connections-per-address N] [--max-sessions-per-address N]
+                       [--max-sessions-per-key N] [--max-circuits-per-address N]
+                       [--joins-per-second-per-address R] [--relay-mib-per-second-per-address R]
 
 `--http` takes HOST:PORT, a bare PORT (meaning 127.0.0.1:PORT, the API stays local), or `off`.
 A port outside 0..65535 is refused by the parser, and a port given with `--http` that cannot be
@@ -30,6 +33,7 @@ import trio
 
 from kafilad.errors import find_kafila_error
 from kafilad.proto.address import AddressError, parse_host_port
+from kafilad.proto.rendezvous import RendezvousLimits
 
 
 #: file handles the daemon asks for (the soft limit is raised up to this, never past the hard limit)
@@ -48,6 +52,28 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 def _hostport(s: str) -> tuple[str, int]:
     """HOST:PORT of a listen address (port 0: any free port); one parser for the project (proto/address.py)."""
     return parse_host_port(s, allow_any_port=True)
+
+
+def _count(s: str) -> int:
+    """A positive whole number (a limit of `kafilad rendezvous`)."""
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a whole number.") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{s!r} must be at least 1.")
+    return n
+
+
+def _rate(s: str) -> float:
+    """A positive finite number (a rate limit of `kafilad rendezvous`)."""
+    try:
+        x = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number.") from None
+    if not (x > 0 and x != float("inf")):
+        raise argparse.ArgumentTypeError(f"{s!r} must be a positive number.")
+    return x
 
 
 def _seconds(s: str) -> float:
@@ -206,6 +232,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--register-timeout", type=_seconds, default=None, metavar="S",
                    help="close a WebSocket that has not registered or joined a session within S seconds "
                         "(default 10)")
+    d = RendezvousLimits()  # the defaults
+    r.add_argument("--max-sessions", type=_count, default=d.max_sessions, metavar="N",
+                   help=f"sessions this rendezvous holds at once (default {d.max_sessions})")
+    r.add_argument("--max-connections-per-address", type=_count, default=d.max_connections_per_source, metavar="N",
+                   help=f"WebSockets one address may hold open (default {d.max_connections_per_source})")
+    r.add_argument("--max-sessions-per-address", type=_count, default=d.max_sessions_per_source, metavar="N",
+                   help=f"sessions one address may host (default {d.max_sessions_per_source})")
+    r.add_argument("--max-sessions-per-key", type=_count, default=d.max_sessions_per_key, metavar="N",
+                   help=f"sessions one host key may host (default {d.max_sessions_per_key})")
+    r.add_argument("--max-circuits-per-address", type=_count, default=d.max_circuits_per_source, metavar="N",
+                   help=f"relay circuits one address may open (default {d.max_circuits_per_source})")
+    r.add_argument("--joins-per-second-per-address", type=_rate, default=d.joins_per_source_per_s, metavar="R",
+                   help=f"joins one address may make a second (default {d.joins_per_source_per_s:g}, "
+                        f"burst {d.joins_burst_per_source:g})")
+    r.add_argument("--relay-mib-per-second-per-address", type=_rate,
+                   default=d.relay_rate_per_source_Bps / (1 << 20), metavar="R",
+                   help=f"relay MiB/s one address may send (default {d.relay_rate_per_source_Bps / (1 << 20):g})")
     return p
 
 
@@ -312,8 +355,15 @@ async def _rendezvous(args) -> None:
             from kafilad.rendezvous.stun_server import serve_stun
             await nursery.start(serve_stun, args.stun)
         extra = {} if args.register_timeout is None else {"register_timeout_s": args.register_timeout}
+        limits = RendezvousLimits(
+            max_sessions=args.max_sessions, max_connections_per_source=args.max_connections_per_address,
+            max_sessions_per_source=args.max_sessions_per_address, max_sessions_per_key=args.max_sessions_per_key,
+            max_circuits_per_source=args.max_circuits_per_address,
+            joins_per_source_per_s=args.joins_per_second_per_address,
+            relay_rate_per_source_Bps=args.relay_mib_per_second_per_address * (1 << 20))
         actual = await nursery.start(lambda task_status: serve_rendezvous(
-            host, port, record_path=args.record_relay, stun_addresses=args.stun, task_status=task_status, **extra))
+            host, port, record_path=args.record_relay, stun_addresses=args.stun, task_status=task_status,
+            limits=limits, **extra))
         print(f"rendezvous listening on ws://{host}:{actual}", flush=True)
 
 

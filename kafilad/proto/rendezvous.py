@@ -62,6 +62,16 @@ class RendezvousLimits:
     max_members: int = 64
     max_circuits: int = 1_024
     max_sessions: int = 10_000
+    # per source address and per key (issue 22 item 2: one client must not fill the rendezvous for
+    # everyone else); sized for a 2-core VM serving many groups, each from its own addresses
+    max_connections_per_source: int = 64
+    max_sessions_per_source: int = 16
+    max_sessions_per_key: int = 4
+    max_circuits_per_source: int = 256
+    joins_per_source_per_s: float = 5.0
+    joins_burst_per_source: float = 30.0
+    relay_rate_per_source_Bps: float = float(64 << 20)
+    relay_burst_per_source_bytes: float = float(8 << 20)
 
 
 class TokenBucket:
@@ -112,6 +122,18 @@ Action = SendTo | CloseConn | RecordPayload
 
 
 @attrs.define
+class _Source:
+    """What one source address holds and spends (§5): its connections, the sessions its connections
+    host, its open circuits, and its join and relay rates."""
+
+    joins: TokenBucket
+    relay: TokenBucket
+    connections: int = 0
+    sessions: int = 0
+    circuits: int = 0
+
+
+@attrs.define
 class _Conn:
     bucket: TokenBucket
     server_private: bytes  # per-connection X25519 ephemeral key of the challenge (§2.4)
@@ -120,6 +142,7 @@ class _Conn:
     session_id: str | None = None  # the key of its session (`_Session.key`)
     peer_id: str = ""
     name: str = ""
+    source: str | None = None  # its address (None: not counted per source)
 
 
 @attrs.define
@@ -172,6 +195,7 @@ class RendezvousState:
         self._conns: dict[int, _Conn] = {}
         self._sessions: dict[str, _Session] = {}
         self._circuits: dict[int, _Circuit] = {}
+        self._sources: dict[str, _Source] = {}
         self._actions: list[Action] = []
         self._now = 0.0
 
@@ -187,14 +211,32 @@ class RendezvousState:
         """Number of live sessions."""
         return len(self._sessions)
 
-    def connection_made(self, conn: int, now: float) -> None:
-        """Register a new WebSocket connection `conn` at time `now` (s)."""
+    def connection_made(self, conn: int, now: float, source: str | None = None) -> None:
+        """Register a new WebSocket connection `conn` at time `now` (s) from address `source` (None:
+        not limited per source). A source past `max_connections_per_source` is sent a fatal
+        `too_many_connections` and closed (§5)."""
         lim = self.limits
         server_private = self._random(32)
         challenge = Challenge(public_key(server_private), self._random(NONCE_BYTES))
         self._conns[conn] = _Conn(TokenBucket(lim.control_rate_per_s, lim.control_burst, now),
-                                  server_private, challenge)
+                                  server_private, challenge, source=source)
+        if source is not None:
+            src = self._sources.get(source)
+            if src is None:
+                src = self._sources[source] = _Source(
+                    TokenBucket(lim.joins_per_source_per_s, lim.joins_burst_per_source, now),
+                    TokenBucket(lim.relay_rate_per_source_Bps, lim.relay_burst_per_source_bytes, now))
+            src.connections += 1
+            if src.connections > lim.max_connections_per_source:
+                self._fatal(conn, "too_many_connections",
+                            f"Address {source} already has {lim.max_connections_per_source} connections open at "
+                            "this rendezvous, its limit; close some and try again.", CLOSE_POLICY_VIOLATION, None)
+                return
         self._send(conn, t="challenge", server_public=challenge.server_public, nonce=challenge.nonce)
+
+    def _source(self, conn: int) -> _Source | None:
+        source = self._conns[conn].source
+        return self._sources.get(source) if source is not None else None
 
     def knows(self, conn: int) -> bool:
         """True while `conn` is open as far as the protocol is concerned (False once closed or lost)."""
@@ -204,6 +246,11 @@ class RendezvousState:
         """Forget `conn`: close its circuits and tell its session (proto_spec §4). Idempotent."""
         if conn in self._conns:
             self._leave(conn, reason)
+            src = self._source(conn)
+            if src is not None:
+                src.connections -= 1
+                if src.connections <= 0 and src.sessions <= 0 and src.circuits <= 0:
+                    del self._sources[self._conns[conn].source]
             del self._conns[conn]
 
     def receive_message(self, conn: int, data: bytes | str, now: float) -> float:
@@ -272,6 +319,10 @@ class RendezvousState:
         if circuit is None:
             return
         self._sessions[circuit.session_id].circuits.discard(circuit_id)
+        opener = self._conns.get(circuit.ends[0])
+        src = self._sources.get(opener.source) if opener is not None and opener.source is not None else None
+        if src is not None:
+            src.circuits -= 1
         for conn in notify:
             self._send(conn, t="circuit_closed", circuit=circuit_id, reason=reason)
 
@@ -292,6 +343,9 @@ class RendezvousState:
                     self._send(member, t="session_closed", session_id=session.session_id,
                                reason=f"The host {state.name!r} left the session: {reason}")
             del self._sessions[session.key]
+            src = self._source(conn)
+            if src is not None:
+                src.sessions -= 1
             return
         for cid in list(session.circuits):
             ends = self._circuits[cid].ends
@@ -336,7 +390,18 @@ class RendezvousState:
                            f"A session has 1 to {lim.max_members} members; {f['members']} were asked for.")
         if len(self._sessions) >= lim.max_sessions:
             raise _Refusal("too_many_sessions", "The rendezvous is full; try again later.")
+        src = self._source(conn)
+        if src is not None and src.sessions >= lim.max_sessions_per_source:
+            raise _Refusal("too_many_sessions",
+                           f"Address {state.source} already hosts {lim.max_sessions_per_source} sessions at this "
+                           "rendezvous, its limit; end one first.")
         state.static_public = self._prove(conn, "register", f)
+        held = sum(1 for sess in self._sessions.values() if self._conns[sess.host_conn].static_public ==
+                   state.static_public and not (f.get("session_id") and sess.session_id == f.get("session_id")))
+        if held >= lim.max_sessions_per_key:
+            raise _Refusal("too_many_sessions",
+                           f"This host key already hosts {lim.max_sessions_per_key} sessions at this rendezvous, its "
+                           "limit; end one first.")
         sid = self._reregistered_id(conn, f, state.static_public)
         if sid is None:
             sid = self._new_id(5, {s.session_id for s in self._sessions.values()})
@@ -345,6 +410,8 @@ class RendezvousState:
             sid, f["model_id"], f["members"], f["capability"], conn, {f["peer_id"]: conn},
             TokenBucket(lim.session_rate_Bps, lim.session_burst_bytes, self._now), key=key)
         state.session_id, state.peer_id, state.name = key, f["peer_id"], f["name"]
+        if src is not None:
+            src.sessions += 1
         self._send(conn, t="registered", session_id=sid, **({"stun": self.stun} if self.stun else {}), **_req(f))
 
     def _reregistered_id(self, conn: int, f: dict, static_public: bytes) -> "str | None":
@@ -379,6 +446,11 @@ class RendezvousState:
         state = self._conns[conn]
         if state.session_id is not None:
             raise _Refusal("already_in_session", "This connection is already in a session; leave it first.")
+        src = self._source(conn)
+        if src is not None and src.joins.consume(1, self._now) > 0:
+            raise _Refusal("rate_limited",
+                           f"Address {state.source} is joining faster than {self.limits.joins_per_source_per_s:g} a "
+                           "second; wait a moment and try again.")
         static_public = self._prove(conn, "join", f)
         fp = f.get("host_fingerprint")
         if not isinstance(fp, str):
@@ -442,6 +514,13 @@ class RendezvousState:
         if len(session.circuits) >= self.limits.max_circuits:
             raise _Refusal("too_many_circuits",
                            f"Session {session.session_id!r} already has {self.limits.max_circuits} circuits.")
+        src = self._source(conn)
+        if src is not None and src.circuits >= self.limits.max_circuits_per_source:
+            raise _Refusal("too_many_circuits",
+                           f"Address {self._conns[conn].source} already has {self.limits.max_circuits_per_source} "
+                           "circuits open at this rendezvous, its limit.")
+        if src is not None:
+            src.circuits += 1
         cid = self._new_id(8, self._circuits)
         self._circuits[cid] = _Circuit(session.key, (conn, target))
         session.circuits.add(cid)
@@ -481,7 +560,11 @@ class RendezvousState:
         other = circuit.ends[1] if circuit.ends[0] == conn else circuit.ends[0]
         self._actions.append(RecordPayload(msg.circuit_id, msg.payload))
         self._actions.append(SendTo(other, encode_relay(msg.circuit_id, msg.payload)))
-        return session.bucket.consume(len(msg.payload), now)
+        pause_s = session.bucket.consume(len(msg.payload), now)
+        src = self._source(conn)
+        if src is not None:  # the sender's address pays too: many sessions of one client share its rate
+            pause_s = max(pause_s, src.relay.consume(len(msg.payload), now))
+        return pause_s
 
 
 def _req(fields: dict) -> dict:

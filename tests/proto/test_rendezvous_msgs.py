@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kafilad.errors import LocalProtocolError, RemoteProtocolError
 from kafilad.proto.rendezvous import (
+    CLOSE_POLICY_VIOLATION,
     CloseConn,
     ControlMessage,
     RecordPayload,
@@ -144,9 +145,10 @@ class Harness:
         self.records: list[tuple[int, bytes]] = []
         self.now = 0.0
 
-    def connect(self, conn: int) -> int:
-        """Open `conn`; its `challenge` (proto_spec §2.4) is kept in `challenges`, not the inbox."""
-        self.state.connection_made(conn, self.now)
+    def connect(self, conn: int, source: str | None = None) -> int:
+        """Open `conn` (from address `source`); its `challenge` (proto_spec §2.4) is kept in
+        `challenges`, not the inbox."""
+        self.state.connection_made(conn, self.now, source)
         self.inbox[conn] = []
         self._drain()
         [hello] = self.take(conn)
@@ -574,3 +576,48 @@ def test_the_session_id_alone_finds_nothing_and_holds_no_slot():
            **h.ident(4, "B", "register", sid))
     assert h.take(4)[0]["t"] == "registered" and h.state.session_count == 2
     assert h.take(1) == [] and h.take(3) == []
+
+
+def test_one_source_cannot_fill_the_rendezvous():
+    """issue 22 item 2: connections, sessions, joins, circuits and relay bytes are limited per source
+    address (and sessions per host key); past a limit a sentence, and other sources go on."""
+    lim = RendezvousLimits(max_connections_per_source=3, max_sessions_per_source=2, max_sessions_per_key=2,
+                           max_circuits_per_source=1, joins_per_source_per_s=1.0, joins_burst_per_source=2.0,
+                           relay_rate_per_source_Bps=1000.0, relay_burst_per_source_bytes=1000.0)
+    h = Harness(lim)
+    for conn, label in ((1, "H"), (2, "B")):
+        h.connect(conn, "10.0.0.9")
+        h.send(conn, t="register", model_id="m", members=3, capability={}, req=1, **h.ident(conn, label, "register"))
+        assert h.take(conn)[0]["t"] == "registered"
+    h.connect(3, "10.0.0.9")
+    h.send(3, t="register", model_id="m", members=3, capability={}, req=1, **h.ident(3, "C", "register"))
+    [err] = h.take(3)
+    assert err["code"] == "too_many_sessions" and "Address 10.0.0.9 already hosts 2 sessions" in err["reason"]
+    h.inbox[4] = []
+    h.state.connection_made(4, h.now, "10.0.0.9")  # a fourth connection from the same address
+    h._drain()
+    assert h.closed[4].code == CLOSE_POLICY_VIOLATION and "already has 3 connections" in h.closed[4].reason
+    # another address is served as before
+    h.connect(5, "10.0.0.7")
+    h.send(5, t="register", model_id="m", members=3, capability={}, req=1, **h.ident(5, "R", "register"))
+    assert h.take(5)[0]["t"] == "registered"
+    # joins from one address: a burst of 2, then 1 a second
+    sid = h.state._conns[1].session_id.split("-")[0]
+    codes = []
+    for conn, label in ((6, "A"), (7, "X"), (8, "Y")):
+        h.connect(conn, "10.0.0.8")
+        h.send(conn, t="join", host_fingerprint=HFP, session_id=sid, req=1, **h.ident(conn, label, "join", sid))
+        codes.append(h.take(conn)[0].get("code", "joined"))
+    assert codes == ["joined", "joined", "rate_limited"]
+    # one circuit per address; relay bytes past the address's rate pause its reader
+    h.take(1)
+    h.send(6, t="circuit_open", to=H, label="x", req=2)
+    [opened] = [m for m in h.take(6) if m["t"] == "circuit_opened"]
+    h.send(7, t="circuit_open", to=H, label="x", req=2)
+    assert [m["code"] for m in h.take(7) if m["t"] == "error"] == ["too_many_circuits"]
+    assert h.feed(6, encode_relay(opened["circuit"], b"x" * 900)) == 0.0
+    assert h.feed(6, encode_relay(opened["circuit"], b"x" * 900)) == pytest.approx(0.8)
+    h.lose(6)  # its circuit and connection go back to the address
+    h.connect(9, "10.0.0.8")
+    h.send(9, t="circuit_open", to=H, label="x", req=2)
+    assert h.take(9)[0]["code"] == "not_in_session"
