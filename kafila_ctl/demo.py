@@ -235,17 +235,17 @@ def shipped_models() -> list[str]:
 def model_ref(model: str) -> str:
     """What `--model` names, as the daemon is to receive it (`kafila-ctl host`, `kafila-ctl demo`).
 
-    In this order: a Hugging Face repo id (ORG/NAME[@REV]) as given, for the daemon to resolve
-    (kafilad/modelref.py); a path that exists, made absolute (the daemon's working directory
+    In this order: a Hugging Face repo id (ORG/NAME[@REV]) or an Ollama model (ollama:NAME[:TAG]) as
+    given, for the daemon to resolve (kafilad/modelref.py); a path that exists, made absolute (the daemon's working directory
     differs); a bare name of a model shipped with kafila (`stories260K`), its directory in the
     package; any other path made absolute (the daemon says what it lacks).
 
     Raises:
         KafilaError: a bare name (no '/') that is none of these, naming each place looked at.
     """
-    from kafilad.modelref import parse_repo_id
-    if parse_repo_id(model) is not None:
-        return model
+    from kafilad.modelref import OLLAMA_PREFIX, parse_repo_id
+    if parse_repo_id(model) is not None or model.startswith(OLLAMA_PREFIX):
+        return model  # the daemon resolves it (kafilad/modelref.py)
     path = Path(model).expanduser().resolve()
     if path.exists() or not model or "/" in model or os.sep in model or model[0] in "~.":
         return str(path)

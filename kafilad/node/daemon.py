@@ -212,7 +212,7 @@ class Node:
         from kafilad.node.host import HostSession
         self._ensure_no_session()
         strategy = _strategy(args)
-        session = HostSession(self, model_dir=await resolve_model_dir(_required(args, "model_dir", str)), members=_arg(args, "members", int, 1),
+        session = HostSession(self, model_dir=await resolve_model_dir(_required(args, "model_dir", str), self.state.path / "models"), members=_arg(args, "members", int, 1),
                               context=_arg(args, "context", int, None), concurrency=_arg(args, "concurrency", int, 1),
                               rendezvous=self._rdv(args), open_=_arg(args, "open", bool, False),
                               admit_timeout_s=_arg(args, "admit_timeout_s", float, DEFAULT_ADMIT_TIMEOUT_S),

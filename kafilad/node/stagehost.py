@@ -38,7 +38,7 @@ def executor():
     """kafilad.executor, imported on first use (only it imports mlx); logs its BLAS the first time."""
     global _announced
     import kafilad.executor as ex  # noqa: PLC0415
-    from kafilad.executor import grammar, prefix, probe, runner, stage, synth  # noqa: F401,PLC0415
+    from kafilad.executor import gguf, grammar, prefix, probe, runner, stage, synth  # noqa: F401,PLC0415
     if not _announced:
         _announced = True
         log.info("the executor's matrix products run on %s", ex.blas_status())
