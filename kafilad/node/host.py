@@ -17,7 +17,7 @@ from typing import Optional
 import trio
 
 from kafilad.errors import (HandshakeError, KafilaError, LinkClosed, RemoteProtocolError, RingEdgeError, SessionError,
-                            collapse_groups)
+                            StageBuildError, collapse_groups)
 from kafilad.modelinfo import read_model_info
 from kafilad.node import paths, stagehost
 from kafilad.node.admission import Limiter, check_session_arguments
@@ -464,6 +464,10 @@ class HostSession(HostRequests, SessionDriver):
     async def _run_stage(self, roster: dict, epoch: int) -> None:
         """The host's stage of plan `epoch`, in its own cancel scope (a replan ends it)."""
         async def failed(e: KafilaError) -> None:
+            if isinstance(e, StageBuildError):
+                log.warning("the host's own stage could not be built: %s", e, exc_info=e)
+                await self._handle(sm.OwnStageFailed(str(e), epoch))
+                return
             log.warning("the host's own stage did not join the ring: %s", e)
             await self._rendezvous_first()
             await self._handle(sm.RingFailed(e.peer_id if isinstance(e, RingEdgeError) else None, str(e), epoch))
@@ -476,10 +480,14 @@ class HostSession(HostRequests, SessionDriver):
         start, end = self.machine.planned.blocks[me.name]
         head = self.machine.planned.head == me.name
 
+        dtype = stagehost.stage_dtype(self.machine.planned.plan, me.name)
+
         def build():
             ex = stagehost.executor()
-            stage = ex.stage.load_stage_from_dir(self.model_dir, start, end, head,
-                                                 dtype=stagehost.stage_dtype(self.machine.planned.plan, me.name))
+            try:
+                stage = ex.stage.load_stage_from_dir(self.model_dir, start, end, head, dtype=dtype)
+            except Exception as e:  # no plan builds it: the session fails (issue 21 item 3)
+                raise stagehost.build_failure(me.name, self.info.config, start, end, head, e) from e
             tok = ex.synth.load_tokenizer(self.model_dir) if head else None
             return stage, tok
 

@@ -14,7 +14,7 @@ from typing import Optional
 import trio
 
 from kafilad.errors import (HandshakeError, KafilaError, LinkBroken, LinkClosed, RemoteProtocolError,
-                            RingEdgeError, SessionError, collapse_groups, only_cancelled)
+                            RingEdgeError, SessionError, StageBuildError, collapse_groups, only_cancelled)
 from kafilad.node import paths, stagehost
 from kafilad.node.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name
 from kafilad.node.host_requests import result_of
@@ -391,11 +391,16 @@ class MemberSession(SessionDriver):
             def build():
                 ex = stagehost.executor()
                 from kafilad.modelinfo import TensorInfo
-                arrays = {}
-                for t, data in weights:
-                    info = TensorInfo(t["name"], t["file"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"], None)
-                    arrays[t["name"]] = ex.stage.tensor_from_bytes(info, data, dtype=f.dtype or "float32")
-                stage = ex.stage.build_stage(config, f.start, f.end, f.head, arrays)
+                try:
+                    arrays = {}
+                    for t, data in weights:
+                        info = TensorInfo(t["name"], t["file"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"],
+                                          None)
+                        arrays[t["name"]] = ex.stage.tensor_from_bytes(info, data, dtype=f.dtype or "float32")
+                    stage = ex.stage.build_stage(config, f.start, f.end, f.head, arrays)
+                except Exception as e:  # no plan builds it: the host fails the session (issue 21 item 3)
+                    raise stagehost.build_failure(self.machine.admitted.name or self.node.name, config, f.start,
+                                                  f.end, f.head, e) from e
                 tok = ex.synth.load_tokenizer(tok_dir) if tok_dir else None
                 return stage, tok
 
@@ -415,14 +420,15 @@ class MemberSession(SessionDriver):
         except Exception as e:  # any failure to load is reported to the host with its reason
             reason = e.reason if isinstance(e, LinkClosed) else str(e) if isinstance(e, KafilaError) else \
                 f"{self.node.name} could not load its stage: {e!r}"
-            if not isinstance(e, KafilaError):
-                log.exception("loading the stage failed")
+            if not isinstance(e, KafilaError) or isinstance(e, StageBuildError):
+                log.warning("loading the stage failed: %s", reason, exc_info=e)
             if self.state == sm.MemberState.LOADING and epoch == ((self.machine.plan.epoch or 0)
                                                                   if self.machine.plan else 0):
                 if isinstance(e, RingEdgeError):  # the peer at the edge's other end is unreachable, not us:
                     await self._handle(sm.RingFailed(e.peer_id, reason, epoch))  # `ring_broken` naming it
                 else:
-                    await self._handle(sm.LoadFailed(reason))
+                    await self._handle(sm.LoadFailed(reason, cf.FAILED_STAGE_BUILD if isinstance(e, StageBuildError)
+                                                     else None))
 
     def _ring_names(self) -> dict:
         return {pid: r["name"] for pid, r in self.roster.items()}

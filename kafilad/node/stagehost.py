@@ -21,6 +21,7 @@ from typing import Awaitable, Callable, Optional
 import trio
 
 from kafilad import __version__
+from kafilad.errors import KafilaError, StageBuildError
 from kafilad.node import edge
 from kafilad.node.link import Link
 from kafilad.node.paths import PathManager
@@ -137,6 +138,30 @@ def plan_profiles(info, devices) -> dict:
     ({dtype: ModelProfile}, kafilad/planner/precision.py), for the planner."""
     wanted = sorted({dt for d in devices for dt in device_dtypes(d) if dt is not None})
     return info.profiles(wanted)
+
+
+def build_failure(name: str, config: Optional[dict], start: int, end: int, head: bool,
+                  error: Exception) -> StageBuildError:
+    """The error of a stage that could not be built (issue 21 item 3), as one sentence naming the
+    member, the architecture and the reason; the caller raises it ``from error`` (the log keeps the
+    traceback).
+
+    Args:
+        name: the member's name in the session; config: the model's config.json (its ``model_type``);
+        start, end, head: the stage's share; error: what building it raised.
+    """
+    arch = str((config or {}).get("model_type") or "unknown")
+    if isinstance(error, KafilaError):  # the executor's own sentence (ModelFormatError: tensors that do not fit)
+        why = str(error).rstrip(".")
+    elif isinstance(error, KeyError) and error.args:
+        why = (f"mlx-lm's {arch} code needs '{error.args[0]}', which this share of the model does not hold (Kafila "
+               "cannot split this architecture this way yet)")
+    else:
+        detail = " ".join(str(error).split())[:200]
+        why = (f"mlx-lm's {arch} code stopped with a {type(error).__name__} while building it"
+               f"{f' ({detail})' if detail else ''}, so Kafila cannot split this architecture this way yet")
+    share = f"blocks [{start}, {end}){' and the head' if head else ''}"
+    return StageBuildError(f"Member {name} could not build its stage ({share}) of this {arch} model: {why}.")
 
 
 def stage_dtype(plan_json: Optional[dict], name: str) -> str:
