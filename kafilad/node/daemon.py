@@ -104,6 +104,8 @@ class Node:
         #: while the rejoin loop runs (`_rejoin`): {"code", "attempt", "at" (time.time() of the next
         #: try), "reason" (why the last try or the session failed)}
         self.rejoining: Optional[dict] = None
+        #: member sessions in a row that failed before serving (`_run_session`; comeback.rejoin_first_wait_s)
+        self._failed_unready = 0
         #: while a restarted daemon hosts its remembered session again (`_rehost`): {"code", "attempt",
         #: "at" (time.time() of the next try), "reason"}
         self.restoring: Optional[dict] = None
@@ -188,9 +190,12 @@ class Node:
                     await session._handle(sm.Close("the session ended", final=False))
             self.changed()
         if started and self._will_rejoin(session):
-            # the host or rendezvous went away: come back by itself
-            self.rejoining = comeback.record(session.code, 1, session.error)
-            self.nursery.start_soon(self._rejoin, session.error)
+            # the host or rendezvous went away: come back by itself, at once after a session that served,
+            # with a growing wait after sessions that failed before serving (comeback.rejoin_first_wait_s)
+            self._failed_unready = 0 if session.served else self._failed_unready + 1
+            wait_s = comeback.rejoin_first_wait_s(self._failed_unready) * random.uniform(0.8, 1.2)
+            self.rejoining = comeback.record(session.code, 1, session.error, wait_s=wait_s)
+            self.nursery.start_soon(self._rejoin, session.error, wait_s)
 
     def _will_rejoin(self, session) -> bool:
         """Whether `session` is a member session that failed after its admission, of the session this
@@ -265,16 +270,18 @@ class Node:
             return None
         return comeback.restoring_sentence(info)
 
-    async def _rejoin(self, reason: Optional[str] = None) -> None:
+    async def _rejoin(self, reason: Optional[str] = None, first_wait_s: float = 0.0) -> None:
         """Rejoin the remembered session after a restart or after it failed (issue 8 §2): retry with a
         capped, jittered backoff while the host or rendezvous is unreachable; forget it when the host
         refuses. Meanwhile ``rejoining`` says which attempt comes when, and why (`snapshot`).
 
         Args:
             reason: why the session is being rejoined (the failed session's error), until an attempt fails.
+            first_wait_s: seconds to wait before the first attempt (`comeback.rejoin_first_wait_s`).
         """
         delay_s, unknown_tries, attempt = REJOIN_FIRST_S, 0, 0
         try:
+            await trio.sleep(first_wait_s)
             while True:
                 record = self.state.remembered_session()
                 if record is None or (self.session is not None and self.session.state not in ("failed", "closed")):

@@ -58,6 +58,8 @@ class MemberSession(SessionDriver):
         self._admitted = trio.Event()
         self._over = trio.Event()  # set once the session failed or closed: the control loop ends
         self.liveness: Optional[Liveness] = None  # keepalives on the ctl link once admitted
+        #: whether the session reached ready or standby (its daemon then rejoins at once, Node._run_session)
+        self.served = False
 
     # ---- the machine's view (state, error, rendezvous_lost: SessionDriver) ----------------
     @property
@@ -71,6 +73,8 @@ class MemberSession(SessionDriver):
 
     # ---- the machine's actions (events enter through SessionDriver._handle) -------------------
     def _handled(self) -> None:
+        if self.state in (sm.MemberState.READY, sm.MemberState.STANDBY):
+            self.served = True
         if self.state in (sm.MemberState.FAILED, sm.MemberState.CLOSED):
             self._over.set()
 
