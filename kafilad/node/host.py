@@ -75,7 +75,8 @@ class HostSession(HostRequests, SessionDriver):
         self.links: dict[str, Link] = {}
         self.outboxes: dict[str, Outbox] = {}  # peer id -> its ctl link's outbox (kafilad/node/outbox.py)
         self._decided: dict[str, trio.Event] = {}
-        self.plan = None
+        #: the planner's answers by MakePlan sequence number, until the machine accepted that one or a later one
+        self._plans: dict = {}
         self.fleet_devices: list[Device] = []
         self.generations: dict[str, trio.MemorySendChannel] = {}
         self.formed_s: Optional[float] = None
@@ -95,6 +96,13 @@ class HostSession(HostRequests, SessionDriver):
     @property
     def ring_order(self) -> list[str]:
         return self.machine.ring_order
+
+    @property
+    def plan(self):
+        """The planner's Plan (kafilad/planner/records.py) the machine accepted last (its ``planned``),
+        None before the first: never an answer the machine dropped as stale (issue 25 item 6)."""
+        p = self.machine.planned
+        return self._plans.get(p.seq) if p is not None else None
 
     def _validate(self) -> None:
         """Refuse arguments no plan could honour (`check_session_arguments`); fills in the default context."""
@@ -431,8 +439,10 @@ class HostSession(HostRequests, SessionDriver):
         ev = sm.Planned(plan=plan.to_json(), blocks=dict(plan.blocks), head=plan.head, order=tuple(plan.order),
                         seq=seq, standby=tuple(plan.standby))
         await self.drain_for(ev)  # a plan replacing the serving ring lets its requests finish first
-        self.plan = plan
+        self._plans[seq] = plan  # shown (`plan`) once the machine takes it; a stale answer it drops never is
         await self._handle(ev)
+        kept = self.machine.planned.seq if self.machine.planned is not None else seq
+        self._plans = {s: p for s, p in self._plans.items() if s >= min(kept, seq)}
 
     async def _distribute(self, planned: sm.Planned, epoch: int) -> None:
         """Send each remote member its share (proto_spec 05 §2 `plan`), then load our own stage."""
