@@ -430,9 +430,15 @@ class HostSession(HostRequests, SessionDriver):
                                      rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"), batch_row_cost=e.capability.get("batch_row_cost"),
                                      dtype=e.capability.get("dtype"), fallback_dtype=e.capability.get("fallback_dtype"))
                               for e in order]
-        try:  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
-            plan = make_plan(self.fleet_devices, stagehost.plan_profiles(self.info, self.fleet_devices),
-                             context=self.context, concurrency=self.concurrency, strategy=self.strategy)
+        devices = list(self.fleet_devices)
+
+        def planned():  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
+            return make_plan(devices, stagehost.plan_profiles(self.info, devices), context=self.context,
+                             concurrency=self.concurrency, strategy=self.strategy)
+
+        try:  # on a worker thread: a large search once held the event loop 36 s (issue 25 item 6); the
+            # planner is pure, so a plan abandoned when the session ends costs nothing
+            plan = await trio.to_thread.run_sync(planned, abandon_on_cancel=True)
         except KafilaError as e:
             await self._handle(sm.PlanFailed(str(e), seq))
             return

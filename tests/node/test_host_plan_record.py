@@ -43,3 +43,23 @@ async def test_a_plan_the_machine_drops_as_stale_does_not_replace_the_plan_shown
         assert h.machine.plan_seq == seq and h.machine.epoch == epoch and h.state == HostState.READY
         assert h.snapshot()["plan"] == accepted
         assert shown_blocks(h) == blocks and h.plan.to_json() == h.machine.planned.plan
+
+
+@trio_test
+async def test_the_planner_runs_on_a_worker_thread_not_the_event_loop(tmp_path, model_dir, monkeypatch):
+    """Issue 25 item 6: host.py ran the planner on the trio thread, and a trial's plan froze the event
+    loop for 36 s (no ping, no request, no status meanwhile). The real planner runs; the test notes
+    the thread each call ran on."""
+    import threading
+    from kafilad.node import host as host_module
+    threads = []
+    real = host_module.make_plan
+
+    def noting_plan(*args, **kw):
+        threads.append(threading.current_thread())
+        return real(*args, **kw)
+    monkeypatch.setattr(host_module, "make_plan", noting_plan)
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, _ = await w.form(2)
+        assert h.state == HostState.READY and len(threads) == 1
+        assert threads[0] is not threading.main_thread(), threads
