@@ -12,6 +12,7 @@ import math
 import random
 import signal
 import time
+from functools import partial
 from typing import Optional
 
 import trio
@@ -92,11 +93,13 @@ class Node:
     """
 
     def __init__(self, state: StateDir, *, name: str, rendezvous: Optional[str],
-                 http: Optional[tuple[str, int]] = None):
+                 http: Optional[tuple[str, int]] = None, http_listeners: Optional[list] = None):
         self.state = state.ensure()
         self.name = name
         self.rendezvous = rendezvous
         self.http = http
+        #: listeners already open on `http` (kafilad/main.py opened the default address to check it)
+        self._http_listeners = http_listeners
         self.http_port: Optional[int] = None
         self.static_private, self.public_key = self.state.load_or_create_static_key()
         self.peer_id = peer_id_of(self.public_key)
@@ -134,7 +137,8 @@ class Node:
             if self.http is not None:
                 from kafilad.control.openai_api import serve_openai_api
                 # a port in use or out of range refuses the start with a sentence (KafilaError)
-                self.http_port = await nursery.start(serve_openai_api, self, *self.http)
+                self.http_port = await nursery.start(partial(serve_openai_api, self, *self.http,
+                                                             listeners=self._http_listeners))
             log.info("kafilad %s (peer %s) listening on %s", self.name, self.peer_id, self.state.socket_path)
             if remembered is not None and remembered.get("role") == "host":
                 nursery.start_soon(self._rehost, remembered)
