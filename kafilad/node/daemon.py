@@ -461,7 +461,10 @@ class Node:
         return self.snapshot()
 
     async def op_wait(self, args: dict, emit) -> dict:
-        """Wait until the session state is in args["states"]; error if it fails or times out."""
+        """Wait until the session state is in args["states"]; error if it fails or times out.
+
+        A member on standby counts as ready (it is in the session and serves its part, none, until
+        a replan gives it blocks): `wait` on it returns, saying "standby" (issue 25 item 6)."""
         states = _arg(args, "states", list, ["ready"])
         unknown = [s for s in states if not isinstance(s, str) or s not in WAIT_STATES]
         if unknown:
@@ -473,7 +476,8 @@ class Node:
         with trio.move_on_after(timeout_s):
             while True:
                 snap = self.snapshot()
-                if snap["state"] in states:
+                if snap["state"] in states or (snap["state"] == sm.MemberState.STANDBY.value and "ready" in states
+                                               and snap.get("role") == "member"):
                     return snap
                 if snap["state"] == "failed" and "failed" not in states:
                     raise KafilaError(f"The session failed: {str(snap.get('error')).rstrip('.')}.")
