@@ -243,7 +243,8 @@ class Node:
                                           rendezvous=record["rendezvous"], open_=bool(record.get("open")),
                                           admit_timeout_s=float(record.get("admit_timeout_s")
                                                                 or DEFAULT_ADMIT_TIMEOUT_S),
-                                          strategy=str(record.get("strategy") or DEFAULT_STRATEGY))
+                                          strategy=str(record.get("strategy") or DEFAULT_STRATEGY),
+                                          queue_limit=_queue_limit(record))  # none in records before issue 25
                     session.session_id = str(record["session_id"])
                     session.rehosted = True  # requests wait while its members rejoin (host_requests.returning)
                     await self.nursery.start(self._run_session, session)

@@ -263,7 +263,7 @@ class HostSession(HostRequests, SessionDriver):
         return {"role": "host", "code": self.code, "session_id": self.session_id, "rendezvous": self.rdv_url,
                 "model_dir": self.model_dir, "members": self.expected, "context": self.context,
                 "concurrency": self.concurrency, "open": self.machine.open, "admit_timeout_s": self.admit_timeout_s,
-                "strategy": self.strategy}
+                "strategy": self.strategy, "queue": self.admission.queue.queue_limit}
 
     async def _measure_self(self) -> None:
         cap = await run_on_mlx_thread(stagehost.measure_capability, self.model_dir, self.node.state.path)
