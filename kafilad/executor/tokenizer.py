@@ -14,6 +14,8 @@
 
       decode(prompt_ids + generated_ids)[len(decode(prompt_ids)):]
 
+  (`decode` with special tokens skipped: `<s>` or `<unk>` sampled mid-text is not returned text)
+
   i.e. the generated text as it continues the prompt, computed with the tokenizer's own `decode`
   over a short window of context, so each token costs O(CONTEXT_TOKENS + COMMIT_TOKENS).
 
@@ -286,15 +288,19 @@ class Tokenizer:
     def eos_token_ids(self) -> set[int]:
         return self._wrapper.eos_token_ids
 
+    def text_of(self, ids: list[int]) -> str:
+        """The text returned for `ids`: the tokenizer's decode with special tokens skipped (`<s>`,
+        `<unk>`, a chat template's turn markers), which a model may sample mid-text (issue 25 item 6)."""
+        return self._wrapper.decode(ids, skip_special_tokens=True)
+
     @property
     def detokenizer(self) -> ContinuationDetokenizer:
-        """A fresh streaming detokenizer for `decode(generated)` (no prompt context)."""
-        return ContinuationDetokenizer(self._wrapper.decode, (), clean_spaces=self.clean_spaces,
-                                       byte_ids=self.byte_ids)
+        """A fresh streaming detokenizer for `text_of(generated)` (no prompt context)."""
+        return ContinuationDetokenizer(self.text_of, (), clean_spaces=self.clean_spaces, byte_ids=self.byte_ids)
 
     def continuation_detokenizer(self, prompt_ids: Iterable[int]) -> ContinuationDetokenizer:
-        """A fresh streaming detokenizer for the text generated after `prompt_ids`."""
-        return ContinuationDetokenizer(self._wrapper.decode, list(prompt_ids), clean_spaces=self.clean_spaces,
+        """A fresh streaming detokenizer for the text generated after `prompt_ids` (`text_of`)."""
+        return ContinuationDetokenizer(self.text_of, list(prompt_ids), clean_spaces=self.clean_spaces,
                                        byte_ids=self.byte_ids)
 
 
