@@ -274,7 +274,7 @@ class HostSession(HostRequests, SessionDriver):
     async def _accept_loop(self, rdv) -> None:
         async def serve(circuit) -> None:
             self.nursery.start_soon(self._serve_member, circuit)
-        await stagehost.accept_circuits(rdv, {"ctl": serve, "ring": self._ring_incoming_send.send})
+        await stagehost.accept_circuits(rdv, {"ctl": serve, "ring": self._take_ring_circuit})
 
     async def _events_loop(self, rdv) -> str:
         """Handle rendezvous events until the connection ends; return why it ended."""

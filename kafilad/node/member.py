@@ -244,7 +244,7 @@ class MemberSession(SessionDriver):
         return f
 
     async def _accept_loop(self, rdv) -> None:
-        await stagehost.accept_circuits(rdv, {"ring": self._ring_incoming_send.send})
+        await stagehost.accept_circuits(rdv, {"ring": self._take_ring_circuit})
 
     async def _events_loop(self, rdv) -> None:
         from kafilad.node.rdv_client import Disconnected, MemberLeft, SessionClosed, Signal
