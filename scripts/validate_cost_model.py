@@ -144,7 +144,7 @@ def child_measure(model_dir: str, start: int, end: int, head: bool, quotas: list
     D = int(stage.config["hidden_size"])
     cache = stage.make_cache()
     if head:
-        mx.eval(stage.run_blocks(stage.embed([1] * CONTEXT_TOKENS), cache))
+        mx.eval(stage.run_tokens([1] * CONTEXT_TOKENS, cache))
     else:
         mx.eval(stage.run_blocks(mx.full((1, CONTEXT_TOKENS, D), 0.1), cache))
     h_in = mx.full((1, 1, D), 0.1)
@@ -152,7 +152,7 @@ def child_measure(model_dir: str, start: int, end: int, head: bool, quotas: list
 
     def step() -> None:
         if head:
-            out = mx.argmax(stage.logits(stage.run_blocks(stage.embed([3]), cache)), axis=-1)
+            out = mx.argmax(stage.logits(stage.run_tokens([3], cache)), axis=-1)
         else:
             out = stage.run_blocks(h_in, cache)
         mx.eval(out)

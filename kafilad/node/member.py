@@ -401,7 +401,7 @@ class MemberSession(SessionDriver):
                         info = TensorInfo(t["name"], t["file"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"],
                                           None)
                         arrays[t["name"]] = ex.stage.tensor_from_bytes(info, data, dtype=f.dtype or "float32")
-                    stage = ex.stage.build_stage(config, f.start, f.end, f.head, arrays)
+                    stage = ex.stage.build_stage(config, f.start, f.end, f.head, arrays, checkpoint=f.checkpoint)
                 except Exception as e:  # no plan builds it: the host fails the session (issue 21 item 3)
                     raise stagehost.build_failure(self.machine.admitted.name or self.node.name, config, f.start,
                                                   f.end, f.head, e) from e
