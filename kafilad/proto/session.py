@@ -11,10 +11,15 @@ Host states::
 
     starting --Registered--> forming --(every member admitted and measured)--> planning
     planning --Planned--> loading --(every stage ready)--> ready
-    planning --PlanFailed--> failed;  loading/ready --MemberLost | RingFailed--> failed
+    planning --PlanFailed--> failed
+    planning/loading/ready --MemberLost | Leaving | Failed | RingFailed--> recovering (MakePlan over the live)
+    ready --(a member joined or returned)--> recovering (the ring serves on; the same division is kept: ready)
+    recovering --Planned--> loading | ready (plan kept) | recovering (a member of it lost meanwhile)
+    recovering --PlanFailed--> degraded --(a member joins: Capability)--> recovering
+    loading/ready --RingFailed (more than MAX_REFORMS in a row)--> failed
     loading/recovering --(a stage could not be built: `failed` "stage_build", OwnStageFailed)--> failed
-    ready --RendezvousLost--> ready (edges direct, head here) | failed
-    any --Close--> closed   (a normal close is never recorded as a failure)
+    ready --RendezvousLost--> ready (edges direct, head here) | recovering
+    any --Abort--> failed;  any --Close--> closed   (a normal close is never recorded as a failure)
 
 Member states::
 
