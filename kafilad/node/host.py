@@ -81,6 +81,8 @@ class HostSession(HostRequests, SessionDriver):
         self.generations: dict[str, trio.MemorySendChannel] = {}
         self.formed_s: Optional[float] = None
         self.measured_stage_s: dict[str, float] = {}
+        #: {sender name: ring frame bytes sent for the finished requests} (stagehost.generation_edges)
+        self.edge_bytes_sent: dict[str, int] = {}
         self.last_generation: dict = {}
         self._chat_tokenizer = None
         self.trace = None

@@ -236,7 +236,7 @@ def session_edges(session) -> list[dict]:
                 reports[key] = dict(e)
     order = [names.get(p, p) for p in session.ring_order]
     predicted = {(a, b): p for a, b, p in (session.plan.edges if session.plan else [])}
-    sent = getattr(session, "_paths_bytes_sent", {})
+    sent = getattr(session, "edge_bytes_sent", {})
     out = []
     for i, a in enumerate(order if len(order) > 1 else []):
         b = order[(i + 1) % len(order)]
@@ -252,7 +252,7 @@ def session_edges(session) -> list[dict]:
 def generation_edges(session, result: dict) -> list[dict]:
     """Add a finished request's per-sender ring bytes to the edges' totals; the edges now (trace)."""
     names = {r.peer_id: r.name for r in session.members.values()}
-    sent = session.__dict__.setdefault("_paths_bytes_sent", {})
+    sent = session.edge_bytes_sent  # the host's (HostSession.edge_bytes_sent)
     for row in result.get("stats", []):
         name = names.get(row[0], row[0])
         sent[name] = sent.get(name, 0) + int(row[4] or 0)
