@@ -259,19 +259,6 @@ def generation_edges(session, result: dict) -> list[dict]:
     return session_edges(session)
 
 
-def note_edges(session, rec, edges) -> None:
-    """A member (or the host itself: ``rec.link`` None) reports its edges after an upgrade.
-
-    The report replaces its ready-time one; the host writes an `edges` trace event with
-    ``"cause": "upgrade"`` (proto_spec 07 §7) and tells status watchers.
-    """
-    if rec.link is not None and isinstance(edges, list):
-        rec.load = {**(rec.load or {}), "edges": edges}
-    if session.trace is not None:
-        session.trace.write("edges", edges=session_edges(session), cause="upgrade", reporter=rec.name)
-    session.node.changed()
-
-
 def edge_paths(session) -> dict:
     """{sender name: "direct" | "relayed" | "pending"} for the trace's generation records."""
     return {e["from"]: e.get("path") for e in session_edges(session)}
