@@ -90,16 +90,20 @@ class Node:
         state: the state directory (key, roster, cache, socket, traces).
         name: this member's display name.
         rendezvous: default rendezvous URL for host/join (overridable per command).
+        http: the HTTP API's (host, port), or None for none.
+        api_keys: the HTTP API's keys (kafilad/control/auth.py ApiKeys); None: the API is open.
     """
 
     def __init__(self, state: StateDir, *, name: str, rendezvous: Optional[str],
-                 http: Optional[tuple[str, int]] = None, http_listeners: Optional[list] = None):
+                 http: Optional[tuple[str, int]] = None, http_listeners: Optional[list] = None, api_keys=None):
         self.state = state.ensure()
         self.name = name
         self.rendezvous = rendezvous
         self.http = http
         #: listeners already open on `http` (kafilad/main.py opened the default address to check it)
         self._http_listeners = http_listeners
+        #: the HTTP API's keys (kafilad/control/auth.py ApiKeys; None: none, the API is open)
+        self.api_keys = api_keys
         self.http_port: Optional[int] = None
         self.static_private, self.public_key = self.state.load_or_create_static_key()
         self.peer_id = peer_id_of(self.public_key)
@@ -137,7 +141,9 @@ class Node:
             if self.http is not None:
                 from kafilad.control.openai_api import serve_openai_api
                 # a port in use or out of range refuses the start with a sentence (KafilaError)
+                from kafilad.control.auth import ApiKeys
                 self.http_port = await nursery.start(partial(serve_openai_api, self, *self.http,
+                                                             keys=self.api_keys or ApiKeys(),
                                                              listeners=self._http_listeners))
             log.info("kafilad %s (peer %s) listening on %s", self.name, self.peer_id, self.state.socket_path)
             if remembered is not None and remembered.get("role") == "host":

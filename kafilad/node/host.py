@@ -133,7 +133,11 @@ class HostSession(HostRequests, SessionDriver):
         elif isinstance(a, sm.Remember):
             roster = self.node.state.load_roster()
             roster[a.peer_id] = {"public_key": a.public_key.hex(), "name": a.name}
-            self.node.state.save_roster(roster)
+            try:
+                self.node.state.save_roster(roster)
+            except KafilaError as e:  # admitted in this session all the same; only its memory is lost
+                log.warning("%s %s stays admitted in this session, but must be admitted again in the next one.",
+                            e, a.name)
             self._decided_on(a.peer_id)
         elif isinstance(a, sm.MakePlan):
             self.nursery.start_soon(self._make_plan, a.order, a.seq)
@@ -515,7 +519,7 @@ class HostSession(HostRequests, SessionDriver):
         if epoch != self.machine.epoch:
             return  # replanned while building
         await self._join_ring(stage, tok, head=head, epoch=epoch, roster=roster, on_edges=self._own_edges_changed,
-                              stage_nursery=stage_nursery)
+                              stage_nursery=stage_nursery, plan=self.machine.planned.plan)
         await self._handle(sm.OwnStageLoaded({"fetched_bytes": 0, "cached_bytes": 0,
                                               "load_s": time.perf_counter() - t0}, epoch))
 
@@ -585,7 +589,26 @@ class HostSession(HostRequests, SessionDriver):
                 "fleet": self.fleet_json() if self.fleet_devices else None,
                 "plan": plan.to_json() if plan else None,
                 "edges": stagehost.session_edges(self),
-                "schedule": self._schedule_status(), "plan_waits": self.plan_waits}
+                "schedule": self._schedule_status(), "plan_waits": self.plan_waits,
+                "prompt_cache": self._prompt_cache_status()}
+
+    def _prompt_cache_status(self) -> Optional[dict]:
+        """The prompt cache (kafilad/executor/prefix.py) as this host's stage sees it: on or off and
+        why; with the head here, its entries, hits and prompt tokens saved (a remote head reports
+        each request's reused tokens in its result, `cached_tokens`). None without a stage here."""
+        runner = getattr(self.ring, "runner", None)
+        if runner is None:
+            return None
+        if not runner.stage.prefix_cacheable:
+            return {"on": False, "why": "the model keeps caches that cannot be cut back to a prefix (sliding "
+                                        "windows, linear attention or SSM state)"}
+        if not self.ring.head:
+            return {"on": True, "head": "remote"}
+        index = runner.prefix_index
+        if index is None:
+            return {"on": False, "why": f"{stagehost.PROMPT_CACHE_ENV}=0"}
+        return {"on": True, "entries": len(index.tokens), "entry_tokens": sum(len(t) for t in index.tokens.values()),
+                "budget_tokens": index.budget_tokens, "hits": index.hits, "tokens_saved": index.tokens_saved}
 
     def _schedule_status(self) -> Optional[dict]:
         """The head's decode schedule when this host is the head (step_policy.StepPolicy.snapshot)."""

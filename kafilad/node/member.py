@@ -16,7 +16,7 @@ import trio
 from kafilad.errors import (HandshakeError, KafilaError, LinkBroken, LinkClosed, RemoteProtocolError,
                             RingEdgeError, SessionError, StageBuildError, collapse_groups, only_cancelled)
 from kafilad.node import paths, stagehost
-from kafilad.node.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name
+from kafilad.node.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name, store_error
 from kafilad.node.host_requests import result_of
 from kafilad.node.link import Link, secure_link
 from kafilad.node.liveness import Liveness
@@ -140,7 +140,7 @@ class MemberSession(SessionDriver):
             async with open_rendezvous(self.rdv_url, static_private=self.node.static_private,
                                        name=self.node.name) as rdv:
                 self.rdv = rdv
-                host_pid = await rdv.join(self.session_id)
+                host_pid = await rdv.join(self.session_id, self.host_fingerprint)
                 await progress({"msg": f"joined session {self.session_id} at the rendezvous; verifying the host"})
                 await self._open_ctl(rdv, host_pid)
                 self.fetcher = Fetcher(self.send_ctl, self.node.state.cache_dir)
@@ -384,12 +384,14 @@ class MemberSession(SessionDriver):
             if f.head:
                 model_id = checked_file_name(self.machine.admitted.model_id.replace("/", "--"))
                 tok_dir = self.node.state.path / "models" / f"{model_id}-{self.session_id}"
-                tok_dir.mkdir(parents=True, exist_ok=True)
                 for fi in f.files:
                     name = checked_file_name(fi["name"])
                     data, _ = await self.fetcher.fetch_verified(file=name, offset=0, nbytes=fi["nbytes"],
                                                                 sha256=fi["sha256"])
-                    await trio.to_thread.run_sync((tok_dir / name).write_bytes, data)
+                    try:
+                        await trio.to_thread.run_sync(_write_file, tok_dir / name, data)
+                    except OSError as e:
+                        raise store_error(e, tok_dir, len(data)) from None
             config = self.machine.admitted.config
 
             def build():
@@ -416,7 +418,7 @@ class MemberSession(SessionDriver):
             self.node.changed()
             await self._join_ring(stage, tok, head=f.head, epoch=epoch, roster=self.roster,
                                   on_edges=lambda: self.send_ctl(cf.Edges(self.paths.edge_list()).to_wire()),
-                                  stage_nursery=stage_nursery)
+                                  stage_nursery=stage_nursery, plan=f.plan)
             self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "hf_cache_bytes": hf_cached,
                          "tensors": len(f.tensors), "load_s": time.perf_counter() - t0,
                          "edges": self.paths.edge_list()}
@@ -497,3 +499,9 @@ class MemberSession(SessionDriver):
     async def close(self, reason: str = "its user ran `kafila-ctl leave`") -> None:
         """Leave the session: the host is told why (`leaving`, proto_spec 05 §2)."""
         await self._handle(sm.Close(reason))
+
+
+def _write_file(path, data: bytes) -> None:
+    """Write `data` to `path`, creating its directory (off the trio thread)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)

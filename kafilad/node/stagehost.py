@@ -39,13 +39,15 @@ def executor():
     """kafilad.executor, imported on first use (only it imports mlx); logs its BLAS the first time."""
     global _announced
     import kafilad.executor as ex  # noqa: PLC0415
-    from kafilad.executor import probe, runner, stage, synth  # noqa: F401,PLC0415
+    from kafilad.executor import grammar, prefix, probe, runner, stage, synth  # noqa: F401,PLC0415
     if not _announced:
         _announced = True
         log.info("the executor's matrix products run on %s", ex.blas_status())
     return ex
 
 
+#: environment switch: "0" turns the head's prompt cache off (kafilad/executor/prefix.py)
+PROMPT_CACHE_ENV = "KAFILA_PROMPT_CACHE"
 #: test hook: a JSON object merged into this daemon's measured capability (e.g. {"bandwidth_Bps": 1e6}),
 #: so an end-to-end test can make the planner put the head on, or off, the host (README "Environment switches")
 TEST_CAPABILITY_ENV = "KAFILA_TEST_CAPABILITY"
@@ -264,9 +266,18 @@ def edge_paths(session) -> dict:
     return {e["from"]: e.get("path") for e in session_edges(session)}
 
 
-def make_ring_member(node, *, stage, head: bool, tokenizer) -> RingMember:
+def make_ring_member(node, *, stage, head: bool, tokenizer, plan: Optional[dict] = None) -> RingMember:
+    """The RingMember of a built stage; the head gets constrained decoding over its tokenizer (issue 23
+    item 2) and, when the model's caches allow it, the prompt cache's index, its budget the plan's
+    context x concurrency (kafilad/executor/prefix.py; KAFILA_PROMPT_CACHE=0 turns it off)."""
     ex = executor()
-    return RingMember(peer_id=node.peer_id, name=node.name, runner=ex.runner.StageRunner(stage),
+    runner = ex.runner.StageRunner(stage)
+    if head and tokenizer is not None:
+        runner.grammars = ex.grammar.Grammars(tokenizer, int(stage.config.get("vocab_size") or len(tokenizer)))
+    context, concurrency = int((plan or {}).get("context") or 0), int((plan or {}).get("concurrency") or 1)
+    if head and context > 0 and stage.prefix_cacheable and os.environ.get(PROMPT_CACHE_ENV, "1") != "0":
+        runner.prefix_index = ex.prefix.PrefixIndex(context * concurrency, context)
+    return RingMember(peer_id=node.peer_id, name=node.name, runner=runner,
                       mlx_lock=node.mlx_lock, head=head, tokenizer=tokenizer, executor=ex.runner)
 
 

@@ -271,6 +271,7 @@ class GenResult:
     circuit_s_median: Optional[float]
     stats: list
     batch_rows_median: Optional[float] = None  # median rows of the request's decode steps (proto_spec 05 §3)
+    cached_tokens: int = 0  # prompt tokens the head took from its prompt cache (kafilad/executor/prefix.py)
 
     @classmethod
     def from_wire(cls, d: Any) -> "GenResult":
@@ -298,7 +299,8 @@ class GenResult:
                    ttft_s=need("ttft_s", _NUM, True), decode_tokens=need("decode_tokens", int),
                    decode_tokens_per_s=need("decode_tokens_per_s", _NUM, True),
                    circuit_s_median=need("circuit_s_median", _NUM, True), stats=[list(r) for r in stats],
-                   batch_rows_median=need("batch_rows_median", _NUM, True))
+                   batch_rows_median=need("batch_rows_median", _NUM, True),
+                   cached_tokens=need("cached_tokens", int, True) or 0)
 
     def to_wire(self) -> dict:
         return attrs.asdict(self)

@@ -192,7 +192,8 @@ class RendezvousServer:
         self._unregistered.add(conn)
         send_q, recv_q = trio.open_memory_channel(OUTBOUND_QUEUE_MESSAGES)
         self._queues[conn] = send_q
-        self.state.connection_made(conn, trio.current_time())
+        remote = getattr(ws, "remote", None)  # trio-websocket's Endpoint(address, port, is_ssl)
+        self.state.connection_made(conn, trio.current_time(), source=str(getattr(remote, "address", "")) or None)
         hello = self.state.actions()  # the `challenge` (proto_spec §2.4)
         reason = "its connection closed"
         async with trio.open_nursery() as nursery:

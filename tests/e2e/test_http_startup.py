@@ -103,3 +103,57 @@ def test_daemons_started_together_without_http_all_run_and_one_serves_the_defaul
             p.terminate()
         for p in procs:
             p.wait(15)
+
+
+def test_an_api_reachable_from_other_machines_needs_a_key(tmp_path):
+    """Issue 22 §3: `--http 0.0.0.0:PORT` served everyone with no key and no warning. Now it refuses
+    to start without one (unless --http-insecure); with one, a request without it is 401."""
+    import json
+    import os
+    import time
+    import urllib.error
+    import urllib.request
+    r = subprocess.run(DAEMON + ["--state-dir", str(tmp_path / "a"), "--http", "0.0.0.0:0"],
+                       capture_output=True, text=True, timeout=30, env={**os.environ, "KAFILA_API_KEYS": ""})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "kafilad: The HTTP API would listen on 0.0.0.0, which other machines can reach, with no API key" in r.stderr
+    assert "--http-insecure" in r.stderr and not (tmp_path / "a" / "kafilad.sock").exists()
+    r = subprocess.run(DAEMON + ["--state-dir", str(tmp_path / "b"), "--http", "0.0.0.0:0", "--api-key", "short"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "at least 16 characters" in r.stderr
+
+    key = "test-key-0123456789abcdef"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    state = tmp_path / "c"
+    p = subprocess.Popen(DAEMON + ["--state-dir", str(state), "--http", f"0.0.0.0:{port}"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "KAFILA_API_KEYS": key})
+
+    def get(path: str, headers: dict) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers),
+                                        timeout=10) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert p.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+        status, body = get("/v1/models", {})
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        status, body = get("/api/tags", {"authorization": "Bearer not-the-key-0123456789"})
+        assert status == 401 and set(body) == {"error"}
+        status, body = get("/api/tags", {"authorization": f"Bearer {key}"})
+        assert status == 200 and body == {"models": []}
+        assert get("/health", {}) == (503, {"status": "unavailable"})
+    finally:
+        p.terminate()
+        p.wait(15)
