@@ -13,6 +13,7 @@ import trio
 from trio.testing import trio_test
 
 from kafilad.node.rdv_client import open_rendezvous
+from kafilad.proto.identity import parse_session_code
 from node.session_harness import session_world
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -31,7 +32,7 @@ async def test_a_member_joins_after_ring_circuits_nobody_reads(tmp_path, model_d
         h = await w.host(members=3)  # the host, the stray peer's place at the rendezvous, m1
         x = w.node("x")  # a peer of the session whose ring circuits reach no forming ring
         async with open_rendezvous(x.rdv_url, static_private=x.static_private, name="x") as rdv:
-            host_pid = await rdv.join(h.session_id)
+            host_pid = await rdv.join(*parse_session_code(h.code))
             with trio.fail_after(10):
                 for i in range(STALE):
                     await rdv.open_circuit(host_pid, f"ring:stale-{i}")
