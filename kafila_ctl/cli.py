@@ -525,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="live view pushed by the daemon; into a pipe or file, one timestamped line per change")
     s.set_defaults(func=cmd_status)
 
-    s = sub.add_parser("wait", help="wait until the session reaches a state (default: ready)")
+    s = sub.add_parser("wait", help="wait until the session reaches a state (default: ready; a member on standby "
+                                    "counts as ready)")
     s.add_argument("--state", action="append", default=None, choices=WAIT_STATES, metavar="STATE",
                    help=f"a state to wait for, repeatable (default ready); one of {', '.join(WAIT_STATES)}")
     s.add_argument("--timeout", type=float, default=300.0, metavar="S",

@@ -287,6 +287,26 @@ def generation_markup(prompt: str, result: dict, *, synth: bool) -> str:
             "to is noise, not shown)")
 
 
+def ring_note(status: dict) -> str:
+    """What the demo says of its ring after the plan line, from the host's status: that every member
+    holds blocks only when each does (a trial's `demo --model` said so while two members, lost after
+    their stages failed, held none); else who holds none, and why when status says it.
+
+    Args:
+        status: the host's `status` snapshot ("members": [{"name", "blocks", "lost"?, "standby"?}]).
+    """
+    members = status.get("members") or []
+    idle = [m for m in members if not m.get("blocks")]
+    if members and not idle:
+        return "the demo's ring: every member holds blocks"
+    parts = []
+    for m in idle:
+        why = "lost: " + str(m["lost"]).rstrip(".") if m.get("lost") else "on standby" if m.get("standby") else \
+            "no blocks"
+        parts.append(f"{m.get('name')} ({why})")
+    return "holding no blocks: " + "; ".join(parts) if parts else "no member holds blocks"
+
+
 def check_demo_args(model: str, members: int, context: int = DEMO_CONTEXT) -> None:
     """Refuse what the demo's host would refuse, before any process starts: `members` outside 1 to
     the model's blocks or a `context` past the model's (the host's own check, kafila_ctl/checks.py),
@@ -353,7 +373,7 @@ def run_demo(*, model: Optional[str], members: int, prompt: str, max_tokens: int
         plan = formed["status"].get("plan") or {}
         console.print(f"plan: bottleneck {plan.get('bottleneck_s', 0) * 1e3:.3f} ms, "
                       f"utilisation {plan.get('utilization', 0):.0%}, tier {plan.get('tier')}, strategy "
-                      f"{plan.get('strategy')} (the demo's ring: every member holds blocks)")
+                      f"{plan.get('strategy')} ({escape(ring_note(formed['status']))})")
         result = cluster.generate(prompt, max_tokens)
         console.print(generation_markup(prompt, result, synth=synth))
         tps = result.get("decode_tokens_per_s")

@@ -389,13 +389,15 @@ def _log_to_file(path, max_bytes: int = LOG_FILE_BYTES, backups: int = LOG_FILE_
     return handler
 
 
-async def _default_http_or_none(http: tuple[str, int]) -> tuple[str, int] | None:
-    """`http` (the default address) when it can be listened on now, else None after a warning that
-    names the port and `--http`: a second daemon on one machine still starts, without the API.
+async def _default_http_or_none(http: tuple[str, int]) -> list | None:
+    """The listeners of `http` (the default address), opened now and kept for the daemon's API, else
+    None after a warning that names the port and `--http`: a second daemon on one machine still
+    starts, without the API. Kept, not closed and bound again later: daemons started at the same
+    moment each found the port free, and two of three then failed to bind it (issue 25 item 6).
     An address given with `--http` is not checked here; the daemon refuses to start without it."""
     from kafilad.control.http_server import open_listeners
     try:
-        listeners = await open_listeners(*http)
+        return await open_listeners(*http)
     except OSError as e:
         logging.getLogger("kafilad").warning(
             "The HTTP API's default address %s:%d is taken (%s), likely by another kafilad on this machine; this "
@@ -403,9 +405,6 @@ async def _default_http_or_none(http: tuple[str, int]) -> tuple[str, int] | None
             "--http %d) to serve the API there, or --http off to run without it and without this warning.",
             http[0], http[1], e.strerror or e, http[1] + 1)
         return None
-    for listener in listeners:
-        await listener.aclose()
-    return http
 
 
 async def _daemon(args) -> None:
@@ -414,9 +413,12 @@ async def _daemon(args) -> None:
     _raise_open_files_limit()
     state = getattr(args, "state", None) or StateDir(args.state_dir).ensure()
     _log_to_file(state.log_path)
-    http = await _default_http_or_none(args.http) if args.http is DEFAULT_HTTP else args.http
+    http, listeners = args.http, None
+    if args.http is DEFAULT_HTTP:
+        listeners = await _default_http_or_none(args.http)
+        http = args.http if listeners is not None else None
     node = Node(state, name=args.name or default_name(), rendezvous=args.rendezvous, http=http,
-                api_keys=getattr(args, "api_keys", None))
+                http_listeners=listeners, api_keys=getattr(args, "api_keys", None))
     await node.run()
 
 

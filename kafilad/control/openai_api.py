@@ -96,18 +96,21 @@ def default_limits() -> HttpLimits:
 
 
 async def serve_openai_api(node, host: str, port: int, *, limits: Optional[HttpLimits] = None,
-                           keys: ApiKeys = ApiKeys(), task_status=trio.TASK_STATUS_IGNORED) -> None:
+                           keys: ApiKeys = ApiKeys(), listeners: Optional[list] = None,
+                           task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the API for `node` on host:port until cancelled; `task_status.started(actual_port)`.
 
     Args:
         keys: the API keys a request must present (none: the API is open; kafilad/main.py allows that
             on loopback only, unless --http-insecure).
+        listeners: already open on host:port (the daemon's check of its default address), else opened here.
 
     Raises:
         KafilaError: the address cannot be served (port out of range, in use, not local).
     """
     try:
-        listeners = await open_listeners(host, port)
+        if listeners is None:
+            listeners = await open_listeners(host, port)
     except ValueError:
         raise KafilaError(f"The HTTP API port must be between 0 and 65535 (got {port}).") from None
     except OSError as e:

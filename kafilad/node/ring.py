@@ -14,8 +14,8 @@ The prompt cache (kafilad/executor/prefix.py): the head names in a request's fir
 entry its prompt starts from and how many tokens it reuses, and in an `end` how many positions of
 the request's caches every stage keeps as an entry named by the request; either may list entries
 to evict. The head decides, every member follows, in ring order.
-plus, on an edge being upgraded from relayed to direct (proto_spec 07 §7), `path_ready` (receiver
-→ sender on the new link) and `path_switched` (sender → receiver on the old link, which then closes).
+The edge's own frames (`path_ready`, `path_switched`, `edge_ack`: proto_spec 07 §7) never reach the
+ring: kafilad/node/edgelink.py's ends keep them.
 `h` is the hidden state in the frame layer's array encoding: (1, L, D) for a single act, (B, 1, D)
 for a batched act whose row i belongs to `reqs[i]`. The head runs its blocks, sends `act` to its
 next member; every other member runs its blocks (`run` for a single act, `run_batch` for a batched
@@ -150,9 +150,6 @@ class RingMember(StageCalls, RingViews):
             while True:
                 frame = await link.receive()
                 TIMELINE.mark("rx")
-                if frame.get("t") == "path_switched":  # [paths] the sender moved this edge to a new link (proto_spec 07 §7)
-                    await link.close()  # [paths] every frame it sent here came before the marker: the old path is drained
-                    return  # [paths]
                 await self._inbox_send.send(frame)
         except LinkClosed as e:
             self.fail_all(f"the ring link from {link.peer_name} closed: {e.reason}", member=link.peer_name)

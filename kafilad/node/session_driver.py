@@ -157,6 +157,19 @@ class SessionDriver:
         stagehost.attach_ring(self.ring, nursery=stage_nursery, me=self.node.peer_id, ring_order=self.ring_order,
                               names=self._ring_names(), next_link=nxt, prev_link=prv, watch=self._watch_ring)
 
+    async def _take_ring_circuit(self, circuit) -> None:
+        """Hand an incoming "ring" circuit to the ring edges that form (kafilad/node/edge.py reads
+        ``_ring_incoming``), never waiting: when its buffer is full, nothing forms that reads it, so the
+        oldest circuit there is stale and is closed to make room. Waiting here held up the session's
+        accept loop, and with it every control circuit (a member's join hung; issue 25 item 6)."""
+        while True:
+            try:
+                self._ring_incoming_send.send_nowait(circuit)
+                return
+            except trio.WouldBlock:
+                stale = self._ring_incoming.receive_nowait()
+                await stale.aclose()
+
     def _ring_names(self) -> dict:  # pragma: no cover - each driver defines it
         """{peer_id: name} of the session's members, for the ring's messages."""
         raise NotImplementedError

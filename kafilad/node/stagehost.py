@@ -21,6 +21,7 @@ from typing import Awaitable, Callable, Optional
 import trio
 
 from kafilad import __version__
+from kafilad.errors import KafilaError, StageBuildError
 from kafilad.node import edge
 from kafilad.node.link import Link
 from kafilad.node.paths import PathManager
@@ -141,6 +142,30 @@ def plan_profiles(info, devices) -> dict:
     return info.profiles(wanted)
 
 
+def build_failure(name: str, config: Optional[dict], start: int, end: int, head: bool,
+                  error: Exception) -> StageBuildError:
+    """The error of a stage that could not be built (issue 21 item 3), as one sentence naming the
+    member, the architecture and the reason; the caller raises it ``from error`` (the log keeps the
+    traceback).
+
+    Args:
+        name: the member's name in the session; config: the model's config.json (its ``model_type``);
+        start, end, head: the stage's share; error: what building it raised.
+    """
+    arch = str((config or {}).get("model_type") or "unknown")
+    if isinstance(error, KafilaError):  # the executor's own sentence (ModelFormatError: tensors that do not fit)
+        why = str(error).rstrip(".")
+    elif isinstance(error, KeyError) and error.args:
+        why = (f"mlx-lm's {arch} code needs '{error.args[0]}', which this share of the model does not hold (Kafila "
+               "cannot split this architecture this way yet)")
+    else:
+        detail = " ".join(str(error).split())[:200]
+        why = (f"mlx-lm's {arch} code stopped with a {type(error).__name__} while building it"
+               f"{f' ({detail})' if detail else ''}, so Kafila cannot split this architecture this way yet")
+    share = f"blocks [{start}, {end}){' and the head' if head else ''}"
+    return StageBuildError(f"Member {name} could not build its stage ({share}) of this {arch} model: {why}.")
+
+
 def stage_dtype(plan_json: Optional[dict], name: str) -> str:
     """The dtype the plan gave member `name`'s stage (the plan JSON's `dtype`), float32 if none."""
     return str(((plan_json or {}).get("dtype") or {}).get(name) or "float32")
@@ -213,7 +238,7 @@ def session_edges(session) -> list[dict]:
                 reports[key] = dict(e)
     order = [names.get(p, p) for p in session.ring_order]
     predicted = {(a, b): p for a, b, p in (session.plan.edges if session.plan else [])}
-    sent = getattr(session, "_paths_bytes_sent", {})
+    sent = getattr(session, "edge_bytes_sent", {})
     out = []
     for i, a in enumerate(order if len(order) > 1 else []):
         b = order[(i + 1) % len(order)]
@@ -229,24 +254,11 @@ def session_edges(session) -> list[dict]:
 def generation_edges(session, result: dict) -> list[dict]:
     """Add a finished request's per-sender ring bytes to the edges' totals; the edges now (trace)."""
     names = {r.peer_id: r.name for r in session.members.values()}
-    sent = session.__dict__.setdefault("_paths_bytes_sent", {})
+    sent = session.edge_bytes_sent  # the host's (HostSession.edge_bytes_sent)
     for row in result.get("stats", []):
         name = names.get(row[0], row[0])
         sent[name] = sent.get(name, 0) + int(row[4] or 0)
     return session_edges(session)
-
-
-def note_edges(session, rec, edges) -> None:
-    """A member (or the host itself: ``rec.link`` None) reports its edges after an upgrade.
-
-    The report replaces its ready-time one; the host writes an `edges` trace event with
-    ``"cause": "upgrade"`` (proto_spec 07 §7) and tells status watchers.
-    """
-    if rec.link is not None and isinstance(edges, list):
-        rec.load = {**(rec.load or {}), "edges": edges}
-    if session.trace is not None:
-        session.trace.write("edges", edges=session_edges(session), cause="upgrade", reporter=rec.name)
-    session.node.changed()
 
 
 def edge_paths(session) -> dict:
