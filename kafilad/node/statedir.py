@@ -24,6 +24,7 @@ made 0700 as before.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -296,7 +297,6 @@ def _why_damaged(e: Exception) -> str:
 
 def disk_advice(e: OSError, where: Path) -> str:
     """What to do about an OSError writing under `where`, as the end of a sentence."""
-    import errno
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"the disk holding {where} is full (or over its quota): free some space there, or start kafilad with " \
                "--state-dir on a disk with room."
@@ -312,11 +312,11 @@ def check_private_dir(path: Path) -> None:
 
     Raises:
         KafilaError: a sentence naming the directory and what to do.
+        NotADirectoryError: `path` is a file.
     """
     st = os.stat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise KafilaError(f"The state directory {path} is not a directory; start kafilad with --state-dir naming a "
-                          "directory of your own (it is created when missing).")
+    if not stat.S_ISDIR(st.st_mode):  # an OSError: kafilad/main.py words it ("is a file, not a directory")
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
     uid = os.geteuid() if hasattr(os, "geteuid") else st.st_uid
     fix = ("start kafilad with --state-dir naming a directory of your own, e.g. ~/.kafila (it is created when "
            "missing, mode 0700)")
