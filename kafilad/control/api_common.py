@@ -127,7 +127,7 @@ def ready(s):
         reason = api_text(str(s.error or "no reason was recorded")).rstrip(".")
         raise HttpError(503, f"The session failed: {reason}. No session is being served by this daemon; {HOST_ONE}",
                         "service_unavailable")
-    if state in ("closing", "closed"):
+    if state == "closed":
         raise HttpError(503, f"The session is {state}, so no session is being served by this daemon; {HOST_ONE}",
                         "service_unavailable")
     raise HttpError(503, f"The session is {state}; it serves requests once it is ready.", "service_unavailable",

@@ -7,7 +7,7 @@ the Ollama API (kafilad/control/ollama_api.py), the Anthropic Messages API
 the metrics (kafilad/control/metrics.py) and the web page (kafilad/control/web.py):
 
 ```
-GET  /health                  200 {"status": "ok", "state": "ready", "model"} | 503 {"status": "unavailable", ...}
+GET  /health                  200 {"status": "ok"} | 503 {"status": "unavailable"}: ready or not, nothing more
 GET  /metrics                 Prometheus text format: requests, tokens, TTFT, the session's state, stages, edges
 GET  /v1/models               {"object": "list", "data": [{"id": model_id, "object": "model", "created", "owned_by"}]}
 GET  /v1/models/{id}          that model object, or 404 `model_not_found`
@@ -21,6 +21,11 @@ OPTIONS <any route>           CORS preflight (kafilad/control/cors.py): 204, or 
 ```
 Errors of /v1/messages and below are in Anthropic's shape (`{"type": "error", "error": {"type",
 "message"}}`), of /api/ in Ollama's (`{"error": sentence}`), of the rest in OpenAI's (below).
+With API keys (kafilad/control/auth.py: `--api-key`, KAFILA_API_KEYS) every route but `/health`,
+the web page's static files and OPTIONS asks for one (`Authorization: Bearer KEY` or `x-api-key`):
+without it the answer is 401 with `WWW-Authenticate: Bearer` (RFC 6750 §3), in OpenAI's error
+shape (`"code": "invalid_api_key"`), Anthropic's on /v1/messages, or Ollama's `{"error": ...}` on
+/api/ paths; /metrics asks for one too (Prometheus: `authorization: {credentials: KEY}`).
 HEAD is answered wherever GET is (RFC 9110 §9.3.2); a known path with another method is 405
 with `Allow`. Request bodies are validated by typed models (kafilad/control/openai_schema.py):
 each field gets a precise 400 naming it (`param`), unknown and unsupported fields are refused,
@@ -69,8 +74,9 @@ import trio
 from kafilad.control import anthropic_api, ollama_api, responses_api, web
 from kafilad.control.api_common import (SSE_BUFFER_EVENTS, HttpError, TokenText, check_model, chat_prompt,
                                         created_s, default_max_tokens, generate_whole, json_object, model_id,
-                                        ready_session, serving_session, shown, state_of, stream_generation,
+                                        ready_session, serving_session, shown, stream_generation,
                                         token_reports, vocab_size)
+from kafilad.control.auth import ApiKeys
 from kafilad.control.cors import cors_headers, preflight_headers, refuse_foreign_origin
 from kafilad.control.grammars import ANY_OBJECT, json_grammar
 from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
@@ -101,42 +107,63 @@ def default_limits() -> HttpLimits:
 
 
 async def serve_openai_api(node, host: str, port: int, *, limits: Optional[HttpLimits] = None,
+                           keys: ApiKeys = ApiKeys(), listeners: Optional[list] = None,
                            task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the API for `node` on host:port until cancelled; `task_status.started(actual_port)`.
+
+    Args:
+        keys: the API keys a request must present (none: the API is open; kafilad/main.py allows that
+            on loopback only, unless --http-insecure).
+        listeners: already open on host:port (the daemon's check of its default address), else opened here.
 
     Raises:
         KafilaError: the address cannot be served (port out of range, in use, not local).
     """
     try:
-        listeners = await open_listeners(host, port)
+        if listeners is None:
+            listeners = await open_listeners(host, port)
     except ValueError:
         raise KafilaError(f"The HTTP API port must be between 0 and 65535 (got {port}).") from None
     except OSError as e:
         raise KafilaError(f"The HTTP API cannot listen on {host}:{port}: {e.strerror or e}; "
                           "pick another with --http HOST:PORT, or --http off.") from None
     actual = listeners[0].socket.getsockname()[1]
-    log.info("OpenAI-compatible API on http://%s:%s/v1", host, actual)
-    server = HttpServer(partial(handle, node, metrics=ApiMetrics()), limits or default_limits())
+    log.info("OpenAI-compatible API on http://%s:%s/v1 (%s)", host, actual,
+             f"{len(keys)} API key{'s' if len(keys) != 1 else ''}" if keys else "no API key")
+    server = HttpServer(partial(handle, node, keys=keys, metrics=ApiMetrics()), limits or default_limits())
     task_status.started(actual)
     await server.serve(listeners)
 
 
-async def handle(node, request: Request, res: Responder, *, metrics: Optional[ApiMetrics] = None) -> None:
+#: paths served without an API key: the web page's files (it asks for the key) and /health
+OPEN_PATHS = frozenset({"/health", *web.STATIC})
+
+
+async def handle(node, request: Request, res: Responder, *, keys: ApiKeys = ApiKeys(),
+                 metrics: Optional[ApiMetrics] = None) -> None:
     """The handler of every request (the server guards it: see http_server.py).
 
     Args:
+        keys: the API keys that open every route but OPEN_PATHS and OPTIONS (none: all open).
         metrics: what GET /metrics reports and this request is counted in (kafilad/control/
             metrics.py); None: this process's `DEFAULT_METRICS`.
     """
-    res.extra_headers = cors_headers(request)
+    keyed = bool(keys)
+    res.extra_headers = cors_headers(request, keyed=keyed)
     shape = _error_shape(request.path)
     if shape is not None:  # the server's own errors (413, a stop, an internal error) take that shape too
         res.error_shape = shape
     meter = RequestMeter(metrics or DEFAULT_METRICS, _route_label(request.method, request.path), request.method)
     token = CURRENT.set(meter)  # read by api_common's generation (metrics.metered) in this task
     try:
-        refuse_foreign_origin(request)
-        await _route(node, request, res)
+        refuse_foreign_origin(request, keyed=keyed)
+        if keyed and request.method != "OPTIONS" and (request.path.rstrip("/") or "/") not in OPEN_PATHS \
+                and not keys.allows(request.headers):
+            raise HttpError(401, "This API needs an API key: send it as `Authorization: Bearer KEY` (OpenAI and "
+                                 "Ollama clients: api_key=KEY) or `x-api-key: KEY`; the host's owner set the keys "
+                                 "with kafilad --api-key or KAFILA_API_KEYS.", "invalid_request_error",
+                            headers=[("www-authenticate", 'Bearer realm="kafila"')], code="invalid_api_key")
+        await _route(node, request, res, keyed=keyed)
     except HttpError as e:
         if res.started:
             raise
@@ -189,17 +216,16 @@ Handler = Callable[[object, Request, Responder], Awaitable[None]]
 
 
 async def _health(node, request: Request, res: Responder) -> None:
-    """200 while a session is ready to serve; else 503 with the same sentence the API would give."""
-    s = node.session
+    """200 {"status": "ok"} while a session is ready to serve, else 503 {"status": "unavailable"}
+    (with Retry-After while it comes up): ready or not and nothing more, since it is served without
+    an API key (no states, paths or errors; an API call with a key says why it is not ready)."""
     try:
         ready_session(node)
     except HttpError as e:
-        restoring = getattr(node, "restoring_sentence", lambda: None)() is not None  # a restarted host
-        state = "restoring" if restoring else (state_of(s) if s is not None else None)
-        await res.send(503, json.dumps({"status": "unavailable", "state": state,
-                                        "message": e.message}).encode(), headers=e.headers)
+        retry = [h for h in e.headers or () if h[0] == "retry-after"]
+        await res.send(503, json.dumps({"status": "unavailable"}).encode(), headers=retry)
         return
-    await res.send(200, json.dumps({"status": "ok", "state": "ready", "model": model_id(s)}).encode())
+    await res.send(200, json.dumps({"status": "ok"}).encode())
 
 
 def _model_object(s) -> dict:
@@ -263,7 +289,7 @@ _ROUTES.update({p: (m, web.handle) for p, m in web.ROUTES.items()})  # the web p
 MODEL_PREFIX = "/v1/models/"
 
 
-async def _route(node, request: Request, res: Responder) -> None:
+async def _route(node, request: Request, res: Responder, *, keyed: bool = False) -> None:
     method, path = request.method, request.path.rstrip("/") or "/"
     route = _ROUTES.get(path)
     if route is None and path.startswith(MODEL_PREFIX):
@@ -280,7 +306,7 @@ async def _route(node, request: Request, res: Responder) -> None:
         if request.header(b"access-control-request-method") is None:
             await res.start(204, [("allow", ", ".join((*allowed, "OPTIONS")))])
         else:
-            await res.start(204, preflight_headers(request, allowed))
+            await res.start(204, preflight_headers(request, allowed, keyed=keyed))
         await res.end()
         return
     if method not in allowed:
@@ -336,7 +362,8 @@ def _completion_logprobs(events: list[dict], text_of: TokenText, offset: int = 0
 def _usage(result: dict) -> dict:
     n = len(result["token_ids"])
     return {"prompt_tokens": result["prompt_tokens"], "completion_tokens": n,
-            "total_tokens": result["prompt_tokens"] + n}
+            "total_tokens": result["prompt_tokens"] + n,
+            "prompt_tokens_details": {"cached_tokens": int(result.get("cached_tokens") or 0)}}
 
 
 async def _generate(s, res: Responder, r, prompt: str, *, chat: bool, plan: Optional[ToolPlan] = None,

@@ -64,6 +64,7 @@ from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, categori
 
 from kafilad.errors import RemoteProtocolError
 from kafilad.executor.grammar import GrammarError, Grammars, mask_logits
+from kafilad.executor.prefix import PrefixIndex, PrefixStore
 from kafilad.executor.stage import Stage
 from kafilad.proto.frames import decode_activation, encode_activation
 from kafilad.proto.sampling import Sampling
@@ -148,6 +149,10 @@ class StageRunner:
         self._keys: dict[str, mx.array] = {}  # request -> its random key, for a seeded request (head)
         #: the head's constrained decoding (kafilad/executor/grammar.py), set with the tokenizer
         self.grammars: Optional[Grammars] = None
+        #: the prompt cache's kept entries (kafilad/executor/prefix.py), on every stage
+        self.prefix = PrefixStore()
+        #: the head's index of those entries (None: no prompt cache, or not the head)
+        self.prefix_index: Optional[PrefixIndex] = None
         self._lock = threading.Lock()
 
     @property
@@ -462,6 +467,42 @@ class StageRunner:
             best = tuple(sorted(zip((int(i) for i in idx.tolist()), (float(v) for v in vals)),
                                 key=lambda p: (-p[1], p[0])))
         return tok, (float(row[tok].item()), best)
+
+    def prefix_start(self, request_id: str, entry: str, n_tokens: int) -> None:
+        """Start a request's caches from the first `n_tokens` positions of kept `entry` (the prompt
+        cache, kafilad/executor/prefix.py; copies: the entry stays as it is).
+
+        Raises:
+            RemoteProtocolError: the entry is not here, or holds fewer tokens (the head and this
+                stage disagree: the ring must not go on with wrong caches).
+        """
+        with self._lock:
+            if request_id in self._caches or request_id in self.batch_ids:
+                raise RemoteProtocolError(f"Request {request_id} already has caches here; it cannot start from "
+                                          f"prompt-cache entry {entry}.")
+            caches = self.prefix.start(entry, n_tokens)
+            if caches is None:
+                raise RemoteProtocolError(f"Stage [{self.stage.start}, {self.stage.end}) holds no prompt-cache entry "
+                                          f"{entry} of {n_tokens} tokens.")
+            self._caches[request_id] = caches
+
+    def prefix_keep(self, request_id: str, n_tokens: int) -> None:
+        """End a request keeping its caches as prompt-cache entry `request_id`, cut back to its first
+        `n_tokens` positions; its sampler state is forgotten as `drop` forgets it."""
+        with self._lock:
+            self._take_out_of_batch([request_id])
+            caches = self._caches.pop(request_id, None)
+            self._processors.pop(request_id, None)
+            self._keys.pop(request_id, None)
+            if self.grammars is not None:
+                self.grammars.drop(request_id)
+            if caches is not None and self.stage.prefix_cacheable:
+                self.prefix.keep(request_id, caches, n_tokens)
+
+    def prefix_evict(self, entries) -> None:
+        """Forget kept prompt-cache entries (unknown ones are ignored)."""
+        with self._lock:
+            self.prefix.evict(entries)
 
     def drop(self, request_id: str) -> None:
         """Forget a request's KV caches, single or batched, and its sampler state (no error if unknown)."""

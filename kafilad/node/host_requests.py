@@ -535,6 +535,7 @@ def result_of(st) -> dict:
     ttft = (st.first_token_s - st.started_s) if st.first_token_s else None
     decode_s = sum(decode)
     return {"text": st.text, "token_ids": list(st.generated), "prompt_tokens": len(st.prompt_ids),
+            "cached_tokens": int(getattr(st, "reused_tokens", 0) or 0),  # from the prompt cache (kafilad/executor/prefix.py)
             "ttft_s": ttft, "decode_tokens": len(decode),
             "decode_tokens_per_s": (len(decode) / decode_s) if decode_s > 0 else None,
             "circuit_s_median": _median(decode),
