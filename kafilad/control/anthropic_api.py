@@ -33,7 +33,9 @@ turn; a last assistant turn is rendered as a finished turn, not continued (no pr
 Answer (whole): `{"id": "msg_...", "type": "message", "role": "assistant", "model", "content":
 [{"type": "text", "text"} (when there is text, or no call), {"type": "tool_use", "id": "toolu_...",
 "name", "input"} per call], "stop_reason": "end_turn" | "max_tokens" | "stop_sequence" |
-"tool_use", "stop_sequence": str | null, "usage": {"input_tokens", "output_tokens"}}`. With
+"tool_use", "stop_sequence": str | null, "usage": {"input_tokens", "cache_read_input_tokens" (the
+prompt's tokens the prompt cache held: not in input_tokens, as Anthropic counts),
+"cache_creation_input_tokens": 0, "output_tokens"}}`. With
 `"stream": true`, Server-Sent Events with named events, as Anthropic streams them:
 
 ```
@@ -45,7 +47,7 @@ event: content_block_delta  {"type": "content_block_delta", "index": i, "delta":
 event: content_block_stop   {"type": "content_block_stop", "index": i}
    per tool call: content_block_start {"type": "tool_use", "id", "name", "input": {}}, one content_block_delta
    {"type": "input_json_delta", "partial_json": the whole input}, content_block_stop
-event: message_delta        {"type": "message_delta", "delta": {"stop_reason", "stop_sequence"}, "usage": {"output_tokens"}}
+event: message_delta        {"type": "message_delta", "delta": {"stop_reason", "stop_sequence"}, "usage": {... as whole}}
 event: message_stop         {"type": "message_stop"}
 ```
 An error after the stream began is one `event: error` with `{"type": "error", "error": {"type":
@@ -370,6 +372,14 @@ def stop_reason(result: dict, called: bool = False) -> tuple[str, Optional[str]]
     return ("tool_use" if called else "end_turn"), None
 
 
+def usage(result: dict) -> dict:
+    """A finished generation's `usage`: tokens read from the prompt cache (kafilad/executor/prefix.py)
+    are `cache_read_input_tokens`, the rest of the prompt `input_tokens`, as Anthropic counts them."""
+    cached = int(result.get("cached_tokens") or 0)
+    return {"input_tokens": result["prompt_tokens"] - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": len(result["token_ids"])}
+
+
 def tool_use(call: dict) -> dict:
     """The tool_use block of a parsed call (kafilad/control/tools.py `openai_call`); its arguments
     as the `input` object ({} when the family's parser gave text that is not a JSON object)."""
@@ -457,7 +467,7 @@ async def _messages(node, request: Request, res: Responder) -> None:
         await res.send(200, json.dumps({
             "id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
             "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": result["prompt_tokens"], "output_tokens": len(result["token_ids"])}}).encode())
+            "usage": usage(result)}).encode())
         return
 
     n_prompt = (await prompt_tokens(s, prompt, s.context))[0]  # message_start tells it before the first token
@@ -495,7 +505,7 @@ async def _messages(node, request: Request, res: Responder) -> None:
         return [out + blocks.close_text()
                 + sse("message_delta", {"type": "message_delta",
                                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                        "usage": {"output_tokens": len(result["token_ids"])}})
+                                        "usage": usage(result)})
                 + sse("message_stop", {"type": "message_stop"})]
 
     def error_payloads(message: str) -> list[bytes]:

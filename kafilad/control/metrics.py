@@ -27,6 +27,10 @@ kafila_edge_path{from, to, path}                       1 per ring edge with its 
 kafila_edge_rtt_seconds{from, to}                      measured round-trip time per edge (where measured)
 kafila_edge_sent_bytes_total{from, to}                 ring bytes the edge's sender sent for finished requests
 kafila_last_generation_tokens_per_second               decode speed of the last finished request (when known)
+kafila_prompt_cached_tokens_total{route}               prompt tokens finished generations took from the prompt cache
+kafila_prompt_cache_enabled, _hits_total, _saved_tokens_total, _entries, _tokens, _budget_tokens
+                                                       the head's prompt cache (status "prompt_cache"; hits and
+                                                       tokens saved count from the session's start)
 ```
 Counters of the API start at zero with the daemon (Prometheus handles the reset of a restart);
 `route` is a route template, never a client's path, so label sets stay bounded.
@@ -68,6 +72,8 @@ class ApiMetrics:
         self.prompt_tokens = Counter("kafila_prompt_tokens", "Prompt tokens of finished generations.", ["route"],
                                      registry=r)
         self.generated_tokens = Counter("kafila_generated_tokens", "Tokens generated.", ["route"], registry=r)
+        self.cached_tokens = Counter("kafila_prompt_cached_tokens", "Prompt tokens taken from the prompt cache "
+                                     "(not prefilled again) by finished generations.", ["route"], registry=r)
         self.ttft = Histogram("kafila_time_to_first_token_seconds", "From the request read to its first token.",
                               ["route"], buckets=TTFT_BUCKETS_S, registry=r)
         self.inter_token = Histogram("kafila_inter_token_seconds", "Between consecutive tokens of one request.",
@@ -146,6 +152,7 @@ def metered(generate: Generate, meter: Optional[RequestMeter] = None) -> Generat
             raise
         m.generations.labels(route, str(result.get("finish_reason") or "stop")).inc()
         m.prompt_tokens.labels(route).inc(int(result.get("prompt_tokens") or 0))
+        m.cached_tokens.labels(route).inc(int(result.get("cached_tokens") or 0))
         m.generated_tokens.labels(route).inc(len(result.get("token_ids") or ()))
         m.duration.labels(route).observe(meter.clock() - meter.t0_s)
         return result
@@ -187,11 +194,31 @@ class SnapshotCollector:
                                       value=float(max(0, epoch - 1)))
         yield from self._members(snap.get("members") or [])
         yield from self._edges(snap.get("edges") or [])
+        yield from self._prompt_cache(snap.get("prompt_cache"))
         last = snap.get("last_generation") or {}
         if isinstance(last.get("decode_tokens_per_s"), (int, float)):
             yield GaugeMetricFamily("kafila_last_generation_tokens_per_second",
                                     "Decode speed of the last finished request.",
                                     value=float(last["decode_tokens_per_s"]))
+
+    @staticmethod
+    def _prompt_cache(cache: Optional[dict]) -> Iterable:
+        """The head's prompt cache (kafilad/executor/prefix.py) when the host is the head."""
+        if not isinstance(cache, dict):
+            return
+        yield GaugeMetricFamily("kafila_prompt_cache_enabled", "1 while the session keeps a prompt cache.",
+                                value=1.0 if cache.get("on") else 0.0)
+        for key, fam in (("hits", CounterMetricFamily("kafila_prompt_cache_hits", "Requests that reused a cached "
+                                                      "prefix (this session).")),
+                         ("tokens_saved", CounterMetricFamily("kafila_prompt_cache_saved_tokens", "Prompt tokens "
+                                                              "not prefilled again (this session).")),
+                         ("entries", GaugeMetricFamily("kafila_prompt_cache_entries", "Prefixes cached.")),
+                         ("entry_tokens", GaugeMetricFamily("kafila_prompt_cache_tokens", "Tokens cached.")),
+                         ("budget_tokens", GaugeMetricFamily("kafila_prompt_cache_budget_tokens",
+                                                             "Tokens the plan admitted for the cache."))):
+            if isinstance(cache.get(key), (int, float)):
+                fam.add_metric([], float(cache[key]))
+                yield fam
 
     @staticmethod
     def _members(members: list) -> Iterable:

@@ -305,7 +305,7 @@ def test_metered_generation_under_a_fake_clock():
             now[0] += step_s
             await emit({"t": "token", "token_id": i, "text": "ab"[:i]})
         await emit({"t": "token", "token_id": None, "text": "tail"})  # detokenizer tail: not a token
-        return {"text": "a", "token_ids": [0, 1, 2], "prompt_tokens": 7, "finish_reason": "length"}
+        return {"text": "a", "token_ids": [0, 1, 2], "prompt_tokens": 7, "cached_tokens": 4, "finish_reason": "length"}
 
     async def cancelled(emit):
         now[0] += 0.25
@@ -332,6 +332,7 @@ def test_metered_generation_under_a_fake_clock():
     assert got[("kafila_inter_token_seconds_sum", route)] == pytest.approx(0.05)
     assert got[("kafila_inter_token_seconds_bucket", (("le", "0.025"), *route))] == 1
     assert got[("kafila_generated_tokens_total", route)] == 4 and got[("kafila_prompt_tokens_total", route)] == 7
+    assert got[("kafila_prompt_cached_tokens_total", route)] == 4
     assert got[("kafila_generations_total", (("outcome", "length"), *route))] == 1
     assert got[("kafila_generations_total", (("outcome", "client_gone"), *route))] == 1
     assert got[("kafila_generation_seconds_count", route)] == 1
@@ -346,7 +347,9 @@ def test_the_snapshot_as_metrics():
                             {"name": "m2", "ready": True, "standby": True}],
                 "edges": [{"from": "m0", "to": "m2", "path": "direct", "rtt_ms": 1.5, "bytes_sent": 4096},
                           {"from": "m2", "to": "m0", "path": "relayed", "rtt_ms": None, "bytes_sent": 0}],
-                "last_generation": {"decode_tokens_per_s": 40.0}}
+                "last_generation": {"decode_tokens_per_s": 40.0},
+                "prompt_cache": {"on": True, "entries": 2, "entry_tokens": 300, "budget_tokens": 4096, "hits": 5,
+                                 "tokens_saved": 1200}}
     metrics = ApiMetrics()
     got = samples(metrics.render(snapshot))
     assert got[("kafila_session_state", (("state", "recovering"),))] == 1
@@ -362,6 +365,10 @@ def test_the_snapshot_as_metrics():
     assert ("kafila_edge_rtt_seconds", (("from", "m2"), ("to", "m0"))) not in got
     assert got[("kafila_edge_sent_bytes_total", (("from", "m0"), ("to", "m2")))] == 4096
     assert got[("kafila_last_generation_tokens_per_second", ())] == 40
+    assert [got[(f"kafila_prompt_cache_{k}", ())] for k in ("enabled", "hits_total", "saved_tokens_total", "entries",
+                                                            "tokens", "budget_tokens")] == [1, 5, 1200, 2, 300, 4096]
+    off = samples(metrics.render({**snapshot, "prompt_cache": {"on": False, "why": "sliding windows"}}))
+    assert off[("kafila_prompt_cache_enabled", ())] == 0 and ("kafila_prompt_cache_hits_total", ()) not in off
     idle = samples(metrics.render({"role": None, "state": "idle"}))
     assert not [k for k in idle if k[0].startswith("kafila_session") or k[0].startswith("kafila_members")]
 

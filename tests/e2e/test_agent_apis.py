@@ -89,7 +89,9 @@ def test_anthropic_messages_whole_streamed_and_counted(served):
     assert msg.type == "message" and msg.role == "assistant" and msg.model == c.model and msg.id.startswith("msg_")
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == expected
     assert msg.stop_reason == "max_tokens" and msg.stop_sequence is None
-    assert msg.usage.output_tokens == 10 and msg.usage.input_tokens == usage.prompt_tokens
+    assert msg.usage.output_tokens == 10
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == usage.prompt_tokens
+    assert msg.usage.cache_read_input_tokens > 0  # the chat route's same prompt just ran: the prompt cache has it
 
     system = "You are a storyteller."
     with_system, _ = chat_text(c, [{"role": "system", "content": system}, *STORY], 8)
@@ -102,7 +104,8 @@ def test_anthropic_messages_whole_streamed_and_counted(served):
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == expected and final.content[0].text == expected and final.stop_reason == "max_tokens"
-    assert final.usage.output_tokens == 10 and final.usage.input_tokens == usage.prompt_tokens
+    assert final.usage.output_tokens == 10
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == usage.prompt_tokens
 
     events = list(c.anthropic.messages.create(model=c.model, max_tokens=6, messages=STORY, stream=True))
     kinds = [e.type for e in events]
@@ -211,6 +214,7 @@ def test_responses_plain_and_streamed(served):
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 10 and r.usage.input_tokens == usage.prompt_tokens
     assert r.usage.total_tokens == 10 + usage.prompt_tokens
+    assert r.usage.input_tokens_details.cached_tokens > 0  # the same prompt ran just before: the prompt cache
     [item] = r.output
     assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
 
@@ -322,8 +326,16 @@ def test_metrics_parse_and_move_as_requests_run(served):
         value(before, "kafila_generated_tokens_total", route=route) + n1 + n2
     assert value(after, "kafila_inter_token_seconds_count", route=route) == \
         value(before, "kafila_inter_token_seconds_count", route=route) + (n1 - 1) + (n2 - 1)
+    prompt_n = whole.usage.input_tokens + whole.usage.cache_read_input_tokens
     assert value(after, "kafila_prompt_tokens_total", route=route) == \
-        value(before, "kafila_prompt_tokens_total", route=route) + 2 * whole.usage.input_tokens
+        value(before, "kafila_prompt_tokens_total", route=route) + 2 * prompt_n
+    assert value(after, "kafila_prompt_cached_tokens_total", route=route) >= \
+        value(before, "kafila_prompt_cached_tokens_total", route=route) + whole.usage.cache_read_input_tokens
+    cache = c.call(0, "status")["prompt_cache"]  # what /metrics reads (nothing ran since the scrape)
+    assert value(after, "kafila_prompt_cache_enabled") == 1.0 == float(cache["on"])
+    if "hits" in cache:  # the host is the head: its cache's own counts
+        assert value(after, "kafila_prompt_cache_hits_total") == cache["hits"] >= 1
+        assert value(after, "kafila_prompt_cache_saved_tokens_total") == cache["tokens_saved"] > 0
     assert value(after, "kafila_generation_seconds_count", route=route) == \
         value(before, "kafila_generation_seconds_count", route=route) + 2
     assert all(value(after, "kafila_stage_measured_step_seconds", member=m) > 0 for m in members)
