@@ -9,16 +9,21 @@ node without a session, or to a real HostSession holding stories260K's real toke
 from __future__ import annotations
 
 import json
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from kafila_ctl.demo import packaged_model_dir
+from kafilad.control import openai_api
 from kafilad.control.anthropic_api import parse_count_tokens, parse_messages, stop_reason, tool_use
 from kafilad.control.api_common import HttpError
+from kafilad.control.auth import ApiKeys
+from kafilad.control.http_server import HttpServer
 from kafilad.control.metrics import SESSION_STATES, ApiMetrics, RequestMeter, SnapshotCollector, metered
 from kafilad.control.responses_api import parse_responses
 from kafilad.errors import GenerationCancelled
@@ -391,3 +396,36 @@ def test_metrics_route_counts_requests_by_route_template():
     assert moved("/v1/models/{id}", "GET", "503") == 1
     assert moved("other", "GET", "404") == 1
     assert moved("/metrics", "GET", "200") == 1  # the first scrape, counted once it was answered
+
+
+def test_api_keys_guard_the_new_routes_and_metrics():
+    """With keys set, /v1/messages answers 401 in Anthropic's shape (its clients send `x-api-key`),
+    and /metrics needs the key too; each answer is counted in this server's own metrics."""
+    key = "k" * 24
+    metrics = ApiMetrics()
+
+    async def ask(raw: bytes) -> tuple[int, bytes]:
+        server = HttpServer(partial(openai_api.handle, IDLE, keys=ApiKeys([key]), metrics=metrics))
+        client, srv = trio.testing.memory_stream_pair()
+        out = bytearray()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve_stream, srv)
+            await client.send_all(raw)
+            while data := await client.receive_some(65536):
+                out += data
+        head, _, body = bytes(out).partition(b"\r\n\r\n")
+        return int(head.split()[1]), body
+
+    body = json.dumps({"messages": STORY, "max_tokens": 3}).encode()
+    status, answer = trio.run(ask, http_request("POST", "/v1/messages", body=body))
+    assert status == 401 and json.loads(answer)["error"]["type"] == "authentication_error"
+    status, answer = trio.run(ask, http_request("POST", "/v1/messages", {"x-api-key": key}, body))
+    assert status == 503 and json.loads(answer)["error"]["type"] == "overloaded_error"  # past the key: no session
+    status, _ = trio.run(ask, http_request("GET", "/metrics"))
+    assert status == 401
+    status, text = trio.run(ask, http_request("GET", "/metrics", {"authorization": f"Bearer {key}"}))
+    got = samples(text)
+    assert status == 200
+    assert got[("kafila_http_requests_total", (("code", "401"), ("method", "POST"), ("route", "/v1/messages")))] == 1
+    assert got[("kafila_http_requests_total", (("code", "503"), ("method", "POST"), ("route", "/v1/messages")))] == 1
+    assert got[("kafila_http_requests_total", (("code", "401"), ("method", "GET"), ("route", "/metrics")))] == 1
