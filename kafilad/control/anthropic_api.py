@@ -15,8 +15,8 @@ effect), tool_use ({"id", "name", "input"}, assistant turns) and tool_result ({"
 where Anthropic's is 1), `top_p`, `top_k` (0: off), `stop_sequences` (up to MAX_STOP_SEQUENCES
 non-empty strings), `stream`, `tools` [{"name", "description", "input_schema"}] (client tools),
 `tool_choice` {type: auto | any | tool (+ name) | none, disable_parallel_tool_use},
-`output_config.format` {"type": "json_schema", "schema"} (the reply is constrained to match it,
-kafilad/control/grammars.py). Accepted without effect: `metadata` {user_id}, `cache_control`,
+`output_config.format` {"type": "json_schema", "schema"} (a text reply is constrained to match
+it, kafilad/control/grammars.py; a forced call's grammar takes its place). Accepted without effect: `metadata` {user_id}, `cache_control`,
 `diagnostics`, `inference_geo`, `speed`, `user_profile_id`, `workspace_id` and
 `output_config.effort` (newer clients send these; the sampling fields are sent by older ones, or
 with `extra_body`). Refused by name: `thinking`, `service_tier`, `container`, `mcp_servers`,
@@ -333,13 +333,6 @@ class MessagesRequest(_Prompted):
                 or not all(isinstance(s, str) and s for s in v)):
             raise refusal(f"'stop_sequences' must be a list of at most {MAX_STOP_SEQUENCES} non-empty strings.")
         return tuple(v)
-
-    @model_validator(mode="after")
-    def _one_kind_of_structure(self):
-        if self.grammar_schema() is not None and self.tool_choice is not None and self.tool_choice.type in (
-                "any", "tool"):
-            raise refusal("'output_config.format' and a forced 'tool_choice' cannot both shape the reply; send one.")
-        return self
 
     def grammar_schema(self) -> Optional[dict]:
         """The JSON schema `output_config.format` asks the reply to match, else None."""

@@ -16,7 +16,9 @@ becomes a system turn before them. `tools` [{"type": "function", "name", "descri
 `parallel_tool_calls` and the conversation go the OpenAI chat route's way
 (kafilad/control/tools.py: the chat template's own call format or the Hermes convention; a
 forced call's arguments match its schema by construction). `text.format` json_object /
-json_schema {"name", "schema", "strict"} constrains the reply (kafilad/control/grammars.py).
+json_schema {"name", "schema", "strict"} constrains the reply (kafilad/control/grammars.py) when
+it is text: a forced call's grammar takes its place, and while it holds (tool_choice auto) the
+reply is that JSON, not a call (the Agents SDK's `output_type` after its tool turns).
 `max_output_tokens` (default: DEFAULT_OUTPUT_TOKENS, at most what the context leaves),
 `temperature` ([0, 2]; default 0: greedy, as on this server's other routes), `top_p`, `stream`;
 `metadata`, `user`, `safety_identifier`, `prompt_cache_key`, `store`, `stream_options`,
@@ -291,13 +293,6 @@ class ResponsesRequest(_Model):
         if v is not None and not info.data.get("stream"):
             raise refusal("'stream_options' is only allowed when 'stream' is true.")
         return v
-
-    @model_validator(mode="after")
-    def _one_kind_of_structure(self):
-        fmt = self.text.format if self.text is not None else None
-        if fmt is not None and fmt.type != "text" and self.tool_choice not in (None, "none", "auto"):
-            raise refusal("'text.format' and a forced 'tool_choice' cannot both shape the reply; send one.")
-        return self
 
     def prompt_messages(self) -> list[dict]:
         """The conversation in OpenAI chat form (kafilad/control/tools.py takes it): `instructions`

@@ -93,9 +93,9 @@ def test_anthropic_bodies():
         "stop_sequences", "'stop_sequences' must be a list of at most 64 non-empty strings.")
     assert refused(parse_messages, {"messages": STORY, "max_tokens": 1, "output_config": {"format": {}}})[0] == \
         "output_config.format.type"
-    assert refused(parse_messages, {"messages": STORY, "max_tokens": 1, "tools": [WEATHER], "tool_choice": {
-        "type": "any"}, "output_config": {"format": {"type": "json_schema", "schema": CITY}}}) == (
-        None, "'output_config.format' and a forced 'tool_choice' cannot both shape the reply; send one.")
+    shaped = parse_messages({"messages": STORY, "max_tokens": 1, "tools": [WEATHER], "tool_choice": {"type": "any"},
+                             "output_config": {"format": {"type": "json_schema", "schema": CITY}}})
+    assert shaped.grammar_schema() == CITY and shaped.tool_choice_value() == "required"  # the call's grammar wins
 
 
 def test_anthropic_tools_become_the_openai_chat_routes():

@@ -3,7 +3,8 @@ real 3-member ring on the synthesised Llama, with the official clients: `anthrop
 and streamed, stop sequences, count_tokens, refusals) and `openai`'s `responses.create` (plain and
 stream=True). Greedy text equals the OpenAI chat route's for the same conversation (one generation
 path); the raw Server-Sent Events come in the order each API documents; /metrics parses with
-prometheus_client's parser and its counters move as requests run; hypothesis fires arbitrary JSON
+prometheus_client's parser and its counters move as requests run; the OpenAI Agents SDK runs a
+two-step tool loop with its default model class; hypothesis fires arbitrary JSON
 bodies at the new routes: every answer is a 4xx or a 200, never a 5xx, and the host serves on.
 """
 
@@ -12,9 +13,11 @@ from __future__ import annotations
 import http.client
 import json
 import sys
+from typing import Literal
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
+from pydantic import BaseModel
 
 from kafila_ctl.demo import LoopbackCluster
 
@@ -405,3 +408,41 @@ def test_fuzzed_bodies_are_4xx_never_5xx(served):
     expected, _ = chat_text(c, STORY, 6)
     assert c.anthropic.messages.create(model=c.model, max_tokens=6, messages=STORY).content[0].text == expected
     assert c.call(0, "status")["state"] == "ready"
+
+
+class TimeAnswer(BaseModel):
+    zone: Literal["UTC", "CET"]
+    time: Literal["12:00", "13:00"]
+
+
+def test_openai_agents_sdk_default_model_runs_a_two_step_tool_loop(served):
+    """The OpenAI Agents SDK's default model class (the Responses API): the first turn must call
+    the tool (tool_choice required, constrained: its argument is one of the enum's); the SDK runs it,
+    resets tool_choice to auto and sends the call and its output back as input items; the second turn
+    answers with the agent's output_type (text.format json_schema, constrained), which ends the run.
+    With random weights free text never ends before max_output_tokens, which the SDK takes as a
+    failed run (response.incomplete), so the final answer is structured."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    c = served
+    agents.set_tracing_disabled(True)
+    agents.set_default_openai_client(AsyncOpenAI(base_url=c.base + "/v1", api_key="unused", max_retries=0,
+                                                 timeout=120), use_for_tracing=False)
+    asked: list[str] = []
+
+    @agents.function_tool
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """The time now in a time zone."""
+        asked.append(zone)
+        return "12:00"
+
+    agent = agents.Agent(name="clock", instructions="Answer with the time.", model=c.model, tools=[get_time],
+                         output_type=TimeAnswer,
+                         model_settings=agents.ModelSettings(tool_choice="required", max_tokens=200))
+    result = agents.Runner.run_sync(agent, "What time is it in Paris?", max_turns=3)
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+    assert len(asked) == kinds.count("tool_call_item") >= 1 and set(asked) <= {"UTC", "CET"}
+    assert isinstance(result.final_output, TimeAnswer) and result.final_output.zone in ("UTC", "CET")
+    assert len(result.raw_responses) == 2
