@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import shutil
+import socket
+import subprocess
 import sys
+import time
+import urllib.parse
+import urllib.request
 from typing import Literal
 
 import pytest
@@ -446,3 +453,55 @@ def test_openai_agents_sdk_default_model_runs_a_two_step_tool_loop(served):
     assert len(asked) == kinds.count("tool_call_item") >= 1 and set(asked) <= {"UTC", "CET"}
     assert isinstance(result.final_output, TimeAnswer) and result.final_output.zone in ("UTC", "CET")
     assert len(result.raw_responses) == 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_debian_prometheus_scrapes_the_metrics(served, tmp_path):
+    """Debian's `prometheus` (apt, .ci/run) lints the exposition (`promtool check metrics`) and
+    scrapes /metrics from the running host: its query API then answers the session's state and the
+    request counters."""
+    if shutil.which("prometheus") is None or shutil.which("promtool") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("Debian's prometheus package is not installed; .ci/run installs it.")
+        pytest.skip("Debian's prometheus package is not installed (apt-get install prometheus).")
+    c = served
+    c.anthropic.messages.create(model=c.model, max_tokens=3, messages=STORY)
+    conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read()
+    lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=60)
+    assert lint.returncode == 0, (lint.stdout + lint.stderr).decode()[:2000]
+
+    port = free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: kafila, static_configs: [{{targets: ['127.0.0.1:{c.port}']}}]}}]\n")
+    proc = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
+
+    def query(q: str) -> list:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": q}),
+                                    timeout=10) as r:
+            return json.loads(r.read())["data"]["result"]
+    try:
+        deadline = time.monotonic() + 120
+        ready: list = []
+        while time.monotonic() < deadline and not ready:
+            time.sleep(1)
+            try:
+                ready = query('kafila_session_state{state="ready"} == 1')
+            except OSError:  # prometheus still starting
+                continue
+        assert ready, (tmp_path / "prometheus.log").read_text()[-2000:]
+        [requests] = query('sum(kafila_http_requests_total{route="/v1/messages",code="200"})')
+        assert float(requests["value"][1]) >= 1
+        assert query("kafila_members") and query("kafila_edge_path")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
