@@ -4,7 +4,7 @@ against a Kafila session. Its routes sit in kafilad/control/openai_api.py's rout
 
 ```
 POST /v1/messages               {"model", "messages", "max_tokens", "system"?, "stream"?, ...} -> "message"
-POST /v1/messages/count_tokens  {"model", "messages", "system"?}  -> {"input_tokens": N}
+POST /v1/messages/count_tokens  {"model", "messages", "system"?, "tools"?, "tool_choice"?}  -> {"input_tokens": N}
 ```
 Request (`MessagesRequest`; strict types, unknown fields refused, each error a 400 naming the
 field): `messages` [{role: user | assistant, content: str | [blocks]}] (at least one) whose
@@ -16,10 +16,10 @@ where Anthropic's is 1), `top_p`, `top_k` (0: off), `stop_sequences` (up to MAX_
 non-empty strings), `stream`, `tools` [{"name", "description", "input_schema"}] (client tools),
 `tool_choice` {type: auto | any | tool (+ name) | none, disable_parallel_tool_use},
 `output_config.format` {"type": "json_schema", "schema"} (a text reply is constrained to match
-it, kafilad/control/grammars.py; a forced call's grammar takes its place). Accepted without effect: `metadata` {user_id}, `cache_control`,
-`diagnostics`, `inference_geo`, `speed`, `user_profile_id`, `workspace_id` and
-`output_config.effort` (newer clients send these; the sampling fields are sent by older ones, or
-with `extra_body`). Refused by name: `thinking`, `service_tier`, `container`, `mcp_servers`,
+it, kafilad/control/grammars.py; a forced call's grammar takes its place). Accepted without
+effect: `metadata` {user_id}, `cache_control`, `diagnostics`, `inference_geo`, `speed`,
+`user_profile_id`, `workspace_id` and `output_config.effort` (newer clients send these; the
+sampling fields are sent by older ones, or with `extra_body`). Refused by name: `thinking`, `service_tier`, `container`, `mcp_servers`,
 server tools (a `tools` entry with a `type` other than "custom": web search, code execution, ...)
 and content blocks other than those three (image, document, thinking, ...).
 

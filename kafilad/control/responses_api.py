@@ -386,7 +386,8 @@ class _Answer:
             incomplete = result.get("finish_reason") == "length"
             status = "incomplete" if incomplete else "completed"
             n_in, n_out = result["prompt_tokens"], len(result["token_ids"])
-            usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": int(result.get("cached_tokens") or 0)}, "output_tokens": n_out,
+            cached = int(result.get("cached_tokens") or 0)  # from the prompt cache (kafilad/executor/prefix.py)
+            usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": n_out,
                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_in + n_out}
         fmt = r.text.format if r.text is not None and r.text.format is not None else None
         return {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
