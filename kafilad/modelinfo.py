@@ -248,7 +248,11 @@ class ModelInfo:
             else:
                 first = [t for t in self.block_tensors(0) if t.dtype in FLOAT_DTYPES]
                 kv_dtype_bytes = DTYPE_BYTES[first[0].dtype] if first else 2
-        kv = 2 * self.num_key_value_heads * self.head_dim * kv_dtype_bytes
+        if self.config.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3, Kimi K2): mlx-lm
+            # caches the compressed latent and the rope key, one of each per token (deepseek_v3.py)
+            kv = (int(self.config["kv_lora_rank"]) + int(self.config.get("qk_rope_head_dim") or 0)) * kv_dtype_bytes
+        else:
+            kv = 2 * self.num_key_value_heads * self.head_dim * kv_dtype_bytes
         head_params = sum(t.numel for t in out_proj)
         return ModelProfile(
             model_id=self.model_id,

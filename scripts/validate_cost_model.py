@@ -218,6 +218,58 @@ def child_measure(model_dir: str, start: int, end: int, head: bool, quotas: list
     return {"nbytes": stage.nbytes(), "rows": rows}
 
 
+def child_paired(model_dir: str, start: int, end: int, head: bool, quotas: list[int], window_s: float) -> dict:
+    """The stage and the daemon's probe blocks in one process, timed in alternating chunks under each
+    quota (`--paired`): probe one block, probe two blocks, the stage, in turn (probe.py's
+    `_interleaved_chunks_s`, 10 rounds), so that a neighbour's burst on this shared machine slows the
+    probe and the stage alike. The probe's chunks are fitted as the daemon fits them
+    (`fit_block_overhead_s`: bytes read per block / seconds per block, and the step overhead)."""
+    import kafilad.executor  # noqa: F401  (OpenBLAS before mlx)
+    import mlx.core as mx
+    from kafilad.executor.probe import ProbeBlocks, _interleaved_chunks_s, fit_block_overhead_s, token_inputs
+    from kafilad.executor.stage import load_stage_from_dir
+
+    stage = load_stage_from_dir(model_dir, start, end, head)
+    blocks = ProbeBlocks(stage.config)
+    D, V = int(stage.config["hidden_size"]), int(stage.config["vocab_size"])
+    cache = stage.make_cache()
+    if head:
+        mx.eval(stage.run_blocks(stage.embed([1] * CONTEXT_TOKENS), cache))
+    else:
+        mx.eval(stage.run_blocks(mx.full((1, CONTEXT_TOKENS, D), 0.1), cache))
+    pool = token_inputs(D, mx.float32, seed=17)
+    turn = [0]
+
+    def step() -> None:
+        i = turn[0] = turn[0] + 1
+        if head:
+            out = mx.argmax(stage.logits(stage.run_blocks(stage.embed([(7 * i) % V]), cache)), axis=-1)
+        else:
+            out = stage.run_blocks(pool[i % len(pool)], cache)
+        mx.eval(out)
+        for c in cache:
+            c.offset -= 1
+
+    fns = [blocks.step(k) for k in range(1, blocks.n + 1)] + [step]
+    rows = []
+    for q in quotas:
+        group = CPU_CGROUP / f"fleet_vq{q}"
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        t0, c0 = time.perf_counter(), time.process_time()
+        for fn in fns:  # settle into the quota's rhythm
+            fn()
+        chunks = _interleaved_chunks_s(fns, 3, [window_s / 2] * blocks.n + [window_s], rounds=10)
+        el, cpu = time.perf_counter() - t0, time.process_time() - c0
+        per_block_s, overhead_s = fit_block_overhead_s(chunks[0], chunks[1] if blocks.n == 2 else None)
+        st = chunks[-1]
+        rows.append({"quota_pct": q, "steps": sum(n for _, n in st), "window_s": sum(x for x, _ in st),
+                     "measured_s": sum(x for x, _ in st) / sum(n for _, n in st), "cpu_share": cpu / el,
+                     "paired_bandwidth_Bps": blocks.per_block_bytes / per_block_s,
+                     "paired_step_overhead_s": overhead_s, "throttled_periods": 0})
+    (CPU_CGROUP / "cgroup.procs").write_text(str(os.getpid()))
+    return {"nbytes": stage.nbytes(), "rows": rows}
+
+
 def _cpu_stat(group: Path) -> dict:
     out = {}
     for line in (group / "cpu.stat").read_text().splitlines():
@@ -274,7 +326,11 @@ def main() -> int:
                     help="scheduling priority of the measuring children (default -15: shields them from other "
                          "jobs on a shared machine; a quota still caps them; 0 to measure as an ordinary process)")
     ap.add_argument("--child-probe", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--paired", action="store_true",
+                    help="also time the daemon's probe blocks in the stage's own process, interleaved with it under "
+                         "each quota, and predict from that (robust to a busy shared machine; default with --moe)")
     ap.add_argument("--child-measure", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-paired", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     quotas = [int(x) for x in a.quotas.split(",")]
     if a.child_probe:
@@ -284,6 +340,11 @@ def main() -> int:
         spec = json.loads(a.child_measure)
         print(json.dumps(child_measure(spec["model"], spec["start"], spec["end"], spec["head"], quotas, a.window_s)))
         return 0
+    if a.child_paired:
+        spec = json.loads(a.child_paired)
+        print(json.dumps(child_paired(spec["model"], spec["start"], spec["end"], spec["head"], quotas, a.window_s)))
+        return 0
+    paired = a.paired or a.moe
     if not (CPU_CGROUP / "cgroup.procs").exists() or os.geteuid() != 0:
         print("needs root and cgroup v1 at /sys/fs/cgroup/cpu (DESIGN §9 item 4)", file=sys.stderr)
         return 1
@@ -327,23 +388,28 @@ def main() -> int:
             n = read_model_info(d).num_hidden_layers
             for start, end, head in stages_for(n):
                 spec = json.dumps({"model": d, "start": start, "end": end, "head": head})
-                res = run_child(["--child-measure", spec, "--quotas", a.quotas, "--window-s", str(a.window_s)], a.nice)
+                res = run_child(["--child-paired" if paired else "--child-measure", spec, "--quotas", a.quotas,
+                                 "--window-s", str(a.window_s)], a.nice)
                 for r in res["rows"]:
                     q = r["quota_pct"] / 100
                     pred, nbytes = predict_s(d, start, end, head, bw, ov, q)
                     pred_w = predict_s(d, start, end, head, wbw, wov, q)[0] if wbw else None
                     sbw, sov = probe["self"][str(r["quota_pct"])]
                     pred_self, _ = predict_s(d, start, end, head, sbw, sov, 1.0)
+                    pred_pair = (predict_s(d, start, end, head, r["paired_bandwidth_Bps"], r["paired_step_overhead_s"],
+                                           1.0)[0] if paired else None)
                     rows.append({"model": label, "start": start, "end": end, "head": head, "bytes": nbytes,
                                  "held_bytes": res["nbytes"], "bandwidth_Bps": bw, "step_overhead_s": ov,
                                  "predicted_s": pred, "predicted_legacy_s": pred_w, "predicted_self_s": pred_self,
-                                 **r})
+                                 "predicted_paired_s": pred_pair, **r})
                     m = r["measured_s"]
                     legacy = (f"median-of-7 probe {pred_w * 1e3:8.3f} ({pred_w / m - 1:+.0%})  " if pred_w else "")
                     print(f"  [{start},{end}){'H' if head else ' '} q={r['quota_pct']:3d}%  measured {m * 1e3:8.3f} ms"
                           f"  predicted: daemon probe {pred * 1e3:8.3f} ({pred / m - 1:+.0%}; measured/predicted "
                           f"{m / pred:.3f})  {legacy}self-probe {pred_self * 1e3:8.3f} "
-                          f"({pred_self / m - 1:+.0%})  cpu {r['cpu_share']:.2f}  steps {r['steps']}", flush=True)
+                          f"({pred_self / m - 1:+.0%})  " +
+                          (f"paired probe {pred_pair * 1e3:8.3f} (measured/predicted {m / pred_pair:.3f})  "
+                           if pred_pair else "") + f"cpu {r['cpu_share']:.2f}  steps {r['steps']}", flush=True)
     finally:
         for q in quotas:
             subprocess.run(["bash", str(CG), "rm", f"vq{q}"], capture_output=True)
@@ -357,7 +423,8 @@ def main() -> int:
 
 PREDICTORS = (("predicted_s", "daemon probe (window means), once unthrottled, scaled by quota"),
               ("predicted_legacy_s", "previous daemon probe (median of 7), once unthrottled, scaled by quota"),
-              ("predicted_self_s", "daemon probe run by the device under its own quota"))
+              ("predicted_self_s", "daemon probe run by the device under its own quota"),
+              ("predicted_paired_s", "daemon probe blocks interleaved with the stage in its process (--paired)"))
 
 
 def rel_err(r: dict, key: str) -> float:
@@ -396,14 +463,17 @@ def report(rows: list[dict], models: list[tuple[str, str]]) -> None:
 
     t = Table(title="predicted vs measured per-stage time per token (window means); error = predicted/measured - 1")
     for c in ("model", "stage", "MB read", "MB held", "quota", "measured ms", "daemon probe ms", "err",
-              "meas./pred.", "median-of-7 ms", "err", "self-probe ms", "err", "CPU share"):
+              "meas./pred.", "median-of-7 ms", "err", "self-probe ms", "err", "paired ms", "meas./pred.",
+              "CPU share"):
         t.add_column(c, justify="left" if c in ("model", "stage") else "right")
     for r in rows:
         cells = {key: _cells(r, key) for key, _ in PREDICTORS}
         t.add_row(r["model"], f"[{r['start']},{r['end']}){' head' if r['head'] else ''}", f"{r['bytes'] / 1e6:.2f}",
                   f"{r['held_bytes'] / 1e6:.2f}", f"{r['quota_pct']}%", f"{r['measured_s'] * 1e3:.3f}",
                   *cells["predicted_s"], f"{r['measured_s'] / r['predicted_s']:.3f}",
-                  *cells["predicted_legacy_s"], *cells["predicted_self_s"], f"{r['cpu_share']:.2f}")
+                  *cells["predicted_legacy_s"], *cells["predicted_self_s"], cells["predicted_paired_s"][0],
+                  f"{r['measured_s'] / r['predicted_paired_s']:.3f}" if r.get("predicted_paired_s") else "-",
+                  f"{r['cpu_share']:.2f}")
     Console(width=180).print(t)
     print("median absolute relative error (published figure: 18%):")
     full = full_share(rows)

@@ -325,64 +325,91 @@ def measure_stage(model: str | Path | dict, *, dtype: str = "float32", context_t
     Raises:
         ModelFormatError: unreadable config or an architecture mlx-lm lacks.
     """
-    from kafilad.executor.stage import build_random_stage
     from kafilad.modelinfo import read_model_info
 
     config = model if isinstance(model, dict) else read_model_info(model).config
-    n = min(2, int(config["num_hidden_layers"]))
-    spec = moe.moe_spec(config)
-    stage = build_random_stage(moe.all_moe_config(config), n, dtype=dtype)
-    if spec is not None:
-        spread_routers(stage.model, spec.num_experts)
-    per_block_bytes = stage_read_bytes(stage.model, spec) / n
-    D = int(config["hidden_size"])
-    dt = getattr(mx, dtype)
-    cache = stage.make_cache()
-    mx.eval(stage.run_blocks(mx.zeros((1, context_tokens, D), dtype=dt), cache))
-    inputs = token_inputs(D, dt)
-    layers = stage.layers
-    turn = [0]
-
-    def next_input(rows: int) -> mx.array:
-        """The next `rows` of the input pool, one token each: a MoE router sends consecutive steps (and
-        a batch's rows) to different experts, as it does real tokens."""
-        i = turn[0]
-        turn[0] += rows
-        return mx.concatenate([inputs[(i + r) % len(inputs)] for r in range(rows)]) if rows > 1 else inputs[i % len(inputs)]
-
-    def step(k: int):
-        def one():
-            stage.layers = layers[:k]
-            mx.eval(stage.run_blocks(next_input(1), cache[:k]))
-            _rewind(cache[:k])
-        return one
-
-    fns = [step(1), step(2)] if n == 2 else [step(1)]
+    blocks = ProbeBlocks(config, dtype=dtype, context_tokens=context_tokens)
+    n = blocks.n
+    fns = [blocks.step(k) for k in range(1, n + 1)]
     windows = [window_s] * len(fns)
     if batch_rows >= 2:
-        try:
-            batch_cache = [c.merge([c] * batch_rows) for c in cache]
-        except Exception:  # noqa: BLE001 - a cache type mlx-lm cannot batch: no rho, the rest stands
-            batch_cache = None
-        if batch_cache is not None:
-            def batched():
-                stage.layers = layers
-                mx.eval(stage.run_blocks(next_input(batch_rows), batch_cache))
-                _rewind(batch_cache)
-
+        batched = blocks.batched_step(batch_rows)
+        if batched is not None:
             fns.append(batched)
             windows.append(DEFAULT_BATCH_WINDOW_FRACTION * window_s if batch_window_s is None else batch_window_s)
-    try:
-        chunks = _interleaved_chunks_s(fns, repeats, windows, stable_within=stable_within, max_rounds=max_rounds,
-                                       watched=len(fns))
-    finally:
-        stage.layers = layers
+    chunks = _interleaved_chunks_s(fns, repeats, windows, stable_within=stable_within, max_rounds=max_rounds,
+                                   watched=len(fns))
     rho = None
     if len(fns) > n:  # the batched step ran: pair its chunks with the n-block one-row chunks, round by round
         pairs = list(zip(chunks[n - 1], chunks[n]))
         rho = batch_row_cost_of([a[0] / a[1] for a, _ in pairs], [b[0] / b[1] for _, b in pairs], batch_rows)
     per_block_s, overhead_s = fit_block_overhead_s(chunks[0], chunks[1] if n == 2 else None)
-    return StageTiming(per_block_bytes / per_block_s, overhead_s, rho)
+    return StageTiming(blocks.per_block_bytes / per_block_s, overhead_s, rho)
+
+
+class ProbeBlocks:
+    """The random blocks `measure_stage` times and their decode steps (DESIGN §5.1 "Best").
+
+    min(2, num_hidden_layers) blocks of the config's own mlx-lm class, random weights held in
+    `dtype`, prefilled with `context_tokens` tokens; for a mixture-of-experts config built with
+    every block MoE and routers spread (`measure_stage`). Each step takes the next of the
+    `token_inputs` pool and rewinds its cache, so the context stays fixed.
+
+    Attributes:
+        n: blocks built (1 or 2). stage: the random Stage. layers: its blocks.
+        per_block_bytes: bytes a token reads of one block (`stage_read_bytes` / n).
+    Raises:
+        ModelFormatError, ValueError: a config mlx-lm cannot build.
+    """
+
+    def __init__(self, config: dict, *, dtype: str = "float32", context_tokens: int = 16):
+        from kafilad.executor.stage import build_random_stage
+
+        self.n = min(2, int(config["num_hidden_layers"]))
+        spec = moe.moe_spec(config)
+        self.stage = build_random_stage(moe.all_moe_config(config), self.n, dtype=dtype)
+        if spec is not None:
+            spread_routers(self.stage.model, spec.num_experts)
+        self.per_block_bytes = stage_read_bytes(self.stage.model, spec) / self.n
+        D = int(config["hidden_size"])
+        dt = getattr(mx, dtype)
+        self.cache = self.stage.make_cache()
+        mx.eval(self.stage.run_blocks(mx.zeros((1, context_tokens, D), dtype=dt), self.cache))
+        self.inputs = token_inputs(D, dt)
+        self.layers = self.stage.layers
+        self._turn = 0
+
+    def next_input(self, rows: int) -> mx.array:
+        """The next `rows` of the input pool as (rows, 1, D): a MoE router sends consecutive steps
+        (and a batch's rows) to different experts, as it does real tokens."""
+        i, pool = self._turn, self.inputs
+        self._turn += rows
+        if rows == 1:
+            return pool[i % len(pool)]
+        return mx.concatenate([pool[(i + r) % len(pool)] for r in range(rows)])
+
+    def step(self, k: int):
+        """A function running one decode step through the first `k` blocks."""
+        def one():
+            self.stage.layers = self.layers[:k]
+            mx.eval(self.stage.run_blocks(self.next_input(1), self.cache[:k]))
+            _rewind(self.cache[:k])
+            self.stage.layers = self.layers
+        return one
+
+    def batched_step(self, rows: int):
+        """A function running one `rows`-row decode step through every block (mlx-lm batch caches
+        merged from the prefilled ones), or None when this architecture's caches cannot batch."""
+        try:
+            batch_cache = [c.merge([c] * rows) for c in self.cache]
+        except Exception:  # noqa: BLE001 - a cache type mlx-lm cannot batch: no rho, the rest stands
+            return None
+
+        def batched():
+            self.stage.layers = self.layers
+            mx.eval(self.stage.run_blocks(self.next_input(rows), batch_cache))
+            _rewind(batch_cache)
+        return batched
 
 
 #: distinct one-token inputs the stage probe cycles through (a router's choices vary from step to step)

@@ -210,3 +210,8 @@ def test_the_cost_model_times_bytes_read_and_holds_every_byte(held, data):
     # the memory tier divides by what is held (exo's rule), not by what is read
     mem = ChainCost([dev], prof, context=1, concurrency=1, tier="memory")
     assert mem.stage_s(0, a, b) == pytest.approx(0.001 + (sum(held[a:b]) + 100) / 10**12)
+
+
+def test_deepseek_v3_caches_its_latent_not_full_heads(moe_dir):
+    # mlx-lm's MLA caches kv_lora_rank + qk_rope_head_dim values per token and block (bf16 here)
+    assert read_model_info(moe_dir / "deepseek-v3").profile().kv_bytes_per_block_token == (512 + 64) * 2
