@@ -326,6 +326,9 @@ def main() -> int:
                     help="scheduling priority of the measuring children (default -15: shields them from other "
                          "jobs on a shared machine; a quota still caps them; 0 to measure as an ordinary process)")
     ap.add_argument("--child-probe", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--shares", type=int, default=1024,
+                    help="cpu.shares of the quota groups (default 1024, the kernel's; more shields the measured windows "
+                         "from other jobs' groups on a busy shared machine, while the quota still caps them at 1 core)")
     ap.add_argument("--paired", action="store_true",
                     help="also time the daemon's probe blocks in the stage's own process, interleaved with it under "
                          "each quota, and predict from that (robust to a busy shared machine; default with --moe)")
@@ -370,8 +373,9 @@ def main() -> int:
     for q in quotas:
         subprocess.run(["bash", str(CG), "mk", f"vq{q}", str(q), "0", str(PERIOD_US)], check=True,
                        capture_output=True)
+        (CPU_CGROUP / f"fleet_vq{q}" / "cpu.shares").write_text(str(a.shares))
     print(f"cost-model validation · quotas {quotas}% of one core · {a.window_s:g} s windows · "
-          f"context {CONTEXT_TOKENS} · nice {a.nice} · load average {loadavg()}")
+          f"context {CONTEXT_TOKENS} · nice {a.nice} · cpu.shares {a.shares} · load average {loadavg()}")
     rows = []
     try:
         for label, d in models:
