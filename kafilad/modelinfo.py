@@ -171,6 +171,12 @@ class ModelInfo:
         """Tensors that are not in any block: embedding, final norm, lm_head."""
         return [t for t in self.tensors.values() if t.block is None]
 
+    def checkpoint_shapes(self) -> list[list]:
+        """Every tensor of the checkpoint as [name, safetensors dtype, shape]: what a stage's
+        mlx-lm `sanitize` must see beside its own tensors (kafilad/executor/stage.py
+        `build_stage`; the `plan` frame's "checkpoint", proto_spec 05 §2)."""
+        return [[t.name, t.dtype, list(t.shape)] for t in self.tensors.values()]
+
     def stage_tensors(self, start: int, end: int, head: bool) -> list[TensorInfo]:
         """Tensors a stage holding blocks [start, end) (plus head parts if `head`) loads."""
         out = [t for t in self.tensors.values() if t.block is not None and start <= t.block < end]
@@ -267,7 +273,38 @@ class ModelInfo:
         )
 
 
-def _block_of(name: str) -> Optional[int]:
+def unsplittable_reason(config: dict) -> Optional[str]:
+    """Why mlx-lm's own code for this model cannot be divided into stages, or None when it can.
+
+    Stages run each architecture's own mlx-lm forward (kafilad/executor/stage.py) and pass one
+    hidden state (B, L, D) from stage to stage (proto_spec 02 §4.2). An architecture whose blocks
+    also read something made outside the blocks from the token ids, or another block's KV
+    cache, cannot be divided at a block boundary that way:
+
+    - Gemma 4 (and 3n) per-layer inputs: with `hidden_size_per_layer_input` > 0 every block reads
+      its slice of per-layer token embeddings that the model computes before the first block;
+    - Gemma 4 KV sharing: with `num_kv_shared_layers` > 0 the last blocks reuse earlier blocks'
+      keys and values within one forward pass.
+
+    Such a model is served by one member (`--members 1`). Pure: reads the config only (text
+    fields at the top, as `read_model_info` flattens them).
+    """
+    model_type = str(config.get("model_type", ""))
+    if not model_type.startswith(("gemma4", "gemma3n")):
+        return None
+    if int(config.get("hidden_size_per_layer_input") or 0) > 0:
+        return (f"its blocks read per-layer token embeddings ({model_type} hidden_size_per_layer_input="
+                f"{config['hidden_size_per_layer_input']}) that the model computes from the token ids before "
+                f"its first block, so no block boundary can divide it")
+    if int(config.get("num_kv_shared_layers") or 0) > 0:
+        return (f"its last {config['num_kv_shared_layers']} blocks reuse the keys and values of earlier blocks "
+                f"within one pass ({model_type} num_kv_shared_layers), which do not cross from one stage to the next")
+    return None
+
+
+def block_of(name: str) -> Optional[int]:
+    """The block index in a tensor or parameter name (`...layers.N....`), or None for the head's
+    parts (embedding, final norm, output) and anything else outside the blocks."""
     m = _BLOCK_RE.search(name)
     return int(m.group(1)) if m else None
 
@@ -293,7 +330,10 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
     except json.JSONDecodeError as e:
         raise ModelFormatError(f"{cfg_path} is not valid JSON ({e}).") from e
     if "text_config" in config and "num_hidden_layers" not in config:
-        config = {**config, **config["text_config"]}
+        # a multimodal checkpoint (Gemma 3, Mistral 3, Qwen3.5): the text model's sizes at the top
+        # for the planner, while model_type stays the checkpoint's own, whose mlx-lm class reads
+        # text_config and maps the `language_model.`-prefixed tensors (its sanitize)
+        config = {**config, **config["text_config"], "model_type": config["model_type"]}
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
         if key not in config:
             raise ModelFormatError(f"{cfg_path} lacks '{key}'.")
@@ -320,5 +360,5 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
                 raise ModelFormatError(f"{fname}: tensor {name!r} has a malformed header entry.") from e
             if dtype not in DTYPE_BYTES or end < begin:
                 raise ModelFormatError(f"{fname}: tensor {name!r} has dtype {dtype!r} or offsets {begin}..{end} we cannot read.")
-            tensors[name] = TensorInfo(name, fname, dtype, shape, data_start + begin, end - begin, _block_of(name))
+            tensors[name] = TensorInfo(name, fname, dtype, shape, data_start + begin, end - begin, block_of(name))
     return ModelInfo(model_dir=model_dir, config=config, tensors=tensors)

@@ -178,7 +178,7 @@ def child_measure(model_dir: str, start: int, end: int, head: bool, quotas: list
     V = int(stage.config["vocab_size"])
     cache = stage.make_cache()
     if head:
-        mx.eval(stage.run_blocks(stage.embed([1] * CONTEXT_TOKENS), cache))
+        mx.eval(stage.run_tokens([1] * CONTEXT_TOKENS, cache))
     else:
         mx.eval(stage.run_blocks(mx.full((1, CONTEXT_TOKENS, D), 0.1), cache))
     # a different token every step (as in decoding): a MoE router sends each to its own experts
@@ -188,7 +188,7 @@ def child_measure(model_dir: str, start: int, end: int, head: bool, quotas: list
     def step() -> None:
         i = turn[0] = turn[0] + 1
         if head:
-            out = mx.argmax(stage.logits(stage.run_blocks(stage.embed([(7 * i) % V]), cache)), axis=-1)
+            out = mx.argmax(stage.logits(stage.run_tokens([(7 * i) % V], cache)), axis=-1)
         else:
             out = stage.run_blocks(pool[i % len(pool)], cache)
         mx.eval(out)
@@ -234,7 +234,7 @@ def child_paired(model_dir: str, start: int, end: int, head: bool, quotas: list[
     D, V = int(stage.config["hidden_size"]), int(stage.config["vocab_size"])
     cache = stage.make_cache()
     if head:
-        mx.eval(stage.run_blocks(stage.embed([1] * CONTEXT_TOKENS), cache))
+        mx.eval(stage.run_tokens([1] * CONTEXT_TOKENS, cache))
     else:
         mx.eval(stage.run_blocks(mx.full((1, CONTEXT_TOKENS, D), 0.1), cache))
     pool = token_inputs(D, mx.float32, seed=17)
@@ -243,7 +243,7 @@ def child_paired(model_dir: str, start: int, end: int, head: bool, quotas: list[
     def step() -> None:
         i = turn[0] = turn[0] + 1
         if head:
-            out = mx.argmax(stage.logits(stage.run_blocks(stage.embed([(7 * i) % V]), cache)), axis=-1)
+            out = mx.argmax(stage.logits(stage.run_tokens([(7 * i) % V], cache)), axis=-1)
         else:
             out = stage.run_blocks(pool[i % len(pool)], cache)
         mx.eval(out)

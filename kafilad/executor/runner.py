@@ -164,8 +164,9 @@ class StageRunner:
         """Tokens held in this request's KV cache (0 if unknown)."""
         with self._lock:
             self._take_out_of_batch([request_id])
-            cache = self._caches.get(request_id)
-            return int(cache[0].offset) if cache else 0
+            cache = self._caches.get(request_id) or []
+            # the first cache that counts tokens (a linear-attention or Mamba cache does not)
+            return next((int(c.offset) for c in cache if isinstance(getattr(c, "offset", None), int)), 0)
 
     def _cache(self, request_id: str) -> list:
         self._take_out_of_batch([request_id])
@@ -233,7 +234,7 @@ class StageRunner:
     def head_embed_and_run(self, request_id: str, ids: list[int]) -> mx.array:
         """Head: embed `ids` (one chunk, L tokens) and run the head's blocks. Returns (1, L, D)."""
         with self._lock:
-            h = self.stage.run_blocks(self.stage.embed(ids), self._cache(request_id))
+            h = self.stage.run_tokens(ids, self._cache(request_id))
             mx.eval(h)
             return h
 
@@ -282,7 +283,7 @@ class StageRunner:
             cache = self._cache(request_id)
             if not all(type(c) is KVCache for c in cache):
                 return int(y.item()), None
-            out = self.stage.run_blocks(self.stage.embed(y), cache)
+            out = self.stage.run_tokens(y.reshape(1, 1), cache)
             mx.eval(y, out)
             return int(y.item()), out
 
@@ -311,7 +312,7 @@ class StageRunner:
             caches = self._sync_batch(request_ids, group)
             if not all(type(c) is BatchKVCache for c in caches):
                 return [int(x) for x in y.tolist()], None
-            out = self.stage.run_blocks(self.stage.embed(y).reshape(len(request_ids), 1, -1), caches)
+            out = self.stage.run_tokens(y.reshape(len(request_ids), 1), caches)
             mx.eval(y, out)
             return [int(x) for x in y.tolist()], out
 
@@ -334,8 +335,7 @@ class StageRunner:
             raise RemoteProtocolError(f"A batched step has {len(request_ids)} requests but {len(tokens)} tokens.")
         with self._lock:
             caches = self._sync_batch(request_ids, group)
-            h = self.stage.embed(list(tokens)).reshape(len(tokens), 1, -1)
-            h = self.stage.run_blocks(h, caches)
+            h = self.stage.run_tokens(mx.array(list(tokens), dtype=mx.int32).reshape(len(tokens), 1), caches)
             mx.eval(h)
             return h
 

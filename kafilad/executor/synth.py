@@ -198,15 +198,22 @@ def synthesize_model(out_dir: str | Path, *, arch: str = "llama", seed: int = 0,
             tensors[name] = ("F32", shape, w.astype("<f4").tobytes())
     write_safetensors(out / "model.safetensors", tensors)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_tokenizer_files(out, model_max_length=config["max_position_embeddings"])
+    return out
+
+
+def write_tokenizer_files(out: Path, *, model_max_length: int) -> None:
+    """Write the byte-level tokenizer (ids 0-255 bytes, 256 <s>, 257 </s>; `_tokenizer_json`) and
+    a greedy generation_config.json into the model directory `out`, as transformers and mlx-lm
+    read them offline. A model using it needs a vocabulary of at least VOCAB_SIZE ids."""
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}, indent=2, sort_keys=True) + "\n")
     (out / "tokenizer.json").write_text(_tokenizer_json())
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "add_bos_token": True, "model_max_length": config["max_position_embeddings"],
+        "add_bos_token": True, "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
     }, indent=2, sort_keys=True) + "\n")
-    return out
 
 
 #: the model `kafila-ctl demo` uses when given no --model.

@@ -457,7 +457,8 @@ class HostSession(HostRequests, SessionDriver):
                 return  # replanned while the tables were made: the newer plan's frame may have gone first
             await self._perform(sm.Send(pid, cf.PlanFrame(plan=planned.plan, ring=order, roster=roster, start=start,
                                                           end=end, head=head, tensors=tensors, files=files,
-                                                          epoch=epoch, dtype=stagehost.stage_dtype(planned.plan, e.name))))
+                                                          epoch=epoch, dtype=stagehost.stage_dtype(planned.plan, e.name),
+                                                          checkpoint=self.files.info.checkpoint_shapes())))
         if epoch == self.machine.epoch:
             self.nursery.start_soon(self._run_stage, roster, epoch)
 

@@ -395,7 +395,7 @@ class MemberSession(SessionDriver):
                 for t, data in weights:
                     info = TensorInfo(t["name"], t["file"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"], None)
                     arrays[t["name"]] = ex.stage.tensor_from_bytes(info, data, dtype=f.dtype or "float32")
-                stage = ex.stage.build_stage(config, f.start, f.end, f.head, arrays)
+                stage = ex.stage.build_stage(config, f.start, f.end, f.head, arrays, checkpoint=f.checkpoint)
                 tok = ex.synth.load_tokenizer(tok_dir) if tok_dir else None
                 return stage, tok
 

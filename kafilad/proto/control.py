@@ -166,6 +166,9 @@ class PlanFrame(ControlFrame):
     epoch: Optional[int] = _field(int, optional=True)
     #: the float dtype the member holds its stage in (the plan's `dtype`); absent: float32
     dtype: Optional[str] = _field(str, optional=True)
+    #: every tensor of the checkpoint as [name, dtype, shape], for the model's own sanitize
+    #: (kafilad/executor/stage.py `build_stage`); absent: the member's tensors only
+    checkpoint: Optional[list] = _field(list, optional=True)
 
 
 @_frame("fetch")
