@@ -147,6 +147,9 @@ def child_probe(model_dir: str, quotas: list[int]) -> dict:
     from kafilad.executor.probe import measure_capability, measure_stage_Bps
     from kafilad.modelinfo import read_model_info
 
+    free = CPU_CGROUP / "fleet_vqfree" / "cgroup.procs"
+    if free.exists():  # --shares: the unthrottled probe in an unlimited group of the same shares
+        free.write_text(str(os.getpid()))
     t, c = time.perf_counter(), time.process_time()
     cap = measure_capability(model_dir)
     cap["probe_s"] = time.perf_counter() - t
@@ -374,6 +377,9 @@ def main() -> int:
         subprocess.run(["bash", str(CG), "mk", f"vq{q}", str(q), "0", str(PERIOD_US)], check=True,
                        capture_output=True)
         (CPU_CGROUP / f"fleet_vq{q}" / "cpu.shares").write_text(str(a.shares))
+    if a.shares != 1024:  # the unthrottled probe gets the same shield (child_probe)
+        subprocess.run(["bash", str(CG), "mk", "vqfree", "0", "0", str(PERIOD_US)], check=True, capture_output=True)
+        (CPU_CGROUP / "fleet_vqfree" / "cpu.shares").write_text(str(a.shares))
     print(f"cost-model validation · quotas {quotas}% of one core · {a.window_s:g} s windows · "
           f"context {CONTEXT_TOKENS} · nice {a.nice} · cpu.shares {a.shares} · load average {loadavg()}")
     rows = []
@@ -417,6 +423,7 @@ def main() -> int:
     finally:
         for q in quotas:
             subprocess.run(["bash", str(CG), "rm", f"vq{q}"], capture_output=True)
+        subprocess.run(["bash", str(CG), "rm", "vqfree"], capture_output=True)
     report(rows, models)
     print(f"load average after: {loadavg()} · total {time.perf_counter() - t_start:.0f} s")
     if a.json:
