@@ -29,7 +29,7 @@ CONFIGS = {
                         moe_layer_freq=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=32,
                         qk_nope_head_dim=32, n_group=1, topk_group=1, **_ATTN),
     "gpt_oss": dict(model_type="gpt_oss", num_hidden_layers=2, num_local_experts=16, num_experts_per_tok=2,
-                    intermediate_size=64, sliding_window=128, layer_types=["sliding_attention", "full_attention"],
+                    intermediate_size=64, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                     rope_theta=150000, **_ATTN),
     "mixtral": dict(model_type="mixtral", num_hidden_layers=2, intermediate_size=64, num_local_experts=8,
                     num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6, **_ATTN),
