@@ -35,7 +35,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import _get_classes, infer_quant_config
 
 from kafilad.errors import ModelFormatError
@@ -315,6 +315,12 @@ class Stage:
         for m in model.modules():
             if isinstance(m, _Absent):  # a model may take dtypes from its embedding (Ministral 3's attention scale)
                 object.__setattr__(m, "_dtype", self.dtype)
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether every cache the model makes is mlx-lm's plain KVCache, which a prompt cache can cut
+        back to any prefix (kafilad/executor/prefix.py); the same answer on every stage of a ring."""
+        return bool(self._templates) and all(type(c) is KVCache for c in self._templates)
 
     @property
     def layers(self) -> list[nn.Module]:
