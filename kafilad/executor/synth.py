@@ -132,13 +132,9 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...],
             f.write(b)
 
 
-def _tokenizer_json() -> str:
-    """A byte-level BPE tokenizer (no merges) built with the `tokenizers` library."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    alphabet = ByteLevel.alphabet()  # 256 printable stand-ins, one per byte
-    # GPT-2's bytes_to_unicode: map each byte to its stand-in so that token id == byte value.
+def byte_level_chars() -> dict[int, str]:
+    """GPT-2's bytes_to_unicode: each byte's printable stand-in in byte-level BPE vocabularies, so
+    that a vocabulary listing them in byte order has token id == byte value."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
     for b in range(256):
@@ -146,8 +142,16 @@ def _tokenizer_json() -> str:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    byte_to_char = {b: chr(c) for b, c in zip(bs, cs)}
-    assert set(byte_to_char.values()) == set(alphabet)
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def _tokenizer_json() -> str:
+    """A byte-level BPE tokenizer (no merges) built with the `tokenizers` library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    byte_to_char = byte_level_chars()
+    assert set(byte_to_char.values()) == set(ByteLevel.alphabet())  # 256 printable stand-ins, one per byte
     vocab = {byte_to_char[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
