@@ -49,7 +49,7 @@ def _model_ref(model: str) -> str:
 def cmd_host(args) -> int:
     r = _call(args, "host", model_dir=_model_ref(args.model), members=args.members, context=args.context,
               concurrency=args.concurrency, queue=args.queue, rendezvous=args.rendezvous, open=args.open,
-              admit_timeout_s=args.admit_timeout, strategy=args.strategy)
+              admit_timeout_s=args.admit_timeout, strategy=args.strategy, head=args.head)
     if args.json:
         _print_json(r)
     else:
@@ -492,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="division to serve with (as `plan` has): load (most tokens/s at --concurrency; members "
                         "may stand by), kafila (the paper's exact partition, least bottleneck, every member "
                         f"holds blocks), uniform or memory (the baselines of DESIGN §5.5; default {DEFAULT_STRATEGY})")
+    s.add_argument("--head", choices=("auto", "self"), default="auto",
+                   help="self: this host is the head of every plan, so only it sees prompts and samples tokens "
+                        "(a faster member never takes the head); auto: the planner chooses (default)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_host)
 

@@ -27,6 +27,7 @@ from typing import Optional
 import attrs
 
 from kafilad.errors import ModelFormatError
+from kafilad.planner import moe
 from kafilad.planner.precision import DTYPE_BYTES as STAGE_DTYPE_BYTES
 from kafilad.planner.records import ModelProfile
 from kafilad.planner.workmem import arch_from_config
@@ -150,6 +151,18 @@ class ModelInfo:
         return bool(self.config.get("tie_word_embeddings", False)) or not any(
             "lm_head" in n for n in self.tensors)
 
+    @property
+    def moe(self) -> Optional[moe.MoeSpec]:
+        """E and k of a mixture-of-experts model (kafilad.planner.moe), None for a dense one.
+
+        Raises:
+            ModelFormatError: a config that routes each token to more experts than there are.
+        """
+        try:
+            return moe.moe_spec(self.config)
+        except ValueError as e:
+            raise ModelFormatError(f"{self.model_dir / 'config.json'}: {e}") from e
+
     def block_tensors(self, block: int) -> list[TensorInfo]:
         """Tensors of transformer block `block` (0-based)."""
         return [t for t in self.tensors.values() if t.block == block]
@@ -204,6 +217,10 @@ class ModelInfo:
     def profile(self, float_dtype_bytes: Optional[int] = None, kv_dtype_bytes: Optional[int] = None) -> ModelProfile:
         """Byte profile for the planner (DESIGN §5.1).
 
+        Block bytes count every tensor of a block; the bytes a token reads of a mixture-of-experts
+        block (`block_read_bytes`) and its FLOPs count its routed experts times experts per token
+        / experts (kafilad.planner.moe).
+
         Args:
             float_dtype_bytes: bytes per element the executor holds floats in (4 for f32), or None
                 to count bytes as stored.
@@ -213,10 +230,17 @@ class ModelInfo:
         L = self.num_hidden_layers
         block_bytes = [0] * L
         block_params = [0] * L
+        held: list[list[tuple[str, int]]] = [[] for _ in range(L)]
+        params: list[list[tuple[str, int]]] = [[] for _ in range(L)]
         for t in self.tensors.values():
             if t.block is not None and t.block < L:
-                block_bytes[t.block] += t.held_bytes(float_dtype_bytes)
-                block_params[t.block] += t.numel
+                nb = t.held_bytes(float_dtype_bytes)
+                block_bytes[t.block] += nb
+                held[t.block].append((t.name, nb))
+                params[t.block].append((t.name, t.numel))
+        spec = self.moe
+        block_read = [moe.read_bytes(ts, spec) for ts in held]
+        block_params = [moe.read_bytes(ps, spec) for ps in params]  # active weights: 2 FLOP each
         embed = [t for t in self.head_tensors() if "embed" in t.name or t.name.endswith("wte.weight")]
         lm_head = [t for t in self.head_tensors() if "lm_head" in t.name]
         norm = [t for t in self.head_tensors() if t not in embed and t not in lm_head]
@@ -230,7 +254,11 @@ class ModelInfo:
             else:
                 first = [t for t in self.block_tensors(0) if t.dtype in FLOAT_DTYPES]
                 kv_dtype_bytes = DTYPE_BYTES[first[0].dtype] if first else 2
-        kv = 2 * self.num_key_value_heads * self.head_dim * kv_dtype_bytes
+        if self.config.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3, Kimi K2): mlx-lm
+            # caches the compressed latent and the rope key, one of each per token (deepseek_v3.py)
+            kv = (int(self.config["kv_lora_rank"]) + int(self.config.get("qk_rope_head_dim") or 0)) * kv_dtype_bytes
+        else:
+            kv = 2 * self.num_key_value_heads * self.head_dim * kv_dtype_bytes
         head_params = sum(t.numel for t in out_proj)
         return ModelProfile(
             model_id=self.model_id,
@@ -241,6 +269,7 @@ class ModelInfo:
             block_flops_per_token=tuple(2.0 * p for p in block_params),
             head_flops_per_token=2.0 * head_params,
             shape=arch_from_config(self.config, kv_dtype_bytes),
+            block_read_bytes=tuple(block_read) if block_read != block_bytes else (),
         )
 
 

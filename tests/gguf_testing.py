@@ -48,7 +48,8 @@ def write_llama_gguf(model_dir: Path, out: Path) -> Path:
     GGUF file the way llama.cpp names, orders and permutes its tensors (F32, exact)."""
     import gguf
     from safetensors.numpy import load_file
-    from tokenizers.pre_tokenizers import ByteLevel
+
+    from kafilad.executor.synth import byte_level_chars
 
     cfg = json.loads((model_dir / "config.json").read_text())
     w = load_file(str(model_dir / "model.safetensors"))
@@ -64,15 +65,7 @@ def write_llama_gguf(model_dir: Path, out: Path) -> Path:
     g.add_rope_freq_base(cfg["rope_theta"])
     g.add_rope_dimension_count(cfg["head_dim"])
     g.add_vocab_size(cfg["vocab_size"])
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    byte_char = {b: chr(c) for b, c in zip(bs, cs)}
-    assert set(byte_char.values()) == set(ByteLevel.alphabet())
+    byte_char = byte_level_chars()
     g.add_tokenizer_model("gpt2")
     g.add_token_list([byte_char[b] for b in range(256)] + ["<s>", "</s>"])
     g.add_token_types([1] * 256 + [3, 3])

@@ -224,7 +224,7 @@ class Node:
                               context=_arg(args, "context", int, None), concurrency=_arg(args, "concurrency", int, 1),
                               rendezvous=self._rdv(args), open_=_arg(args, "open", bool, False),
                               admit_timeout_s=_arg(args, "admit_timeout_s", float, DEFAULT_ADMIT_TIMEOUT_S),
-                              queue_limit=_queue_limit(args), strategy=strategy)
+                              queue_limit=_queue_limit(args), strategy=strategy, head_self=_head_self(args))
         code = await self.nursery.start(self._run_session, session)
         self.session = session
         self.changed()
@@ -250,6 +250,7 @@ class Node:
                                           admit_timeout_s=float(record.get("admit_timeout_s")
                                                                 or DEFAULT_ADMIT_TIMEOUT_S),
                                           strategy=str(record.get("strategy") or DEFAULT_STRATEGY),
+                                          head_self=bool(record.get("head_self")),
                                           queue_limit=_queue_limit(record))  # none in records before issue 25
                     session.session_id = str(record["session_id"])
                     session.rehosted = True  # requests wait while its members rejoin (host_requests.returning)
@@ -588,6 +589,18 @@ class Node:
             self.nursery.cancel_scope.cancel()
         self.nursery.start_soon(stop_after_reply)
         return {"stopping": True}
+
+
+def _head_self(args: dict) -> bool:
+    """`host --head`: "self" pins the head on the host; "auto" (or absent) lets the planner choose.
+
+    Raises:
+        KafilaError: another value.
+    """
+    head = args.get("head", "auto")
+    if head not in ("auto", "self"):
+        raise KafilaError(f"'head' must be \"auto\" or \"self\" (got {str(head)[:20]!r}).")
+    return head == "self"
 
 
 def _queue_limit(args: dict) -> Optional[int]:

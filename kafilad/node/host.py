@@ -51,9 +51,11 @@ class HostSession(HostRequests, SessionDriver):
 
     def __init__(self, node, *, model_dir: str, members: int, context: Optional[int], concurrency: int,
                  rendezvous: str, open_: bool, admit_timeout_s: float, queue_limit: Optional[int] = None,
-                 strategy: str = DEFAULT_STRATEGY):
+                 strategy: str = DEFAULT_STRATEGY, head_self: bool = False):
         super().__init__(node)
         self.strategy = strategy  # the planner's division (DESIGN §5.3, §5.5; `host --strategy`)
+        #: `host --head self`: this host is the head of every plan (it alone sees prompts and samples)
+        self.head_self = head_self
         self.model_dir = str(Path(model_dir).resolve())
         self.expected = members
         self.context = context
@@ -269,7 +271,7 @@ class HostSession(HostRequests, SessionDriver):
         return {"role": "host", "code": self.code, "session_id": self.session_id, "rendezvous": self.rdv_url,
                 "model_dir": self.model_dir, "members": self.expected, "context": self.context,
                 "concurrency": self.concurrency, "open": self.machine.open, "admit_timeout_s": self.admit_timeout_s,
-                "strategy": self.strategy, "queue": self.admission.queue.queue_limit}
+                "strategy": self.strategy, "queue": self.admission.queue.queue_limit, "head_self": self.head_self}
 
     async def _measure_self(self) -> None:
         cap = await run_on_mlx_thread(stagehost.measure_capability, self.model_dir, self.node.state.path)
@@ -440,7 +442,7 @@ class HostSession(HostRequests, SessionDriver):
 
         def planned():  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
             return make_plan(devices, stagehost.plan_profiles(self.info, devices), context=self.context,
-                             concurrency=self.concurrency, strategy=self.strategy)
+                             concurrency=self.concurrency, strategy=self.strategy, head_self=self.head_self)
 
         try:  # on a worker thread: a large search once held the event loop 36 s (issue 25 item 6); the
             # planner is pure, so a plan abandoned when the session ends costs nothing
