@@ -33,7 +33,10 @@ kafila_prompt_cache_enabled, _hits_total, _saved_tokens_total, _entries, _tokens
                                                        tokens saved count from the session's start)
 ```
 Counters of the API start at zero with the daemon (Prometheus handles the reset of a restart);
-`route` is a route template, never a client's path, so label sets stay bounded.
+`route` is a route template, never a client's path, so label sets stay bounded. Requests the
+HTTP server refuses before any handler sees them (431, 413, 408, 503 when full:
+kafilad/control/http_server.py) are not counted here. The time to first token runs from the
+request read, so it includes the wait in the host's queue and the prompt's tokenizing.
 """
 
 from __future__ import annotations
