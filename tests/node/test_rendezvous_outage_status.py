@@ -103,17 +103,21 @@ async def test_a_restarted_host_says_it_is_restoring_its_session_until_it_is_reg
         with pytest.raises(KafilaError, match=r"\(state: restoring\)"):
             await again.op_wait({"states": ["ready"], "timeout_s": 0.2}, _ignore)
         from kafilad.node.comeback import session_back
-        monkeypatch.setattr(host_requests, "RECOVERY_WAIT_S", 60)
-        gone = trio.Event()  # a waiting request's client goes away: its wait ends then, not a poll later
+        monkeypatch.setattr(host_requests, "RECOVERY_WAIT_S", 3600)  # far beyond the hang guard below
+        gone = trio.Event()  # a waiting request's client goes away: its wait ends then, not at RECOVERY_WAIT_S
+        waited = trio.Event()
 
-        async def client_leaves() -> None:
-            await trio.sleep(0.1)
-            gone.set()
-        t0 = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(client_leaves)
+        async def wait_for_the_session() -> None:
             await session_back(again, gone)
-        assert trio.current_time() - t0 < 0.5 and again.snapshot()["state"] == "restoring"
+            waited.set()
+        with trio.fail_after(60):  # a hang guard
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_for_the_session)
+                await trio.sleep(0.2)
+                assert not waited.is_set()  # it waits while the session is restoring ...
+                gone.set()
+                await waited.wait()  # ... until its client goes away
+        assert again.snapshot()["state"] == "restoring"  # the session was not back: the client's leaving ended it
 
         w.rdv.restart()
         await w.wait(lambda: again.snapshot()["state"] == "ready", 20, "the session hosted again")

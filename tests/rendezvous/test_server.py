@@ -597,7 +597,7 @@ def test_a_websocket_that_never_registers_is_closed_after_the_deadline():
                     await idle.get_message()
                 assert closed.value.reason.code == 1008
                 assert closed.value.reason.reason == "did not register or join a session within 0.5 s"
-            assert 0.4 <= trio.current_time() - t0 < 5
+            assert trio.current_time() - t0 >= 0.4  # closed by its deadline, not before (run_with_server: hang guard)
             await trio.sleep(0.6)  # the registered host and the joined member are still served
             newcomer = await stack.enter_async_context(rdv(url, "N", "n"))
             assert await newcomer.join(host.session_id) == H
