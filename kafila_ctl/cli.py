@@ -49,7 +49,7 @@ def _model_ref(model: str) -> str:
 def cmd_host(args) -> int:
     r = _call(args, "host", model_dir=_model_ref(args.model), members=args.members, context=args.context,
               concurrency=args.concurrency, queue=args.queue, rendezvous=args.rendezvous, open=args.open,
-              admit_timeout_s=args.admit_timeout, strategy=args.strategy)
+              admit_timeout_s=args.admit_timeout, strategy=args.strategy, head=args.head)
     if args.json:
         _print_json(r)
     else:
@@ -374,13 +374,14 @@ def cmd_service_install(args) -> int:
         except argparse.ArgumentTypeError as e:
             raise UsageError(f"{RENDEZVOUS_ENV} (carried into the service as --rendezvous): {e} Pass "
                              "--rendezvous URL, or unset it.") from None
+    environment = _service_api_keys(args)
     argv = service.daemon_argv(state_dir=state_dir and str(Path(state_dir).expanduser().resolve()),
-                               name=args.name, rendezvous=rendezvous, http=args.http)
+                               name=args.name, rendezvous=rendezvous, http=args.http, http_insecure=args.http_insecure)
     path = Path(args.path).expanduser() if args.path else None
     if args.print:
-        print(service.render(kind, argv, path=path), end="")
+        print(service.render(kind, argv, path=path, environment=environment), end="")
         return 0
-    path = service.install(kind, argv, path=path, force=args.force)
+    path = service.install(kind, argv, path=path, force=args.force, environment=environment)
     print(f"wrote {path}\nExecStart: {' '.join(argv)}\nenable and start it with:")
     commands = service.enable_commands(kind, path)
     for c in commands:
@@ -389,6 +390,28 @@ def cmd_service_install(args) -> int:
         print(f"(the link points at {path}: keep the file there, or copy it into "
               f"{service.default_path(kind).parent}/ instead of linking it)")
     return 0
+
+
+def _service_api_keys(args) -> dict[str, str]:
+    """The service's environment for the HTTP API's keys: KAFILA_API_KEYS carried from this shell
+    (checked as the daemon checks it) when set; a non-loopback --http without keys is refused, as the
+    daemon would refuse it (kafilad/control/auth.py check_binding), unless --http-insecure.
+
+    Raises:
+        UsageError: a key the daemon would refuse, or keys missing for a non-loopback --http.
+    """
+    from kafila_ctl.client import UsageError
+    from kafilad.control.auth import KEYS_ENV, check_binding, keys_from
+    from kafilad.main import DEFAULT_HTTP, http_address
+    try:
+        keys = keys_from([])
+        http = http_address(args.http) if args.http else DEFAULT_HTTP
+        if http is not None:
+            check_binding(http[0], keys, args.http_insecure)
+    except KafilaError as e:
+        raise UsageError(f"{e} (For the service: export {KEYS_ENV} in this shell before `service install`, which "
+                         "writes it into the service file, mode 0600.)") from None
+    return {KEYS_ENV: os.environ[KEYS_ENV].strip()} if keys else {}
 
 
 def _daemon_checked(check):
@@ -469,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="division to serve with (as `plan` has): load (most tokens/s at --concurrency; members "
                         "may stand by), kafila (the paper's exact partition, least bottleneck, every member "
                         f"holds blocks), uniform or memory (the baselines of DESIGN §5.5; default {DEFAULT_STRATEGY})")
+    s.add_argument("--head", choices=("auto", "self"), default="auto",
+                   help="self: this host is the head of every plan, so only it sees prompts and samples tokens "
+                        "(a faster member never takes the head); auto: the planner chooses (default)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_host)
 
@@ -502,7 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="live view pushed by the daemon; into a pipe or file, one timestamped line per change")
     s.set_defaults(func=cmd_status)
 
-    s = sub.add_parser("wait", help="wait until the session reaches a state (default: ready)")
+    s = sub.add_parser("wait", help="wait until the session reaches a state (default: ready; a member on standby "
+                                    "counts as ready)")
     s.add_argument("--state", action="append", default=None, choices=WAIT_STATES, metavar="STATE",
                    help=f"a state to wait for, repeatable (default ready); one of {', '.join(WAIT_STATES)}")
     s.add_argument("--timeout", type=float, default=300.0, metavar="S",
@@ -554,7 +581,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the daemon's default rendezvous URL, ws://HOST:PORT (default: $KAFILA_RENDEZVOUS)")
     t.add_argument("--name", help="this member's name (default: the host name)")
     t.add_argument("--http", type=_daemon_checked(http_address),
-                   help="the daemon's --http: HOST:PORT, PORT or off (default 127.0.0.1:8400)")
+                   help="the daemon's --http: HOST:PORT, PORT or off (default 127.0.0.1:8400); an address "
+                        "other machines reach needs KAFILA_API_KEYS in this shell (carried into the service file) "
+                        "or --http-insecure")
+    t.add_argument("--http-insecure", action="store_true",
+                   help="the daemon's --http-insecure: serve the API beyond loopback without a key")
     t.add_argument("--manager", choices=("systemd", "launchd"),
                    help="service manager (default: launchd on macOS, systemd elsewhere)")
     t.add_argument("--path", help="file to write (default ~/.config/systemd/user/kafilad.service or "

@@ -235,17 +235,17 @@ def shipped_models() -> list[str]:
 def model_ref(model: str) -> str:
     """What `--model` names, as the daemon is to receive it (`kafila-ctl host`, `kafila-ctl demo`).
 
-    In this order: a Hugging Face repo id (ORG/NAME[@REV]) as given, for the daemon to resolve
-    (kafilad/modelref.py); a path that exists, made absolute (the daemon's working directory
+    In this order: a Hugging Face repo id (ORG/NAME[@REV]) or an Ollama model (ollama:NAME[:TAG]) as
+    given, for the daemon to resolve (kafilad/modelref.py); a path that exists, made absolute (the daemon's working directory
     differs); a bare name of a model shipped with kafila (`stories260K`), its directory in the
     package; any other path made absolute (the daemon says what it lacks).
 
     Raises:
         KafilaError: a bare name (no '/') that is none of these, naming each place looked at.
     """
-    from kafilad.modelref import parse_repo_id
-    if parse_repo_id(model) is not None:
-        return model
+    from kafilad.modelref import OLLAMA_PREFIX, parse_repo_id
+    if parse_repo_id(model) is not None or model.startswith(OLLAMA_PREFIX):
+        return model  # the daemon resolves it (kafilad/modelref.py)
     path = Path(model).expanduser().resolve()
     if path.exists() or not model or "/" in model or os.sep in model or model[0] in "~.":
         return str(path)
@@ -285,6 +285,26 @@ def generation_markup(prompt: str, result: dict, *, synth: bool) -> str:
     more = f" ... ({len(ids) - SHOWN_NOISE_IDS} more)" if len(ids) > SHOWN_NOISE_IDS else ""
     return (f"{head} -> token ids {' '.join(ids[:SHOWN_NOISE_IDS])}{more} (random weights: the text they decode "
             "to is noise, not shown)")
+
+
+def ring_note(status: dict) -> str:
+    """What the demo says of its ring after the plan line, from the host's status: that every member
+    holds blocks only when each does (a trial's `demo --model` said so while two members, lost after
+    their stages failed, held none); else who holds none, and why when status says it.
+
+    Args:
+        status: the host's `status` snapshot ("members": [{"name", "blocks", "lost"?, "standby"?}]).
+    """
+    members = status.get("members") or []
+    idle = [m for m in members if not m.get("blocks")]
+    if members and not idle:
+        return "the demo's ring: every member holds blocks"
+    parts = []
+    for m in idle:
+        why = "lost: " + str(m["lost"]).rstrip(".") if m.get("lost") else "on standby" if m.get("standby") else \
+            "no blocks"
+        parts.append(f"{m.get('name')} ({why})")
+    return "holding no blocks: " + "; ".join(parts) if parts else "no member holds blocks"
 
 
 def check_demo_args(model: str, members: int, context: int = DEMO_CONTEXT) -> None:
@@ -353,7 +373,7 @@ def run_demo(*, model: Optional[str], members: int, prompt: str, max_tokens: int
         plan = formed["status"].get("plan") or {}
         console.print(f"plan: bottleneck {plan.get('bottleneck_s', 0) * 1e3:.3f} ms, "
                       f"utilisation {plan.get('utilization', 0):.0%}, tier {plan.get('tier')}, strategy "
-                      f"{plan.get('strategy')} (the demo's ring: every member holds blocks)")
+                      f"{plan.get('strategy')} ({escape(ring_note(formed['status']))})")
         result = cluster.generate(prompt, max_tokens)
         console.print(generation_markup(prompt, result, synth=synth))
         tps = result.get("decode_tokens_per_s")

@@ -258,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
         fleet = load_fleet(args.fleet)
         info = read_model_info(model_ref(str(args.model)))
         profile = info.profile(float_dtype_bytes=HOLD_DTYPE_BYTES[args.hold_dtype])
+        moe_info = moe_summary(info.moe, profile)
         context = args.context if args.context is not None else (fleet.context or default_context(info.config))
         limit = info.config.get("max_position_embeddings")
         if args.context is None and limit and context > int(limit):  # the fleet file's context is a default:
@@ -286,9 +287,13 @@ def run(args: argparse.Namespace) -> int:
         obj["hold_dtype"] = args.hold_dtype
         obj["baselines"] = {s: (_summary(p) if isinstance(p, Plan) else error_json(p))
                             for s, p in outcomes.items() if s != args.strategy}
+        if moe_info is not None:
+            obj["moe"] = moe_info
         print(json.dumps(obj, indent=2))
     else:
         render(outcomes, args.strategy, console, fleet.name or Path(args.fleet).stem)
+        if moe_info is not None:
+            console.print(moe_sentence(moe_info))
     if args.plot is not None:
         try:
             plot(outcomes, args.plot, f"{profile.model_id} on {fleet.name or Path(args.fleet).stem}")
@@ -296,6 +301,26 @@ def run(args: argparse.Namespace) -> int:
             print(f"kafila-ctl: {e}", file=sys.stderr)
             return 2 if isinstance(chosen, PlanError) else 1
     return 2 if isinstance(chosen, PlanError) else 0
+
+
+def moe_summary(spec, profile) -> Optional[dict]:
+    """The `moe` object of `kafila-ctl plan --json` (issue 21 item 4): {"num_experts",
+    "experts_per_tok", "block_bytes", "block_read_bytes"} (bytes of all blocks held, and read per
+    token), or None for a dense model (`spec` None)."""
+    if spec is None:
+        return None
+    return {"num_experts": spec.num_experts, "experts_per_tok": spec.experts_per_tok,
+            "block_bytes": int(sum(profile.block_bytes)), "block_read_bytes": int(sum(profile.read_bytes))}
+
+
+def moe_sentence(summary: Optional[dict]) -> Optional[str]:
+    """The line `kafila-ctl plan` prints under a mixture-of-experts model's tables, or None."""
+    if summary is None:
+        return None
+    held, read = summary["block_bytes"], summary["block_read_bytes"]
+    return (f"Mixture of experts ({summary['experts_per_tok']} of {summary['num_experts']} experts per token): "
+            f"a token reads {read / 1e9:.1f} GB of the blocks' {held / 1e9:.1f} GB ({read / held:.0%}); "
+            "stage times follow the bytes read, memory holds every expert.")
 
 
 def _standalone(argv: Optional[list] = None) -> int:

@@ -85,9 +85,9 @@ def status_renderable(snap: dict):
             head.append("\npredicted: " + ", ".join(
                 f"{t['tokens_per_s']:.1f} tokens/s for {t['users']} user{'s' if t['users'] > 1 else ''}" for t in rates)
                 + f" ({plan.get('strategy') or DEFAULT_STRATEGY})")
-        if plan.get("standby"):
-            head.append(f"\nstandby (no blocks, ready for healing): {', '.join(plan['standby'])}"
-                        + standby_why(plan))
+        standby = standing_by(snap)
+        if standby:
+            head.append(f"\nstandby (no blocks, ready for healing): {', '.join(standby)}" + standby_why(plan))
     lg = snap.get("last_generation") or {}
     if lg.get("decode_tokens_per_s"):
         head.append(f"\nlast generation: {lg['decode_tokens_per_s']:.1f} tokens/s decode, "
@@ -119,6 +119,13 @@ def status_renderable(snap: dict):
     if et is not None:
         parts.append(et)
     return Panel(Group(*parts), title="kafilad")
+
+
+def standing_by(snap: dict) -> list:
+    """Names the plan left on standby that are still in the session: one that left or was lost since
+    is not standing by (a trial's status kept naming a member after its `leave`, issue 25 item 6)."""
+    gone = {m.get("name") for m in snap.get("members") or [] if m.get("lost")}
+    return [n for n in (snap.get("plan") or {}).get("standby") or [] if n not in gone]
 
 
 def standby_why(plan: dict) -> str:

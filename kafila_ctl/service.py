@@ -33,12 +33,14 @@ def default_kind(platform: str = sys.platform) -> str:
 
 
 def daemon_argv(*, python: Optional[str] = None, state_dir: Optional[str] = None, name: Optional[str] = None,
-                rendezvous: Optional[str] = None, http: Optional[str] = None) -> list[str]:
+                rendezvous: Optional[str] = None, http: Optional[str] = None, http_insecure: bool = False) -> list[str]:
     """The daemon's command line: this interpreter running kafilad.main, with the given options."""
     argv = [python or sys.executable, "-m", "kafilad.main"]
     for flag, value in (("--state-dir", state_dir), ("--name", name), ("--rendezvous", rendezvous), ("--http", http)):
         if value:
             argv += [flag, str(value)]
+    if http_insecure:
+        argv.append("--http-insecure")
     return argv
 
 
@@ -52,9 +54,11 @@ def _systemd_quote(arg: str) -> str:
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def systemd_unit(argv: list[str], commands: Optional[list[str]] = None) -> str:
-    """A systemd user unit running `argv` (restarted on failure; SIGTERM stops it cleanly); its head
-    comment shows `commands` (default: those of the unit at its default path, `enable_commands`)."""
+def systemd_unit(argv: list[str], commands: Optional[list[str]] = None,
+                 environment: Optional[dict[str, str]] = None) -> str:
+    """A systemd user unit running `argv` (restarted on failure; SIGTERM stops it cleanly) with
+    `environment` (e.g. KAFILA_API_KEYS); its head comment shows `commands` (default: those of the
+    unit at its default path, `enable_commands`)."""
     commands = commands or _systemd_commands("kafilad", None)
     return "\n".join([
         "# kafilad as a systemd user service, written by `kafila-ctl service install`.",
@@ -66,6 +70,7 @@ def systemd_unit(argv: list[str], commands: Optional[list[str]] = None) -> str:
         "",
         "[Service]",
         "Type=simple",
+        *(f"Environment={_systemd_quote(f'{k}={v}')}" for k, v in (environment or {}).items()),
         "ExecStart=" + " ".join(_systemd_quote(a) for a in argv),
         "Restart=on-failure",
         "RestartSec=5",
@@ -78,8 +83,8 @@ def systemd_unit(argv: list[str], commands: Optional[list[str]] = None) -> str:
     ])
 
 
-def launchd_plist(argv: list[str], log_path: str) -> str:
-    """A launchd agent running `argv` at login, restarted when it exits with an error."""
+def launchd_plist(argv: list[str], log_path: str, environment: Optional[dict[str, str]] = None) -> str:
+    """A launchd agent running `argv` at login with `environment`, restarted when it exits with an error."""
     return plistlib.dumps({
         "Label": LAUNCHD_LABEL,
         "ProgramArguments": list(argv),
@@ -87,7 +92,7 @@ def launchd_plist(argv: list[str], log_path: str) -> str:
         "KeepAlive": {"SuccessfulExit": False},
         "StandardErrorPath": log_path,
         "StandardOutPath": log_path,
-        "EnvironmentVariables": {"PYTHONUNBUFFERED": "1"},
+        "EnvironmentVariables": {"PYTHONUNBUFFERED": "1", **(environment or {})},
     }, sort_keys=False).decode()
 
 
@@ -101,16 +106,18 @@ def default_path(kind: str, home: Optional[Path] = None) -> Path:
     return config / "systemd" / "user" / SYSTEMD_UNIT
 
 
-def render(kind: str, argv: list[str], home: Optional[Path] = None, path: Optional[Path] = None) -> str:
-    """The service file of `kind` for `argv` (to be written at `path`, default `default_path`).
+def render(kind: str, argv: list[str], home: Optional[Path] = None, path: Optional[Path] = None,
+           environment: Optional[dict[str, str]] = None) -> str:
+    """The service file of `kind` for `argv` and `environment` (to be written at `path`, default
+    `default_path`).
 
     Raises:
         KafilaError: an unknown kind.
     """
     if kind == "systemd":
-        return systemd_unit(argv, enable_commands(kind, path or default_path(kind, home), home))
+        return systemd_unit(argv, enable_commands(kind, path or default_path(kind, home), home), environment)
     if kind == "launchd":
-        return launchd_plist(argv, str((home or Path.home()) / "Library" / "Logs" / "kafilad.log"))
+        return launchd_plist(argv, str((home or Path.home()) / "Library" / "Logs" / "kafilad.log"), environment)
     raise KafilaError(f"Unknown service manager {kind!r}; choose one of {', '.join(KINDS)}.")
 
 
@@ -146,8 +153,10 @@ def check_path(kind: str, path: Path) -> None:
                           f"--path {path.with_name(SYSTEMD_UNIT)} or another NAME.service.")
 
 
-def install(kind: str, argv: list[str], *, path: Optional[Path] = None, force: bool = False) -> Path:
-    """Write the service file; return its path. An identical file is left as it is.
+def install(kind: str, argv: list[str], *, path: Optional[Path] = None, force: bool = False,
+            environment: Optional[dict[str, str]] = None) -> Path:
+    """Write the service file (mode 0600: it may hold the API keys); return its path. An identical
+    file is left as it is.
 
     Raises:
         KafilaError: a systemd unit path not named NAME.service (`check_path`), a different file is
@@ -155,14 +164,17 @@ def install(kind: str, argv: list[str], *, path: Optional[Path] = None, force: b
     """
     path = Path(path) if path is not None else default_path(kind)
     check_path(kind, path)
-    text = render(kind, argv, path=path)
+    text = render(kind, argv, path=path, environment=environment)
     if path.exists() and not force and path.read_text() != text:
         raise KafilaError(f"{path} already exists with other contents; pass --force to replace it "
                           f"(or --print to see the new one).")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o600)
         os.replace(tmp, path)
     except OSError as e:
         raise KafilaError(f"Could not write {path}: {e.strerror or e}.") from e

@@ -58,6 +58,13 @@ class ModelFormatError(KafilaError):
     """A model directory is missing a file or holds a malformed config or safetensors header."""
 
 
+class StageBuildError(KafilaError):
+    """A stage could not be built from its share of the model (its tensors do not fit the config, or
+    mlx-lm's code for the architecture cannot run that share; issue 21 item 3). Any plan fails the same
+    way, so the session fails at once instead of re-forming (proto_spec 05 §2.3, `failed` with code
+    "stage_build"). The message is a sentence naming the member, the architecture and the reason."""
+
+
 class PlanError(KafilaError):
     """No division of the model exists for this fleet (see AdmissionError for the memory case)."""
 

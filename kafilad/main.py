@@ -1,7 +1,11 @@
 """`kafilad` command line: the daemon (foreground) and `kafilad rendezvous`.
 
-    kafilad [--version] [--state-dir DIR] [--name NAME] [--rendezvous ws://HOST:PORT] [--http HOST:PORT|PORT|off] [-v]
+    kafilad [--version] [--state-dir DIR] [--name NAME] [--rendezvous ws://HOST:PORT] [--http HOST:PORT|PORT|off]
+            [--api-key KEY ...] [--http-insecure] [-v]
     kafilad rendezvous --listen HOST:PORT [--stun ADDR:PORT ...] [--record-relay FILE] [--register-timeout S]
+                       [--max-sessions N] [--max-connections-per-address N] [--max-sessions-per-address N]
+                       [--max-sessions-per-key N] [--max-circuits-per-address N]
+                       [--joins-per-second-per-address R] [--relay-mib-per-second-per-address R]
 
 `--http` takes HOST:PORT, a bare PORT (meaning 127.0.0.1:PORT, the API stays local), or `off`.
 A port outside 0..65535 is refused by the parser, and a port given with `--http` that cannot be
@@ -12,7 +16,10 @@ port and `--http`, and runs without the API; kafila-ctl needs only the control s
 `--state-dir`, `KAFILA_STATE_DIR` names the state directory (as for kafila-ctl); before anything
 starts, the daemon checks that its control socket there fits a Unix socket address and that the
 directory can be created, and says what to change when not. `--rendezvous` (or
-`KAFILA_RENDEZVOUS`) is checked at startup too: a ws:// or wss:// URL with a host.
+`KAFILA_RENDEZVOUS`) is checked at startup too: a ws:// or wss:// URL with a host. `--api-key`
+(repeatable) and `KAFILA_API_KEYS` (comma-separated) are the HTTP API's keys
+(kafilad/control/auth.py); an `--http` address other than loopback without a key refuses the
+start with a sentence unless `--http-insecure` is given.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import trio
 
 from kafilad.errors import find_kafila_error
 from kafilad.proto.address import AddressError, parse_host_port
+from kafilad.proto.rendezvous import RendezvousLimits
 
 
 #: file handles the daemon asks for (the soft limit is raised up to this, never past the hard limit)
@@ -44,6 +52,28 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 def _hostport(s: str) -> tuple[str, int]:
     """HOST:PORT of a listen address (port 0: any free port); one parser for the project (proto/address.py)."""
     return parse_host_port(s, allow_any_port=True)
+
+
+def _count(s: str) -> int:
+    """A positive whole number (a limit of `kafilad rendezvous`)."""
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a whole number.") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{s!r} must be at least 1.")
+    return n
+
+
+def _rate(s: str) -> float:
+    """A positive finite number (a rate limit of `kafilad rendezvous`)."""
+    try:
+        x = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number.") from None
+    if not (x > 0 and x != float("inf")):
+        raise argparse.ArgumentTypeError(f"{s!r} must be a positive number.")
+    return x
 
 
 def _seconds(s: str) -> float:
@@ -187,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the OpenAI-compatible API of a hosted session on HOST:PORT, or on "
                         "127.0.0.1:PORT for a bare PORT ('off' disables; default 127.0.0.1:8400, skipped with "
                         "a warning when another program, e.g. a second kafilad, holds it)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="a key the HTTP API asks for (Authorization: Bearer KEY or x-api-key: KEY); repeat for "
+                        "more; also KAFILA_API_KEYS=KEY1,KEY2, which other users cannot read in the process list")
+    p.add_argument("--http-insecure", action="store_true",
+                   help="serve the HTTP API on an address other machines reach without an API key")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command")
     r = sub.add_parser("rendezvous", help="run the rendezvous / relay / STUN service")
@@ -197,6 +232,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--register-timeout", type=_seconds, default=None, metavar="S",
                    help="close a WebSocket that has not registered or joined a session within S seconds "
                         "(default 10)")
+    d = RendezvousLimits()  # the defaults
+    r.add_argument("--max-sessions", type=_count, default=d.max_sessions, metavar="N",
+                   help=f"sessions this rendezvous holds at once (default {d.max_sessions})")
+    r.add_argument("--max-connections-per-address", type=_count, default=d.max_connections_per_source, metavar="N",
+                   help=f"WebSockets one address may hold open (default {d.max_connections_per_source})")
+    r.add_argument("--max-sessions-per-address", type=_count, default=d.max_sessions_per_source, metavar="N",
+                   help=f"sessions one address may host (default {d.max_sessions_per_source})")
+    r.add_argument("--max-sessions-per-key", type=_count, default=d.max_sessions_per_key, metavar="N",
+                   help=f"sessions one host key may host (default {d.max_sessions_per_key})")
+    r.add_argument("--max-circuits-per-address", type=_count, default=d.max_circuits_per_source, metavar="N",
+                   help=f"relay circuits one address may open (default {d.max_circuits_per_source})")
+    r.add_argument("--joins-per-second-per-address", type=_rate, default=d.joins_per_source_per_s, metavar="R",
+                   help=f"joins one address may make a second (default {d.joins_per_source_per_s:g}, "
+                        f"burst {d.joins_burst_per_source:g})")
+    r.add_argument("--relay-mib-per-second-per-address", type=_rate,
+                   default=d.relay_rate_per_source_Bps / (1 << 20), metavar="R",
+                   help=f"relay MiB/s one address may send (default {d.relay_rate_per_source_Bps / (1 << 20):g})")
     return p
 
 
@@ -236,6 +288,14 @@ def _main(argv: list[str] | None = None) -> int:
             except argparse.ArgumentTypeError as e:
                 print(f"kafilad: {RENDEZVOUS_ENV}: {e}", file=sys.stderr)
                 return 2
+        from kafilad.control.auth import check_binding, keys_from
+        try:
+            args.api_keys = keys_from(args.api_key)
+            if args.http is not None:
+                check_binding(args.http[0], args.api_keys, args.http_insecure)
+        except KafilaError as e:
+            print(f"kafilad: {e}", file=sys.stderr)
+            return 2
         from kafilad.node.ring_parts import daemon_switch_interval_s, pinned_micro_batches
         try:  # every switch is checked before the state directory is made: a bad one leaves nothing behind
             pinned_micro_batches()
@@ -295,8 +355,15 @@ async def _rendezvous(args) -> None:
             from kafilad.rendezvous.stun_server import serve_stun
             await nursery.start(serve_stun, args.stun)
         extra = {} if args.register_timeout is None else {"register_timeout_s": args.register_timeout}
+        limits = RendezvousLimits(
+            max_sessions=args.max_sessions, max_connections_per_source=args.max_connections_per_address,
+            max_sessions_per_source=args.max_sessions_per_address, max_sessions_per_key=args.max_sessions_per_key,
+            max_circuits_per_source=args.max_circuits_per_address,
+            joins_per_source_per_s=args.joins_per_second_per_address,
+            relay_rate_per_source_Bps=args.relay_mib_per_second_per_address * (1 << 20))
         actual = await nursery.start(lambda task_status: serve_rendezvous(
-            host, port, record_path=args.record_relay, stun_addresses=args.stun, task_status=task_status, **extra))
+            host, port, record_path=args.record_relay, stun_addresses=args.stun, task_status=task_status,
+            limits=limits, **extra))
         print(f"rendezvous listening on ws://{host}:{actual}", flush=True)
 
 
@@ -322,13 +389,15 @@ def _log_to_file(path, max_bytes: int = LOG_FILE_BYTES, backups: int = LOG_FILE_
     return handler
 
 
-async def _default_http_or_none(http: tuple[str, int]) -> tuple[str, int] | None:
-    """`http` (the default address) when it can be listened on now, else None after a warning that
-    names the port and `--http`: a second daemon on one machine still starts, without the API.
+async def _default_http_or_none(http: tuple[str, int]) -> list | None:
+    """The listeners of `http` (the default address), opened now and kept for the daemon's API, else
+    None after a warning that names the port and `--http`: a second daemon on one machine still
+    starts, without the API. Kept, not closed and bound again later: daemons started at the same
+    moment each found the port free, and two of three then failed to bind it (issue 25 item 6).
     An address given with `--http` is not checked here; the daemon refuses to start without it."""
     from kafilad.control.http_server import open_listeners
     try:
-        listeners = await open_listeners(*http)
+        return await open_listeners(*http)
     except OSError as e:
         logging.getLogger("kafilad").warning(
             "The HTTP API's default address %s:%d is taken (%s), likely by another kafilad on this machine; this "
@@ -336,9 +405,6 @@ async def _default_http_or_none(http: tuple[str, int]) -> tuple[str, int] | None
             "--http %d) to serve the API there, or --http off to run without it and without this warning.",
             http[0], http[1], e.strerror or e, http[1] + 1)
         return None
-    for listener in listeners:
-        await listener.aclose()
-    return http
 
 
 async def _daemon(args) -> None:
@@ -347,8 +413,12 @@ async def _daemon(args) -> None:
     _raise_open_files_limit()
     state = getattr(args, "state", None) or StateDir(args.state_dir).ensure()
     _log_to_file(state.log_path)
-    http = await _default_http_or_none(args.http) if args.http is DEFAULT_HTTP else args.http
-    node = Node(state, name=args.name or default_name(), rendezvous=args.rendezvous, http=http)
+    http, listeners = args.http, None
+    if args.http is DEFAULT_HTTP:
+        listeners = await _default_http_or_none(args.http)
+        http = args.http if listeners is not None else None
+    node = Node(state, name=args.name or default_name(), rendezvous=args.rendezvous, http=http,
+                http_listeners=listeners, api_keys=getattr(args, "api_keys", None))
     await node.run()
 
 

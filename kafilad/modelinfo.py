@@ -27,6 +27,7 @@ from typing import Optional
 import attrs
 
 from kafilad.errors import ModelFormatError
+from kafilad.planner import moe
 from kafilad.planner.precision import DTYPE_BYTES as STAGE_DTYPE_BYTES
 from kafilad.planner.records import ModelProfile
 from kafilad.planner.workmem import arch_from_config
@@ -150,6 +151,18 @@ class ModelInfo:
         return bool(self.config.get("tie_word_embeddings", False)) or not any(
             "lm_head" in n for n in self.tensors)
 
+    @property
+    def moe(self) -> Optional[moe.MoeSpec]:
+        """E and k of a mixture-of-experts model (kafilad.planner.moe), None for a dense one.
+
+        Raises:
+            ModelFormatError: a config that routes each token to more experts than there are.
+        """
+        try:
+            return moe.moe_spec(self.config)
+        except ValueError as e:
+            raise ModelFormatError(f"{self.model_dir / 'config.json'}: {e}") from e
+
     def block_tensors(self, block: int) -> list[TensorInfo]:
         """Tensors of transformer block `block` (0-based)."""
         return [t for t in self.tensors.values() if t.block == block]
@@ -157,6 +170,12 @@ class ModelInfo:
     def head_tensors(self) -> list[TensorInfo]:
         """Tensors that are not in any block: embedding, final norm, lm_head."""
         return [t for t in self.tensors.values() if t.block is None]
+
+    def checkpoint_shapes(self) -> list[list]:
+        """Every tensor of the checkpoint as [name, safetensors dtype, shape]: what a stage's
+        mlx-lm `sanitize` must see beside its own tensors (kafilad/executor/stage.py
+        `build_stage`; the `plan` frame's "checkpoint", proto_spec 05 §2)."""
+        return [[t.name, t.dtype, list(t.shape)] for t in self.tensors.values()]
 
     def stage_tensors(self, start: int, end: int, head: bool) -> list[TensorInfo]:
         """Tensors a stage holding blocks [start, end) (plus head parts if `head`) loads."""
@@ -198,6 +217,10 @@ class ModelInfo:
     def profile(self, float_dtype_bytes: Optional[int] = None, kv_dtype_bytes: Optional[int] = None) -> ModelProfile:
         """Byte profile for the planner (DESIGN §5.1).
 
+        Block bytes count every tensor of a block; the bytes a token reads of a mixture-of-experts
+        block (`block_read_bytes`) and its FLOPs count its routed experts times experts per token
+        / experts (kafilad.planner.moe).
+
         Args:
             float_dtype_bytes: bytes per element the executor holds floats in (4 for f32), or None
                 to count bytes as stored.
@@ -207,10 +230,17 @@ class ModelInfo:
         L = self.num_hidden_layers
         block_bytes = [0] * L
         block_params = [0] * L
+        held: list[list[tuple[str, int]]] = [[] for _ in range(L)]
+        params: list[list[tuple[str, int]]] = [[] for _ in range(L)]
         for t in self.tensors.values():
             if t.block is not None and t.block < L:
-                block_bytes[t.block] += t.held_bytes(float_dtype_bytes)
-                block_params[t.block] += t.numel
+                nb = t.held_bytes(float_dtype_bytes)
+                block_bytes[t.block] += nb
+                held[t.block].append((t.name, nb))
+                params[t.block].append((t.name, t.numel))
+        spec = self.moe
+        block_read = [moe.read_bytes(ts, spec) for ts in held]
+        block_params = [moe.read_bytes(ps, spec) for ps in params]  # active weights: 2 FLOP each
         embed = [t for t in self.head_tensors() if "embed" in t.name or t.name.endswith("wte.weight")]
         lm_head = [t for t in self.head_tensors() if "lm_head" in t.name]
         norm = [t for t in self.head_tensors() if t not in embed and t not in lm_head]
@@ -224,7 +254,11 @@ class ModelInfo:
             else:
                 first = [t for t in self.block_tensors(0) if t.dtype in FLOAT_DTYPES]
                 kv_dtype_bytes = DTYPE_BYTES[first[0].dtype] if first else 2
-        kv = 2 * self.num_key_value_heads * self.head_dim * kv_dtype_bytes
+        if self.config.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3, Kimi K2): mlx-lm
+            # caches the compressed latent and the rope key, one of each per token (deepseek_v3.py)
+            kv = (int(self.config["kv_lora_rank"]) + int(self.config.get("qk_rope_head_dim") or 0)) * kv_dtype_bytes
+        else:
+            kv = 2 * self.num_key_value_heads * self.head_dim * kv_dtype_bytes
         head_params = sum(t.numel for t in out_proj)
         return ModelProfile(
             model_id=self.model_id,
@@ -235,10 +269,42 @@ class ModelInfo:
             block_flops_per_token=tuple(2.0 * p for p in block_params),
             head_flops_per_token=2.0 * head_params,
             shape=arch_from_config(self.config, kv_dtype_bytes),
+            block_read_bytes=tuple(block_read) if block_read != block_bytes else (),
         )
 
 
-def _block_of(name: str) -> Optional[int]:
+def unsplittable_reason(config: dict) -> Optional[str]:
+    """Why mlx-lm's own code for this model cannot be divided into stages, or None when it can.
+
+    Stages run each architecture's own mlx-lm forward (kafilad/executor/stage.py) and pass one
+    hidden state (B, L, D) from stage to stage (proto_spec 02 §4.2). An architecture whose blocks
+    also read something made outside the blocks from the token ids, or another block's KV
+    cache, cannot be divided at a block boundary that way:
+
+    - Gemma 4 (and 3n) per-layer inputs: with `hidden_size_per_layer_input` > 0 every block reads
+      its slice of per-layer token embeddings that the model computes before the first block;
+    - Gemma 4 KV sharing: with `num_kv_shared_layers` > 0 the last blocks reuse earlier blocks'
+      keys and values within one forward pass.
+
+    Such a model is served by one member (`--members 1`). Pure: reads the config only (text
+    fields at the top, as `read_model_info` flattens them).
+    """
+    model_type = str(config.get("model_type", ""))
+    if not model_type.startswith(("gemma4", "gemma3n")):
+        return None
+    if int(config.get("hidden_size_per_layer_input") or 0) > 0:
+        return (f"its blocks read per-layer token embeddings ({model_type} hidden_size_per_layer_input="
+                f"{config['hidden_size_per_layer_input']}) that the model computes from the token ids before "
+                f"its first block, so no block boundary can divide it")
+    if int(config.get("num_kv_shared_layers") or 0) > 0:
+        return (f"its last {config['num_kv_shared_layers']} blocks reuse the keys and values of earlier blocks "
+                f"within one pass ({model_type} num_kv_shared_layers), which do not cross from one stage to the next")
+    return None
+
+
+def block_of(name: str) -> Optional[int]:
+    """The block index in a tensor or parameter name (`...layers.N....`), or None for the head's
+    parts (embedding, final norm, output) and anything else outside the blocks."""
     m = _BLOCK_RE.search(name)
     return int(m.group(1)) if m else None
 
@@ -264,7 +330,10 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
     except json.JSONDecodeError as e:
         raise ModelFormatError(f"{cfg_path} is not valid JSON ({e}).") from e
     if "text_config" in config and "num_hidden_layers" not in config:
-        config = {**config, **config["text_config"]}
+        # a multimodal checkpoint (Gemma 3, Mistral 3, Qwen3.5): the text model's sizes at the top
+        # for the planner, while model_type stays the checkpoint's own, whose mlx-lm class reads
+        # text_config and maps the `language_model.`-prefixed tensors (its sanitize)
+        config = {**config, **config["text_config"], "model_type": config["model_type"]}
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
         if key not in config:
             raise ModelFormatError(f"{cfg_path} lacks '{key}'.")
@@ -291,5 +360,5 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
                 raise ModelFormatError(f"{fname}: tensor {name!r} has a malformed header entry.") from e
             if dtype not in DTYPE_BYTES or end < begin:
                 raise ModelFormatError(f"{fname}: tensor {name!r} has dtype {dtype!r} or offsets {begin}..{end} we cannot read.")
-            tensors[name] = TensorInfo(name, fname, dtype, shape, data_start + begin, end - begin, _block_of(name))
+            tensors[name] = TensorInfo(name, fname, dtype, shape, data_start + begin, end - begin, block_of(name))
     return ModelInfo(model_dir=model_dir, config=config, tensors=tensors)

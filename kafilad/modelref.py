@@ -12,6 +12,14 @@ daemon reads them):
 3. Otherwise, when online, only those files are downloaded (MODEL_FILE_PATTERNS: configs,
    safetensors weights, tokenizer files; no code, no other weight formats) into that cache.
 4. Offline (`HF_HUB_OFFLINE=1`) and absent: a sentence saying so and what to do.
+
+GGUF files (issue 21 item 5): `--model FILE.gguf`, or `--model ollama:NAME[:TAG]` for a model in
+Ollama's store (`$OLLAMA_MODELS`, default ~/.ollama/models: the manifest
+`manifests/registry.ollama.ai/library/NAME/TAG` (NAMESPACE/NAME for others' models, tag `latest`
+by default) names the model layer `application/vnd.ollama.image.model` by digest, the file being
+`blobs/sha256-HEX`). The daemon converts the file once into an mlx-lm model directory under its
+state directory (`models/gguf-<identity>`, kafilad/executor/gguf.py), keyed by the file's path,
+size and modification time, and serves that directory.
 """
 
 from __future__ import annotations
@@ -87,13 +95,111 @@ def missing_model_files(model_dir: Path) -> list[str]:
     return missing
 
 
-def resolve_model_ref(ref: str) -> str:
-    """The local model directory for `ref`: a path as given, or a repo id resolved as the module
-    docstring says. Blocking (it may download); `resolve_model_dir` runs it off the trio thread.
+#: `--model ollama:NAME[:TAG]`
+OLLAMA_PREFIX = "ollama:"
+#: the media type of the model layer in an Ollama manifest
+OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+_OLLAMA_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9][A-Za-z0-9._-]{0,127})?")
+_OLLAMA_TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def ollama_models_dir() -> Path:
+    """Ollama's model store: $OLLAMA_MODELS, else ~/.ollama/models (read from the environment now)."""
+    env = os.environ.get("OLLAMA_MODELS", "").strip()
+    return Path(env).expanduser() if env else Path.home() / ".ollama" / "models"
+
+
+def resolve_ollama(ref: str) -> Path:
+    """The GGUF blob of `ollama:NAME[:TAG]` in Ollama's store (module docstring).
 
     Raises:
-        KafilaError: a repo id that is neither cached nor downloadable, with the reason.
+        KafilaError: a malformed name, or a store, manifest or blob that is not there, saying
+            what was looked for and where.
     """
+    spec = ref[len(OLLAMA_PREFIX):]
+    name, _, tag = spec.partition(":")
+    tag = tag or "latest"
+    if not _OLLAMA_NAME_RE.fullmatch(name) or not _OLLAMA_TAG_RE.fullmatch(tag):
+        raise KafilaError(f"{ref!r} is not an Ollama model name: give ollama:NAME or ollama:NAME:TAG, as "
+                          "`ollama list` shows them (e.g. ollama:smollm2:135m).")
+    store = ollama_models_dir()
+    if not store.is_dir():
+        raise KafilaError(f"There is no Ollama model store at {store} (set OLLAMA_MODELS to where `ollama pull` keeps "
+                          "models, for the user this daemon runs as).")
+    path = "library/" + name if "/" not in name else name
+    manifest = store / "manifests" / "registry.ollama.ai" / path / tag
+    try:
+        doc = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        raise KafilaError(f"Ollama's store at {store} has no model {name}:{tag} (no manifest {manifest}); `ollama pull "
+                          f"{name}:{tag}` fetches it.") from None
+    except (OSError, ValueError) as e:
+        raise KafilaError(f"The Ollama manifest {manifest} cannot be read ({e}).") from None
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    digest = next((layer.get("digest") for layer in layers or () if isinstance(layer, dict)
+                   and layer.get("mediaType") == OLLAMA_MODEL_LAYER), None)
+    if not isinstance(digest, str) or not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+        raise KafilaError(f"The Ollama manifest {manifest} names no model layer ({OLLAMA_MODEL_LAYER}).")
+    blob = store / "blobs" / digest.replace(":", "-")
+    if not blob.is_file():
+        raise KafilaError(f"Ollama's manifest for {name}:{tag} names {digest}, but {blob} is not there; `ollama pull "
+                          f"{name}:{tag}` fetches it again.")
+    return blob
+
+
+def is_gguf_ref(ref: str) -> bool:
+    """`ref` names a GGUF file: ollama:NAME[:TAG], or a path ending in .gguf."""
+    return ref.startswith(OLLAMA_PREFIX) or ref.lower().endswith(".gguf")
+
+
+def converted_gguf(path: Path, models_dir: Path) -> Path:
+    """The mlx-lm model directory of GGUF file `path`, converted once into `models_dir`
+    (kafilad/executor/gguf.py) and reused while the file's path, size and mtime stay the same.
+    Blocking (reads the whole file the first time).
+
+    Raises:
+        KafilaError: the file is not there. ModelFormatError: as `convert_gguf`.
+    """
+    import hashlib
+    import shutil
+    import tempfile
+
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise KafilaError(f"The GGUF file {path} cannot be read ({e.strerror or e}).") from None
+    from kafilad.node.stagehost import executor  # only kafilad.executor imports mlx
+
+    ident = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0"
+                           f"{executor().gguf.CONVERSION_VERSION}".encode()).hexdigest()[:16]
+    out = models_dir / f"gguf-{path.stem[:48]}-{ident}"
+    if (out / "kafila-gguf.json").is_file():
+        return out
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=models_dir))
+    try:
+        executor().gguf.convert_gguf(path, tmp)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def resolve_model_ref(ref: str, models_dir: Optional[Path] = None) -> str:
+    """The local model directory for `ref`: a path as given, a GGUF file or Ollama model converted
+    into `models_dir`, or a repo id resolved as the module docstring says. Blocking (it may
+    download or convert); `resolve_model_dir` runs it off the trio thread.
+
+    Raises:
+        KafilaError: a repo id that is neither cached nor downloadable, an Ollama model or GGUF
+            file that is not there, with the reason. ModelFormatError: a GGUF file Kafila cannot read.
+    """
+    if is_gguf_ref(ref):
+        path = resolve_ollama(ref) if ref.startswith(OLLAMA_PREFIX) else Path(ref).expanduser()
+        if models_dir is None:
+            raise KafilaError("GGUF models are converted into the daemon's state directory; this caller gave none.")
+        return str(converted_gguf(path, models_dir))
     parsed = parse_repo_id(ref)
     if parsed is None:
         return ref
@@ -155,12 +261,13 @@ def download_failure(e: BaseException) -> str:
     return first if first.endswith(".") else first + "."
 
 
-async def resolve_model_dir(ref: str) -> str:
-    """`resolve_model_ref` on a worker thread, so a download does not stall the daemon.
+async def resolve_model_dir(ref: str, models_dir: Optional[Path] = None) -> str:
+    """`resolve_model_ref` on a worker thread, so a download or a GGUF conversion does not stall
+    the daemon.
 
     Raises:
         KafilaError: as `resolve_model_ref`.
     """
-    if parse_repo_id(ref) is None:
+    if parse_repo_id(ref) is None and not is_gguf_ref(ref):
         return ref
-    return await trio.to_thread.run_sync(resolve_model_ref, ref, abandon_on_cancel=True)
+    return await trio.to_thread.run_sync(resolve_model_ref, ref, models_dir, abandon_on_cancel=True)

@@ -29,7 +29,9 @@ from kafilad.net.quic_transport import MAX_DATAGRAM_BYTES
 from kafilad.net.udp_endpoint import UdpEndpoint
 from kafilad.node.link import secure_link
 from kafilad.node.rdv_client import open_rendezvous
+from kafilad.proto.identity import fingerprint
 from kafilad.proto.noise import generate_keypair
+from kafilad.proto.rendezvous_proof import public_key
 from kafilad.rendezvous.server import serve_rendezvous
 
 PING_BYTES = 8 * 1024
@@ -105,10 +107,11 @@ async def relayed(pings, mib):
     async with trio.open_nursery() as n:
         port = await n.start(lambda task_status: serve_rendezvous("127.0.0.1", 0, task_status=task_status))
         url = f"ws://127.0.0.1:{port}"
-        async with open_rendezvous(url, static_private=os.urandom(32), name="a") as ra, \
+        host_key = os.urandom(32)
+        async with open_rendezvous(url, static_private=host_key, name="a") as ra, \
                 open_rendezvous(url, static_private=os.urandom(32), name="b") as rb:  # [rdv-proof]
             sid = await ra.register("bench", 2, {})
-            await rb.join(sid)
+            await rb.join(sid, fingerprint(public_key(host_key)))
             got = {}
 
             async def acc():

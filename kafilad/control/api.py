@@ -53,7 +53,7 @@ OPS = {
 OP_ARGS = {
     "keys": frozenset(),
     "host": frozenset({"model_dir", "members", "context", "concurrency", "queue", "strategy", "rendezvous", "open",
-                       "admit_timeout_s"}),
+                       "admit_timeout_s", "head"}),
     "join": frozenset({"code", "rendezvous"}),
     "pending": frozenset(),
     "admit": frozenset({"peer"}),

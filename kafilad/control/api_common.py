@@ -126,7 +126,7 @@ def ready(s):
         reason = api_text(str(s.error or "no reason was recorded")).rstrip(".")
         raise HttpError(503, f"The session failed: {reason}. No session is being served by this daemon; {HOST_ONE}",
                         "service_unavailable")
-    if state in ("closing", "closed"):
+    if state == "closed":
         raise HttpError(503, f"The session is {state}, so no session is being served by this daemon; {HOST_ONE}",
                         "service_unavailable")
     raise HttpError(503, f"The session is {state}; it serves requests once it is ready.", "service_unavailable",
@@ -275,15 +275,16 @@ def api_text(message: str, fields: Optional[dict[str, str]] = None) -> str:
     return _FLAG.sub(field, message)
 
 
-async def chat_prompt(session, messages: list[dict]) -> str:
-    """The prompt for checked `messages` ([{"role": str, "content": str}]) by the model's chat template,
-    applied in a worker thread (kafilad/node/host_requests.py `off_loop`).
+async def chat_prompt(session, messages: list[dict], tools: Optional[list[dict]] = None) -> str:
+    """The prompt for checked `messages` ([{"role": str, "content": str, ...}]) by the model's chat
+    template, with `tools` when the template takes them (kafilad/control/tools.py), applied in a
+    worker thread (kafilad/node/host_requests.py `off_loop`).
 
     Raises:
         HttpError: 400 when the template refuses the messages or makes an empty prompt.
     """
     try:
-        prompt = await session.off_loop(session.chat_prompt, messages)
+        prompt = await session.off_loop(session.chat_prompt, messages, tools)
     except KafilaError as e:
         raise HttpError(400, api_text(str(e)), param="messages") from None
     except Exception as e:  # noqa: BLE001 - the model's template is code we do not control

@@ -22,11 +22,22 @@ Limits, each answered with a sentence in `{"error": {"message", "type"}}`:
   framed by both Content-Length and Transfer-Encoding: 400 at once (RFC 9112 §6.1); an HTTP
   version other than 1.0 and 1.1: 505.
 - a body over `max_body_bytes`: 413 (from Content-Length before any of it is read, or as it
-  arrives when chunked); bodies of all connections together over `max_total_body_bytes`: 413 with
+  arrives when chunked). Body memory is reserved from `max_total_body_bytes` as bytes arrive, never
+  as declared (a Content-Length a client never sends holds nothing); when the bytes that did
+  arrive fill it, slow bodies are evicted to make room, and past that the answer is 413 with
   `Retry-After` (RFC 9110 §15.5.14: a temporary condition).
-- more than `max_connections` open connections: the one longest idle or in its headers is closed
-  to make room (so idle connections cannot lock normal clients out); when every connection is in
-  a request, the new one gets 503 with `Retry-After`.
+- a body is *slow* once it is `body_grace_s` old and has not kept up with `min_body_rate_Bps`
+  (capped at its Content-Length), or has sent nothing for `body_grace_s`. Its connection is closed
+  like one idle or in its headers when another client needs the room, after a 408 with
+  `Retry-After` saying why (issue 22 §4: 16 clients declaring 4 MiB and sending 1 byte used to hold
+  every POST at 413 for 30 s).
+- more than `max_connections` open connections, or `max_connections_per_address` from one peer
+  address: that address's (or the server's) connection longest idle or in its headers is closed to
+  make room, else its slowest body (so idle and trickling connections cannot lock normal clients
+  out); when every such connection is in a request, the new one gets 503 with `Retry-After` and a
+  sentence, then a lingering close, never a reset. At most MAX_REFUSING are refused at a time; past
+  that the server stops accepting until one ends, so newcomers wait in the kernel's listen queue
+  instead of being reset (300 trickling connections used to get every new one reset).
 After an answer that leaves part of a request unread, the server shuts down its sending side and
 discards what the client still sends for up to `linger_s` (RFC 9112 §9.6 "lingering close"), so
 the client reads the answer instead of a connection reset.
@@ -62,10 +73,19 @@ if sys.version_info < (3, 11):
 log = logging.getLogger("kafilad.http")
 
 RECEIVE_BYTES = 65_536
-#: connections answered 503 at once (each holds a file handle for at most `send_timeout_s`)
-MAX_REFUSING = 16
+#: connections answered 503 at once (each holds a file handle for at most 1 s + REFUSAL_LINGER_S);
+#: past that the accept loop waits, so newcomers queue in the kernel instead of being reset
+MAX_REFUSING = 128
+#: after a 503 refusal (or a 408 to a body closed to make room) the server reads what the client
+#: still sends (a short lingering close: the request the client had sent is read, so closing sends
+#: FIN, not a reset) until the client closes, sends nothing for REFUSAL_QUIET_S, or
+#: REFUSAL_LINGER_S have passed
+REFUSAL_LINGER_S = 1.0
+REFUSAL_QUIET_S = 0.2
 #: the answer to a request the daemon had not answered when it began to stop (503, Retry-After 5)
 SHUTTING_DOWN = "The daemon is shutting down, so this request was not finished; send it again once it is back."
+#: the answer to a request whose connection was closed to make room just as it was read (503, Retry-After 1)
+EVICTED = "The server closed this connection to make room for others as this request arrived; send it again."
 #: the last event of a stream the daemon ended by stopping (api_common.stream_generation)
 SHUTTING_DOWN_MID_STREAM = ("The daemon is shutting down, so this request was ended before it finished; send it "
                             "again once the daemon is back.")
@@ -76,6 +96,7 @@ class HttpLimits:
     """Limits of one server (the defaults suit a local API; tests shrink them)."""
 
     max_connections: int = 256
+    max_connections_per_address: int = 64
     max_header_bytes: int = 16 * 1024
     max_body_bytes: int = 4 * 1024 * 1024
     max_total_body_bytes: int = 64 * 1024 * 1024
@@ -85,6 +106,9 @@ class HttpLimits:
     send_timeout_s: float = 30.0
     linger_s: float = 2.0
     linger_bytes: int = 64 * 1024 * 1024
+    #: a body slower than this (after `body_grace_s`) may be evicted when another client needs room
+    min_body_rate_Bps: float = 16 * 1024
+    body_grace_s: float = 2.0
 
 
 @attrs.frozen
@@ -97,6 +121,8 @@ class Request:
     headers: tuple[tuple[bytes, bytes], ...]
     body: bytes
     http_version: str
+    #: the IP address the connection arrived at (this server's side); None off a socket
+    local_ip: Optional[str] = None
 
     def header(self, name: bytes) -> Optional[bytes]:
         """The first value of header `name` (lower-case bytes), or None."""
@@ -234,6 +260,32 @@ class _Slot:
     phase: str  # "idle" | "head" | "body" | "handler"
     since_s: float
     scope: trio.CancelScope
+    #: the peer's address (its IP), None for a stream that is not a socket (tests' memory streams)
+    address: Optional[str] = None
+    #: its key in the server's table of connections
+    cid: int = -1
+    #: body bytes reserved from the server's BodyBudget for the request being read
+    held_bytes: int = 0
+    #: the body's Content-Length (None when chunked), bytes of it received, when the last arrived
+    body_declared: Optional[int] = None
+    body_bytes: int = 0
+    last_data_s: float = 0.0
+    #: the phase the connection was in when the server closed it to make room (`_close_evicted`;
+    #: it may have read on to another phase before the cancellation reached it)
+    evicted: Optional[str] = None
+
+
+def peer_address(stream: trio.abc.Stream, *, local: bool = False) -> Optional[str]:
+    """The IP address at the other end of a socket stream (with `local`, at this end); None for
+    any other stream."""
+    sock = getattr(stream, "socket", None)
+    if sock is None:
+        return None
+    try:
+        peer = sock.getsockname() if local else sock.getpeername()
+    except OSError:
+        return None
+    return str(peer[0]) if isinstance(peer, tuple) else None
 
 
 class _Refused(Exception):
@@ -258,11 +310,14 @@ class HttpServer:
         self.budget = BodyBudget(limits.max_total_body_bytes)
         self._slots: dict[int, _Slot] = {}
         self._ids = itertools.count()
-        self._refusing = 0
+        #: refusals in flight; the accept loop waits for one of these before it accepts
+        self._refusal_room = trio.CapacityLimiter(MAX_REFUSING)
 
     @property
     def open_connections(self) -> int:
-        return len(self._slots)
+        """Connections being served, not counting those closed to make room that are still closing
+        (each for at most REFUSAL_QUIET_S, or 1 s + REFUSAL_LINGER_S after an answer)."""
+        return sum(1 for s in self._slots.values() if s.evicted is None)
 
     async def serve(self, listeners: list[trio.SocketListener], *,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -275,77 +330,181 @@ class HttpServer:
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         async with listener:
             while True:
+                turn = object()  # holds a refusal's room from before the accept to the refusal's end
+                await self._refusal_room.acquire_on_behalf_of(turn)
                 try:
                     stream = await listener.accept()
                 except OSError as e:
+                    self._refusal_room.release_on_behalf_of(turn)
                     if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
                         raise
                     log.warning("http: accept failed (%s); retrying in 0.1 s", e.strerror)
                     await trio.sleep(0.1)
                     continue
-                nursery.start_soon(self.serve_stream, stream)
+                except BaseException:
+                    self._refusal_room.release_on_behalf_of(turn)
+                    raise
+                admitted = self._admit(peer_address(stream))
+                if isinstance(admitted, _Slot):
+                    self._refusal_room.release_on_behalf_of(turn)
+                    nursery.start_soon(self._serve_admitted, stream, admitted)
+                else:
+                    nursery.start_soon(self._refuse_busy, stream, admitted, turn)
 
     async def serve_stream(self, stream: trio.abc.Stream) -> None:
-        """Serve one connection to its end; never raises an Exception (a structural guarantee)."""
-        cid = next(self._ids)
+        """Serve one connection to its end (or refuse it with 503 when the server is full); never
+        raises an Exception (a structural guarantee)."""
+        admitted = self._admit(peer_address(stream))
+        if isinstance(admitted, _Slot):
+            await self._serve_admitted(stream, admitted)
+        else:
+            await self._refuse_busy(stream, admitted, None)
+
+    def _admit(self, address: Optional[str]) -> "_Slot | str":
+        """Take a slot for a new connection from `address`, evicting one idle, in its headers or
+        slow in its body where the limits need it (module docstring); else the 503's sentence."""
+        lim = self.limits
+        if address is not None:
+            mine = [s for s in self._slots.values() if s.address == address and not s.scope.cancel_called]
+            if len(mine) >= lim.max_connections_per_address and not self._evict(mine):
+                return (f"This server is answering {len(mine)} connections from your address, its limit per "
+                        "address; retry shortly, or reuse a connection (keep-alive).")
+        live = [s for s in self._slots.values() if not s.scope.cancel_called]
+        if len(live) >= lim.max_connections and not self._evict(live):
+            return f"The server is answering {len(live)} connections, its limit; retry shortly."
+        slot = _Slot("idle", trio.current_time(), trio.CancelScope(), address=address, cid=next(self._ids))
+        self._slots[slot.cid] = slot
+        return slot
+
+    async def _serve_admitted(self, stream: trio.abc.Stream, slot: _Slot) -> None:
         try:
-            if len(self._slots) >= self.limits.max_connections and not self._evict_one():
-                await self._refuse_busy(stream)
-                return
-            with trio.CancelScope() as scope:
-                self._slots[cid] = _Slot("idle", trio.current_time(), scope)
-                await self._connection(stream, self._slots[cid])
+            with slot.scope:
+                await self._connection(stream, slot)
+            if slot.evicted is not None and slot.phase != "handler":  # unanswered: told why, not reset
+                await self._close_evicted(stream, slot)
         except Exception:  # noqa: BLE001 - one connection's failure must not reach the server
             log.exception("http: internal error on a connection; closed it")
         finally:
-            self._slots.pop(cid, None)
+            self._slots.pop(slot.cid, None)
+            self._release(slot)
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
 
-    def _evict_one(self) -> bool:
-        """Close the connection longest idle or in its headers to make room; False if none is."""
-        idle = [s for s in self._slots.values() if s.phase in ("idle", "head") and not s.scope.cancel_called]
-        if not idle:
+    def _release(self, slot: _Slot) -> None:
+        """Give back the body bytes `slot` holds (at its request's end, or when it is evicted)."""
+        self.budget.give(slot.held_bytes)
+        slot.held_bytes = 0
+
+    def body_behind_s(self, slot: _Slot, now: float) -> Optional[float]:
+        """How far behind a body is, in seconds at `min_body_rate_Bps` (or of silence past
+        `body_grace_s`); None when it is not in its body or not slow (module docstring)."""
+        lim = self.limits
+        age_s = now - slot.since_s
+        if slot.phase != "body" or age_s <= lim.body_grace_s:
+            return None
+        expected = (age_s - lim.body_grace_s) * lim.min_body_rate_Bps
+        if slot.body_declared is not None:
+            expected = min(expected, slot.body_declared)
+        behind_s = max((expected - slot.body_bytes) / lim.min_body_rate_Bps,
+                       now - slot.last_data_s - lim.body_grace_s)
+        return behind_s if behind_s > 0 else None
+
+    def _evict(self, among: list[_Slot], *, holding: bool = False) -> bool:
+        """Close one connection of `among` to make room: the longest idle or in its headers, else
+        the slowest body; with `holding`, only a slow body holding body bytes (given back at once).
+        False when none of them may be closed."""
+        victim: Optional[_Slot] = None
+        if not holding:
+            waiting = [s for s in among if s.phase in ("idle", "head") and not s.scope.cancel_called]
+            victim = min(waiting, key=lambda s: s.since_s, default=None)
+        if victim is None:
+            now = trio.current_time()
+            slow = [(behind, s) for s in among if not s.scope.cancel_called and (not holding or s.held_bytes)
+                    and (behind := self.body_behind_s(s, now)) is not None]
+            victim = max(slow, key=lambda bs: bs[0], default=(None, None))[1]
+        if victim is None:
             return False
-        min(idle, key=lambda s: s.since_s).scope.cancel()
+        log.debug("http: closing a connection %s from %s to make room", victim.phase, victim.address)
+        victim.evicted = victim.phase
+        victim.scope.cancel()
+        self._release(victim)
         return True
 
-    async def _refuse_busy(self, stream: trio.abc.Stream) -> None:
-        if self._refusing >= MAX_REFUSING:
-            return
-        self._refusing += 1
+    async def _refuse_busy(self, stream: trio.abc.Stream, message: str, turn: Optional[object]) -> None:
+        """Answer 503 with Retry-After and `message`, then close without a reset (`_answer_and_close`);
+        `turn` (the accept loop's) is released at the end."""
         try:
-            body = error_body(503, f"The server is answering {len(self._slots)} connections, its limit; "
-                                   "retry shortly.")
-            head = (f"HTTP/1.1 503 {reason_phrase(503).decode()}\r\ncontent-type: application/json\r\n"
+            await self._answer_and_close(stream, 503, message)
+        finally:
+            if turn is not None:
+                self._refusal_room.release_on_behalf_of(turn)
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+
+    async def _close_evicted(self, stream: trio.abc.Stream, slot: _Slot) -> None:
+        """Close a connection evicted to make room without a reset: a body or headers in progress get
+        408 with Retry-After and why; an idle one is closed quietly unless a request turns out to be
+        waiting in it (accepted in a burst, not read yet), which gets 503 with Retry-After."""
+        if slot.phase == "body":
+            why = (f": its body arrived slower than {self.limits.min_body_rate_Bps:g} bytes/s, or stopped"
+                   if slot.evicted == "body" else " before reading all of it")
+            await self._answer_and_close(stream, 408, f"The server closed this request to make room for others{why}; "
+                                                      "send it again.")
+            return
+        if slot.phase == "head":
+            await self._answer_and_close(stream, 408, "The server closed this connection to make room for others "
+                                                      "before its request headers were complete; send it again.")
+            return
+        try:
+            with trio.move_on_after(REFUSAL_QUIET_S) as quiet:
+                data = await stream.receive_some(RECEIVE_BYTES)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        if quiet.cancelled_caught or not data:
+            return  # idle indeed (closing sends FIN: nothing unread), or closed by the client too
+        await self._answer_and_close(stream, 503, "The server closed this connection to make room for others before "
+                                                  "reading its request; send it again.")
+
+    async def _answer_and_close(self, stream: trio.abc.Stream, status: int, message: str) -> None:
+        """Send `status` with Retry-After and `message` (no request read, or one abandoned), then close
+        without a reset: shut down our side and read what the client still sends until it closes, is
+        quiet for REFUSAL_QUIET_S, or REFUSAL_LINGER_S pass (RFC 9112 §9.6)."""
+        try:
+            body = error_body(status, message)
+            head = (f"HTTP/1.1 {status} {reason_phrase(status).decode()}\r\ncontent-type: application/json\r\n"
                     f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n").encode()
             with trio.move_on_after(min(1.0, self.limits.send_timeout_s)):
                 await stream.send_all(head + body)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        finally:
-            self._refusing -= 1
+            with trio.move_on_after(min(REFUSAL_LINGER_S, self.limits.linger_s)):
+                await stream.send_eof()
+                while True:
+                    with trio.move_on_after(REFUSAL_QUIET_S) as quiet:
+                        data = await stream.receive_some(RECEIVE_BYTES)
+                    if quiet.cancelled_caught or not data:
+                        break
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError, AttributeError):
+            pass  # AttributeError: a stream without send_eof
 
     # ---- one connection ------------------------------------------------------------------------
     async def _connection(self, stream: trio.abc.Stream, slot: _Slot) -> None:
         lim = self.limits
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=lim.max_header_bytes)
         while True:
-            held = [0]  # body bytes reserved from the budget for this request
             try:
                 try:
-                    request = await self._read_request(conn, stream, slot, held)
+                    request = await self._read_request(conn, stream, slot)
                 except _Refused as r:
+                    self._release(slot)  # its body's bytes are not kept while it lingers
                     await self._answer_refusal(conn, stream, r)
                     return
                 if request is None:
                     return
                 slot.phase, slot.since_s = "handler", trio.current_time()
                 responder = Responder(conn, stream, request.method, lim.send_timeout_s)
-                if not await self._run_handler(request, responder, conn, stream):
+                if not await self._run_handler(request, responder, conn, stream, slot):
                     return
             finally:
-                self.budget.give(held[0])
+                self._release(slot)
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 if conn.their_state not in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED):  # part of the request unread
                     await self._linger(stream)
@@ -365,8 +524,7 @@ class HttpServer:
         conn.receive_data(data)
         return bool(data)
 
-    async def _read_request(self, conn: h11.Connection, stream: trio.abc.Stream, slot: _Slot,
-                            held: list[int]) -> Optional[Request]:
+    async def _read_request(self, conn: h11.Connection, stream: trio.abc.Stream, slot: _Slot) -> Optional[Request]:
         """Read one request with its body under the phase timers; None when the client is done.
 
         Raises:
@@ -418,8 +576,9 @@ class HttpServer:
                                         f"({lim.max_header_bytes} bytes).", linger=True)
                 self._check_framing(event)
                 slot.phase, slot.since_s = "body", trio.current_time()
+                slot.last_data_s, slot.body_bytes = slot.since_s, 0
                 body_deadline = slot.since_s + lim.body_timeout_s
-                self._check_declared_length(event, held)
+                slot.body_declared = self._check_declared_length(event)
                 if conn.they_are_waiting_for_100_continue:
                     try:
                         await send_event(conn, stream, h11.InformationalResponse(status_code=100, headers=[],
@@ -429,18 +588,19 @@ class HttpServer:
                         return None
             elif isinstance(event, h11.Data):
                 body += event.data
+                slot.body_bytes, slot.last_data_s = len(body), trio.current_time()
                 if len(body) > lim.max_body_bytes:
                     raise _Refused(413, f"The request body is larger than {lim.max_body_bytes} bytes.", linger=True)
-                if len(body) > held[0]:
-                    if not self.budget.take(len(body) - held[0]):
-                        raise self._budget_refusal()
-                    held[0] = len(body)
+                if len(body) > slot.held_bytes:
+                    self._take_body(slot, len(body) - slot.held_bytes)
+                    slot.held_bytes = len(body)
             elif isinstance(event, h11.EndOfMessage):
                 assert request is not None
                 target = request.target.decode("latin-1")
                 return Request(method=request.method.decode("latin-1").upper(), target=target,
                                path=target.split("?", 1)[0], headers=tuple(request.headers),
-                               body=bytes(body), http_version=request.http_version.decode("latin-1"))
+                               body=bytes(body), http_version=request.http_version.decode("latin-1"),
+                               local_ip=peer_address(stream, local=True))
             elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
                 return None
 
@@ -463,16 +623,33 @@ class HttpServer:
             raise _Refused(400, "The request has both a Content-Length and a Transfer-Encoding header, so its body's "
                                 "length is ambiguous (RFC 9112 §6.1); send only one of them.", linger=True)
 
-    def _check_declared_length(self, request: h11.Request, held: list[int]) -> None:
+    def _check_declared_length(self, request: h11.Request) -> Optional[int]:
+        """The request's Content-Length (None when it has none); nothing is reserved for it here:
+        body memory is taken as bytes arrive (`_take_body`).
+
+        Raises:
+            _Refused: 413 for a declared length over `max_body_bytes`.
+        """
         for name, value in request.headers:
             if name == b"content-length":
                 n = int(value)  # h11 checked it is digits
                 if n > self.limits.max_body_bytes:
                     raise _Refused(413, f"The request body ({n} bytes) is larger than "
                                         f"{self.limits.max_body_bytes} bytes.", linger=True)
-                if not self.budget.take(n):
-                    raise self._budget_refusal()
-                held[0] = n
+                return n
+        return None
+
+    def _take_body(self, slot: _Slot, n: int) -> None:
+        """Reserve `n` more body bytes for `slot`, evicting slow bodies that hold bytes while the
+        budget is short.
+
+        Raises:
+            _Refused: 413 with Retry-After when the bytes other requests hold leave no room.
+        """
+        while not self.budget.take(n):
+            others = [s for s in self._slots.values() if s is not slot]
+            if not self._evict(others, holding=True):
+                raise self._budget_refusal()
 
     def _budget_refusal(self) -> _Refused:
         return _Refused(413, f"The server is holding {self.budget.held_bytes} bytes of request bodies, its limit; "
@@ -505,7 +682,7 @@ class HttpServer:
                 return
 
     async def _run_handler(self, request: Request, responder: Responder, conn: h11.Connection,
-                           stream: trio.abc.Stream) -> bool:
+                           stream: trio.abc.Stream, slot: Optional[_Slot] = None) -> bool:
         """Run the handler while watching for the client leaving; True when the connection may go on."""
         gone = False
 
@@ -545,9 +722,11 @@ class HttpServer:
                 raise
             if not responder.started and not gone:
                 responder.close_after = True
+                evicted = slot is not None and slot.evicted is not None  # closed to make room, as it was read
                 with trio.CancelScope(shield=True), trio.move_on_after(min(1.0, self.limits.send_timeout_s)):
                     try:
-                        await responder.error(503, SHUTTING_DOWN, headers=[("retry-after", "5")])
+                        await responder.error(503, EVICTED if evicted else SHUTTING_DOWN,
+                                              headers=[("retry-after", "1" if evicted else "5")])
                     except (ClientGone, h11.LocalProtocolError):
                         pass
             raise

@@ -30,8 +30,12 @@ does not implement (mirostat, typical_p, tfs_z, penalize_newline, num_keep) are 
 400; options about how Ollama runs a model on its machine (num_gpu, num_thread, num_batch,
 main_gpu, use_mmap, use_mlock, numa, low_vram, f16_kv, vocab_only, logits_all, embedding_only)
 and `keep_alive` do not change the output and are accepted without effect: the session's plan
-decides where the model runs and how long it stays loaded. `format`, `images`, `tools`,
-`template`, `suffix`, `context` and `think` are refused by name.
+decides where the model runs and how long it stays loaded. `format` ("json" or a JSON schema)
+constrains the output on the head (kafilad/control/grammars.py); /api/chat `tools` go into the chat
+template and calls come back as `message.tool_calls` [{"function": {"name", "arguments": {...}}}]
+(kafilad/control/tools.py; Ollama has no tool_choice: the model decides), and `tool` messages and
+assistant `tool_calls` go back into the template. `images`, `template`, `suffix`, `context` and
+`think` are refused by name.
 /api/generate formats the prompt with the model's chat template (system + user turn) unless
 `raw` is true or the model has no template (then the prompt is used as is, after `system` and a
 blank line when a system prompt is given).
@@ -46,13 +50,16 @@ import time
 from functools import lru_cache
 from typing import Any, Literal, Optional
 
+import attrs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kafilad.control.api_common import (HttpError, TokenText, chat_prompt, check_model, created_s, generate_whole,
                                         json_object, model_id, prompt_tokens, ready_session, serving_session,
                                         stream_generation, token_reports, tokens_text, vocab_size)
 from kafilad.control.http_server import Request, Responder
-from kafilad.control.openai_schema import field_path, refusal
+from kafilad.control.grammars import ANY_OBJECT, json_grammar
+from kafilad.control.openai_schema import Tool, field_path, refusal
+from kafilad.control.tools import ToolCallText, plan_tools, template_messages
 from kafilad.proto.sampling import Sampling
 
 #: the Ollama release whose API these routes mirror (front-ends compare it against their minimum)
@@ -131,13 +138,25 @@ class _Generation(_Model):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
 
-    @field_validator("format", "think")
+    @field_validator("think")
     @classmethod
     def _unsupported(cls, v: Any, info) -> Any:
         if v not in (None, "", False):
-            what = {"format": "structured (JSON) output", "think": "thinking"}[info.field_name]
-            raise refusal(f"'{info.field_name}' is not supported: this server does not offer {what}.")
+            raise refusal("'think' is not supported: this server does not offer thinking.")
         return v
+
+    @field_validator("format")
+    @classmethod
+    def _format(cls, v: Any) -> Any:
+        if v not in (None, "", "json") and not isinstance(v, dict):
+            raise refusal("'format' must be \"json\" or a JSON schema (an object).")
+        return v or None
+
+    def grammar(self) -> Optional[str]:
+        """The grammar of `format` (kafilad/control/grammars.py): "json" any object, or the schema's."""
+        if self.format is None:
+            return None
+        return json_grammar(ANY_OBJECT if self.format == "json" else self.format, param="format")
 
 
 class GenerateRequest(_Generation):
@@ -161,32 +180,48 @@ class GenerateRequest(_Generation):
         return v
 
 
+class OllamaFunctionCall(_Model):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: dict = Field(default_factory=dict)
+
+
+class OllamaToolCall(_Model):
+    function: OllamaFunctionCall
+
+
 class Message(_Model):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     thinking: Optional[str] = None  # a reasoning model's earlier turn; this server never writes one
     images: Optional[list] = None
-    tool_calls: Optional[list] = None
+    tool_calls: Optional[list[OllamaToolCall]] = None
+    tool_name: Optional[str] = None
 
-    @field_validator("images", "tool_calls")
+    @field_validator("images")
     @classmethod
     def _refused(cls, v: Any, info) -> Any:
         if v:
-            raise refusal("images are not supported: this server generates from text only." if info.field_name ==
-                          "images" else "tool calls are not supported: this server does not call tools.")
+            raise refusal("images are not supported: this server generates from text only.")
         return v
+
+    def as_openai(self, i: int) -> dict:
+        """The message as the chat-template path takes it (OpenAI's shape; kafilad/control/tools.py)."""
+        d = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": f"call_{i}_{j}", "type": "function",
+                                "function": {"name": c.function.name, "arguments": json.dumps(c.function.arguments)}}
+                               for j, c in enumerate(self.tool_calls)]
+        if self.role == "tool":
+            d["tool_call_id"] = self.tool_name or f"call_{i}"
+        return d
 
 
 class ChatRequest(_Generation):
     messages: list[Message] = Field(default_factory=list)
-    tools: Optional[list] = None
+    tools: Optional[list[Tool]] = Field(None, max_length=128)
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: Any) -> Any:
-        if v:
-            raise refusal("'tools' is not supported: this server does not call tools.")
-        return v
+    def tool_dicts(self) -> Optional[list[dict]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 def _parse(model: type, body: dict):
@@ -400,14 +435,32 @@ async def _chat_route(node, request: Request, res: Responder) -> None:
                                    "message": {"role": "assistant", "content": ""}, "done": True,
                                    "done_reason": "load"})
             return
-        prompt = await chat_prompt(s, [{"role": m.role, "content": m.content} for m in r.messages])
-        await _run(s, res, r, prompt, chat=True)
+        plan = plan_tools(s.chat_tokenizer(), r.tool_dicts(), None, None)
+        messages = template_messages([m.as_openai(i) for i, m in enumerate(r.messages)], plan)
+        prompt = await chat_prompt(s, messages, list(plan.tools) if plan is not None and plan.native else None)
+        await _run(s, res, r, prompt, chat=True, plan=plan)
     await _answer(res, body())
 
 
-async def _run(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
+def _ollama_calls(found: list[dict]) -> list[dict]:
+    """OpenAI-shaped calls (kafilad/control/tools.py) in Ollama's shape: arguments as an object."""
+    out = []
+    for c in found:
+        try:
+            args = json.loads(c["function"]["arguments"])
+        except ValueError:
+            args = {}
+        out.append({"function": {"name": c["function"]["name"], "arguments": args if isinstance(args, dict) else {}}})
+    return out
+
+
+async def _run(s, res: Responder, r, prompt: str, *, chat: bool, plan=None) -> None:
     o = r.options or Options()
     sampling = _sampling(s, r, o)
+    grammar = r.grammar()
+    if grammar is not None:
+        sampling = attrs.evolve(sampling, grammar=grammar)
+    calls = ToolCallText(plan) if plan is not None and plan.parses else None
     max_tokens = await _max_tokens(s, prompt, o)
     t0 = time.perf_counter()
     text_of = TokenText(s) if sampling.logprobs is not None else None
@@ -436,9 +489,19 @@ async def _run(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
                 "prompt_eval_duration": ttft_ns, "eval_count": len(result["token_ids"]),
                 "eval_duration": max(0, total_ns - ttft_ns)}
 
+    def with_calls(doc: dict, found: list[dict]) -> dict:
+        if found:
+            doc["message"]["tool_calls"] = _ollama_calls(found)
+        return doc
+
     if r.stream is False:
         result, events = await generate_whole(s, res, generate, OLLAMA_FIELDS)
-        await _send(res, 200, final(result, result["text"], events))
+        text, found = result["text"], []
+        if calls is not None:
+            text, found = calls.feed(text)
+            rest, more = calls.finish()
+            text, found = text + rest, found + more
+        await _send(res, 200, with_calls(final(result, text, events), found))
         return
 
     def line(doc: dict) -> bytes:
@@ -447,10 +510,19 @@ async def _run(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
     def token_payloads(ev: dict) -> list[bytes]:
         text = str(ev.get("text") or "")
         has_lp = text_of is not None and ev.get("logprob") is not None
-        return [line(piece(text, [ev] if has_lp else [], False))] if text or has_lp else []
+        found: list[dict] = []
+        if calls is not None:
+            text, found = calls.feed(text)
+        if not (text or has_lp or found):
+            return []
+        return [line(with_calls(piece(text, [ev] if has_lp else [], False), found))]
+
+    def end_payloads(result: dict) -> list[bytes]:
+        text, found = calls.finish() if calls is not None else ("", [])
+        return [line(with_calls(final(result, text, []), found))]
 
     await stream_generation(s, res, generate, content_type="application/x-ndjson", token_payloads=token_payloads,
-                            end_payloads=lambda result: [line(final(result, "", []))],
+                            end_payloads=end_payloads,
                             error_payloads=lambda message: [line({"error": message})], fields=OLLAMA_FIELDS)
 
 

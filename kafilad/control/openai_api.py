@@ -5,13 +5,17 @@ Routes (https://platform.openai.com/docs/api-reference, the subset a local serve
 the Ollama API (kafilad/control/ollama_api.py) and the web page (kafilad/control/web.py):
 
 ```
-GET  /health                  200 {"status": "ok", "state": "ready", "model"} | 503 {"status": "unavailable", ...}
+GET  /health                  200 {"status": "ok"} | 503 {"status": "unavailable"}: ready or not, nothing more
 GET  /v1/models               {"object": "list", "data": [{"id": model_id, "object": "model", "created", "owned_by"}]}
 GET  /v1/models/{id}          that model object, or 404 `model_not_found`
 POST /v1/completions          {"prompt": str, "max_tokens": 16, ...}   -> "text_completion"
 POST /v1/chat/completions     {"messages": [...], "max_tokens": 256, ...} -> "chat.completion"
 OPTIONS <any route>           CORS preflight (kafilad/control/cors.py): 204, or 403 for an origin not allowed
 ```
+With API keys (kafilad/control/auth.py: `--api-key`, KAFILA_API_KEYS) every route but `/health`,
+the web page's static files and OPTIONS asks for one (`Authorization: Bearer KEY` or `x-api-key`):
+without it the answer is 401 with `WWW-Authenticate: Bearer` (RFC 6750 §3), in OpenAI's error
+shape (`"code": "invalid_api_key"`), or Ollama's `{"error": ...}` on /api/ paths.
 HEAD is answered wherever GET is (RFC 9110 §9.3.2); a known path with another method is 405
 with `Allow`. Request bodies are validated by typed models (kafilad/control/openai_schema.py):
 each field gets a precise 400 naming it (`param`), unknown and unsupported fields are refused,
@@ -21,7 +25,12 @@ request naming another model than the one served is 404 `model_not_found`.
 Generation: `temperature` (default 0: greedy, token-identical to single-process mlx-lm),
 `top_p`, `seed` (the same seed draws the same tokens), `presence_penalty`, `frequency_penalty`,
 `logit_bias`, `logprobs` / `top_logprobs` and the extensions `top_k`, `min_p`,
-`repetition_penalty` reach the head's sampler (kafilad/proto/sampling.py); `stop` ends the
+`repetition_penalty` reach the head's sampler (kafilad/proto/sampling.py); `response_format`
+json_object / json_schema constrain the reply on the head (kafilad/control/grammars.py, llguidance);
+`tools`, `tool_choice` (auto, none, required, a named function) and `parallel_tool_calls` go into
+the chat template and calls come back as `message.tool_calls` with `finish_reason` "tool_calls",
+whole or streamed as `delta.tool_calls` (a forced call's arguments match the function's schema by
+construction; kafilad/control/tools.py); `stop` ends the
 request before its first stop string, which is never emitted, not even partly in a stream
 (kafilad/node/stops.py). With `"stream": true` the reply is Server-Sent Events: chat chunks
 carry `role` in the first delta only, then `content`; the last chunk has `finish_reason`;
@@ -49,16 +58,20 @@ from functools import partial
 from typing import Awaitable, Callable, Optional
 from urllib.parse import unquote
 
+import attrs
 import trio
 
 from kafilad.control import ollama_api, web
 from kafilad.control.api_common import (SSE_BUFFER_EVENTS, HttpError, TokenText, check_model, chat_prompt,
                                         created_s, default_max_tokens, generate_whole, json_object, model_id,
-                                        ready_session, serving_session, shown, state_of, stream_generation,
+                                        ready_session, serving_session, shown, stream_generation,
                                         token_reports, vocab_size)
+from kafilad.control.auth import ApiKeys
 from kafilad.control.cors import cors_headers, preflight_headers, refuse_foreign_origin
+from kafilad.control.grammars import ANY_OBJECT, json_grammar
 from kafilad.control.http_server import ClientGone, HttpLimits, HttpServer, Request, Responder, open_listeners
 from kafilad.control.openai_schema import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from kafilad.control.tools import ToolCallText, ToolPlan, plan_tools, template_messages
 from kafilad.errors import ContextTooLongError, KafilaError
 from kafilad.proto.sampling import Sampling
 
@@ -83,35 +96,58 @@ def default_limits() -> HttpLimits:
 
 
 async def serve_openai_api(node, host: str, port: int, *, limits: Optional[HttpLimits] = None,
+                           keys: ApiKeys = ApiKeys(), listeners: Optional[list] = None,
                            task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the API for `node` on host:port until cancelled; `task_status.started(actual_port)`.
+
+    Args:
+        keys: the API keys a request must present (none: the API is open; kafilad/main.py allows that
+            on loopback only, unless --http-insecure).
+        listeners: already open on host:port (the daemon's check of its default address), else opened here.
 
     Raises:
         KafilaError: the address cannot be served (port out of range, in use, not local).
     """
     try:
-        listeners = await open_listeners(host, port)
+        if listeners is None:
+            listeners = await open_listeners(host, port)
     except ValueError:
         raise KafilaError(f"The HTTP API port must be between 0 and 65535 (got {port}).") from None
     except OSError as e:
         raise KafilaError(f"The HTTP API cannot listen on {host}:{port}: {e.strerror or e}; "
                           "pick another with --http HOST:PORT, or --http off.") from None
     actual = listeners[0].socket.getsockname()[1]
-    log.info("OpenAI-compatible API on http://%s:%s/v1", host, actual)
-    server = HttpServer(partial(handle, node), limits or default_limits())
+    log.info("OpenAI-compatible API on http://%s:%s/v1 (%s)", host, actual,
+             f"{len(keys)} API key{'s' if len(keys) != 1 else ''}" if keys else "no API key")
+    server = HttpServer(partial(handle, node, keys=keys), limits or default_limits())
     task_status.started(actual)
     await server.serve(listeners)
 
 
-async def handle(node, request: Request, res: Responder) -> None:
-    """The handler of every request (the server guards it: see http_server.py)."""
-    res.extra_headers = cors_headers(request)
+#: paths served without an API key: the web page's files (it asks for the key) and /health
+OPEN_PATHS = frozenset({"/health", *web.STATIC})
+
+
+async def handle(node, request: Request, res: Responder, *, keys: ApiKeys = ApiKeys()) -> None:
+    """The handler of every request (the server guards it: see http_server.py).
+
+    Args:
+        keys: the API keys that open every route but OPEN_PATHS and OPTIONS (none: all open).
+    """
+    keyed = bool(keys)
+    res.extra_headers = cors_headers(request, keyed=keyed)
     ollama = request.path.startswith("/api/")
     if ollama:  # every /api/ path, known or not, answers errors in Ollama's shape, the server's own too
         res.error_shape = lambda status, message: json.dumps({"error": message}).encode()
     try:
-        refuse_foreign_origin(request)
-        await _route(node, request, res)
+        refuse_foreign_origin(request, keyed=keyed)
+        if keyed and request.method != "OPTIONS" and (request.path.rstrip("/") or "/") not in OPEN_PATHS \
+                and not keys.allows(request.headers):
+            raise HttpError(401, "This API needs an API key: send it as `Authorization: Bearer KEY` (OpenAI and "
+                                 "Ollama clients: api_key=KEY) or `x-api-key: KEY`; the host's owner set the keys "
+                                 "with kafilad --api-key or KAFILA_API_KEYS.", "invalid_request_error",
+                            headers=[("www-authenticate", 'Bearer realm="kafila"')], code="invalid_api_key")
+        await _route(node, request, res, keyed=keyed)
     except HttpError as e:
         if res.started:
             raise
@@ -127,17 +163,16 @@ Handler = Callable[[object, Request, Responder], Awaitable[None]]
 
 
 async def _health(node, request: Request, res: Responder) -> None:
-    """200 while a session is ready to serve; else 503 with the same sentence the API would give."""
-    s = node.session
+    """200 {"status": "ok"} while a session is ready to serve, else 503 {"status": "unavailable"}
+    (with Retry-After while it comes up): ready or not and nothing more, since it is served without
+    an API key (no states, paths or errors; an API call with a key says why it is not ready)."""
     try:
         ready_session(node)
     except HttpError as e:
-        restoring = getattr(node, "restoring_sentence", lambda: None)() is not None  # a restarted host
-        state = "restoring" if restoring else (state_of(s) if s is not None else None)
-        await res.send(503, json.dumps({"status": "unavailable", "state": state,
-                                        "message": e.message}).encode(), headers=e.headers)
+        retry = [h for h in e.headers or () if h[0] == "retry-after"]
+        await res.send(503, json.dumps({"status": "unavailable"}).encode(), headers=retry)
         return
-    await res.send(200, json.dumps({"status": "ok", "state": "ready", "model": model_id(s)}).encode())
+    await res.send(200, json.dumps({"status": "ok"}).encode())
 
 
 def _model_object(s) -> dict:
@@ -167,7 +202,21 @@ async def _chat_completions(node, request: Request, res: Responder) -> None:
     r = parse_chat(json_object(request.body))
     s = await serving_session(node, res.client_gone)
     check_model(s, r.model)
-    await _generate(s, res, r, await chat_prompt(s, r.prompt_messages()), chat=True)
+    plan = plan_tools(s.chat_tokenizer(), r.tool_dicts(), r.tool_choice_value(), r.parallel_tool_calls)
+    messages = template_messages(r.prompt_messages(), plan)
+    prompt = await chat_prompt(s, messages, list(plan.tools) if plan is not None and plan.native else None)
+    grammar = plan.grammar() if plan is not None else None
+    if grammar is None and r.response_format is not None and r.response_format.type != "text":
+        grammar = response_grammar(r.response_format)
+    await _generate(s, res, r, prompt, chat=True, plan=plan, grammar=grammar)
+
+
+def response_grammar(rf) -> str:
+    """The grammar of a `response_format` of type json_object or json_schema (kafilad/control/grammars.py)."""
+    if rf.type == "json_object":
+        return json_grammar(ANY_OBJECT, param="response_format")
+    schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else ANY_OBJECT
+    return json_grammar(schema, param="response_format.json_schema.schema")
 
 
 #: path -> (methods, handler). The web page's routes (kafilad/control/web.py) and the Ollama API's
@@ -184,7 +233,7 @@ _ROUTES.update({p: (m, web.handle) for p, m in web.ROUTES.items()})  # the web p
 MODEL_PREFIX = "/v1/models/"
 
 
-async def _route(node, request: Request, res: Responder) -> None:
+async def _route(node, request: Request, res: Responder, *, keyed: bool = False) -> None:
     method, path = request.method, request.path.rstrip("/") or "/"
     route = _ROUTES.get(path)
     if route is None and path.startswith(MODEL_PREFIX):
@@ -201,7 +250,7 @@ async def _route(node, request: Request, res: Responder) -> None:
         if request.header(b"access-control-request-method") is None:
             await res.start(204, [("allow", ", ".join((*allowed, "OPTIONS")))])
         else:
-            await res.start(204, preflight_headers(request, allowed))
+            await res.start(204, preflight_headers(request, allowed, keyed=keyed))
         await res.end()
         return
     if method not in allowed:
@@ -257,12 +306,18 @@ def _completion_logprobs(events: list[dict], text_of: TokenText, offset: int = 0
 def _usage(result: dict) -> dict:
     n = len(result["token_ids"])
     return {"prompt_tokens": result["prompt_tokens"], "completion_tokens": n,
-            "total_tokens": result["prompt_tokens"] + n}
+            "total_tokens": result["prompt_tokens"] + n,
+            "prompt_tokens_details": {"cached_tokens": int(result.get("cached_tokens") or 0)}}
 
 
-async def _generate(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
-    """Run a checked completion or chat request and answer it, whole or streamed."""
+async def _generate(s, res: Responder, r, prompt: str, *, chat: bool, plan: Optional[ToolPlan] = None,
+                    grammar: Optional[str] = None) -> None:
+    """Run a checked completion or chat request and answer it, whole or streamed; with `plan`, tool
+    calls are taken out of the reply (kafilad/control/tools.py); `grammar` constrains it."""
     sampling = sampling_of(s, r)
+    if grammar is not None:
+        sampling = attrs.evolve(sampling, grammar=grammar)
+    calls = ToolCallText(plan) if plan is not None and plan.parses else None
     max_tokens = (r.max_completion_tokens if chat and r.max_completion_tokens is not None else r.max_tokens)
     defaulted = max_tokens is None
     if max_tokens is None:
@@ -285,7 +340,15 @@ async def _generate(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
         result, events = await generate_whole(s, res, generate)
         finish = result.get("finish_reason") or "stop"
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result["text"], "refusal": None},
+            message = {"role": "assistant", "content": result["text"], "refusal": None}
+            if calls is not None:
+                content, found = calls.feed(result["text"])
+                rest, more = calls.finish()
+                if found or more:
+                    message = {"role": "assistant", "content": (content + rest) or None, "refusal": None,
+                               "tool_calls": found + more}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": 0, "message": message,
                       "logprobs": _chat_logprobs(events, text_of) if text_of else None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": result["text"],
@@ -320,19 +383,43 @@ async def _generate(s, res: Responder, r, prompt: str, *, chat: bool) -> None:
         sent["offset"] += len(text or "")
         return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
+    def call_payloads(found: list[dict]) -> list[bytes]:
+        """One chunk per completed tool call: the whole call in one delta, indexed (OpenAI's shape)."""
+        out = []
+        for c in found:
+            out.append(chunk([{"index": 0, "delta": {"tool_calls": [{"index": sent.setdefault("calls", 0), **c}]},
+                               "logprobs": None, "finish_reason": None}]))
+            sent["calls"] += 1
+        return out
+
     def token_payloads(ev: dict) -> list[bytes]:
         text = str(ev.get("text") or "")
         has_lp = ev.get("logprob") is not None and text_of is not None
-        if not text and not has_lp:
+        found: list[dict] = []
+        if calls is not None:
+            text, found = calls.feed(text)
+        if not text and not has_lp and not found:
             return []
         out = []
         if chat and not sent["role"]:  # the first chunk: the role, and no content yet (as OpenAI streams)
             out.append(chunk([choice("", None, [])]))
-        out.append(chunk([choice(text, None, [ev] if has_lp else [])]))
-        return out
+        if text or has_lp:
+            out.append(chunk([choice(text, None, [ev] if has_lp else [])]))
+        return out + call_payloads(found)
 
     def end_payloads(result: dict) -> list[bytes]:
-        out = [chunk([choice(None if chat else "", result.get("finish_reason") or "stop", [])])]
+        finish = result.get("finish_reason") or "stop"
+        out = []
+        if calls is not None:
+            rest, found = calls.finish()
+            if chat and not sent["role"] and (rest or found):
+                out.append(chunk([choice("", None, [])]))
+            if rest:
+                out.append(chunk([choice(rest, None, [])]))
+            out += call_payloads(found)
+            if calls.calls and finish == "stop":
+                finish = "tool_calls"
+        out.append(chunk([choice(None if chat else "", finish, [])]))
         if include_usage:
             out.append(chunk([], usage=_usage(result)))
         return out + [sse("[DONE]")]

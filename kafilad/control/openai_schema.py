@@ -3,8 +3,8 @@
 `parse_completion` / `parse_chat` validate a decoded JSON object with pydantic models (strict
 types: no "5" for 5, no 1 for true; unknown fields refused) and raise
 :class:`~kafilad.control.api_common.HttpError` 400 with one sentence naming the first field at
-fault (and its `param`). Every accepted field is honoured; what this server cannot do (tool calls,
-JSON output, n > 1, echo, suffix, images) is refused by name, never ignored. Extensions that
+fault (and its `param`). Every accepted field is honoured; what this server cannot do (n > 1, echo,
+suffix, images, the deprecated `functions`) is refused by name, never ignored. Extensions that
 mlx_lm.server also accepts: `top_k`, `min_p`, `repetition_penalty`.
 
 ```
@@ -13,9 +13,11 @@ both        model, max_tokens (>= 1 | null), temperature ([0, 2] | null), top_p 
             presence_penalty, frequency_penalty ([-2, 2]), logit_bias {"token id": [-100, 100]},
             seed (int64 / uint64), user, top_k, min_p, repetition_penalty
 completions prompt (str, or [str] of one), logprobs (0..5), echo (false), suffix (null), best_of (1)
-chat        messages [{role: system | developer | user | assistant, content: str | [{type: "text", text}] | null,
-            name}], max_completion_tokens, logprobs (bool), top_logprobs (0..20, with logprobs),
-            response_format {type: "text"}
+chat        messages [{role: system | developer | user | assistant | tool, content: str | [{type: "text", text}]
+            | null, name, tool_calls (assistant), tool_call_id (tool)}], max_completion_tokens, logprobs (bool),
+            top_logprobs (0..20, with logprobs), response_format {type: text | json_object | json_schema},
+            tools [{type: function, function: {name, description, parameters}}],
+            tool_choice (none | auto | required | {type: function, function: {name}}), parallel_tool_calls
 ```
 """
 
@@ -137,10 +139,36 @@ class CompletionRequest(_Common):
         return v
 
 
+#: OpenAI's function names: letters, digits, '_' and '-', at most 64
+_FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionCall(_Model):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    arguments: str
+
+
+class ToolCall(_Model):
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[str] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = Field(None, max_length=256)
+    refusal: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise refusal("may carry 'tool_calls' only with role 'assistant'.")
+        if self.role == "tool" and not self.tool_call_id:
+            raise refusal("has role 'tool' and must carry the 'tool_call_id' of the call it answers.")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -163,16 +191,43 @@ class ChatMessage(_Model):
         raise refusal("must be a string, null or a list of text parts.")
 
 
-class ResponseFormat(_Model):
-    type: str
+class JsonSchemaFormat(_Model):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema")
+    strict: Optional[bool] = None
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, v: str) -> str:
-        if v != "text":
-            raise refusal(f"'response_format' {{\"type\": \"{v[:20]}\"}} is not supported; this server "
-                          "generates free text only ({\"type\": \"text\"}).")
-        return v
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise refusal("'response_format' of type 'json_schema' needs 'json_schema' {name, schema}, and only it.")
+        return self
+
+
+class FunctionDef(_Model):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: str = Field(pattern=_FUNCTION_NAME)
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Common):
@@ -181,6 +236,19 @@ class ChatRequest(_Common):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[Tool]] = Field(None, max_length=128)
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        try:
+            return NamedToolChoice.model_validate(v)
+        except ValidationError:
+            raise refusal(_SENTENCES["tool_choice"]) from None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -188,10 +256,35 @@ class ChatRequest(_Common):
             raise refusal("'top_logprobs' needs 'logprobs': true.")
         return self
 
+    @model_validator(mode="after")
+    def _one_kind_of_structure(self):
+        if self.response_format is not None and self.response_format.type != "text" and self.tool_choice not in (
+                None, "none", "auto"):
+            raise refusal("'response_format' and a forced 'tool_choice' cannot both shape the reply; send one.")
+        return self
+
     def prompt_messages(self) -> list[dict]:
-        """The messages as the chat template takes them ("developer" is the newer name of "system")."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content or "",
-                 **({"name": m.name} if m.name else {})} for m in self.messages]
+        """The messages as the chat template takes them ("developer" is the newer name of "system"),
+        with assistant `tool_calls` and tool results (kafilad/control/tools.py `template_messages`)."""
+        out = []
+        for m in self.messages:
+            d = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+            if m.name:
+                d["name"] = m.name
+            if m.tool_calls:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id:
+                d["tool_call_id"] = m.tool_call_id
+            out.append(d)
+        return out
+
+    def tool_dicts(self) -> Optional[list[dict]]:
+        """The tools as OpenAI objects (None without tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_choice_value(self):
+        """"none" | "auto" | "required" | {"type": "function", "function": {"name"}} | None."""
+        return self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
 
 
 #: field -> the sentence for any type or range error of it (custom refusals keep their own)
@@ -216,15 +309,21 @@ _SENTENCES = {
     "top_logprobs": "'top_logprobs' must be an integer between 0 and 20.",
     "echo": "'echo' must be true or false.",
     "suffix": "'suffix' must be a string.",
-    "response_format": "'response_format' must be {\"type\": \"text\"}.",
+    "response_format": "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                       "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}.",
+    "tools": "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\", \"description\", "
+             "\"parameters\"}} objects (at most 128; names of letters, digits, '_' and '-').",
+    "tool_choice": "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                   "\"function\": {\"name\"}}.",
+    "parallel_tool_calls": "'parallel_tool_calls' must be true or false.",
     "messages": "'messages' must be a non-empty list of {role, content} objects.",
 }
 _LOGPROBS = {CompletionRequest: "'logprobs' must be an integer between 0 and 5 (or null).",
              ChatRequest: "'logprobs' must be true or false."}
 #: OpenAI fields this server knows and does not offer, and why
 _UNSUPPORTED = {
-    **{k: "this server does not call tools" for k in ("tools", "tool_choice", "functions", "function_call",
-                                                     "parallel_tool_calls")},
+    **{k: "use 'tools' and 'tool_choice' (the deprecated function-calling fields are not offered)"
+       for k in ("functions", "function_call")},
     **{k: "this server generates text only" for k in ("audio", "modalities", "prediction")},
     **{k: "this server offers no such service" for k in ("web_search_options", "service_tier", "store", "metadata",
                                                       "reasoning_effort", "verbosity", "prompt_cache_key",

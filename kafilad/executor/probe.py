@@ -31,6 +31,7 @@ from typing import Optional
 import attrs
 import mlx.core as mx
 
+from kafilad.planner import moe
 from kafilad.planner.precision import DEFAULT_DTYPE, backend_dtypes
 from kafilad.planner.throughput import batch_row_cost_of
 
@@ -299,6 +300,14 @@ def measure_stage(model: str | Path | dict, *, dtype: str = "float32", context_t
     15 ms chunks, which a 10 ms quota period turned into rho anywhere in 0.01-0.12); its scatter
     counts for the further rounds too.
 
+    Mixture-of-experts models (kafilad.planner.moe): the blocks are built with every block MoE
+    (`moe.all_moe_config`: the MoE blocks make up most of such a model), routers that mlx-lm
+    initialises to zeros get random weights (`spread_routers`), and each step takes the next of 64
+    random one-token inputs (`token_inputs`; a batched step one per row), so that the router spreads
+    the steps over the experts as it spreads real tokens. The bytes per block are those a token
+    reads (`stage_read_bytes`: routed experts x experts per token / experts), the planner's
+    `read_bytes`, so the bandwidth applies to them.
+
     Window means replaced medians of 7 single steps (scripts/validate_cost_model.py, eight runs on
     a shared 2-vCPU machine, docs/cost-model.md): the median-of-7 fit read a bandwidth-bound
     model at 2.8-5.2 GB/s from run to run, even with the CPU to itself; window means read
@@ -316,55 +325,142 @@ def measure_stage(model: str | Path | dict, *, dtype: str = "float32", context_t
     Raises:
         ModelFormatError: unreadable config or an architecture mlx-lm lacks.
     """
-    from kafilad.executor.stage import build_random_stage
     from kafilad.modelinfo import read_model_info
 
     config = model if isinstance(model, dict) else read_model_info(model).config
-    n = min(2, int(config["num_hidden_layers"]))
-    stage = build_random_stage(config, n, dtype=dtype)
-    per_block_bytes = stage.nbytes() / n
-    D = int(config["hidden_size"])
-    dt = getattr(mx, dtype)
-    cache = stage.make_cache()
-    mx.eval(stage.run_blocks(mx.zeros((1, context_tokens, D), dtype=dt), cache))
-    h = mx.full((1, 1, D), 0.1, dtype=dt)
-    layers = stage.layers
-
-    def step(k: int):
-        def one():
-            stage.layers = layers[:k]
-            mx.eval(stage.run_blocks(h, cache[:k]))
-            _rewind(cache[:k])
-        return one
-
-    fns = [step(1), step(2)] if n == 2 else [step(1)]
+    blocks = ProbeBlocks(config, dtype=dtype, context_tokens=context_tokens)
+    n = blocks.n
+    fns = [blocks.step(k) for k in range(1, n + 1)]
     windows = [window_s] * len(fns)
     if batch_rows >= 2:
-        try:
-            batch_cache = [c.merge([c] * batch_rows) for c in cache]
-        except Exception:  # noqa: BLE001 - a cache type mlx-lm cannot batch: no rho, the rest stands
-            batch_cache = None
-        if batch_cache is not None:
-            hb = mx.full((batch_rows, 1, D), 0.1, dtype=dt)
-
-            def batched():
-                stage.layers = layers
-                mx.eval(stage.run_blocks(hb, batch_cache))
-                _rewind(batch_cache)
-
+        batched = blocks.batched_step(batch_rows)
+        if batched is not None:
             fns.append(batched)
             windows.append(DEFAULT_BATCH_WINDOW_FRACTION * window_s if batch_window_s is None else batch_window_s)
-    try:
-        chunks = _interleaved_chunks_s(fns, repeats, windows, stable_within=stable_within, max_rounds=max_rounds,
-                                       watched=len(fns))
-    finally:
-        stage.layers = layers
+    chunks = _interleaved_chunks_s(fns, repeats, windows, stable_within=stable_within, max_rounds=max_rounds,
+                                   watched=len(fns))
     rho = None
     if len(fns) > n:  # the batched step ran: pair its chunks with the n-block one-row chunks, round by round
         pairs = list(zip(chunks[n - 1], chunks[n]))
         rho = batch_row_cost_of([a[0] / a[1] for a, _ in pairs], [b[0] / b[1] for _, b in pairs], batch_rows)
     per_block_s, overhead_s = fit_block_overhead_s(chunks[0], chunks[1] if n == 2 else None)
-    return StageTiming(per_block_bytes / per_block_s, overhead_s, rho)
+    return StageTiming(blocks.per_block_bytes / per_block_s, overhead_s, rho)
+
+
+class ProbeBlocks:
+    """The random blocks `measure_stage` times and their decode steps (DESIGN §5.1 "Best").
+
+    min(2, num_hidden_layers) blocks of the config's own mlx-lm class, random weights held in
+    `dtype`, prefilled with `context_tokens` tokens; for a mixture-of-experts config built with
+    every block MoE and routers spread (`measure_stage`). Each step takes the next of the
+    `token_inputs` pool and rewinds its cache, so the context stays fixed.
+
+    Attributes:
+        n: blocks built (1 or 2). stage: the random Stage. layers: its blocks.
+        per_block_bytes: bytes a token reads of one block (`stage_read_bytes` / n).
+    Raises:
+        ModelFormatError, ValueError: a config mlx-lm cannot build.
+    """
+
+    def __init__(self, config: dict, *, dtype: str = "float32", context_tokens: int = 16):
+        from kafilad.executor.stage import build_random_stage
+
+        self.n = min(2, int(config["num_hidden_layers"]))
+        spec = moe.moe_spec(config)
+        self.stage = build_random_stage(moe.all_moe_config(config), self.n, dtype=dtype)
+        if spec is not None:
+            spread_routers(self.stage.model, spec.num_experts)
+        self.per_block_bytes = stage_read_bytes(self.stage.model, spec) / self.n
+        D = int(config["hidden_size"])
+        dt = getattr(mx, dtype)
+        self.cache = self.stage.make_cache()
+        mx.eval(self.stage.run_blocks(mx.zeros((1, context_tokens, D), dtype=dt), self.cache))
+        self.inputs = token_inputs(D, dt)
+        self.layers = self.stage.layers
+        self._turn = 0
+
+    def next_input(self, rows: int) -> mx.array:
+        """The next `rows` of the input pool as (rows, 1, D): a MoE router sends consecutive steps
+        (and a batch's rows) to different experts, as it does real tokens."""
+        i, pool = self._turn, self.inputs
+        self._turn += rows
+        if rows == 1:
+            return pool[i % len(pool)]
+        return mx.concatenate([pool[(i + r) % len(pool)] for r in range(rows)])
+
+    def step(self, k: int):
+        """A function running one decode step through the first `k` blocks."""
+        def one():
+            self.stage.layers = self.layers[:k]
+            mx.eval(self.stage.run_blocks(self.next_input(1), self.cache[:k]))
+            _rewind(self.cache[:k])
+            self.stage.layers = self.layers
+        return one
+
+    def batched_step(self, rows: int):
+        """A function running one `rows`-row decode step through every block (mlx-lm batch caches
+        merged from the prefilled ones), or None when this architecture's caches cannot batch."""
+        try:
+            batch_cache = [c.merge([c] * rows) for c in self.cache]
+        except Exception:  # noqa: BLE001 - a cache type mlx-lm cannot batch: no rho, the rest stands
+            return None
+
+        def batched():
+            self.stage.layers = self.layers
+            mx.eval(self.stage.run_blocks(self.next_input(rows), batch_cache))
+            _rewind(batch_cache)
+        return batched
+
+
+#: distinct one-token inputs the stage probe cycles through (a router's choices vary from step to step)
+DEFAULT_INPUT_POOL = 64
+#: seed of the probe's inputs and spread routers: every member times the same steps
+PROBE_SEED = 0
+
+
+def token_inputs(hidden_size: int, dtype: mx.Dtype, count: int = DEFAULT_INPUT_POOL,
+                 seed: int = PROBE_SEED) -> list[mx.array]:
+    """`count` one-token hidden states (1, 1, hidden_size) ~ N(0, 1) in `dtype`, evaluated: the
+    probe's steps take them in turn, so that a mixture-of-experts router spreads the steps over its
+    experts as it spreads real tokens (a constant input would send every step to the same k experts,
+    which then stay in cache on a small model). A dense block reads the same bytes whatever its input."""
+    key = mx.random.key(seed)
+    pool = mx.random.normal((count, 1, 1, hidden_size), key=key).astype(dtype)
+    mx.eval(pool)
+    return [pool[i] for i in range(count)]
+
+
+def spread_routers(model, num_experts: int, seed: int = PROBE_SEED) -> int:
+    """Give every float router weight of `model` random values ~ N(0, 1/D), in place: mlx-lm
+    initialises some routers to zeros (DeepSeek-V3's and GLM-4.5's `MoEGate`), and a zero router
+    sends every token to the same experts. A router is a parameter named `...gate.weight` or
+    `...router.weight` whose first dimension is `num_experts` (the routers of mlx-lm's MoE models).
+    Quantised routers (integer weights) are left as the class's random init made them.
+
+    Returns:
+        how many router weights were replaced.
+    """
+    from mlx.utils import tree_flatten
+
+    key = mx.random.key(seed + 1)
+    new = []
+    for name, v in tree_flatten(model.parameters()):
+        if ((name.endswith(".gate.weight") or name.endswith(".router.weight")) and v.ndim == 2
+                and v.shape[0] == num_experts and mx.issubdtype(v.dtype, mx.floating)):
+            key, sub = mx.random.split(key)
+            new.append((name, (mx.random.normal(v.shape, key=sub) / v.shape[1] ** 0.5).astype(v.dtype)))
+    if new:
+        model.load_weights(new, strict=False)
+        mx.eval(model.parameters())
+    return len(new)
+
+
+def stage_read_bytes(model, spec: Optional[moe.MoeSpec]) -> int:
+    """Bytes one token reads of `model`'s parameters (kafilad.planner.moe.read_bytes on their
+    names: routed experts count experts per token / experts; a dense model all of its bytes)."""
+    from mlx.utils import tree_flatten
+
+    return moe.read_bytes(((name, v.nbytes) for name, v in tree_flatten(model.parameters())), spec)
 
 
 def fit_block_overhead_s(one_block: list[tuple[float, int]],

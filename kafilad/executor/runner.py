@@ -36,9 +36,10 @@ tokens match single-request decoding but log-probs may differ in the last bits.
 
 Sampling parameters (kafilad/proto/sampling.py): a request with only a temperature is sampled by
 `head_sample` / `head_sample_batch` as above. Any other parameter (top_p, top_k, min_p, seed,
-penalties, logit_bias, logprobs) goes through `head_sample_rows`, which applies mlx-lm's
+penalties, logit_bias, logprobs, a grammar) goes through `head_sample_rows`, which applies mlx-lm's
 `make_logits_processors` and sampler functions row by row, in generate_step's order, with the
-request's processors and (when seeded) its own random key kept here until `drop`.
+request's processors, (when seeded) its own random key and (with a grammar) its llguidance matcher
+(`grammars`, kafilad/executor/grammar.py) kept here until `drop`.
 
 Wire format of an activation: the array map of proto_spec 02 §4.2, checked by the one codec
 `kafilad.proto.frames.encode_activation` / `decode_activation`::
@@ -62,6 +63,8 @@ from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, categori
                                  make_logits_processors, make_sampler)
 
 from kafilad.errors import RemoteProtocolError
+from kafilad.executor.grammar import GrammarError, Grammars, mask_logits
+from kafilad.executor.prefix import PrefixIndex, PrefixStore
 from kafilad.executor.stage import Stage
 from kafilad.proto.frames import decode_activation, encode_activation
 from kafilad.proto.sampling import Sampling
@@ -144,6 +147,12 @@ class StageRunner:
         self._samplers: dict[float, object] = {}
         self._processors: dict[str, list] = {}  # request -> its mlx-lm logits processors (head)
         self._keys: dict[str, mx.array] = {}  # request -> its random key, for a seeded request (head)
+        #: the head's constrained decoding (kafilad/executor/grammar.py), set with the tokenizer
+        self.grammars: Optional[Grammars] = None
+        #: the prompt cache's kept entries (kafilad/executor/prefix.py), on every stage
+        self.prefix = PrefixStore()
+        #: the head's index of those entries (None: no prompt cache, or not the head)
+        self.prefix_index: Optional[PrefixIndex] = None
         self._lock = threading.Lock()
 
     @property
@@ -164,8 +173,9 @@ class StageRunner:
         """Tokens held in this request's KV cache (0 if unknown)."""
         with self._lock:
             self._take_out_of_batch([request_id])
-            cache = self._caches.get(request_id)
-            return int(cache[0].offset) if cache else 0
+            cache = self._caches.get(request_id) or []
+            # the first cache that counts tokens (a linear-attention or Mamba cache does not)
+            return next((int(c.offset) for c in cache if isinstance(getattr(c, "offset", None), int)), 0)
 
     def _cache(self, request_id: str) -> list:
         self._take_out_of_batch([request_id])
@@ -233,7 +243,7 @@ class StageRunner:
     def head_embed_and_run(self, request_id: str, ids: list[int]) -> mx.array:
         """Head: embed `ids` (one chunk, L tokens) and run the head's blocks. Returns (1, L, D)."""
         with self._lock:
-            h = self.stage.run_blocks(self.stage.embed(ids), self._cache(request_id))
+            h = self.stage.run_tokens(ids, self._cache(request_id))
             mx.eval(h)
             return h
 
@@ -282,7 +292,7 @@ class StageRunner:
             cache = self._cache(request_id)
             if not all(type(c) is KVCache for c in cache):
                 return int(y.item()), None
-            out = self.stage.run_blocks(self.stage.embed(y), cache)
+            out = self.stage.run_tokens(y.reshape(1, 1), cache)
             mx.eval(y, out)
             return int(y.item()), out
 
@@ -311,7 +321,7 @@ class StageRunner:
             caches = self._sync_batch(request_ids, group)
             if not all(type(c) is BatchKVCache for c in caches):
                 return [int(x) for x in y.tolist()], None
-            out = self.stage.run_blocks(self.stage.embed(y).reshape(len(request_ids), 1, -1), caches)
+            out = self.stage.run_tokens(y.reshape(len(request_ids), 1), caches)
             mx.eval(y, out)
             return [int(x) for x in y.tolist()], out
 
@@ -334,8 +344,7 @@ class StageRunner:
             raise RemoteProtocolError(f"A batched step has {len(request_ids)} requests but {len(tokens)} tokens.")
         with self._lock:
             caches = self._sync_batch(request_ids, group)
-            h = self.stage.embed(list(tokens)).reshape(len(tokens), 1, -1)
-            h = self.stage.run_blocks(h, caches)
+            h = self.stage.run_tokens(mx.array(list(tokens), dtype=mx.int32).reshape(len(tokens), 1), caches)
             mx.eval(h)
             return h
 
@@ -420,6 +429,10 @@ class StageRunner:
             tokens = mx.array(list(history or [])[-s.penalty_context_tokens:], dtype=mx.int32)
             for p in procs:
                 logits = p(tokens, logits)
+        if s.grammar is not None:
+            if self.grammars is None:
+                raise GrammarError("This stage is not the head or has no tokenizer: it cannot apply a grammar.")
+            logits = mask_logits(logits, self.grammars.allowed(request_id, s.grammar))
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         if s.temperature == 0 or s.top_p == 0:
             token = mx.argmax(logprobs, axis=-1)
@@ -441,6 +454,8 @@ class StageRunner:
                 self._keys[request_id] = key
                 token = mx.random.categorical(x * (1.0 / s.temperature), key=sub)
         tok = int(token.item())
+        if s.grammar is not None:
+            self.grammars.consume(request_id, tok)
         if s.logprobs is None:
             return tok, None
         row = logprobs[0]
@@ -453,12 +468,50 @@ class StageRunner:
                                 key=lambda p: (-p[1], p[0])))
         return tok, (float(row[tok].item()), best)
 
+    def prefix_start(self, request_id: str, entry: str, n_tokens: int) -> None:
+        """Start a request's caches from the first `n_tokens` positions of kept `entry` (the prompt
+        cache, kafilad/executor/prefix.py; copies: the entry stays as it is).
+
+        Raises:
+            RemoteProtocolError: the entry is not here, or holds fewer tokens (the head and this
+                stage disagree: the ring must not go on with wrong caches).
+        """
+        with self._lock:
+            if request_id in self._caches or request_id in self.batch_ids:
+                raise RemoteProtocolError(f"Request {request_id} already has caches here; it cannot start from "
+                                          f"prompt-cache entry {entry}.")
+            caches = self.prefix.start(entry, n_tokens)
+            if caches is None:
+                raise RemoteProtocolError(f"Stage [{self.stage.start}, {self.stage.end}) holds no prompt-cache entry "
+                                          f"{entry} of {n_tokens} tokens.")
+            self._caches[request_id] = caches
+
+    def prefix_keep(self, request_id: str, n_tokens: int) -> None:
+        """End a request keeping its caches as prompt-cache entry `request_id`, cut back to its first
+        `n_tokens` positions; its sampler state is forgotten as `drop` forgets it."""
+        with self._lock:
+            self._take_out_of_batch([request_id])
+            caches = self._caches.pop(request_id, None)
+            self._processors.pop(request_id, None)
+            self._keys.pop(request_id, None)
+            if self.grammars is not None:
+                self.grammars.drop(request_id)
+            if caches is not None and self.stage.prefix_cacheable:
+                self.prefix.keep(request_id, caches, n_tokens)
+
+    def prefix_evict(self, entries) -> None:
+        """Forget kept prompt-cache entries (unknown ones are ignored)."""
+        with self._lock:
+            self.prefix.evict(entries)
+
     def drop(self, request_id: str) -> None:
         """Forget a request's KV caches, single or batched, and its sampler state (no error if unknown)."""
         with self._lock:
             self._caches.pop(request_id, None)
             self._processors.pop(request_id, None)
             self._keys.pop(request_id, None)
+            if self.grammars is not None:
+                self.grammars.drop(request_id)
             self._take_out_of_batch([request_id], keep_cache=False)
 
 

@@ -132,13 +132,9 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...],
             f.write(b)
 
 
-def _tokenizer_json() -> str:
-    """A byte-level BPE tokenizer (no merges) built with the `tokenizers` library."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    alphabet = ByteLevel.alphabet()  # 256 printable stand-ins, one per byte
-    # GPT-2's bytes_to_unicode: map each byte to its stand-in so that token id == byte value.
+def byte_level_chars() -> dict[int, str]:
+    """GPT-2's bytes_to_unicode: each byte's printable stand-in in byte-level BPE vocabularies, so
+    that a vocabulary listing them in byte order has token id == byte value."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
     for b in range(256):
@@ -146,8 +142,16 @@ def _tokenizer_json() -> str:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    byte_to_char = {b: chr(c) for b, c in zip(bs, cs)}
-    assert set(byte_to_char.values()) == set(alphabet)
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def _tokenizer_json() -> str:
+    """A byte-level BPE tokenizer (no merges) built with the `tokenizers` library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    byte_to_char = byte_level_chars()
+    assert set(byte_to_char.values()) == set(ByteLevel.alphabet())  # 256 printable stand-ins, one per byte
     vocab = {byte_to_char[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -198,15 +202,22 @@ def synthesize_model(out_dir: str | Path, *, arch: str = "llama", seed: int = 0,
             tensors[name] = ("F32", shape, w.astype("<f4").tobytes())
     write_safetensors(out / "model.safetensors", tensors)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_tokenizer_files(out, model_max_length=config["max_position_embeddings"])
+    return out
+
+
+def write_tokenizer_files(out: Path, *, model_max_length: int) -> None:
+    """Write the byte-level tokenizer (ids 0-255 bytes, 256 <s>, 257 </s>; `_tokenizer_json`) and
+    a greedy generation_config.json into the model directory `out`, as transformers and mlx-lm
+    read them offline. A model using it needs a vocabulary of at least VOCAB_SIZE ids."""
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}, indent=2, sort_keys=True) + "\n")
     (out / "tokenizer.json").write_text(_tokenizer_json())
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "add_bos_token": True, "model_max_length": config["max_position_embeddings"],
+        "add_bos_token": True, "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
     }, indent=2, sort_keys=True) + "\n")
-    return out
 
 
 #: the model `kafila-ctl demo` uses when given no --model.
@@ -253,3 +264,46 @@ def load_tokenizer(model_dir: str | Path):
     from kafilad.executor.tokenizer import load_tokenizer as _load
 
     return _load(model_dir)
+
+
+def synthesize_mlx_model(out_dir: str | Path, config: dict, *, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a random model of any mlx-lm architecture: config.json and model.safetensors only
+    (no tokenizer), for timing stages at a real architecture's shapes (scripts/validate_cost_model.py,
+    issue 21 item 4).
+
+    The model is the architecture's own mlx-lm class built from its own `ModelArgs` (`config`) with
+    the class's random initialisation (seeded by `seed`), its weights saved under mlx-lm's parameter
+    names (experts already stacked, as `sanitize` leaves them), so `load_stage_from_dir` loads it as
+    it loads any checkpoint. Routers of mixture-of-experts blocks get random weights
+    (kafilad.executor.probe.spread_routers; mlx-lm initialises some to zeros), so tokens spread over
+    the experts as a trained router spreads them.
+
+    Args:
+        config: a config.json mlx-lm can build (its `model_type` names the class).
+        dtype: the stored float dtype ("float32", "bfloat16", "float16").
+    Returns:
+        out_dir as a Path.
+    Raises:
+        ValueError: a model_type mlx-lm lacks.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from kafilad.executor.probe import spread_routers
+    from kafilad.executor.stage import mx_dtype
+    from kafilad.planner.moe import moe_spec
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.set_dtype(mx_dtype(dtype))
+    spec = moe_spec(config)
+    if spec is not None:
+        spread_routers(model, spec.num_experts, seed=seed)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2, sort_keys=True) + "\n")
+    return out

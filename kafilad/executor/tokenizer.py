@@ -14,6 +14,8 @@
 
       decode(prompt_ids + generated_ids)[len(decode(prompt_ids)):]
 
+  (`decode` with special tokens skipped: `<s>` or `<unk>` sampled mid-text is not returned text)
+
   i.e. the generated text as it continues the prompt, computed with the tokenizer's own `decode`
   over a short window of context, so each token costs O(CONTEXT_TOKENS + COMMIT_TOKENS).
 
@@ -85,14 +87,17 @@ class ContinuationDetokenizer:
             `decode(tokens)` itself.
         clean_spaces: the tokenizer's decode applies transformers' cleanup rules (" ," -> ",").
         byte_ids: ids of byte-fallback tokens (`<0xNN>`), whose runs decode as a whole.
+        skipped_ids: ids `decode` leaves out (special tokens): a byte run goes on across them.
     """
 
     def __init__(self, decode: Callable[[list[int]], str], prefix_ids: Sequence[int] = (), *,
-                 clean_spaces: bool = False, byte_ids: frozenset[int] = frozenset()):
+                 clean_spaces: bool = False, byte_ids: frozenset[int] = frozenset(),
+                 skipped_ids: frozenset[int] = frozenset()):
         self._decode = decode
         self._prefix = [int(t) for t in prefix_ids][-CONTEXT_TOKENS:]
         self._clean_spaces = clean_spaces
         self._byte_ids = byte_ids
+        self._run_ids = byte_ids | skipped_ids if byte_ids else frozenset()
         self.reset()
 
     def reset(self) -> None:
@@ -120,8 +125,8 @@ class ContinuationDetokenizer:
         """Consume one generated id."""
         self.tokens.append(int(token))
         self._pending.append(int(token))
-        run = 0  # the trailing run of byte-fallback tokens: a later byte may still rewrite it
-        while run < len(self._pending) and self._pending[-1 - run] in self._byte_ids:
+        run = 0  # the trailing run of byte-fallback tokens (and skipped ones among them): a later byte may rewrite it
+        while run < len(self._pending) and self._pending[-1 - run] in self._run_ids:
             run += 1
         if run == len(self._pending):
             return
@@ -253,6 +258,8 @@ class Tokenizer:
         self._wrapper = wrapper
         probe = wrapper.encode("a ,b", add_special_tokens=False)
         self.clean_spaces = " ," not in wrapper.decode(probe)
+        #: ids the returned text leaves out (`text_of`: the tokenizer's special tokens)
+        self.special_ids = frozenset(int(i) for i in getattr(wrapper, "all_special_ids", None) or ())
         pieces = wrapper.convert_ids_to_tokens(list(range(len(wrapper))))
         self.byte_ids = frozenset(i for i, p in enumerate(pieces)
                                   if isinstance(p, str) and len(p) == 6 and p.startswith("<0x") and p.endswith(">"))
@@ -286,16 +293,21 @@ class Tokenizer:
     def eos_token_ids(self) -> set[int]:
         return self._wrapper.eos_token_ids
 
+    def text_of(self, ids: list[int]) -> str:
+        """The text returned for `ids`: the tokenizer's decode with special tokens skipped (`<s>`,
+        `<unk>`, a chat template's turn markers), which a model may sample mid-text (issue 25 item 6)."""
+        return self._wrapper.decode(ids, skip_special_tokens=True)
+
     @property
     def detokenizer(self) -> ContinuationDetokenizer:
-        """A fresh streaming detokenizer for `decode(generated)` (no prompt context)."""
-        return ContinuationDetokenizer(self._wrapper.decode, (), clean_spaces=self.clean_spaces,
-                                       byte_ids=self.byte_ids)
+        """A fresh streaming detokenizer for `text_of(generated)` (no prompt context)."""
+        return ContinuationDetokenizer(self.text_of, (), clean_spaces=self.clean_spaces, byte_ids=self.byte_ids,
+                                       skipped_ids=self.special_ids)
 
     def continuation_detokenizer(self, prompt_ids: Iterable[int]) -> ContinuationDetokenizer:
-        """A fresh streaming detokenizer for the text generated after `prompt_ids`."""
-        return ContinuationDetokenizer(self._wrapper.decode, list(prompt_ids), clean_spaces=self.clean_spaces,
-                                       byte_ids=self.byte_ids)
+        """A fresh streaming detokenizer for the text generated after `prompt_ids` (`text_of`)."""
+        return ContinuationDetokenizer(self.text_of, list(prompt_ids), clean_spaces=self.clean_spaces,
+                                       byte_ids=self.byte_ids, skipped_ids=self.special_ids)
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:

@@ -35,6 +35,7 @@ import attrs
 import trio
 
 from kafilad.errors import HostBusyError, KafilaError
+from kafilad.modelinfo import unsplittable_reason
 
 #: default queue length per slot: a host with --concurrency K queues 4K requests
 QUEUE_PER_SLOT = 4
@@ -234,7 +235,8 @@ def check_session_arguments(info, *, members: int, context: Optional[int], concu
     Returns:
         The context to use, in tokens.
     Raises:
-        KafilaError: members outside [1, blocks], concurrency below 1, context below 2, a context
+        KafilaError: members outside [1, blocks], more than one member for a model mlx-lm's code
+            cannot divide (kafilad.modelinfo.unsplittable_reason), concurrency below 1, context below 2, a context
             beyond the model's max_position_embeddings, or an admit timeout that is not positive.
     """
     n_blocks = info.num_hidden_layers
@@ -242,6 +244,10 @@ def check_session_arguments(info, *, members: int, context: Optional[int], concu
         raise KafilaError(f"--members counts every machine, the host included, and a session has at most one "
                           f"per block of the model: it must be between 1 and {n_blocks} for {info.model_id} "
                           f"(got {members}).")
+    unsplittable = unsplittable_reason(info.config)
+    if unsplittable and members > 1:
+        raise KafilaError(f"{info.model_id} cannot be divided among machines: {unsplittable}. Host it with "
+                          f"--members 1 on a machine that holds it whole.")
     limit = info.config.get("max_position_embeddings")
     if context is None:
         context = default_context(info.config)

@@ -50,6 +50,25 @@ def rejoin_delay_s(error: Exception, delay_s: float, unknown_tries: int) -> tupl
     return delay_s, min(delay_s * 2, REJOIN_MAX_S), unknown_tries
 
 
+def rejoin_first_wait_s(failed_unready: int) -> float:
+    """The wait before the first rejoin of a member session that failed (before jitter).
+
+    None after a session that served (it reached ready or stood by: a loss heals at once,
+    docs/healing.md). After ``failed_unready`` sessions in a row that failed before either, doubling
+    from REJOIN_FIRST_S up to REJOIN_MAX_S: a stage that keeps failing to load is not retried in a
+    tight loop (issue 21 item 3: a trial's member rejoined, failed and rejoined with no wait, and
+    `join` printed ~3,680 "reconnecting (attempt 1, next try in 0 s)" lines).
+
+    Args:
+        failed_unready: sessions in a row, this one included, that failed before serving (0: it served).
+    Returns:
+        The wait in seconds.
+    """
+    if failed_unready <= 0:
+        return 0.0
+    return min(REJOIN_FIRST_S * 2 ** (failed_unready - 1), REJOIN_MAX_S)
+
+
 def record(code: str, attempt: int, reason: Optional[str], *, wait_s: float = 0.0) -> dict:
     """A comeback record (module docstring): attempt `attempt` of `code`, due in `wait_s` seconds."""
     return {"code": code, "attempt": attempt, "at": time.time() + wait_s, "reason": reason}

@@ -12,6 +12,7 @@ import math
 import random
 import signal
 import time
+from functools import partial
 from typing import Optional
 
 import trio
@@ -89,14 +90,20 @@ class Node:
         state: the state directory (key, roster, cache, socket, traces).
         name: this member's display name.
         rendezvous: default rendezvous URL for host/join (overridable per command).
+        http: the HTTP API's (host, port), or None for none.
+        api_keys: the HTTP API's keys (kafilad/control/auth.py ApiKeys); None: the API is open.
     """
 
     def __init__(self, state: StateDir, *, name: str, rendezvous: Optional[str],
-                 http: Optional[tuple[str, int]] = None):
+                 http: Optional[tuple[str, int]] = None, http_listeners: Optional[list] = None, api_keys=None):
         self.state = state.ensure()
         self.name = name
         self.rendezvous = rendezvous
         self.http = http
+        #: listeners already open on `http` (kafilad/main.py opened the default address to check it)
+        self._http_listeners = http_listeners
+        #: the HTTP API's keys (kafilad/control/auth.py ApiKeys; None: none, the API is open)
+        self.api_keys = api_keys
         self.http_port: Optional[int] = None
         self.static_private, self.public_key = self.state.load_or_create_static_key()
         self.peer_id = peer_id_of(self.public_key)
@@ -104,6 +111,8 @@ class Node:
         #: while the rejoin loop runs (`_rejoin`): {"code", "attempt", "at" (time.time() of the next
         #: try), "reason" (why the last try or the session failed)}
         self.rejoining: Optional[dict] = None
+        #: member sessions in a row that failed before serving (`_run_session`; comeback.rejoin_first_wait_s)
+        self._failed_unready = 0
         #: while a restarted daemon hosts its remembered session again (`_rehost`): {"code", "attempt",
         #: "at" (time.time() of the next try), "reason"}
         self.restoring: Optional[dict] = None
@@ -132,7 +141,10 @@ class Node:
             if self.http is not None:
                 from kafilad.control.openai_api import serve_openai_api
                 # a port in use or out of range refuses the start with a sentence (KafilaError)
-                self.http_port = await nursery.start(serve_openai_api, self, *self.http)
+                from kafilad.control.auth import ApiKeys
+                self.http_port = await nursery.start(partial(serve_openai_api, self, *self.http,
+                                                             keys=self.api_keys or ApiKeys(),
+                                                             listeners=self._http_listeners))
             log.info("kafilad %s (peer %s) listening on %s", self.name, self.peer_id, self.state.socket_path)
             if remembered is not None and remembered.get("role") == "host":
                 nursery.start_soon(self._rehost, remembered)
@@ -188,9 +200,12 @@ class Node:
                     await session._handle(sm.Close("the session ended", final=False))
             self.changed()
         if started and self._will_rejoin(session):
-            # the host or rendezvous went away: come back by itself
-            self.rejoining = comeback.record(session.code, 1, session.error)
-            self.nursery.start_soon(self._rejoin, session.error)
+            # the host or rendezvous went away: come back by itself, at once after a session that served,
+            # with a growing wait after sessions that failed before serving (comeback.rejoin_first_wait_s)
+            self._failed_unready = 0 if session.served else self._failed_unready + 1
+            wait_s = comeback.rejoin_first_wait_s(self._failed_unready) * random.uniform(0.8, 1.2)
+            self.rejoining = comeback.record(session.code, 1, session.error, wait_s=wait_s)
+            self.nursery.start_soon(self._rejoin, session.error, wait_s)
 
     def _will_rejoin(self, session) -> bool:
         """Whether `session` is a member session that failed after its admission, of the session this
@@ -205,11 +220,11 @@ class Node:
         from kafilad.node.host import HostSession
         self._ensure_no_session()
         strategy = _strategy(args)
-        session = HostSession(self, model_dir=await resolve_model_dir(_required(args, "model_dir", str)), members=_arg(args, "members", int, 1),
+        session = HostSession(self, model_dir=await resolve_model_dir(_required(args, "model_dir", str), self.state.path / "models"), members=_arg(args, "members", int, 1),
                               context=_arg(args, "context", int, None), concurrency=_arg(args, "concurrency", int, 1),
                               rendezvous=self._rdv(args), open_=_arg(args, "open", bool, False),
                               admit_timeout_s=_arg(args, "admit_timeout_s", float, DEFAULT_ADMIT_TIMEOUT_S),
-                              queue_limit=_queue_limit(args), strategy=strategy)
+                              queue_limit=_queue_limit(args), strategy=strategy, head_self=_head_self(args))
         code = await self.nursery.start(self._run_session, session)
         self.session = session
         self.changed()
@@ -234,7 +249,9 @@ class Node:
                                           rendezvous=record["rendezvous"], open_=bool(record.get("open")),
                                           admit_timeout_s=float(record.get("admit_timeout_s")
                                                                 or DEFAULT_ADMIT_TIMEOUT_S),
-                                          strategy=str(record.get("strategy") or DEFAULT_STRATEGY))
+                                          strategy=str(record.get("strategy") or DEFAULT_STRATEGY),
+                                          head_self=bool(record.get("head_self")),
+                                          queue_limit=_queue_limit(record))  # none in records before issue 25
                     session.session_id = str(record["session_id"])
                     session.rehosted = True  # requests wait while its members rejoin (host_requests.returning)
                     await self.nursery.start(self._run_session, session)
@@ -265,16 +282,18 @@ class Node:
             return None
         return comeback.restoring_sentence(info)
 
-    async def _rejoin(self, reason: Optional[str] = None) -> None:
+    async def _rejoin(self, reason: Optional[str] = None, first_wait_s: float = 0.0) -> None:
         """Rejoin the remembered session after a restart or after it failed (issue 8 §2): retry with a
         capped, jittered backoff while the host or rendezvous is unreachable; forget it when the host
         refuses. Meanwhile ``rejoining`` says which attempt comes when, and why (`snapshot`).
 
         Args:
             reason: why the session is being rejoined (the failed session's error), until an attempt fails.
+            first_wait_s: seconds to wait before the first attempt (`comeback.rejoin_first_wait_s`).
         """
         delay_s, unknown_tries, attempt = REJOIN_FIRST_S, 0, 0
         try:
+            await trio.sleep(first_wait_s)
             while True:
                 record = self.state.remembered_session()
                 if record is None or (self.session is not None and self.session.state not in ("failed", "closed")):
@@ -450,7 +469,10 @@ class Node:
         return self.snapshot()
 
     async def op_wait(self, args: dict, emit) -> dict:
-        """Wait until the session state is in args["states"]; error if it fails or times out."""
+        """Wait until the session state is in args["states"]; error if it fails or times out.
+
+        A member on standby counts as ready (it is in the session and serves its part, none, until
+        a replan gives it blocks): `wait` on it returns, saying "standby" (issue 25 item 6)."""
         states = _arg(args, "states", list, ["ready"])
         unknown = [s for s in states if not isinstance(s, str) or s not in WAIT_STATES]
         if unknown:
@@ -462,7 +484,8 @@ class Node:
         with trio.move_on_after(timeout_s):
             while True:
                 snap = self.snapshot()
-                if snap["state"] in states:
+                if snap["state"] in states or (snap["state"] == sm.MemberState.STANDBY.value and "ready" in states
+                                               and snap.get("role") == "member"):
                     return snap
                 if snap["state"] == "failed" and "failed" not in states:
                     raise KafilaError(f"The session failed: {str(snap.get('error')).rstrip('.')}.")
@@ -566,6 +589,18 @@ class Node:
             self.nursery.cancel_scope.cancel()
         self.nursery.start_soon(stop_after_reply)
         return {"stopping": True}
+
+
+def _head_self(args: dict) -> bool:
+    """`host --head`: "self" pins the head on the host; "auto" (or absent) lets the planner choose.
+
+    Raises:
+        KafilaError: another value.
+    """
+    head = args.get("head", "auto")
+    if head not in ("auto", "self"):
+        raise KafilaError(f"'head' must be \"auto\" or \"self\" (got {str(head)[:20]!r}).")
+    return head == "self"
 
 
 def _queue_limit(args: dict) -> Optional[int]:

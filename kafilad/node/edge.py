@@ -433,8 +433,7 @@ class RingEdge:
         self.closed = True
         self._background.cancel()
         if self.link is not None and not self.link.over:
-            self.link.closed_reason = reason
-            self.link.ended.set()
+            self.link.end(reason)  # wakes a send parked in a repair or on a full window
         for link in self.links:
             await link.close(reason)
         self.paths.release(self.transport)

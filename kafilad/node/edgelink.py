@@ -120,12 +120,18 @@ class _EdgeEnd:
     def bytes_sent(self) -> int:
         return self.link.bytes_sent
 
-    async def close(self, reason: str = "closed") -> None:
-        """Close the edge's current link; later calls raise LinkEnded (no repair is attempted)."""
+    def end(self, reason: str) -> None:
+        """Mark the edge closed without closing its link (its owner closes the links, kafilad/node/edge.py
+        ``RingEdge.aclose``): every call waiting on it (a repair, a full window) and every later one
+        raises LinkEnded(``reason``)."""
         if self.closed_reason is None:
             self.closed_reason = reason if reason != "closed" else f"the ring edge {self.edge_name} was closed"
         self.ended.set()
         self._signal()
+
+    async def close(self, reason: str = "closed") -> None:
+        """Close the edge's current link; later calls raise LinkEnded (no repair is attempted)."""
+        self.end(reason)
         await self.link.close(reason)
 
     async def aclose(self) -> None:
@@ -214,6 +220,11 @@ class EdgeSender(_EdgeEnd):
 
     def _replacement_pending(self) -> bool:
         return self._proposal is not None
+
+    def _signal(self) -> None:
+        super()._signal()
+        self._acked_event.set()  # a send waiting on a full window looks again (the edge may be over)
+        self._acked_event = trio.Event()
 
     async def _apply(self) -> dict:
         link, delivered = self._proposal

@@ -88,19 +88,40 @@ def _read_from_hf_blob(hf_cache: Path, file_sha256: str, offset: int, nbytes: in
 
 
 def _verify_and_store(path: Path, data: bytes, sha256: str) -> bool:
+    """Check `data` against `sha256` and keep it in the cache at `path`; False on a mismatch.
+
+    Raises:
+        SessionError: it cannot be written (a full disk, a read-only or foreign directory), with a
+            sentence naming the cache and what to do; no partial file is left behind.
+    """
     if hashlib.sha256(data).hexdigest() != sha256:
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # a temporary file of its own: two tensors with the same bytes (e.g. two norms of ones) may
-    # be stored at once, and a shared ".part" name would lose one writer's rename
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name + ".", suffix=".part", delete=False) as tmp:
-        try:
+    tmp_name = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # a temporary file of its own: two tensors with the same bytes (e.g. two norms of ones) may
+        # be stored at once, and a shared ".part" name would lose one writer's rename
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name + ".", suffix=".part",
+                                         delete=False) as tmp:
+            tmp_name = tmp.name
             tmp.write(data)
-        except BaseException:
-            os.unlink(tmp.name)
-            raise
-    os.replace(tmp.name, path)
+        os.replace(tmp_name, path)
+    except OSError as e:
+        if tmp_name is not None:
+            try:
+                os.unlink(tmp_name)
+            except OSError:
+                pass
+        raise store_error(e, path.parent, len(data)) from None
     return True
+
+
+def store_error(e: OSError, where: Path, nbytes: int) -> SessionError:
+    """The sentence of a failed write of `nbytes` model bytes under `where` (the cache, the head's
+    tokenizer directory)."""
+    from kafilad.node.statedir import disk_advice
+    return SessionError(f"Could not store {nbytes} bytes of the model in {where}: {e.strerror or e}; "
+                        f"{disk_advice(e, where)}")
 
 
 class Fetcher:
@@ -189,7 +210,8 @@ class Fetcher:
             (data, where it came from: FROM_CACHE, FROM_HF_CACHE or FROM_HOST).
         Raises:
             RemoteProtocolError: the plan's sha256 or file_sha256 is not a digest.
-            SessionError: fetch failures, or the bytes do not match the sha256.
+            SessionError: fetch failures, the bytes do not match the sha256, or they cannot be
+                cached (a full disk: `store_error`'s sentence).
         """
         path = self.cache_dir / checked_sha256(sha256)
         data = await trio.to_thread.run_sync(_read_if_intact, path, sha256)

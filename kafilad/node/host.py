@@ -17,7 +17,7 @@ from typing import Optional
 import trio
 
 from kafilad.errors import (HandshakeError, KafilaError, LinkClosed, RemoteProtocolError, RingEdgeError, SessionError,
-                            collapse_groups)
+                            StageBuildError, collapse_groups)
 from kafilad.modelinfo import read_model_info
 from kafilad.node import paths, stagehost
 from kafilad.node.admission import Limiter, check_session_arguments
@@ -51,9 +51,11 @@ class HostSession(HostRequests, SessionDriver):
 
     def __init__(self, node, *, model_dir: str, members: int, context: Optional[int], concurrency: int,
                  rendezvous: str, open_: bool, admit_timeout_s: float, queue_limit: Optional[int] = None,
-                 strategy: str = DEFAULT_STRATEGY):
+                 strategy: str = DEFAULT_STRATEGY, head_self: bool = False):
         super().__init__(node)
         self.strategy = strategy  # the planner's division (DESIGN §5.3, §5.5; `host --strategy`)
+        #: `host --head self`: this host is the head of every plan (it alone sees prompts and samples)
+        self.head_self = head_self
         self.model_dir = str(Path(model_dir).resolve())
         self.expected = members
         self.context = context
@@ -75,11 +77,14 @@ class HostSession(HostRequests, SessionDriver):
         self.links: dict[str, Link] = {}
         self.outboxes: dict[str, Outbox] = {}  # peer id -> its ctl link's outbox (kafilad/node/outbox.py)
         self._decided: dict[str, trio.Event] = {}
-        self.plan = None
+        #: the planner's answers by MakePlan sequence number, until the machine accepted that one or a later one
+        self._plans: dict = {}
         self.fleet_devices: list[Device] = []
         self.generations: dict[str, trio.MemorySendChannel] = {}
         self.formed_s: Optional[float] = None
         self.measured_stage_s: dict[str, float] = {}
+        #: {sender name: ring frame bytes sent for the finished requests} (stagehost.generation_edges)
+        self.edge_bytes_sent: dict[str, int] = {}
         self.last_generation: dict = {}
         self._chat_tokenizer = None
         self.trace = None
@@ -95,6 +100,13 @@ class HostSession(HostRequests, SessionDriver):
     @property
     def ring_order(self) -> list[str]:
         return self.machine.ring_order
+
+    @property
+    def plan(self):
+        """The planner's Plan (kafilad/planner/records.py) the machine accepted last (its ``planned``),
+        None before the first: never an answer the machine dropped as stale (issue 25 item 6)."""
+        p = self.machine.planned
+        return self._plans.get(p.seq) if p is not None else None
 
     def _validate(self) -> None:
         """Refuse arguments no plan could honour (`check_session_arguments`); fills in the default context."""
@@ -123,7 +135,11 @@ class HostSession(HostRequests, SessionDriver):
         elif isinstance(a, sm.Remember):
             roster = self.node.state.load_roster()
             roster[a.peer_id] = {"public_key": a.public_key.hex(), "name": a.name}
-            self.node.state.save_roster(roster)
+            try:
+                self.node.state.save_roster(roster)
+            except KafilaError as e:  # admitted in this session all the same; only its memory is lost
+                log.warning("%s %s stays admitted in this session, but must be admitted again in the next one.",
+                            e, a.name)
             self._decided_on(a.peer_id)
         elif isinstance(a, sm.MakePlan):
             self.nursery.start_soon(self._make_plan, a.order, a.seq)
@@ -255,7 +271,7 @@ class HostSession(HostRequests, SessionDriver):
         return {"role": "host", "code": self.code, "session_id": self.session_id, "rendezvous": self.rdv_url,
                 "model_dir": self.model_dir, "members": self.expected, "context": self.context,
                 "concurrency": self.concurrency, "open": self.machine.open, "admit_timeout_s": self.admit_timeout_s,
-                "strategy": self.strategy}
+                "strategy": self.strategy, "queue": self.admission.queue.queue_limit, "head_self": self.head_self}
 
     async def _measure_self(self) -> None:
         cap = await run_on_mlx_thread(stagehost.measure_capability, self.model_dir, self.node.state.path)
@@ -266,7 +282,7 @@ class HostSession(HostRequests, SessionDriver):
     async def _accept_loop(self, rdv) -> None:
         async def serve(circuit) -> None:
             self.nursery.start_soon(self._serve_member, circuit)
-        await stagehost.accept_circuits(rdv, {"ctl": serve, "ring": self._ring_incoming_send.send})
+        await stagehost.accept_circuits(rdv, {"ctl": serve, "ring": self._take_ring_circuit})
 
     async def _events_loop(self, rdv) -> str:
         """Handle rendezvous events until the connection ends; return why it ended."""
@@ -422,17 +438,25 @@ class HostSession(HostRequests, SessionDriver):
                                      rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"), batch_row_cost=e.capability.get("batch_row_cost"),
                                      dtype=e.capability.get("dtype"), fallback_dtype=e.capability.get("fallback_dtype"))
                               for e in order]
-        try:  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
-            plan = make_plan(self.fleet_devices, stagehost.plan_profiles(self.info, self.fleet_devices),
-                             context=self.context, concurrency=self.concurrency, strategy=self.strategy)
+        devices = list(self.fleet_devices)
+
+        def planned():  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
+            return make_plan(devices, stagehost.plan_profiles(self.info, devices), context=self.context,
+                             concurrency=self.concurrency, strategy=self.strategy, head_self=self.head_self)
+
+        try:  # on a worker thread: a large search once held the event loop 36 s (issue 25 item 6); the
+            # planner is pure, so a plan abandoned when the session ends costs nothing
+            plan = await trio.to_thread.run_sync(planned, abandon_on_cancel=True)
         except KafilaError as e:
             await self._handle(sm.PlanFailed(str(e), seq))
             return
         ev = sm.Planned(plan=plan.to_json(), blocks=dict(plan.blocks), head=plan.head, order=tuple(plan.order),
                         seq=seq, standby=tuple(plan.standby))
         await self.drain_for(ev)  # a plan replacing the serving ring lets its requests finish first
-        self.plan = plan
+        self._plans[seq] = plan  # shown (`plan`) once the machine takes it; a stale answer it drops never is
         await self._handle(ev)
+        kept = self.machine.planned.seq if self.machine.planned is not None else seq
+        self._plans = {s: p for s, p in self._plans.items() if s >= min(kept, seq)}
 
     async def _distribute(self, planned: sm.Planned, epoch: int) -> None:
         """Send each remote member its share (proto_spec 05 §2 `plan`), then load our own stage."""
@@ -457,13 +481,18 @@ class HostSession(HostRequests, SessionDriver):
                 return  # replanned while the tables were made: the newer plan's frame may have gone first
             await self._perform(sm.Send(pid, cf.PlanFrame(plan=planned.plan, ring=order, roster=roster, start=start,
                                                           end=end, head=head, tensors=tensors, files=files,
-                                                          epoch=epoch, dtype=stagehost.stage_dtype(planned.plan, e.name))))
+                                                          epoch=epoch, dtype=stagehost.stage_dtype(planned.plan, e.name),
+                                                          checkpoint=self.files.info.checkpoint_shapes())))
         if epoch == self.machine.epoch:
             self.nursery.start_soon(self._run_stage, roster, epoch)
 
     async def _run_stage(self, roster: dict, epoch: int) -> None:
         """The host's stage of plan `epoch`, in its own cancel scope (a replan ends it)."""
         async def failed(e: KafilaError) -> None:
+            if isinstance(e, StageBuildError):
+                log.warning("the host's own stage could not be built: %s", e, exc_info=e)
+                await self._handle(sm.OwnStageFailed(str(e), epoch))
+                return
             log.warning("the host's own stage did not join the ring: %s", e)
             await self._rendezvous_first()
             await self._handle(sm.RingFailed(e.peer_id if isinstance(e, RingEdgeError) else None, str(e), epoch))
@@ -476,10 +505,14 @@ class HostSession(HostRequests, SessionDriver):
         start, end = self.machine.planned.blocks[me.name]
         head = self.machine.planned.head == me.name
 
+        dtype = stagehost.stage_dtype(self.machine.planned.plan, me.name)
+
         def build():
             ex = stagehost.executor()
-            stage = ex.stage.load_stage_from_dir(self.model_dir, start, end, head,
-                                                 dtype=stagehost.stage_dtype(self.machine.planned.plan, me.name))
+            try:
+                stage = ex.stage.load_stage_from_dir(self.model_dir, start, end, head, dtype=dtype)
+            except Exception as e:  # no plan builds it: the session fails (issue 21 item 3)
+                raise stagehost.build_failure(me.name, self.info.config, start, end, head, e) from e
             tok = ex.synth.load_tokenizer(self.model_dir) if head else None
             return stage, tok
 
@@ -488,7 +521,7 @@ class HostSession(HostRequests, SessionDriver):
         if epoch != self.machine.epoch:
             return  # replanned while building
         await self._join_ring(stage, tok, head=head, epoch=epoch, roster=roster, on_edges=self._own_edges_changed,
-                              stage_nursery=stage_nursery)
+                              stage_nursery=stage_nursery, plan=self.machine.planned.plan)
         await self._handle(sm.OwnStageLoaded({"fetched_bytes": 0, "cached_bytes": 0,
                                               "load_s": time.perf_counter() - t0}, epoch))
 
@@ -558,7 +591,26 @@ class HostSession(HostRequests, SessionDriver):
                 "fleet": self.fleet_json() if self.fleet_devices else None,
                 "plan": plan.to_json() if plan else None,
                 "edges": stagehost.session_edges(self),
-                "schedule": self._schedule_status(), "plan_waits": self.plan_waits}
+                "schedule": self._schedule_status(), "plan_waits": self.plan_waits,
+                "prompt_cache": self._prompt_cache_status()}
+
+    def _prompt_cache_status(self) -> Optional[dict]:
+        """The prompt cache (kafilad/executor/prefix.py) as this host's stage sees it: on or off and
+        why; with the head here, its entries, hits and prompt tokens saved (a remote head reports
+        each request's reused tokens in its result, `cached_tokens`). None without a stage here."""
+        runner = getattr(self.ring, "runner", None)
+        if runner is None:
+            return None
+        if not runner.stage.prefix_cacheable:
+            return {"on": False, "why": "the model keeps caches that cannot be cut back to a prefix (sliding "
+                                        "windows, linear attention or SSM state)"}
+        if not self.ring.head:
+            return {"on": True, "head": "remote"}
+        index = runner.prefix_index
+        if index is None:
+            return {"on": False, "why": f"{stagehost.PROMPT_CACHE_ENV}=0"}
+        return {"on": True, "entries": len(index.tokens), "entry_tokens": sum(len(t) for t in index.tokens.values()),
+                "budget_tokens": index.budget_tokens, "hits": index.hits, "tokens_saved": index.tokens_saved}
 
     def _schedule_status(self) -> Optional[dict]:
         """The head's decode schedule when this host is the head (step_policy.StepPolicy.snapshot)."""

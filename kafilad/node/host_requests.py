@@ -504,8 +504,9 @@ class HostRequests:
             return (tok.count_tokens(prompt) if hasattr(tok, "count_tokens") else len(tok.encode(prompt))), True
         return await self.off_loop(count)
 
-    def chat_prompt(self, messages) -> str:
-        """The prompt text for chat `messages` ([{role, content}]) by the model's chat template.
+    def chat_prompt(self, messages, tools=None) -> str:
+        """The prompt text for chat `messages` ([{role, content, ...}]) by the model's chat template,
+        given `tools` (OpenAI tool objects) when the template takes them (kafilad/control/tools.py).
 
         Raises:
             KafilaError: malformed messages.
@@ -515,6 +516,8 @@ class HostRequests:
             raise KafilaError("Chat messages must be a non-empty list of {role, content} objects.")
         tok = self.chat_tokenizer()
         if getattr(tok, "chat_template", None):
+            if tools:
+                return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
             return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         # no chat template (base models): a plain transcript
         return "".join(f"{m.get('role', 'user')}: {m['content']}\n" for m in messages) + "assistant:"
@@ -532,6 +535,7 @@ def result_of(st) -> dict:
     ttft = (st.first_token_s - st.started_s) if st.first_token_s else None
     decode_s = sum(decode)
     return {"text": st.text, "token_ids": list(st.generated), "prompt_tokens": len(st.prompt_ids),
+            "cached_tokens": int(getattr(st, "reused_tokens", 0) or 0),  # from the prompt cache (kafilad/executor/prefix.py)
             "ttft_s": ttft, "decode_tokens": len(decode),
             "decode_tokens_per_s": (len(decode) / decode_s) if decode_s > 0 else None,
             "circuit_s_median": _median(decode),

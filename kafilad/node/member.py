@@ -14,9 +14,9 @@ from typing import Optional
 import trio
 
 from kafilad.errors import (HandshakeError, KafilaError, LinkBroken, LinkClosed, RemoteProtocolError,
-                            RingEdgeError, SessionError, collapse_groups, only_cancelled)
+                            RingEdgeError, SessionError, StageBuildError, collapse_groups, only_cancelled)
 from kafilad.node import paths, stagehost
-from kafilad.node.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name
+from kafilad.node.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name, store_error
 from kafilad.node.host_requests import result_of
 from kafilad.node.link import Link, secure_link
 from kafilad.node.liveness import Liveness
@@ -58,6 +58,8 @@ class MemberSession(SessionDriver):
         self._admitted = trio.Event()
         self._over = trio.Event()  # set once the session failed or closed: the control loop ends
         self.liveness: Optional[Liveness] = None  # keepalives on the ctl link once admitted
+        #: whether the session reached ready or standby (its daemon then rejoins at once, Node._run_session)
+        self.served = False
 
     # ---- the machine's view (state, error, rendezvous_lost: SessionDriver) ----------------
     @property
@@ -71,6 +73,8 @@ class MemberSession(SessionDriver):
 
     # ---- the machine's actions (events enter through SessionDriver._handle) -------------------
     def _handled(self) -> None:
+        if self.state in (sm.MemberState.READY, sm.MemberState.STANDBY):
+            self.served = True
         if self.state in (sm.MemberState.FAILED, sm.MemberState.CLOSED):
             self._over.set()
 
@@ -136,7 +140,7 @@ class MemberSession(SessionDriver):
             async with open_rendezvous(self.rdv_url, static_private=self.node.static_private,
                                        name=self.node.name) as rdv:
                 self.rdv = rdv
-                host_pid = await rdv.join(self.session_id)
+                host_pid = await rdv.join(self.session_id, self.host_fingerprint)
                 await progress({"msg": f"joined session {self.session_id} at the rendezvous; verifying the host"})
                 await self._open_ctl(rdv, host_pid)
                 self.fetcher = Fetcher(self.send_ctl, self.node.state.cache_dir)
@@ -240,7 +244,7 @@ class MemberSession(SessionDriver):
         return f
 
     async def _accept_loop(self, rdv) -> None:
-        await stagehost.accept_circuits(rdv, {"ring": self._ring_incoming_send.send})
+        await stagehost.accept_circuits(rdv, {"ring": self._take_ring_circuit})
 
     async def _events_loop(self, rdv) -> None:
         from kafilad.node.rdv_client import Disconnected, MemberLeft, SessionClosed, Signal
@@ -380,22 +384,29 @@ class MemberSession(SessionDriver):
             if f.head:
                 model_id = checked_file_name(self.machine.admitted.model_id.replace("/", "--"))
                 tok_dir = self.node.state.path / "models" / f"{model_id}-{self.session_id}"
-                tok_dir.mkdir(parents=True, exist_ok=True)
                 for fi in f.files:
                     name = checked_file_name(fi["name"])
                     data, _ = await self.fetcher.fetch_verified(file=name, offset=0, nbytes=fi["nbytes"],
                                                                 sha256=fi["sha256"])
-                    await trio.to_thread.run_sync((tok_dir / name).write_bytes, data)
+                    try:
+                        await trio.to_thread.run_sync(_write_file, tok_dir / name, data)
+                    except OSError as e:
+                        raise store_error(e, tok_dir, len(data)) from None
             config = self.machine.admitted.config
 
             def build():
                 ex = stagehost.executor()
                 from kafilad.modelinfo import TensorInfo
-                arrays = {}
-                for t, data in weights:
-                    info = TensorInfo(t["name"], t["file"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"], None)
-                    arrays[t["name"]] = ex.stage.tensor_from_bytes(info, data, dtype=f.dtype or "float32")
-                stage = ex.stage.build_stage(config, f.start, f.end, f.head, arrays)
+                try:
+                    arrays = {}
+                    for t, data in weights:
+                        info = TensorInfo(t["name"], t["file"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"],
+                                          None)
+                        arrays[t["name"]] = ex.stage.tensor_from_bytes(info, data, dtype=f.dtype or "float32")
+                    stage = ex.stage.build_stage(config, f.start, f.end, f.head, arrays, checkpoint=f.checkpoint)
+                except Exception as e:  # no plan builds it: the host fails the session (issue 21 item 3)
+                    raise stagehost.build_failure(self.machine.admitted.name or self.node.name, config, f.start,
+                                                  f.end, f.head, e) from e
                 tok = ex.synth.load_tokenizer(tok_dir) if tok_dir else None
                 return stage, tok
 
@@ -407,7 +418,7 @@ class MemberSession(SessionDriver):
             self.node.changed()
             await self._join_ring(stage, tok, head=f.head, epoch=epoch, roster=self.roster,
                                   on_edges=lambda: self.send_ctl(cf.Edges(self.paths.edge_list()).to_wire()),
-                                  stage_nursery=stage_nursery)
+                                  stage_nursery=stage_nursery, plan=f.plan)
             self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "hf_cache_bytes": hf_cached,
                          "tensors": len(f.tensors), "load_s": time.perf_counter() - t0,
                          "edges": self.paths.edge_list()}
@@ -415,14 +426,15 @@ class MemberSession(SessionDriver):
         except Exception as e:  # any failure to load is reported to the host with its reason
             reason = e.reason if isinstance(e, LinkClosed) else str(e) if isinstance(e, KafilaError) else \
                 f"{self.node.name} could not load its stage: {e!r}"
-            if not isinstance(e, KafilaError):
-                log.exception("loading the stage failed")
+            if not isinstance(e, KafilaError) or isinstance(e, StageBuildError):
+                log.warning("loading the stage failed: %s", reason, exc_info=e)
             if self.state == sm.MemberState.LOADING and epoch == ((self.machine.plan.epoch or 0)
                                                                   if self.machine.plan else 0):
                 if isinstance(e, RingEdgeError):  # the peer at the edge's other end is unreachable, not us:
                     await self._handle(sm.RingFailed(e.peer_id, reason, epoch))  # `ring_broken` naming it
                 else:
-                    await self._handle(sm.LoadFailed(reason))
+                    await self._handle(sm.LoadFailed(reason, cf.FAILED_STAGE_BUILD if isinstance(e, StageBuildError)
+                                                     else None))
 
     def _ring_names(self) -> dict:
         return {pid: r["name"] for pid, r in self.roster.items()}
@@ -487,3 +499,9 @@ class MemberSession(SessionDriver):
     async def close(self, reason: str = "its user ran `kafila-ctl leave`") -> None:
         """Leave the session: the host is told why (`leaving`, proto_spec 05 §2)."""
         await self._handle(sm.Close(reason))
+
+
+def _write_file(path, data: bytes) -> None:
+    """Write `data` to `path`, creating its directory (off the trio thread)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)

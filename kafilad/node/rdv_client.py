@@ -202,11 +202,12 @@ class RendezvousClient:
         self.stun_servers = list(reply.get("stun") or [])  # [paths] proto_spec 07 §1
         return self.session_id
 
-    async def join(self, session_id: str) -> str:
+    async def join(self, session_id: str, host_fingerprint: str) -> str:
         """Join a session as a member (DESIGN §3 step 2; proto_spec §2.1 `join`).
 
         A member that joins again while its older connection is still in the session replaces
-        that connection (proto_spec 03 §2.4 "superseded").
+        that connection (proto_spec 03 §2.4 "superseded"). `host_fingerprint` is the code's part
+        after its '-': the rendezvous holds a session under the whole code (proto_spec 03 §2.2).
 
         Returns:
             the host's peer id (check it against the code's fingerprint in the Noise handshake).
@@ -215,7 +216,8 @@ class RendezvousClient:
             SessionError: unknown session, session full, another key's member holds this peer id
                 (the server's reason), or the connection was lost.
         """
-        reply = await self._request("join", session_id=session_id, **self._identity("join", session_id))
+        reply = await self._request("join", session_id=session_id, host_fingerprint=host_fingerprint,
+                                    **self._identity("join", session_id))
         self.session_id, self.roster = reply["session_id"], list(reply.get("members", []))
         self.stun_servers = list(reply.get("stun") or [])  # [paths] proto_spec 07 §1
         return reply["host_peer_id"]

@@ -4,12 +4,18 @@ A token leaves the head, passes through every member's block range in ring order
 the head for sampling. Frames on a ring edge (all inside Noise, proto_spec 05 §3):
 
 ```
-{"t": "act", "req": str, "sample": bool, "h": array | null, "hops": [[peer_id, compute_s], ...]}
+{"t": "act", "req": str, "sample": bool, "h": array | null, "hops": [[peer_id, compute_s], ...],
+ "from"?: str, "reuse"?: int, "evict"?: [str]}           a request's first chunk: its prompt-cache start
 {"t": "act", "reqs": [str, ...], "sample": true, "h": array (B, 1, D), "hops": [[peer_id, compute_s], ...]}
-{"t": "end", "req": str, "stats": [[peer_id, steps, compute_s_total, decode_compute_s_median, bytes_sent], ...]}
+{"t": "end", "req": str, "stats": [[peer_id, steps, compute_s_total, decode_compute_s_median, bytes_sent], ...],
+ "keep"?: int, "evict"?: [str]}                          keep its caches as a prompt-cache entry
 ```
-plus, on an edge being upgraded from relayed to direct (proto_spec 07 §7), `path_ready` (receiver
-→ sender on the new link) and `path_switched` (sender → receiver on the old link, which then closes).
+The prompt cache (kafilad/executor/prefix.py): the head names in a request's first act the kept
+entry its prompt starts from and how many tokens it reuses, and in an `end` how many positions of
+the request's caches every stage keeps as an entry named by the request; either may list entries
+to evict. The head decides, every member follows, in ring order.
+The edge's own frames (`path_ready`, `path_switched`, `edge_ack`: proto_spec 07 §7) never reach the
+ring: kafilad/node/edgelink.py's ends keep them.
 `h` is the hidden state in the frame layer's array encoding: (1, L, D) for a single act, (B, 1, D)
 for a batched act whose row i belongs to `reqs[i]`. The head runs its blocks, sends `act` to its
 next member; every other member runs its blocks (`run` for a single act, `run_batch` for a batched
@@ -144,9 +150,6 @@ class RingMember(StageCalls, RingViews):
             while True:
                 frame = await link.receive()
                 TIMELINE.mark("rx")
-                if frame.get("t") == "path_switched":  # [paths] the sender moved this edge to a new link (proto_spec 07 §7)
-                    await link.close()  # [paths] every frame it sent here came before the marker: the old path is drained
-                    return  # [paths]
                 await self._inbox_send.send(frame)
         except LinkClosed as e:
             self.fail_all(f"the ring link from {link.peer_name} closed: {e.reason}", member=link.peer_name)
@@ -261,12 +264,22 @@ class RingMember(StageCalls, RingViews):
                                    "hops": hops + [[self.peer_id, dt]]})
             return
         req = frame["req"]
+        entry, reuse, evict = _prompt_cache_fields(frame)
+        if evict:
+            await self._compute(self.runner.prefix_evict, evict)
+        if entry is not None:
+            await self._compute(self.runner.prefix_start, req, entry, reuse)
         out, dt = await self._compute(self._run_blocks_wire, req, h_wire)
         self.stats.note_step([req], dt)
         sample = bool(frame.get("sample"))
         if self.next_is_head and not sample:
             out = None  # an unsampled prefill chunk only fills caches: its output is not needed
-        await self._send_next({"t": "act", "req": req, "sample": sample, "h": out, "hops": hops + [[self.peer_id, dt]]})
+        fwd = {"t": "act", "req": req, "sample": sample, "h": out, "hops": hops + [[self.peer_id, dt]]}
+        if entry is not None:  # the prompt cache's start goes round to every member
+            fwd["from"], fwd["reuse"] = entry, reuse
+        if evict:
+            fwd["evict"] = evict
+        await self._send_next(fwd)
 
     async def _on_end(self, frame: dict) -> None:
         req = frame["req"]
@@ -274,9 +287,20 @@ class RingMember(StageCalls, RingViews):
             stats = tuple(tuple(row) for row in frame.get("stats", []))
             await self._execute(self.scheduler.handle(EndReturned(req, stats)))
             return
-        await self._compute(self.runner.drop, req)
+        keep, evict = _end_cache_fields(frame)
+        if keep is not None:
+            await self._compute(self.runner.prefix_keep, req, keep)
+        else:
+            await self._compute(self.runner.drop, req)
+        if evict:
+            await self._compute(self.runner.prefix_evict, evict)
         stats = list(frame.get("stats", [])) + [self.stats.take_row(self.peer_id, req)]
-        await self._send_next({"t": "end", "req": req, "stats": stats})
+        out = {"t": "end", "req": req, "stats": stats}
+        if keep is not None:
+            out["keep"] = keep
+        if evict:
+            out["evict"] = evict
+        await self._send_next(out)
         self._wake_idle()  # after the end went on: a member waiting to rejoin must not cut it off
         TIMELINE.flush()
 
@@ -308,8 +332,15 @@ class RingMember(StageCalls, RingViews):
             if bad:
                 raise GenerationError(f"'logit_bias' names token {bad[0]}, outside this model's vocabulary of "
                                       f"{vocab} tokens.")
+        entry, reuse, evict = None, 0, []
+        index = self.runner.prefix_index
+        if index is not None:  # the prompt cache (kafilad/executor/prefix.py): start from the longest kept prefix
+            entry, reuse, evict = index.claim(tuple(ids), running=len(self.scheduler.requests) + 1)
+            if evict:
+                await self._compute(self.runner.prefix_evict, evict)
         actions = self.scheduler.handle(RequestArrived(req, tuple(ids), max_tokens, temperature,
-                                                       now_s=time.perf_counter(), sampling=sampling))
+                                                       now_s=time.perf_counter(), sampling=sampling,
+                                                       from_entry=entry, reuse_tokens=reuse, evict=tuple(evict)))
         send, recv = trio.open_memory_channel(self.stream_events)
         st = RequestState(req=req, detok=self.tokenizer.continuation_detokenizer(ids), events=send,
                           record=self.scheduler.requests.get(req))
@@ -338,10 +369,16 @@ class RingMember(StageCalls, RingViews):
         for a in actions:
             if isinstance(a, SendPrefillChunk):
                 if not self.broken:
+                    if a.from_entry is not None:
+                        await self._compute(self.runner.prefix_start, a.req, a.from_entry, a.reuse_tokens)
                     out, dt = await self._compute(self._head_embed_wire, a.req, list(a.ids))
                     self.stats.note_step([a.req], dt)
-                    await self._send_next({"t": "act", "req": a.req, "sample": a.sample, "h": out,
-                                           "hops": [[self.peer_id, dt]]})
+                    frame = {"t": "act", "req": a.req, "sample": a.sample, "h": out, "hops": [[self.peer_id, dt]]}
+                    if a.from_entry is not None:
+                        frame["from"], frame["reuse"] = a.from_entry, a.reuse_tokens
+                    if a.evict:
+                        frame["evict"] = list(a.evict)
+                    await self._send_next(frame)
             elif isinstance(a, SendDecodeStep):
                 if not self.broken:
                     await self._send_decode_step(list(a.reqs), list(a.tokens), a.group)
@@ -517,10 +554,27 @@ class RingMember(StageCalls, RingViews):
         if rec is not None:
             log.info("ring: request %s ended after %d tokens; its decode steps carried up to %d requests",
                      req, len(rec.generated), max(rec.batch_rows, default=1))
-        await self._compute(self.runner.drop, req)  # off the trio thread: a prefill may hold the runner
+        keep, evict = None, []
+        index = self.runner.prefix_index
+        if index is not None and rec is not None and rec.error is None:
+            # every stage holds at least the prompt and all but the last generated token (module docstring)
+            held = (tuple(rec.prompt_ids) + tuple(rec.generated))[:len(rec.prompt_ids) + len(rec.generated) - 1]
+            kept, evict = index.keep(req, held, running=len(self.scheduler.requests) - 1)
+            keep = len(held) if kept else None
+        if keep is not None:  # off the trio thread: a prefill may hold the runner
+            await self._compute(self.runner.prefix_keep, req, keep)
+        else:
+            await self._compute(self.runner.drop, req)
+        if evict:
+            await self._compute(self.runner.prefix_evict, evict)
         row = self.stats.take_row(self.peer_id, req)
         if not self.broken:
-            await self._send_next({"t": "end", "req": req, "stats": [row]})
+            frame = {"t": "end", "req": req, "stats": [row]}
+            if keep is not None:
+                frame["keep"] = keep
+            if evict:
+                frame["evict"] = evict
+            await self._send_next(frame)
         self._wake_idle()
         TIMELINE.flush()
 
@@ -573,3 +627,35 @@ class RingMember(StageCalls, RingViews):
     def _drop_every_request(self) -> None:
         for req in self.runner.active_requests:
             self.runner.drop(req)
+        # the prompt cache goes too: every stage forgets its entries when the ring breaks, so the
+        # head's index and every stage's entries stay the same (kafilad/executor/prefix.py)
+        self.runner.prefix_evict(list(self.runner.prefix.entries))
+        if self.runner.prefix_index is not None:
+            self.runner.prefix_index.tokens.clear()
+
+
+def _prompt_cache_fields(frame: dict) -> tuple[Optional[str], int, list[str]]:
+    """An act's prompt-cache start: ("from" entry or None, "reuse" tokens, "evict" entries).
+
+    Raises:
+        RemoteProtocolError: a field of the wrong type.
+    """
+    entry, reuse, evict = frame.get("from"), frame.get("reuse", 0), frame.get("evict", [])
+    if (entry is not None and not isinstance(entry, str)) or not isinstance(reuse, int) or isinstance(reuse, bool) \
+            or reuse < 0 or not isinstance(evict, list) or not all(isinstance(e, str) for e in evict):
+        raise RemoteProtocolError("An act's prompt-cache fields are malformed ('from' str, 'reuse' int >= 0, "
+                                  "'evict' [str]).")
+    return entry, reuse, evict
+
+
+def _end_cache_fields(frame: dict) -> tuple[Optional[int], list[str]]:
+    """An end's prompt-cache fields: ("keep" tokens or None, "evict" entries).
+
+    Raises:
+        RemoteProtocolError: a field of the wrong type.
+    """
+    keep, evict = frame.get("keep"), frame.get("evict", [])
+    if (keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 0)) \
+            or not isinstance(evict, list) or not all(isinstance(e, str) for e in evict):
+        raise RemoteProtocolError("An end's prompt-cache fields are malformed ('keep' int >= 0, 'evict' [str]).")
+    return keep, evict

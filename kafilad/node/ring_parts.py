@@ -175,6 +175,7 @@ class RequestState:
     max_tokens = _record_view("max_tokens")
     temperature = _record_view("temperature")
     generated = _record_view("generated")
+    reused_tokens = _record_view("reused_tokens")
     started_s = _record_view("started_s")
     first_token_s = _record_view("first_token_s")
     circuit_s = _record_view("circuit_s")

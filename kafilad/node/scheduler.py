@@ -24,7 +24,8 @@ Policy (DESIGN §6, §9 item 4: a batch of 4 costs about one of 1 on a CPU; meas
 a 4-row step of 8 Llama blocks at hidden 512 took 1.05x a 1-row step, 13.2 vs 12.3 ms):
 - Prefill is split exactly as mlx-lm's `generate_step` splits it: prompt[:-1] in chunks of
   PREFILL_STEP_TOKENS, then the last prompt token alone, the first *sampled* pass, so greedy
-  output is token-identical to single-process mlx-lm. Prefill stays per request: each request's
+  output is token-identical to single-process mlx-lm; with the prompt cache (kafilad/executor/
+  prefix.py) the reused prefix is skipped and the rest split so. Prefill stays per request: each request's
   chunks go round alone, as soon as it arrives, and may overlap the decode step in flight.
 - Decode runs in micro-batches: up to M decode steps are in flight at once, each a *group* whose
   rows the stages keep in one `BatchKVCache` (`SendDecodeStep.group`, the act's `mb`). M comes
@@ -53,6 +54,8 @@ every lockstep step it took part in; `StageStats` keeps each member's rows of th
 from __future__ import annotations
 
 from typing import Iterable, Optional
+
+import attrs
 
 from kafilad.errors import LocalProtocolError, RemoteProtocolError
 from kafilad.node.step_policy import StepPolicy
@@ -170,15 +173,21 @@ class HeadScheduler:
     def _on_arrived(self, ev: RequestArrived) -> list[Action]:
         if ev.req in self.requests:
             raise LocalProtocolError(f"Request {ev.req!r} is already in flight at the head.")
-        chunks = prefill_chunks(ev.prompt_ids, self.prefill_step_tokens)
+        if not 0 <= ev.reuse_tokens < len(ev.prompt_ids):
+            raise LocalProtocolError(f"Request {ev.req!r} reuses {ev.reuse_tokens} of its {len(ev.prompt_ids)} "
+                                     "prompt tokens; at least the last one must be prefilled.")
+        chunks = prefill_chunks(ev.prompt_ids[ev.reuse_tokens:], self.prefill_step_tokens)
         rec = Request(req=ev.req, prompt_ids=tuple(ev.prompt_ids), max_tokens=ev.max_tokens,
                       temperature=ev.temperature, started_s=ev.now_s, sampling=ev.sampling,
-                      pending_prefill=chunks)
+                      pending_prefill=chunks, reused_tokens=ev.reuse_tokens)
         if self.broken is not None:
             return [self._finish(rec, self.broken)]
         self.requests[ev.req] = rec
         self._enter(rec, Phase.PREFILLING)
-        return [self._next_chunk(rec, ev.now_s)]
+        first = self._next_chunk(rec, ev.now_s)
+        if ev.from_entry is not None or ev.evict:
+            first = attrs.evolve(first, from_entry=ev.from_entry, reuse_tokens=ev.reuse_tokens, evict=tuple(ev.evict))
+        return [first]
 
     def _next_chunk(self, rec: Request, now_s: float) -> SendPrefillChunk:
         ids = rec.pending_prefill.pop(0)

@@ -50,6 +50,11 @@ class RequestArrived:
     temperature: float
     now_s: float
     sampling: Optional[object] = None
+    #: the prompt cache (kafilad/executor/prefix.py): the entry its first `reuse_tokens` come from
+    #: (None: none), and the entries the head evicts as it starts; only the rest is prefilled
+    from_entry: Optional[str] = None
+    reuse_tokens: int = 0
+    evict: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -133,11 +138,15 @@ class Overdue:
 # ---- actions (scheduler → driver), executed in order ----------------------------------------
 @attrs.frozen
 class SendPrefillChunk:
-    """Embed `ids` for `req`, run the head's blocks, send a single-form act with `sample`."""
+    """Embed `ids` for `req`, run the head's blocks, send a single-form act with `sample`. The
+    request's first chunk carries its prompt-cache start (`from_entry`, `reuse_tokens`, `evict`)."""
 
     req: str
     ids: tuple[int, ...]
     sample: bool
+    from_entry: Optional[str] = None
+    reuse_tokens: int = 0
+    evict: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -208,6 +217,7 @@ class Request:
     batch_rows: list = attrs.field(factory=list)  # B of every lockstep step it took part in
     error: Optional[str] = None
     end_stats: list = attrs.field(factory=list)  # the `end` frame's rows, head first
+    reused_tokens: int = 0  # prompt tokens taken from the prompt cache, not prefilled
 
 
 @attrs.define

@@ -133,7 +133,8 @@ class SessionDriver:
                 await failed(e)
 
     async def _join_ring(self, stage, tokenizer, *, head: bool, epoch: int, roster: dict,
-                         on_edges: Callable[[], Awaitable[None]], stage_nursery: trio.Nursery) -> None:
+                         on_edges: Callable[[], Awaitable[None]], stage_nursery: trio.Nursery,
+                         plan: Optional[dict] = None) -> None:
         """Make the built stage this node's RingMember of plan `epoch` and join the ring (DESIGN §6).
 
         Args:
@@ -141,10 +142,11 @@ class SessionDriver:
             roster: {peer_id: {"name", "public_key"}} of the ring's members.
             on_edges: awaited when a ring edge changes path (an upgrade).
             stage_nursery: where the ring's tasks run (the stage's scope).
+            plan: the plan's JSON (its context and concurrency size the head's prompt cache).
         Raises:
             KafilaError: a ring link could not be made.
         """
-        self.ring = stagehost.make_ring_member(self.node, stage=stage, head=head, tokenizer=tokenizer)
+        self.ring = stagehost.make_ring_member(self.node, stage=stage, head=head, tokenizer=tokenizer, plan=plan)
         self.ring.epoch = epoch
         if self.ring.scheduler is not None and getattr(self, "schedule_mode", None) is not None:
             apply_schedule(self.ring.scheduler, self.schedule_mode)  # `kafila-ctl schedule` outlives a replan
@@ -154,6 +156,19 @@ class SessionDriver:
         self._stage_links = (nxt, prv)
         stagehost.attach_ring(self.ring, nursery=stage_nursery, me=self.node.peer_id, ring_order=self.ring_order,
                               names=self._ring_names(), next_link=nxt, prev_link=prv, watch=self._watch_ring)
+
+    async def _take_ring_circuit(self, circuit) -> None:
+        """Hand an incoming "ring" circuit to the ring edges that form (kafilad/node/edge.py reads
+        ``_ring_incoming``), never waiting: when its buffer is full, nothing forms that reads it, so the
+        oldest circuit there is stale and is closed to make room. Waiting here held up the session's
+        accept loop, and with it every control circuit (a member's join hung; issue 25 item 6)."""
+        while True:
+            try:
+                self._ring_incoming_send.send_nowait(circuit)
+                return
+            except trio.WouldBlock:
+                stale = self._ring_incoming.receive_nowait()
+                await stale.aclose()
 
     def _ring_names(self) -> dict:  # pragma: no cover - each driver defines it
         """{peer_id: name} of the session's members, for the ring's messages."""

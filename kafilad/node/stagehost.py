@@ -21,6 +21,7 @@ from typing import Awaitable, Callable, Optional
 import trio
 
 from kafilad import __version__
+from kafilad.errors import KafilaError, StageBuildError
 from kafilad.node import edge
 from kafilad.node.link import Link
 from kafilad.node.paths import PathManager
@@ -38,13 +39,15 @@ def executor():
     """kafilad.executor, imported on first use (only it imports mlx); logs its BLAS the first time."""
     global _announced
     import kafilad.executor as ex  # noqa: PLC0415
-    from kafilad.executor import probe, runner, stage, synth  # noqa: F401,PLC0415
+    from kafilad.executor import gguf, grammar, prefix, probe, runner, stage, synth  # noqa: F401,PLC0415
     if not _announced:
         _announced = True
         log.info("the executor's matrix products run on %s", ex.blas_status())
     return ex
 
 
+#: environment switch: "0" turns the head's prompt cache off (kafilad/executor/prefix.py)
+PROMPT_CACHE_ENV = "KAFILA_PROMPT_CACHE"
 #: test hook: a JSON object merged into this daemon's measured capability (e.g. {"bandwidth_Bps": 1e6}),
 #: so an end-to-end test can make the planner put the head on, or off, the host (README "Environment switches")
 TEST_CAPABILITY_ENV = "KAFILA_TEST_CAPABILITY"
@@ -139,6 +142,30 @@ def plan_profiles(info, devices) -> dict:
     return info.profiles(wanted)
 
 
+def build_failure(name: str, config: Optional[dict], start: int, end: int, head: bool,
+                  error: Exception) -> StageBuildError:
+    """The error of a stage that could not be built (issue 21 item 3), as one sentence naming the
+    member, the architecture and the reason; the caller raises it ``from error`` (the log keeps the
+    traceback).
+
+    Args:
+        name: the member's name in the session; config: the model's config.json (its ``model_type``);
+        start, end, head: the stage's share; error: what building it raised.
+    """
+    arch = str((config or {}).get("model_type") or "unknown")
+    if isinstance(error, KafilaError):  # the executor's own sentence (ModelFormatError: tensors that do not fit)
+        why = str(error).rstrip(".")
+    elif isinstance(error, KeyError) and error.args:
+        why = (f"mlx-lm's {arch} code needs '{error.args[0]}', which this share of the model does not hold (Kafila "
+               "cannot split this architecture this way yet)")
+    else:
+        detail = " ".join(str(error).split())[:200]
+        why = (f"mlx-lm's {arch} code stopped with a {type(error).__name__} while building it"
+               f"{f' ({detail})' if detail else ''}, so Kafila cannot split this architecture this way yet")
+    share = f"blocks [{start}, {end}){' and the head' if head else ''}"
+    return StageBuildError(f"Member {name} could not build its stage ({share}) of this {arch} model: {why}.")
+
+
 def stage_dtype(plan_json: Optional[dict], name: str) -> str:
     """The dtype the plan gave member `name`'s stage (the plan JSON's `dtype`), float32 if none."""
     return str(((plan_json or {}).get("dtype") or {}).get(name) or "float32")
@@ -211,7 +238,7 @@ def session_edges(session) -> list[dict]:
                 reports[key] = dict(e)
     order = [names.get(p, p) for p in session.ring_order]
     predicted = {(a, b): p for a, b, p in (session.plan.edges if session.plan else [])}
-    sent = getattr(session, "_paths_bytes_sent", {})
+    sent = getattr(session, "edge_bytes_sent", {})
     out = []
     for i, a in enumerate(order if len(order) > 1 else []):
         b = order[(i + 1) % len(order)]
@@ -227,24 +254,11 @@ def session_edges(session) -> list[dict]:
 def generation_edges(session, result: dict) -> list[dict]:
     """Add a finished request's per-sender ring bytes to the edges' totals; the edges now (trace)."""
     names = {r.peer_id: r.name for r in session.members.values()}
-    sent = session.__dict__.setdefault("_paths_bytes_sent", {})
+    sent = session.edge_bytes_sent  # the host's (HostSession.edge_bytes_sent)
     for row in result.get("stats", []):
         name = names.get(row[0], row[0])
         sent[name] = sent.get(name, 0) + int(row[4] or 0)
     return session_edges(session)
-
-
-def note_edges(session, rec, edges) -> None:
-    """A member (or the host itself: ``rec.link`` None) reports its edges after an upgrade.
-
-    The report replaces its ready-time one; the host writes an `edges` trace event with
-    ``"cause": "upgrade"`` (proto_spec 07 §7) and tells status watchers.
-    """
-    if rec.link is not None and isinstance(edges, list):
-        rec.load = {**(rec.load or {}), "edges": edges}
-    if session.trace is not None:
-        session.trace.write("edges", edges=session_edges(session), cause="upgrade", reporter=rec.name)
-    session.node.changed()
 
 
 def edge_paths(session) -> dict:
@@ -252,9 +266,18 @@ def edge_paths(session) -> dict:
     return {e["from"]: e.get("path") for e in session_edges(session)}
 
 
-def make_ring_member(node, *, stage, head: bool, tokenizer) -> RingMember:
+def make_ring_member(node, *, stage, head: bool, tokenizer, plan: Optional[dict] = None) -> RingMember:
+    """The RingMember of a built stage; the head gets constrained decoding over its tokenizer (issue 23
+    item 2) and, when the model's caches allow it, the prompt cache's index, its budget the plan's
+    context x concurrency (kafilad/executor/prefix.py; KAFILA_PROMPT_CACHE=0 turns it off)."""
     ex = executor()
-    return RingMember(peer_id=node.peer_id, name=node.name, runner=ex.runner.StageRunner(stage),
+    runner = ex.runner.StageRunner(stage)
+    if head and tokenizer is not None:
+        runner.grammars = ex.grammar.Grammars(tokenizer, int(stage.config.get("vocab_size") or len(tokenizer)))
+    context, concurrency = int((plan or {}).get("context") or 0), int((plan or {}).get("concurrency") or 1)
+    if head and context > 0 and stage.prefix_cacheable and os.environ.get(PROMPT_CACHE_ENV, "1") != "0":
+        runner.prefix_index = ex.prefix.PrefixIndex(context * concurrency, context)
+    return RingMember(peer_id=node.peer_id, name=node.name, runner=runner,
                       mlx_lock=node.mlx_lock, head=head, tokenizer=tokenizer, executor=ex.runner)
 
 

@@ -9,21 +9,43 @@ per hop, path per edge), session_failed.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
+log = logging.getLogger("kafilad.trace")
+
 
 class Trace:
-    """Append-only JSONL writer."""
+    """Append-only JSONL writer. A record that cannot be written (a full disk) is dropped with one
+    warning until writes work again: a trace never fails its session (issue 22 §6)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.failing = False
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._failed(e)
 
     def write(self, event: str, **fields) -> None:
         rec = {"ts": time.time(), "event": event, **fields}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec, default=_default) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec, default=_default) + "\n")
+        except OSError as e:
+            self._failed(e)
+            return
+        if self.failing:
+            log.info("the trace %s is written again", self.path)
+            self.failing = False
+
+    def _failed(self, e: OSError) -> None:
+        if not self.failing:
+            from kafilad.node.statedir import disk_advice
+            log.warning("Could not write the trace %s: %s; its records are dropped until it can; %s", self.path,
+                        e.strerror or e, disk_advice(e, self.path.parent))
+        self.failing = True
 
     def read(self) -> list[dict]:
         try:

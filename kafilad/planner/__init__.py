@@ -9,6 +9,7 @@ Public API:
     load_fleet(obj_or_path) -> Fleet; fleet_to_json(devices, context, concurrency) -> dict
     uniform_counts(n, m), memory_counts(n, memory_bytes)      DESIGN §5.5
     backend_dtypes(backend, checkpoint_dtype), stage_dtype(...)  per-device precision (.precision)
+    moe.moe_spec(config), moe.read_bytes(...)        bytes a mixture-of-experts token reads (.moe)
 See docs/planner.md and proto_spec/06-fleet.md.
 """
 

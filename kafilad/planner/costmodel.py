@@ -7,10 +7,16 @@ from 0; device j holds the half-open range [a, b). All three tiers share one sha
  stage_s(j, a, b) = step_overhead_s(j) + (work(a, b) + [j == 0] * head_work) / rate(j)
 
  tier         work per block              head_work             rate(j)
- cost-model   block_bytes                 head_read_bytes       bandwidth_Bps        (bytes/s)
+ cost-model   read_bytes                  head_read_bytes       bandwidth_Bps        (bytes/s)
  flops        block_flops_per_token       head_flops_per_token  flops_per_s          (FLOP/s)
  memory       block_bytes                 head_read_bytes       memory_bytes per 1 s (see below)
 ```
+
+`read_bytes` is what one token reads of a block: all of a dense block's bytes; of a
+mixture-of-experts block its attention, router and shared experts plus its routed experts'
+bytes x experts per token / experts (kafilad.planner.moe; ModelProfile.read_bytes). Resident
+bytes count every expert. The memory tier divides by resident bytes (exo's rule: shares in
+proportion to memory), so it stays `block_bytes`.
 
 The tier is the best one every device supports: all devices report `bandwidth_Bps` → the cost
 model; else all report `flops_per_s` (and the profile carries FLOP counts) → raw arithmetic
@@ -168,8 +174,10 @@ class ChainCost:
             if tier == "flops":
                 work, head_work, rate = prof.block_flops_per_token, float(prof.head_flops_per_token), d.flops_per_s
             else:
-                work, head_work = prof.block_bytes, prof.head_read_bytes
-                rate = d.bandwidth_Bps if tier == "cost-model" else d.memory_bytes
+                if tier == "cost-model":
+                    work, head_work, rate = prof.read_bytes, prof.head_read_bytes, d.bandwidth_Bps
+                else:
+                    work, head_work, rate = prof.block_bytes, prof.head_read_bytes, d.memory_bytes
             key = (id(prof), tier)
             if key not in works:
                 prefix = [0]

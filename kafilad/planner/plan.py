@@ -161,7 +161,7 @@ def _refuse(order: list[Device], model: Profiles, *, tier: str, context: int,
 
 
 def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: str, context: int,
-               concurrency: int) -> Plan:
+               concurrency: int, head_self: bool = False) -> Plan:
     """Strategy "load": the plan with the most predicted tokens/s at `concurrency` users.
 
     Candidates, in preference order: active subsets that keep the anchor, largest first (then in
@@ -191,7 +191,7 @@ def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: s
         for combo in itertools.combinations(range(1, m), size - 1):
             active = ring.order_ring([devices[0], *(devices[i] for i in combo)])
             hop = ring_hop_s(active)
-            for r in range(size):
+            for r in range(1 if head_self else size):  # head_self: only the anchor heads
                 chain = partition.rotate(active, r)
                 cc = ChainCost(chain, model, **kw)
                 is_default = size == m and r == 0
@@ -224,7 +224,7 @@ def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: s
 
 
 def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
-         concurrency: int = 1, strategy: str = "kafila", mu: float = DEFAULT_MU) -> Plan:
+         concurrency: int = 1, strategy: str = "kafila", mu: float = DEFAULT_MU, head_self: bool = False) -> Plan:
     """Divide `model` over `devices` (DESIGN §5).
 
     Args:
@@ -238,6 +238,9 @@ def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
             "load" (most tokens/s at `concurrency` users, members may stand by; DEFAULT_STRATEGY,
             what `host` and `kafila-ctl plan` choose unless told), "uniform" or "memory" (§5.5).
         mu: relative bottleneck gain a rotation needs to move the head off the anchor.
+        head_self: the anchor (the host) is the head whatever the other rotations would gain
+            (`host --head self`, issue 22 item 5: the head sees every prompt and samples every
+            token, so a group may want that machine to be its own).
     Returns:
         the Plan; `order` is the ring from the head.
     Raises:
@@ -259,7 +262,7 @@ def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
     order = ring.order_ring(devices)
     kw = dict(tier=tier, context=context, concurrency=concurrency)
     if strategy == "load":
-        return _plan_load(devices, model, mu, **kw)
+        return _plan_load(devices, model, mu, head_self=head_self, **kw)
     if strategy == "uniform":
         counts = baselines.uniform_counts(n, m)
         return admit(build_plan(order, model, baselines.bounds_of(counts), strategy=strategy, **kw))
@@ -267,7 +270,7 @@ def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
         counts = baselines.memory_counts(n, [d.memory_bytes for d in order])
         return admit(build_plan(order, model, baselines.bounds_of(counts), strategy=strategy, **kw))
     sols = []
-    for r in range(m):
+    for r in range(1 if head_self else m):
         chain = partition.rotate(order, r)
         cc = ChainCost(chain, model, **kw)
         sols.append((chain, partition.solve_chain(n, m, cc.stage_s, cc.fits)))

@@ -73,10 +73,15 @@ class ModelProfile:
     Attributes:
         model_id: a display name (the model directory's name).
         block_bytes: resident bytes of each transformer block, in block order; len = n_blocks.
+        block_read_bytes: bytes one token reads of each block (a mixture-of-experts block reads
+            its routed experts' bytes times experts per token / experts, kafilad.planner.moe);
+            empty = every block reads all its bytes (a dense model, a hand-made profile). Use
+            `read_bytes`.
         head_read_bytes: bytes the head reads per token beyond its blocks (lm_head + final norm).
         head_resident_bytes: bytes the head holds beyond its blocks (embedding + untied lm_head + norm).
         kv_bytes_per_block_token: 2 * num_key_value_heads * head_dim * kv_dtype_bytes.
-        block_flops_per_token: arithmetic per block per token (2 FLOP per weight), for tier 2.
+        block_flops_per_token: arithmetic per block per token (2 FLOP per weight a token reads:
+            active weights for a mixture-of-experts block), for tier 2.
         head_flops_per_token: arithmetic of the head per token (lm_head), for tier 2.
         shape: the architecture's shapes for working memory (kafilad.planner.workmem); None
             counts no working memory (a hand-made profile).
@@ -90,10 +95,16 @@ class ModelProfile:
     block_flops_per_token: tuple[float, ...] = ()
     head_flops_per_token: float = 0.0
     shape: Optional[ArchShape] = None
+    block_read_bytes: tuple[int, ...] = ()
 
     @property
     def n_blocks(self) -> int:
         return len(self.block_bytes)
+
+    @property
+    def read_bytes(self) -> tuple[int, ...]:
+        """Bytes one token reads of each block: `block_read_bytes`, or `block_bytes` when empty."""
+        return self.block_read_bytes or self.block_bytes
 
 
 def _edges_converter(edges) -> tuple[tuple[str, str, str], ...]:

@@ -16,7 +16,7 @@ member -> host  Capability(memory_bytes, bandwidth_Bps?, step_overhead_s?, batch
 host -> member  PlanFrame(plan, ring, roster, start, end, head, tensors, files, epoch?, dtype?)
 member -> host  Fetch(id, file, offset, length)
 host -> member  Data(id, data) | FetchError(id, reason)
-member -> host  Ready(fetched_bytes, cached_bytes, load_s, edges) | Failed(reason) | Leaving(reason)
+member -> host  Ready(fetched_bytes, cached_bytes, load_s, edges) | Failed(reason, code?) | Leaving(reason)
 member -> host  Edges(edges) | RingBroken(reason, member)
 host -> head    Gen(req, prompt, max_tokens, temperature, sampling?)
 head -> host    GenEvent(req, event) | GenDone(req, result: GenResult) | GenError(req, message)
@@ -166,6 +166,9 @@ class PlanFrame(ControlFrame):
     epoch: Optional[int] = _field(int, optional=True)
     #: the float dtype the member holds its stage in (the plan's `dtype`); absent: float32
     dtype: Optional[str] = _field(str, optional=True)
+    #: every tensor of the checkpoint as [name, dtype, shape], for the model's own sanitize
+    #: (kafilad/executor/stage.py `build_stage`); absent: the member's tensors only
+    checkpoint: Optional[list] = _field(list, optional=True)
 
 
 @_frame("fetch")
@@ -204,9 +207,16 @@ class Standby(ControlFrame):
     epoch: int = _field(int, minimum=0)
 
 
+#: the `failed` frame's code for a stage that could not be built (proto_spec 05 §2.3): no plan avoids it
+FAILED_STAGE_BUILD = "stage_build"
+
+
 @_frame("failed")
 class Failed(ControlFrame):
+    """member -> host: its stage of the current plan did not load; ``code`` FAILED_STAGE_BUILD when it
+    could not be built (the host then fails the session), absent for other failures (a loss)."""
     reason: str = _field(str)
+    code: Optional[str] = _field(str, optional=True)
 
 
 @_frame("leaving")
@@ -261,6 +271,7 @@ class GenResult:
     circuit_s_median: Optional[float]
     stats: list
     batch_rows_median: Optional[float] = None  # median rows of the request's decode steps (proto_spec 05 §3)
+    cached_tokens: int = 0  # prompt tokens the head took from its prompt cache (kafilad/executor/prefix.py)
 
     @classmethod
     def from_wire(cls, d: Any) -> "GenResult":
@@ -288,7 +299,8 @@ class GenResult:
                    ttft_s=need("ttft_s", _NUM, True), decode_tokens=need("decode_tokens", int),
                    decode_tokens_per_s=need("decode_tokens_per_s", _NUM, True),
                    circuit_s_median=need("circuit_s_median", _NUM, True), stats=[list(r) for r in stats],
-                   batch_rows_median=need("batch_rows_median", _NUM, True))
+                   batch_rows_median=need("batch_rows_median", _NUM, True),
+                   cached_tokens=need("cached_tokens", int, True) or 0)
 
     def to_wire(self) -> dict:
         return attrs.asdict(self)

@@ -7,6 +7,10 @@ kafilad/proto/rendezvous_wire.py; its names are re-exported here.
 the driver feeds it `receive_message(conn, data, now)` and executes the actions it drains from
 `actions()` (h11 / aioquic style, STYLE.md). Nothing here imports trio or sockets.
 
+Sessions are held under the whole session code, `<session id>-<host key fingerprint>` (§2.2): a
+`join` must carry the fingerprint, so the 8-character id alone finds nothing, learns nothing and
+holds no slot, and a session of another host key under the same id is another session.
+
 Identity (proto_spec §2.4): every connection is sent a `challenge` on connect, and `register` /
 `join` are admitted only with proof of the static key behind the claimed peer id
 (`kafilad.proto.rendezvous_proof`). A proven peer that joins again while an older connection of
@@ -23,6 +27,7 @@ import attrs
 import msgpack
 
 from kafilad.errors import RemoteProtocolError
+from kafilad.proto.identity import fingerprint
 from kafilad.proto.noise import MAX_MESSAGE_BYTES as NOISE_MAX_MESSAGE_BYTES
 from kafilad.proto.rendezvous_proof import NONCE_BYTES, Challenge, check_proof, public_key
 from kafilad.proto.rendezvous_wire import (  # noqa: F401 - re-exported: the wire format
@@ -57,6 +62,16 @@ class RendezvousLimits:
     max_members: int = 64
     max_circuits: int = 1_024
     max_sessions: int = 10_000
+    # per source address and per key (issue 22 item 2: one client must not fill the rendezvous for
+    # everyone else); sized for a 2-core VM serving many groups, each from its own addresses
+    max_connections_per_source: int = 64
+    max_sessions_per_source: int = 16
+    max_sessions_per_key: int = 4
+    max_circuits_per_source: int = 256
+    joins_per_source_per_s: float = 5.0
+    joins_burst_per_source: float = 30.0
+    relay_rate_per_source_Bps: float = float(64 << 20)
+    relay_burst_per_source_bytes: float = float(8 << 20)
 
 
 class TokenBucket:
@@ -107,14 +122,27 @@ Action = SendTo | CloseConn | RecordPayload
 
 
 @attrs.define
+class _Source:
+    """What one source address holds and spends (§5): its connections, the sessions its connections
+    host, its open circuits, and its join and relay rates."""
+
+    joins: TokenBucket
+    relay: TokenBucket
+    connections: int = 0
+    sessions: int = 0
+    circuits: int = 0
+
+
+@attrs.define
 class _Conn:
     bucket: TokenBucket
     server_private: bytes  # per-connection X25519 ephemeral key of the challenge (§2.4)
     challenge: Challenge
     static_public: bytes = b""  # proven by register / join
-    session_id: str | None = None
+    session_id: str | None = None  # the key of its session (`_Session.key`)
     peer_id: str = ""
     name: str = ""
+    source: str | None = None  # its address (None: not counted per source)
 
 
 @attrs.define
@@ -128,11 +156,13 @@ class _Session:
     bucket: TokenBucket
     relayed_bytes: int = 0
     circuits: set[int] = attrs.Factory(set)
+    #: "<session id>-<host key fingerprint>": the whole session code, under which the server holds it (§2.2)
+    key: str = ""
 
 
 @attrs.define
 class _Circuit:
-    session_id: str
+    session_id: str  # the session's key
     ends: tuple[int, int]  # (opener conn, acceptor conn)
 
 
@@ -165,6 +195,7 @@ class RendezvousState:
         self._conns: dict[int, _Conn] = {}
         self._sessions: dict[str, _Session] = {}
         self._circuits: dict[int, _Circuit] = {}
+        self._sources: dict[str, _Source] = {}
         self._actions: list[Action] = []
         self._now = 0.0
 
@@ -180,14 +211,32 @@ class RendezvousState:
         """Number of live sessions."""
         return len(self._sessions)
 
-    def connection_made(self, conn: int, now: float) -> None:
-        """Register a new WebSocket connection `conn` at time `now` (s)."""
+    def connection_made(self, conn: int, now: float, source: str | None = None) -> None:
+        """Register a new WebSocket connection `conn` at time `now` (s) from address `source` (None:
+        not limited per source). A source past `max_connections_per_source` is sent a fatal
+        `too_many_connections` and closed (§5)."""
         lim = self.limits
         server_private = self._random(32)
         challenge = Challenge(public_key(server_private), self._random(NONCE_BYTES))
         self._conns[conn] = _Conn(TokenBucket(lim.control_rate_per_s, lim.control_burst, now),
-                                  server_private, challenge)
+                                  server_private, challenge, source=source)
+        if source is not None:
+            src = self._sources.get(source)
+            if src is None:
+                src = self._sources[source] = _Source(
+                    TokenBucket(lim.joins_per_source_per_s, lim.joins_burst_per_source, now),
+                    TokenBucket(lim.relay_rate_per_source_Bps, lim.relay_burst_per_source_bytes, now))
+            src.connections += 1
+            if src.connections > lim.max_connections_per_source:
+                self._fatal(conn, "too_many_connections",
+                            f"Address {source} already has {lim.max_connections_per_source} connections open at "
+                            "this rendezvous, its limit; close some and try again.", CLOSE_POLICY_VIOLATION, None)
+                return
         self._send(conn, t="challenge", server_public=challenge.server_public, nonce=challenge.nonce)
+
+    def _source(self, conn: int) -> _Source | None:
+        source = self._conns[conn].source
+        return self._sources.get(source) if source is not None else None
 
     def knows(self, conn: int) -> bool:
         """True while `conn` is open as far as the protocol is concerned (False once closed or lost)."""
@@ -197,6 +246,11 @@ class RendezvousState:
         """Forget `conn`: close its circuits and tell its session (proto_spec §4). Idempotent."""
         if conn in self._conns:
             self._leave(conn, reason)
+            src = self._source(conn)
+            if src is not None:
+                src.connections -= 1
+                if src.connections <= 0 and src.sessions <= 0 and src.circuits <= 0:
+                    del self._sources[self._conns[conn].source]
             del self._conns[conn]
 
     def receive_message(self, conn: int, data: bytes | str, now: float) -> float:
@@ -265,6 +319,10 @@ class RendezvousState:
         if circuit is None:
             return
         self._sessions[circuit.session_id].circuits.discard(circuit_id)
+        opener = self._conns.get(circuit.ends[0])
+        src = self._sources.get(opener.source) if opener is not None and opener.source is not None else None
+        if src is not None:
+            src.circuits -= 1
         for conn in notify:
             self._send(conn, t="circuit_closed", circuit=circuit_id, reason=reason)
 
@@ -284,7 +342,10 @@ class RendezvousState:
                     self._conns[member].session_id = None
                     self._send(member, t="session_closed", session_id=session.session_id,
                                reason=f"The host {state.name!r} left the session: {reason}")
-            del self._sessions[session.session_id]
+            del self._sessions[session.key]
+            src = self._source(conn)
+            if src is not None:
+                src.sessions -= 1
             return
         for cid in list(session.circuits):
             ends = self._circuits[cid].ends
@@ -329,36 +390,51 @@ class RendezvousState:
                            f"A session has 1 to {lim.max_members} members; {f['members']} were asked for.")
         if len(self._sessions) >= lim.max_sessions:
             raise _Refusal("too_many_sessions", "The rendezvous is full; try again later.")
+        src = self._source(conn)
+        if src is not None and src.sessions >= lim.max_sessions_per_source:
+            raise _Refusal("too_many_sessions",
+                           f"Address {state.source} already hosts {lim.max_sessions_per_source} sessions at this "
+                           "rendezvous, its limit; end one first.")
         state.static_public = self._prove(conn, "register", f)
+        held = sum(1 for sess in self._sessions.values() if self._conns[sess.host_conn].static_public ==
+                   state.static_public and not (f.get("session_id") and sess.session_id == f.get("session_id")))
+        if held >= lim.max_sessions_per_key:
+            raise _Refusal("too_many_sessions",
+                           f"This host key already hosts {lim.max_sessions_per_key} sessions at this rendezvous, its "
+                           "limit; end one first.")
         sid = self._reregistered_id(conn, f, state.static_public)
         if sid is None:
-            sid = self._new_id(5, self._sessions)
-        self._sessions[sid] = _Session(
+            sid = self._new_id(5, {s.session_id for s in self._sessions.values()})
+        key = f"{sid}-{fingerprint(state.static_public)}"
+        self._sessions[key] = _Session(
             sid, f["model_id"], f["members"], f["capability"], conn, {f["peer_id"]: conn},
-            TokenBucket(lim.session_rate_Bps, lim.session_burst_bytes, self._now))
-        state.session_id, state.peer_id, state.name = sid, f["peer_id"], f["name"]
+            TokenBucket(lim.session_rate_Bps, lim.session_burst_bytes, self._now), key=key)
+        state.session_id, state.peer_id, state.name = key, f["peer_id"], f["name"]
+        if src is not None:
+            src.sessions += 1
         self._send(conn, t="registered", session_id=sid, **({"stun": self.stun} if self.stun else {}), **_req(f))
 
     def _reregistered_id(self, conn: int, f: dict, static_public: bytes) -> "str | None":
         """The session id a `register` re-creates (§2.5), or None for a new session.
 
         A host that lost its connection (or whose rendezvous restarted) registers again with its
-        session's id, proven with the same key: the id is free, or still held by a connection of
-        that same key (then superseded, as a member's rejoin is, and its session ends first).
+        session's id, proven with the same key. Sessions are held under the id *and* the host key's
+        fingerprint (§2.2), so a session of another key under the same id (an outsider who saw the
+        id and registered it first) is another session: it takes nothing from this one. A
+        connection of this same key still holding it is superseded, as a member's rejoin is.
 
         Raises:
-            _Refusal: `invalid_request` (not an id of the §2.2 form) or `duplicate_peer` (the id is
-                held by a session of another host key).
+            _Refusal: `invalid_request` (not an id of the §2.2 form).
         """
         sid = f.get("session_id")
         if sid is None:
             return None
         if not isinstance(sid, str) or len(sid) != 8 or not all(c in "abcdefghijklmnopqrstuvwxyz234567" for c in sid):
             raise _Refusal("invalid_request", "A re-registered session id is 8 characters of lowercase base32.")
-        old = self._sessions.get(sid)
+        old = self._sessions.get(f"{sid}-{fingerprint(static_public)}")
         if old is not None:
             holder = self._conns.get(old.host_conn)
-            if holder is None or holder.static_public != static_public:
+            if holder is None or holder.static_public != static_public:  # a fingerprint collision (80 bits)
                 raise _Refusal("duplicate_peer", f"Session {sid!r} is held by another host key.")
             reason = f"The host of session {sid!r} registered it again from a newer connection."
             self._send(old.host_conn, t="error", code="superseded", reason=reason, fatal=True)
@@ -370,8 +446,19 @@ class RendezvousState:
         state = self._conns[conn]
         if state.session_id is not None:
             raise _Refusal("already_in_session", "This connection is already in a session; leave it first.")
+        src = self._source(conn)
+        if src is not None and src.joins.consume(1, self._now) > 0:
+            raise _Refusal("rate_limited",
+                           f"Address {state.source} is joining faster than {self.limits.joins_per_source_per_s:g} a "
+                           "second; wait a moment and try again.")
         static_public = self._prove(conn, "join", f)
-        session = self._sessions.get(f["session_id"].lower())
+        fp = f.get("host_fingerprint")
+        if not isinstance(fp, str):
+            raise _Refusal("fingerprint_required",
+                           "A 'join' must carry 'host_fingerprint', the part of the session code after its '-' "
+                           "(this rendezvous admits only holders of the whole code); upgrade kafilad.")
+        # the session id alone finds nothing: a wrong fingerprint reads exactly as no session (§2.2)
+        session = self._sessions.get(f"{f['session_id'].lower()}-{fp.lower()}")
         if session is None:
             raise _Refusal("unknown_session",
                            f"No session {f['session_id']!r} is open at this rendezvous; check the code "
@@ -394,7 +481,7 @@ class RendezvousState:
         for member in session.members.values():
             self._send(member, t="member_joined", peer_id=f["peer_id"], name=f["name"])
         session.members[f["peer_id"]] = conn
-        state.session_id, state.peer_id, state.name = session.session_id, f["peer_id"], f["name"]
+        state.session_id, state.peer_id, state.name = session.key, f["peer_id"], f["name"]
         state.static_public = static_public
         host_peer = self._conns[session.host_conn].peer_id
         self._send(conn, t="joined", session_id=session.session_id, host_peer_id=host_peer,
@@ -427,8 +514,15 @@ class RendezvousState:
         if len(session.circuits) >= self.limits.max_circuits:
             raise _Refusal("too_many_circuits",
                            f"Session {session.session_id!r} already has {self.limits.max_circuits} circuits.")
+        src = self._source(conn)
+        if src is not None and src.circuits >= self.limits.max_circuits_per_source:
+            raise _Refusal("too_many_circuits",
+                           f"Address {self._conns[conn].source} already has {self.limits.max_circuits_per_source} "
+                           "circuits open at this rendezvous, its limit.")
+        if src is not None:
+            src.circuits += 1
         cid = self._new_id(8, self._circuits)
-        self._circuits[cid] = _Circuit(session.session_id, (conn, target))
+        self._circuits[cid] = _Circuit(session.key, (conn, target))
         session.circuits.add(cid)
         self._send(target, t="circuit_incoming", circuit=cid, **{"from": self._conns[conn].peer_id},
                    label=f["label"])
@@ -466,7 +560,11 @@ class RendezvousState:
         other = circuit.ends[1] if circuit.ends[0] == conn else circuit.ends[0]
         self._actions.append(RecordPayload(msg.circuit_id, msg.payload))
         self._actions.append(SendTo(other, encode_relay(msg.circuit_id, msg.payload)))
-        return session.bucket.consume(len(msg.payload), now)
+        pause_s = session.bucket.consume(len(msg.payload), now)
+        src = self._source(conn)
+        if src is not None:  # the sender's address pays too: many sessions of one client share its rate
+            pause_s = max(pause_s, src.relay.consume(len(msg.payload), now))
+        return pause_s
 
 
 def _req(fields: dict) -> dict:

@@ -12,6 +12,8 @@ logits (1, V) of the last position
   -> logit_bias, repetition_penalty, presence_penalty, frequency_penalty   (mlx_lm.sample_utils processors,
                                                                            over the last `penalty_context_tokens`
                                                                            of prompt + generated tokens)
+  -> grammar: tokens the request's grammar forbids get -inf      (constrained decoding, issue 23 item 2:
+                                                                   kafilad/executor/grammar.py, llguidance)
   -> logprobs = logits - logsumexp(logits)         (what `logprobs` reports: chosen + `logprobs` best)
   -> temperature 0: argmax; else top_p, min_p, top_k filters, then categorical(logprobs / temperature)
      drawn with the request's own key when `seed` is set: key(seed) split once per token, the sequence
@@ -25,7 +27,8 @@ because a head that ignored a parameter would silently sample otherwise than the
 {"temperature": float >= 0, "top_p": float in [0, 1], "top_k": int >= 0, "min_p": float in [0, 1],
  "seed": int | null, "presence_penalty": float, "frequency_penalty": float,
  "repetition_penalty": float > 0 | null, "penalty_context_tokens": int >= 1,
- "logit_bias": [[token_id, bias], ...], "logprobs": int in [0, 20] | null}
+ "logit_bias": [[token_id, bias], ...], "logprobs": int in [0, 20] | null,
+ "grammar": str | null}                 an llguidance grammar (JSON), at most MAX_GRAMMAR_BYTES
 ```
 Pure: no trio, sockets or mlx (tests/test_import_boundary.py).
 """
@@ -47,6 +50,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 #: most `logit_bias` entries one request may carry
 MAX_LOGIT_BIAS_ENTRIES = 1024
+#: largest grammar (UTF-8 bytes of its llguidance JSON) one request may carry
+MAX_GRAMMAR_BYTES = 256 * 1024
 
 
 def _number(v: Any) -> bool:
@@ -73,6 +78,9 @@ class Sampling:
         logit_bias: (token_id, bias) pairs added to the logits.
         logprobs: report the chosen token's log-probability and this many best alternatives
             (None: report nothing).
+        grammar: the llguidance grammar (a JSON string, e.g. `LLMatcher.grammar_from_json_schema`)
+            every token must keep the output within (None: free text); made by the HTTP APIs from
+            `response_format`, Ollama's `format` and forced tool calls (kafilad/control/grammars.py).
     """
 
     temperature: float = 0.0
@@ -86,6 +94,7 @@ class Sampling:
     penalty_context_tokens: int = PENALTY_CONTEXT_TOKENS
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: Optional[int] = None
+    grammar: Optional[str] = None
 
     def __attrs_post_init__(self) -> None:
         problem = _problem(self)
@@ -96,7 +105,7 @@ class Sampling:
     def plain(self) -> bool:
         """True when only the temperature matters (the runner's original, token-identical path)."""
         return (not self.has_processors and self.logprobs is None and self.seed is None and self.top_p >= 1.0
-                and self.top_k == 0 and self.min_p == 0.0)
+                and self.top_k == 0 and self.min_p == 0.0 and self.grammar is None)
 
     @property
     def has_processors(self) -> bool:
@@ -146,7 +155,8 @@ class Sampling:
         for key in ("top_k", "penalty_context_tokens"):
             if key in kw and not _integer(kw[key]):
                 raise RemoteProtocolError(f"malformed sampling map: '{key}' is {_short(kw[key])}")
-        for key, check in (("seed", _integer), ("logprobs", _integer), ("repetition_penalty", _number)):
+        for key, check in (("seed", _integer), ("logprobs", _integer), ("repetition_penalty", _number),
+                           ("grammar", lambda v: isinstance(v, str))):
             if kw.get(key) is not None and not check(kw[key]):
                 raise RemoteProtocolError(f"malformed sampling map: '{key}' is {_short(kw[key])}")
         try:
@@ -176,6 +186,9 @@ def _problem(s: Sampling) -> Optional[str]:
         return f"'seed' must be an integer (got {s.seed!r})"
     if s.logprobs is not None and not (_integer(s.logprobs) and 0 <= s.logprobs <= MAX_LOGPROBS):
         return f"'logprobs' must be an integer between 0 and {MAX_LOGPROBS} (got {s.logprobs!r})"
+    if s.grammar is not None and not (isinstance(s.grammar, str) and s.grammar
+                                      and len(s.grammar.encode("utf-8", "surrogatepass")) <= MAX_GRAMMAR_BYTES):
+        return f"'grammar' must be a non-empty string of at most {MAX_GRAMMAR_BYTES} bytes"
     if len(s.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
         return f"'logit_bias' may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries (got {len(s.logit_bias)})"
     seen = set()

@@ -11,9 +11,15 @@ Host states::
 
     starting --Registered--> forming --(every member admitted and measured)--> planning
     planning --Planned--> loading --(every stage ready)--> ready
-    planning --PlanFailed--> failed;  loading/ready --MemberLost | RingFailed--> failed
-    ready --RendezvousLost--> ready (edges direct, head here) | failed
-    any --Close--> closed   (a normal close is never recorded as a failure)
+    planning --PlanFailed--> failed
+    planning/loading/ready --MemberLost | Leaving | Failed | RingFailed--> recovering (MakePlan over the live)
+    ready --(a member joined or returned)--> recovering (the ring serves on; the same division is kept: ready)
+    recovering --Planned--> loading | ready (plan kept) | recovering (a member of it lost meanwhile)
+    recovering --PlanFailed--> degraded --(a member joins: Capability)--> recovering
+    loading/ready --RingFailed (more than MAX_REFORMS in a row)--> failed
+    loading/recovering --(a stage could not be built: `failed` "stage_build", OwnStageFailed)--> failed
+    ready --RendezvousLost--> ready (edges direct, head here) | recovering
+    any --Abort--> failed;  any --Close--> closed   (a normal close is never recorded as a failure)
 
 Member states::
 
@@ -45,6 +51,7 @@ from kafilad.proto.session_events import (  # noqa: F401 - re-exported: the mach
     HostLinkLost, SessionEnded, Send, CloseLink, Remember, MakePlan,
     DistributePlan, StartLoad, StandBy, FailRequests, Trace, Formed, EdgesChanged,
     Refused, JoinAccepted, MemberEntry, PendingEntry, HostState, MemberState, RendezvousBack, ForgetSession,
+    OwnStageFailed, stage_build_failed,
 )
 
 
@@ -79,6 +86,7 @@ __all__ = [
     "MemberMachine",
     "MemberState",
     "OwnCapability",
+    "OwnStageFailed",
     "OwnStageLoaded",
     "PendingEntry",
     "PendingTimedOut",
@@ -94,6 +102,7 @@ __all__ = [
     "StageLoaded",
     "StandBy",
     "StartLoad",
+    "stage_build_failed",
     "Trace",
     "_Machine",
     "_OVER",
@@ -118,6 +127,7 @@ def _row(state, **rows) -> dict:
 _EVENTS = {"Registered": Registered, "OwnCapability": OwnCapability, "Capability": cf.Capability,
            "MemberLost": MemberLost, "Leaving": cf.Leaving, "Failed": cf.Failed, "RendezvousLost": RendezvousLost,
            "Planned": Planned, "PlanFailed": PlanFailed, "Ready": cf.Ready, "OwnStageLoaded": OwnStageLoaded,
+           "OwnStageFailed": OwnStageFailed,
            "Edges": cf.Edges, "RingBroken": cf.RingBroken, "RingFailed": RingFailed}
 
 HOST_TABLE: dict = {
@@ -128,20 +138,23 @@ HOST_TABLE: dict = {
                      MemberLost={H.RECOVERING}, Leaving={H.RECOVERING}, Failed={H.RECOVERING},
                      RendezvousLost={H.PLANNING, H.RECOVERING}),
     H.LOADING: _row(H.LOADING, Ready={H.LOADING, H.READY, H.RECOVERING}, OwnStageLoaded={H.LOADING, H.READY, H.RECOVERING},
+                    OwnStageFailed={H.LOADING, H.FAILED},
                     Edges={H.LOADING}, Capability={H.LOADING}, Failed={H.LOADING, H.RECOVERING, H.FAILED},
                     Leaving={H.LOADING, H.RECOVERING}, MemberLost={H.LOADING, H.RECOVERING}, RingBroken={H.LOADING, H.RECOVERING, H.FAILED},
                     RingFailed={H.LOADING, H.RECOVERING, H.FAILED}, RendezvousLost={H.LOADING, H.RECOVERING}),
-    H.READY: _row(H.READY, Edges={H.READY}, Capability={H.RECOVERING}, Failed={H.READY, H.RECOVERING, H.FAILED},
+    H.READY: _row(H.READY, Edges={H.READY}, OwnStageFailed={H.READY}, Capability={H.RECOVERING}, Failed={H.READY, H.RECOVERING, H.FAILED},
                   Leaving={H.READY, H.RECOVERING}, MemberLost={H.READY, H.RECOVERING},
                   RingBroken={H.READY, H.RECOVERING, H.FAILED}, RingFailed={H.READY, H.RECOVERING, H.FAILED},
                   RendezvousLost={H.READY, H.RECOVERING}),
     H.RECOVERING: _row(H.RECOVERING, Planned={H.LOADING, H.RECOVERING, H.READY}, PlanFailed={H.DEGRADED},
                        Capability={H.RECOVERING}, Ready={H.RECOVERING}, OwnStageLoaded={H.RECOVERING},
-                       Edges={H.RECOVERING}, Failed={H.RECOVERING}, Leaving={H.RECOVERING},
+                       OwnStageFailed={H.RECOVERING, H.FAILED},
+                       Edges={H.RECOVERING}, Failed={H.RECOVERING, H.FAILED}, Leaving={H.RECOVERING},
                        MemberLost={H.RECOVERING}, RingBroken={H.RECOVERING}, RingFailed={H.RECOVERING},
                        RendezvousLost={H.RECOVERING}),
     H.DEGRADED: _row(H.DEGRADED, Capability={H.RECOVERING}, MemberLost={H.DEGRADED}, Leaving={H.DEGRADED},
-                     Ready={H.DEGRADED}, OwnStageLoaded={H.DEGRADED}, Edges={H.DEGRADED}, Failed={H.DEGRADED},
+                     Ready={H.DEGRADED}, OwnStageLoaded={H.DEGRADED}, OwnStageFailed={H.DEGRADED}, Edges={H.DEGRADED},
+                     Failed={H.DEGRADED},
                      RingBroken={H.DEGRADED}, RingFailed={H.DEGRADED}, RendezvousLost={H.DEGRADED}),
     H.FAILED: {MemberJoined: {H.FAILED}, Close: {H.CLOSED}},  # a joining device is told (FAILED_DENIAL)
     H.CLOSED: {},
@@ -432,8 +445,19 @@ class HostMachine(_Machine):
         self.changed = True
         return [EdgesChanged(e.name)]
 
+    def _on_OwnStageFailed(self, ev: OwnStageFailed, row) -> list:
+        """The host's own stage of the current plan could not be built: no plan avoids that (issue 21 item 3)."""
+        if self.state not in (HostState.LOADING, HostState.RECOVERING) or ev.epoch != self.epoch:
+            return []  # the stage of a plan replaced since
+        return self._fail(stage_build_failed(ev.reason), self.members[self.host_peer_id].name, row)
+
     # -- losses --
     def _on_failed(self, peer_id: str, frame: cf.Failed, row) -> list:
+        """A member's stage did not load. One that could not be built (code "stage_build") fails the
+        session while a plan loads or is being remade: any division fails the same way, and a member lost
+        and replanned would rejoin and fail again (issue 21 item 3). Any other failure is a loss (§2.3)."""
+        if frame.code == cf.FAILED_STAGE_BUILD and self.state in (HostState.LOADING, HostState.RECOVERING):
+            return self._fail(stage_build_failed(frame.reason), self.members[peer_id].name, row)
         return self._lose(peer_id, f"it failed to load its stage: {frame.reason}", row)
 
     def _on_leaving(self, peer_id: str, frame: cf.Leaving, row) -> list:

@@ -119,6 +119,14 @@ class OwnStageLoaded:
 
 
 @attrs.frozen
+class OwnStageFailed:
+    """Host: its own stage of plan ``epoch`` could not be built (kafilad/errors.py StageBuildError);
+    ``reason`` names this device, the architecture and what is wrong."""
+    reason: str
+    epoch: int = 0
+
+
+@attrs.frozen
 class MemberLost:
     """A member's ctl link ended, or the rendezvous said it left."""
     peer_id: str
@@ -184,7 +192,10 @@ class StageLoaded:
 
 @attrs.frozen
 class LoadFailed:
+    """Member: its stage of the current plan did not load. ``code``: cf.FAILED_STAGE_BUILD when the
+    stage could not be built (``reason`` is then kafilad/node/stagehost.py's sentence), else None."""
     reason: str
+    code: Optional[str] = None
 
 
 @attrs.frozen
@@ -311,3 +322,11 @@ class PendingEntry:
     public_key: bytes
 
 
+
+
+def stage_build_failed(reason: str) -> str:
+    """Why a session fails when a stage could not be built (issue 21 item 3; proto_spec 05 §2.3):
+    the builder's sentence ``reason`` (member, architecture, what is wrong) and what to do, without a
+    final period (the host's ``error``, the `session_failed` reason; the member's own error adds one)."""
+    return (f"{reason.rstrip('.')}. Another division of the model would fail the same way, so the session "
+            "failed: run `kafila-ctl leave` on the host and host a model whose architecture and files Kafila can run")

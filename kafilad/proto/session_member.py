@@ -11,7 +11,7 @@ from kafilad.proto import control as cf
 from kafilad.proto.session_events import (
     Abort, CapabilitySent, Close, CloseLink, FailRequests, ForgetSession, HostLinkLost, JoinAccepted, JoinFailed,
     LoadFailed, MemberState, Refused, RendezvousLost, RingFailed, Send, SessionEnded, StageLoaded, StandBy, StartLoad,
-    Trace,
+    Trace, stage_build_failed,
 )
 from kafilad.proto.session_machine import _Machine
 
@@ -134,8 +134,14 @@ class MemberMachine(_Machine):
                                                                              "load_s", "edges") if k in ev.load}))]
 
     def _on_LoadFailed(self, ev: LoadFailed, row) -> list:
+        """The stage did not load: the host is told why. A stage that could not be built
+        (cf.FAILED_STAGE_BUILD) fails the session on the host (proto_spec 05 §2.3), so this device
+        forgets it (no rejoin: it would fail the same way) and its error is the whole sentence."""
         if self.state == MemberState.STANDBY:
             return []  # the load of a plan the host has replaced with standing by
+        if ev.code == cf.FAILED_STAGE_BUILD:
+            out = self._fail(stage_build_failed(ev.reason) + ".", None, row)
+            return out + [Send("", cf.Failed(ev.reason, code=ev.code)), ForgetSession()]
         return self._fail(ev.reason, None, row) + [Send("", cf.Failed(ev.reason))]
 
     def _on_RingFailed(self, ev: RingFailed, row) -> list:

@@ -25,7 +25,7 @@ import itertools
 import logging
 import os
 from functools import partial
-from typing import BinaryIO
+from typing import BinaryIO, Optional
 
 import trio
 from trio_websocket import CloseReason, ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
@@ -91,6 +91,14 @@ class _HeadCheckedStream(trio.abc.Stream):
         self._stream = stream
         self._pending = b""
         self._checked = False
+        #: the TCP peer's address, for the limits per source address (proto_spec 03 §5); None if unknown
+        self.peer_address: Optional[str] = None
+        sock = getattr(stream, "socket", None)
+        if sock is not None:
+            try:
+                self.peer_address = str(sock.getpeername()[0])
+            except OSError:
+                pass
 
     async def _check_head(self) -> None:
         self._checked = True
@@ -192,7 +200,10 @@ class RendezvousServer:
         self._unregistered.add(conn)
         send_q, recv_q = trio.open_memory_channel(OUTBOUND_QUEUE_MESSAGES)
         self._queues[conn] = send_q
-        self.state.connection_made(conn, trio.current_time())
+        # the source address our listener's stream recorded (trio-websocket keeps the stream it was given
+        # as `_stream`; its own `remote` cannot see through our wrapper)
+        source = getattr(getattr(ws, "_stream", None), "peer_address", None)
+        self.state.connection_made(conn, trio.current_time(), source=source)
         hello = self.state.actions()  # the `challenge` (proto_spec §2.4)
         reason = "its connection closed"
         async with trio.open_nursery() as nursery:

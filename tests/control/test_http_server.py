@@ -182,6 +182,8 @@ def test_any_request_framed_both_ways_is_refused_at_once(length, coding, te_firs
 
 
 def test_total_body_budget_refuses_with_retry_after_then_recovers():
+    """Bytes that arrived count against the budget, not the declared length; a body still within its
+    grace keeps its bytes, so a second one past the budget is refused 413 with Retry-After."""
     async def main():
         limits = HttpLimits(max_body_bytes=600_000, max_total_body_bytes=1_000_000)
         server = HttpServer(echo, limits)
@@ -190,12 +192,16 @@ def test_total_body_budget_refuses_with_retry_after_then_recovers():
             nursery.start_soon(server.serve_stream, first_srv)
             await first_client.send_all(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 600000\r\n\r\n" + b"a" * 1000)
             await trio.sleep(0.1)
-            assert server.budget.held_bytes == 600_000  # declared length reserved before it is read
-            got = await exchange(server, b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 500000\r\n\r\n")
+            assert server.budget.held_bytes == 1000  # what arrived, not the 600,000 declared
+            await first_client.send_all(b"a" * 598_000)
+            await trio.sleep(0.1)
+            assert server.budget.held_bytes == 599_000
+            got = await exchange(server, b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 500000\r\n\r\n"
+                                 + b"b" * 500_000)
             (s, headers, body), = parse_responses(got)
             assert s == 413 and headers["retry-after"] == "1"
             assert "retry shortly" in json.loads(body)["error"]["message"]
-            await first_client.send_all(b"a" * 599_000)
+            await first_client.send_all(b"a" * 1000)
             data = await first_client.receive_some(65536)
             assert data.startswith(b"HTTP/1.1 200 ")
             await first_client.aclose()
@@ -203,6 +209,77 @@ def test_total_body_budget_refuses_with_retry_after_then_recovers():
         got = await exchange(server, b"POST / HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 500000\r\n\r\n"
                              + b"b" * 500_000)
         assert parse_responses(got)[0][0] == 200
+    run(main)
+
+
+def test_declared_lengths_never_sent_hold_nothing():
+    """Issue 22 §4: 16 connections declaring Content-Length 4194304 and sending 1 byte held the whole
+    64 MiB budget, so every POST was 413 for 30 s. Now they hold 16 bytes and a POST is served."""
+    async def main():
+        server = HttpServer(echo)
+        clients = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(16):
+                c, srv = trio.testing.memory_stream_pair()
+                nursery.start_soon(server.serve_stream, srv)
+                await c.send_all(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 4194304\r\n\r\nx")
+                clients.append(c)
+            await trio.sleep(0.1)
+            assert server.budget.held_bytes == 16
+            got = await exchange(server, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                                         b"content-length: 7\r\n\r\n{\"a\":1}")
+            (s, _, body), = parse_responses(got)
+            assert s == 200 and json.loads(body)["body"] == '{"a":1}'
+            nursery.cancel_scope.cancel()
+    run(main)
+
+
+def test_a_stalled_body_holding_the_budget_is_evicted_once_past_its_grace():
+    """Bytes that did arrive and then stopped: within `body_grace_s` they are kept (413 for the
+    newcomer), past it the stalled body is closed to make room and the newcomer is served."""
+    async def main():
+        limits = HttpLimits(max_body_bytes=600_000, max_total_body_bytes=1_000_000, body_grace_s=2.0)
+        server = HttpServer(echo, limits)
+        request = b"POST / HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 500000\r\n\r\n" + b"b" * 500_000
+        stalled, srv = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve_stream, srv)
+            await stalled.send_all(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 600000\r\n\r\n" + b"a" * 599_999)
+            await trio.sleep(1.0)
+            assert parse_responses(await exchange(server, request))[0][0] == 413
+            await trio.sleep(1.5)  # 2.5 s old: past its grace, and silent
+            (s, _, body), = parse_responses(await exchange(server, request))
+            assert s == 200 and len(json.loads(body)["body"]) == 500_000
+            (s, headers, body), = parse_responses(await stalled.receive_some(65536))  # told why, then closed
+            assert s == 408 and headers["retry-after"] == "1" and "to make room" in json.loads(body)["error"]["message"]
+        assert server.budget.held_bytes == 0 and server.open_connections == 0
+    run(main)
+
+
+def test_a_trickling_body_is_evicted_when_the_server_is_full_and_not_before_its_grace():
+    """Connections slow in their body (10 bytes declared, 1 sent) make room like idle ones once they
+    are `body_grace_s` old: before that a newcomer is answered 503 with Retry-After."""
+    async def main():
+        server = HttpServer(echo, HttpLimits(max_connections=4, body_grace_s=2.0))
+        trickling = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                c, srv = trio.testing.memory_stream_pair()
+                nursery.start_soon(server.serve_stream, srv)
+                await c.send_all(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nx")
+                trickling.append(c)
+                await trio.sleep(0.1)
+            legit = b"GET /ok HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+            (s, headers, body), = parse_responses(await exchange(server, legit))
+            assert s == 503 and headers["retry-after"] == "1" and "its limit" in json.loads(body)["error"]["message"]
+            await trio.sleep(2.0)
+            (s, _, body), = parse_responses(await exchange(server, legit))
+            assert s == 200 and json.loads(body)["path"] == "/ok"
+            (s, _, body), = parse_responses(await trickling[0].receive_some(65536))  # the furthest behind
+            assert s == 408 and "arrived slower than 16384 bytes/s" in json.loads(body)["error"]["message"]
+            await trio.sleep(1.0)  # its short lingering close
+            assert server.open_connections == 3
+            nursery.cancel_scope.cancel()
     run(main)
 
 
@@ -526,4 +603,38 @@ def test_the_servers_own_errors_take_the_handlers_error_shape():
 
         ((status, _, body),) = parse_responses(await stopped_while_handling(ollama_like, b"/api/generate", waiting))
         assert status == 503 and json.loads(body) == {"error": SHUTTING_DOWN}
+    run(main)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3000), st.floats(0, 3)), min_size=1, max_size=30))
+def test_body_memory_held_matches_the_connections_and_stays_in_the_budget(steps):
+    """Any interleaving of six clients sending body bytes and pausing (past the grace or not), with
+    evictions for room: the budget's count is always the sum of what the open connections hold, never
+    past its limit, and 0 once they are gone (an evicted body's bytes are given back once)."""
+    async def main():
+        limits = HttpLimits(max_connections=4, max_body_bytes=4000, max_total_body_bytes=6000, body_grace_s=1.0,
+                            min_body_rate_Bps=1000)
+        server = HttpServer(echo, limits)
+        clients: dict[int, trio.testing.MemorySendStream] = {}
+        async with trio.open_nursery() as nursery:
+            for who, n, pause_s in steps:
+                if who not in clients:
+                    c, srv = trio.testing.memory_stream_pair()
+                    nursery.start_soon(server.serve_stream, srv)
+                    clients[who] = c
+                    try:
+                        await c.send_all(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 4000\r\n\r\n")
+                    except trio.BrokenResourceError:
+                        pass
+                try:
+                    await clients[who].send_all(b"a" * n)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+                await trio.sleep(pause_s)
+                held = sum(s.held_bytes for s in server._slots.values())
+                assert server.budget.held_bytes == held <= limits.max_total_body_bytes
+            for c in clients.values():
+                await c.aclose()
+        assert server.budget.held_bytes == 0 and server.open_connections == 0
     run(main)

@@ -39,11 +39,7 @@ def test_methods_paths_and_health_without_a_session():
     status, headers, _ = run(request("OPTIONS", "/v1/models"))
     assert status == 204 and headers["allow"] == "GET, HEAD, OPTIONS"
     status, _, body = run(request("GET", "/health"))
-    assert status == 503 and json.loads(body) == {
-        "status": "unavailable", "state": None,
-        "message": "No session is being served by this daemon: it is not hosting one. To serve, host one with "
-                   "`kafila-ctl host --model MODEL` and admit its members, or send requests to the API of the daemon "
-                   "hosting a session."}
+    assert status == 503 and json.loads(body) == {"status": "unavailable"}  # ready or not: nothing more (issue 22)
     status, _, body = run(request("GET", "/v1/models/stories260K"))
     assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable"
     status, _, body = run(request("POST", "/v1/completions", body=b'{"prompt": "x", "temperature": 9}'))
@@ -123,7 +119,13 @@ def test_cors_preflight_and_origins(monkeypatch):
     (parse_completion, {"prompt": "x", "stop": [""]}, "stop", "non-empty strings"),
     (parse_completion, {"prompt": "x", "stream": 1}, "stream", "'stream' must be true or false."),
     (parse_chat, {"messages": []}, "messages", "'messages' must be a non-empty list"),
-    (parse_chat, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'messages[0].role' is invalid"),
+    (parse_chat, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0]",
+     "'messages[0]' has role 'tool' and must carry the 'tool_call_id'"),
+    (parse_chat, {"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role", "'messages[0].role' is invalid"),
+    (parse_chat, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "always"}, "tool_choice",
+     "'tool_choice' must be \"none\", \"auto\", \"required\""),
+    (parse_chat, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+     "response_format", "needs 'json_schema'"),
     (parse_chat, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content",
      "must hold parts of the form"),
     (parse_chat, {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs",
@@ -131,7 +133,7 @@ def test_cors_preflight_and_origins(monkeypatch):
     (parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True},
      "top_logprobs", "between 0 and 20"),
     (parse_chat, {"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions",
-     "'functions' is not supported: this server does not call tools."),
+     "'functions' is not supported: use 'tools' and 'tool_choice'"),
 ])
 def test_every_field_gets_a_precise_400(parse, body, param, words):
     with pytest.raises(HttpError) as e:

@@ -9,7 +9,7 @@ import io
 
 from rich.console import Console
 
-from kafila_ctl.demo import SHOWN_NOISE_IDS, generation_markup
+from kafila_ctl.demo import SHOWN_NOISE_IDS, generation_markup, ring_note
 
 
 def rendered(markup: str) -> str:
@@ -39,3 +39,16 @@ def test_a_real_models_text_is_printed_as_generated():
     result = {"text": ", there was a little girl named [Lily].", "token_ids": [1, 2, 3]}
     assert rendered(generation_markup("Once upon a time", result, synth=False)) == \
         "Once upon a time, there was a little girl named [Lily]."
+
+
+def test_the_ring_note_says_every_member_holds_blocks_only_when_each_does():
+    """Issue 21: `demo --model` said "every member holds blocks" while two members, lost after their
+    stages failed, held none (the host had replanned the model onto itself)."""
+    ring = {"members": [{"name": "m0", "blocks": [0, 2]}, {"name": "m1", "blocks": [2, 4]},
+                        {"name": "m2", "blocks": [4, 6]}]}
+    assert ring_note(ring) == "the demo's ring: every member holds blocks"
+    lost = {"members": [{"name": "m0", "blocks": [0, 6]},
+                        {"name": "m1", "blocks": None, "lost": "it failed to load its stage: no such tensor."},
+                        {"name": "m2", "blocks": None, "standby": True}]}
+    assert ring_note(lost) == ("holding no blocks: m1 (lost: it failed to load its stage: no such tensor); "
+                               "m2 (on standby)")

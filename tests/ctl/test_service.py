@@ -98,7 +98,7 @@ def install_cli(monkeypatch, tmp_path, *argv, env=None):
     from kafila_ctl.cli import main
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
-    for name in ("KAFILA_STATE_DIR", "KAFILA_RENDEZVOUS"):
+    for name in ("KAFILA_STATE_DIR", "KAFILA_RENDEZVOUS", "KAFILA_API_KEYS"):
         monkeypatch.delenv(name, raising=False)
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
@@ -163,3 +163,26 @@ def test_install_at_a_custom_path_says_how_to_link_it(monkeypatch, tmp_path, cap
         "kafila-ctl: systemd loads a service only from a file named NAME.service, not 'kafilad.txt'; pass --path "
         f"{tmp_path / 'u' / 'kafilad.service'} or another NAME.service.\n")
     assert not (tmp_path / "u" / "kafilad.txt").exists()
+
+
+def test_install_carries_api_keys_for_an_api_other_machines_reach(monkeypatch, tmp_path, capsys):
+    """Issue 22 §3: a daemon on a non-loopback --http without a key refuses to start, so a unit for it
+    would restart for ever: install refuses it too, unless KAFILA_API_KEYS is set here (carried into
+    the unit's environment, the file 0600) or --http-insecure is given (passed on)."""
+    unit = tmp_path / "cfg" / "systemd" / "user" / "kafilad.service"
+    assert install_cli(monkeypatch, tmp_path, "--http", "0.0.0.0:8400") == 2
+    err = capsys.readouterr().err
+    assert "The HTTP API would listen on 0.0.0.0" in err and "export KAFILA_API_KEYS in this shell" in err
+    assert not unit.exists()
+    key = "svc-key-0123456789abcdef"
+    assert install_cli(monkeypatch, tmp_path, "--http", "0.0.0.0:8400", env={"KAFILA_API_KEYS": key}) == 0
+    text = unit.read_text()
+    assert f"Environment=KAFILA_API_KEYS={key}\n" in text and key not in exec_start(text)
+    assert unit.stat().st_mode & 0o777 == 0o600
+    capsys.readouterr()
+    assert install_cli(monkeypatch, tmp_path, "--force", "--http", "0.0.0.0:8400", "--http-insecure") == 0
+    assert exec_start(unit.read_text())[-3:] == ["--http", "0.0.0.0:8400", "--http-insecure"]
+    assert "KAFILA_API_KEYS" not in unit.read_text()
+    capsys.readouterr()
+    assert install_cli(monkeypatch, tmp_path, "--force", env={"KAFILA_API_KEYS": "short"}) == 2
+    assert "at least 16 characters" in capsys.readouterr().err

@@ -93,7 +93,9 @@ def test_wrong_host_fingerprint_refuses_to_join(tmp_path, synth_llama):
         code = c.call(0, "host", model_dir=str(synth_llama), members=2, open=True)["code"]
         session_id, fp = code.split("-")
         forged = f"{session_id}-{('b' if fp[0] != 'b' else 'c') + fp[1:]}"
-        with pytest.raises(KafilaError, match="does not match the fingerprint in the session code"):
+        # the rendezvous holds the session under the whole code: a forged fingerprint finds nothing
+        # (proto_spec 03 §2.2), before any Noise handshake could catch the wrong host key
+        with pytest.raises(KafilaError, match=f"No session '{session_id}' is open at this rendezvous"):
             c.call(1, "join", code=forged)
         assert c.call(0, "status")["state"] == "forming"
         assert c.call(1, "join", code=code)["host"] == "m0"

@@ -119,7 +119,7 @@ def test_refusals_are_sentences(cluster):
         (dict(options={"temperature": "hot"}), 400, "'options.temperature' is invalid"),
         (dict(options={"num_ctx": 4096}), 400, "exceeds the session's context of 512 tokens"),
         (dict(options={"num_predict": 10000}), 400, "plus 'options.num_predict' 10000 exceeds the session's context"),
-        (dict(format="json"), 400, "'format' is not supported"),
+        (dict(format="xml"), 400, "'format' must be \"json\" or a JSON schema"),
         (dict(images=["aGk="]), 400, "'images' is not supported"),
         (dict(model="llama3"), 404, "model 'llama3' not found"),
     ]
@@ -131,6 +131,5 @@ def test_refusals_are_sentences(cluster):
                          keep_alive="5m")
     assert ok.done and ok.eval_count == 2  # runtime options are about Ollama's machine, not the output
     with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model="stories260K", messages=[{"role": "user", "content": "hi"}],
-                    tools=[{"type": "function", "function": {"name": "f"}}])
-    assert e.value.status_code == 400 and "does not call tools" in e.value.error
+        client.chat(model="stories260K", messages=[{"role": "user", "content": "hi"}], format="xml")
+    assert e.value.status_code == 400 and "'format' must be \"json\" or a JSON schema" in e.value.error

@@ -203,8 +203,9 @@ def test_fields_are_checked_one_by_one(served):
         (dict(n=2), "n", "Only 'n': 1 is supported."),
         (dict(top_logprobs=2), None, "'top_logprobs' needs 'logprobs': true."),
         (dict(stop=["a", "b", "c", "d", "e"]), "stop", "a list of 1 to 4 non-empty strings"),
-        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "this server does not call tools"),
-        (dict(response_format={"type": "json_object"}), "response_format.type", "free text only"),
+        (dict(tools=[{"type": "function", "function": {"name": "f"}}],
+              tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice", "names function 'g'"),
+        (dict(response_format={"type": "json_schema"}), "response_format", "needs 'json_schema'"),
         (dict(presence_penalty=3), "presence_penalty", "between -2 and 2"),
         (dict(stream_options={"include_usage": True}), None, "only allowed when 'stream' is true"),
         (dict(extra_body={"mirostat": 2}), "mirostat", "'mirostat' is not supported by this server"),
@@ -262,10 +263,9 @@ def test_http_surface_nulls_methods_cors_and_health(served, tmp_path):
     status, headers, _ = call("GET", base + "/v1/models", headers={"origin": "http://127.0.0.1:5173"})
     assert status == 200 and headers["access-control-allow-origin"] == "http://127.0.0.1:5173"
     status, _, body = call("GET", base + "/health")
-    assert status == 200 and json.loads(body) == {"status": "ok", "state": "ready", "model": served.model}
+    assert status == 200 and json.loads(body) == {"status": "ok"}  # ready or not, nothing more (issue 22 §3)
 
     with LoopbackCluster(1, root=str(tmp_path / "idle")) as idle:  # a daemon hosting nothing
         ibase = idle.call(0, "status")["http"].removesuffix("/v1")
         status, _, body = call("GET", ibase + "/health")
-        assert status == 503 and json.loads(body)["status"] == "unavailable"
-        assert "not hosting one" in json.loads(body)["message"]
+        assert status == 503 and json.loads(body) == {"status": "unavailable"}

@@ -7,10 +7,10 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from kafilad.errors import ModelFormatError
-from kafilad.executor.stage import (build_stage, load_stage_from_dir, read_tensor_bytes, rename_for_stage,
-                                    tensor_from_bytes)
+from kafilad.executor.stage import build_stage, load_stage_from_dir, read_tensor_bytes, tensor_from_bytes
 from kafilad.executor.synth import synthesize_model
 from kafilad.modelinfo import TensorInfo, read_model_info
 
@@ -46,14 +46,6 @@ def test_tensor_from_bytes_rejects_wrong_length():
         tensor_from_bytes(info("F32", (2,), 8, name="w"), b"\0" * 6)
 
 
-def test_rename_for_stage():
-    w = {"model.layers.3.mlp.up_proj.weight": 1, "model.layers.4.input_layernorm.weight": 2, "model.norm.weight": 3}
-    assert rename_for_stage(w, 3) == {"model.layers.0.mlp.up_proj.weight": 1,
-                                      "model.layers.1.input_layernorm.weight": 2, "model.norm.weight": 3}
-    with pytest.raises(ModelFormatError, match="before this stage's first block 5"):
-        rename_for_stage(w, 5)
-
-
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     return synthesize_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=3)
@@ -62,11 +54,17 @@ def llama_dir(tmp_path_factory):
 def test_non_head_stage_holds_only_its_blocks(llama_dir):
     s = load_stage_from_dir(llama_dir, 2, 5, head=False)
     assert (s.start, s.end, s.head, s.n_blocks, len(s.layers)) == (2, 5, False, 3, 3)
-    assert "embed_tokens" not in s.model.model and "norm" not in s.model.model and "lm_head" not in s.model
     mi = read_model_info(llama_dir)
+    names = {k for k, _ in tree_flatten(s.model.parameters())}
+    # checkpoint names kept (no renumbering): exactly blocks 2-4, no embedding, final norm or lm_head
+    assert names == {t.name for t in mi.stage_tensors(2, 5, False)}
+    assert all(k.startswith(("model.layers.2.", "model.layers.3.", "model.layers.4.")) for k in names)
+    assert len(s.model.model.layers) == 6 and not s.model.model.layers[0].parameters()
     assert s.nbytes() == sum(t.held_bytes(4) for t in mi.stage_tensors(2, 5, False))
-    with pytest.raises(ModelFormatError, match=r"Stage \[2, 5\) is not the head and cannot embed"):
-        s.embed([1, 2])
+    with pytest.raises(ModelFormatError, match=r"Stage \[2, 5\) is not the head and cannot run from token ids"):
+        s.run_tokens([1, 2], s.make_cache())
+    with pytest.raises(ModelFormatError, match="not the head and cannot compute logits"):
+        s.logits(mx.zeros((1, 1, 64)))
 
 
 def test_load_stage_reads_only_its_tensors(llama_dir, tmp_path):
@@ -110,5 +108,5 @@ def test_bf16_checkpoint_loads_as_f32(tmp_path):
     assert kept.model.model.layers[0].mlp.up_proj.weight.dtype == mx.bfloat16
     assert mx.array_equal(head.model.model.layers[0].mlp.up_proj.weight,
                           kept.model.model.layers[0].mlp.up_proj.weight.astype(mx.float32)).item()
-    logits = head.logits(head.run_blocks(head.embed([256, 72, 105]), head.make_cache()))
+    logits = head.logits(head.run_tokens([256, 72, 105], head.make_cache()))
     assert logits.shape == (1, 258) and logits.dtype == mx.float32

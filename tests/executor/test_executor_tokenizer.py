@@ -57,8 +57,10 @@ async def serve(model_dir, prompt: str, max_tokens: int):
 
 
 def continuation(tok, prompt_ids, ids) -> str:
-    """What the text of `ids` after `prompt_ids` must be: the decode of both minus the prompt's."""
-    whole, head = tok.decode(list(prompt_ids) + list(ids)), tok.decode(list(prompt_ids))
+    """What the text of `ids` after `prompt_ids` must be: the decode of both minus the prompt's, special
+    tokens skipped (`<s>`, `<unk>`, a chat template's markers: returned text has none, issue 25 item 6)."""
+    whole = tok.decode(list(prompt_ids) + list(ids), skip_special_tokens=True)
+    head = tok.decode(list(prompt_ids), skip_special_tokens=True)
     assert whole.startswith(head)
     return whole[len(head):]
 
@@ -139,6 +141,31 @@ def test_first_space_of_a_continuation_is_kept(stories_dir):
     assert segments[0] == " was"
     # without a prompt the text is the decode of the ids alone (SentencePiece strips its first space)
     assert "".join(stream(tok.detokenizer, ids)) == tok.decode(ids) == "was a little girl"
+
+
+def test_special_tokens_are_not_in_the_returned_text(synth_dir):
+    """A new user's chat reply read "... <s> ..." and another "<unk>" (issue 25 item 6): a model may
+    sample a special token's id mid-text; the returned text skips special tokens. On the packaged
+    stories260K (SentencePiece) and the synthesised byte-level tokenizer."""
+    from kafila_ctl.demo import packaged_model_dir
+    tok = load_tokenizer(packaged_model_dir())
+    prompt = tok.encode("Once upon a time, there")
+    words = tok.encode(" was a little girl", add_special_tokens=False)[1:]
+    assert tok.convert_ids_to_tokens([0, 1, 2]) == ["<unk>", "<s>", "</s>"]
+    ids = words[:2] + [1, 0] + words[2:] + [2]
+    segments = stream(tok.continuation_detokenizer(prompt), ids)
+    assert "".join(segments) == " was a little girl"
+    assert "".join(stream(tok.detokenizer, ids)) == "was a little girl"
+    # a special token inside a byte-fallback run: the run decodes as a whole around it, so what its first
+    # bytes showed may still change ("A" then 0xE2 is not UTF-8: the run is two U+FFFD, as without the <s>)
+    there = tok.encode(" there", add_special_tokens=False)[-1]
+    for run, text in [([0x41, 0xC3, 0xA9], "Aé"), ([0x41, 0xE2], "\ufffd\ufffd")]:
+        ids = [3 + run[0], 1, *(3 + b for b in run[1:]), there]
+        assert "".join(stream(tok.continuation_detokenizer(prompt), ids)) == text + " there" == \
+            continuation(tok, prompt, ids)
+    synth = load_tokenizer(synth_dir)  # byte-level: 256 <s>, 257 </s>
+    ids = [0x48, 0x69, 256, 0x21, 257]
+    assert "".join(stream(synth.continuation_detokenizer(synth.encode("Hi")), ids)) == "Hi!"
 
 
 def test_a_byte_fallback_run_waits_for_its_end(stories_dir):

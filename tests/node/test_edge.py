@@ -316,3 +316,34 @@ async def test_a_circuit_left_over_from_an_earlier_rings_formation_is_dropped_un
         with pytest.raises((trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError)):
             await held_open.receive_message()  # b closed it unread: no handshake message came back
         nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_closing_an_edge_ends_a_send_parked_on_its_full_window(clock, monkeypatch):
+    """Issue 25 item 6: `RingEdge.aclose` marked its sender closed without waking it, so a send waiting
+    for acknowledgements (a full window) or for a repair slept on after the ring re-formed."""
+    from kafilad.errors import LinkEnded
+    from kafilad.node import edgelink
+    monkeypatch.setattr(edgelink, "KEEP_FRAMES", 2)
+    async with trio.open_nursery() as nursery:
+        net, hub, p, roster = await _world(nursery, {"a": "O", "b": "O"})
+        out, into = _edge_pair(p["a"], p["b"], roster)
+        await _form(out, into)
+        for i in range(2):  # nobody reads acknowledgements here: the window is full after two frames
+            await out.link.send({"t": "act", "i": i})
+        ended = []
+
+        async def third():
+            try:
+                await out.link.send({"t": "act", "i": 2})
+            except LinkEnded as e:
+                ended.append(e.reason)
+        nursery.start_soon(third)
+        await trio.sleep(1)
+        assert not ended and out.link.kept == 2
+        await out.aclose("the ring re-formed")
+        with trio.fail_after(5):
+            while not ended:
+                await trio.sleep(0.1)
+        assert ended == ["the ring re-formed"]
+        nursery.cancel_scope.cancel()

@@ -148,3 +148,58 @@ async def test_a_closed_edge_raises_ended_and_is_not_repaired(clock):
         with pytest.raises(LinkEnded, match="the session replanned"):
             await s.send({"t": "act"})
         n.cancel_scope.cancel()
+
+
+# ---- ending an edge wakes every parked sender (issue 25 item 6: edge.py `aclose` set closed_reason and
+# `ended` without a signal, so a send parked in `_repair` or on a full window slept on) ----------------
+@trio_test
+async def test_ending_an_edge_wakes_a_send_parked_on_a_full_window(monkeypatch):
+    monkeypatch.setattr(edgelink, "KEEP_FRAMES", 2)
+    async with trio.open_nursery() as n:
+        s, r = _ends(n)  # nobody acknowledges: the window fills
+        await s.send({"t": "act", "i": 1})
+        await s.send({"t": "act", "i": 2})
+        errors = []
+
+        async def third():
+            try:
+                await s.send({"t": "act", "i": 3})
+            except LinkEnded as e:
+                errors.append(e.reason)
+        n.start_soon(third)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not errors and s.kept == 2
+        s.end("the ring re-formed")
+        with trio.fail_after(1):
+            while not errors:
+                await trio.sleep(0.01)
+        assert errors == ["the ring re-formed"] and s.ended.is_set()
+        n.cancel_scope.cancel()
+
+
+@trio_test
+async def test_ending_an_edge_wakes_a_send_parked_waiting_for_a_repair(monkeypatch):
+    monkeypatch.setattr(edgelink, "REPAIR_WAIT_S", 60.0)
+    asked = []
+    async with trio.open_nursery() as n:
+        s, r = _ends(n, on_broken_s=lambda link, e: asked.append(e.reason) or True)  # a repair "under way"
+        await r.link.close("the path died")
+        errors = []
+
+        async def sender():
+            try:
+                for i in range(3):
+                    await s.send({"t": "act", "i": i})
+                    await trio.sleep(0.01)
+            except (LinkEnded, LinkBroken) as e:
+                errors.append((type(e), e.reason))
+        n.start_soon(sender)
+        with trio.fail_after(2):
+            while not asked:
+                await trio.sleep(0.01)
+        s.end("the ring re-formed")
+        with trio.fail_after(2):
+            while not errors:
+                await trio.sleep(0.01)
+        assert errors == [(LinkEnded, "the ring re-formed")]
+        n.cancel_scope.cancel()

@@ -9,7 +9,7 @@ from trio.testing import trio_test
 from kafilad.net.udp_endpoint import UdpEndpoint
 from kafilad.node.paths import OfferInbox, PathManager
 from kafilad.node.rdv_client import Signal, open_rendezvous
-from kafilad.proto.identity import peer_id as peer_id_of  # [rdv-proof]
+from kafilad.proto.identity import fingerprint, peer_id as peer_id_of  # [rdv-proof]
 from kafilad.proto.rendezvous_proof import public_key  # [rdv-proof]
 from kafilad.rendezvous.server import serve_rendezvous
 from kafilad.rendezvous.stun_server import serve_stun
@@ -40,7 +40,7 @@ async def _two_managers(nursery, url):
         nursery.start_soon(_route_signals, rdv, pm)
         out.append(pm)
     sid = await out[0].rdv.register("m", 2, {})
-    await out[1].rdv.join(sid)
+    await out[1].rdv.join(sid, fingerprint(public_key(KEY_A)))
     return out
 
 

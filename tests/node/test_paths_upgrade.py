@@ -21,7 +21,7 @@ from kafilad.node.edge import RingEdge
 from kafilad.node.paths import bind_address, dropped_check_attempts, open_session_paths, reprobe_initial_s
 from kafilad.node.rdv_client import Signal, open_rendezvous
 from kafilad.node.ring import RingMember
-from kafilad.proto.identity import peer_id as peer_id_of  # [rdv-proof]
+from kafilad.proto.identity import fingerprint, peer_id as peer_id_of  # [rdv-proof]
 from kafilad.proto.rendezvous_proof import public_key  # [rdv-proof]
 from kafilad.rendezvous.server import serve_rendezvous
 
@@ -56,7 +56,7 @@ async def _pair(nursery):
     url = f"ws://127.0.0.1:{port}"
     a, a_in = await nursery.start(_session_end, url, KEY_A, "a")
     b, b_in = await nursery.start(_session_end, url, KEY_B, "b")
-    await b.rdv.join(await a.rdv.register("m", 2, {}))
+    await b.rdv.join(await a.rdv.register("m", 2, {}), fingerprint(public_key(KEY_A)))
     out = RingEdge(a, peer_id=PEER_B, roster=ROSTER, sender=True, session_id=a.session_id)
     into = RingEdge(b, peer_id=PEER_A, roster=ROSTER, sender=False, session_id=b.session_id, incoming=b_in)
     return out, into

@@ -16,6 +16,7 @@ import trio
 from trio.testing import trio_test
 
 from kafilad.errors import RendezvousRefused, SessionError
+from kafilad.node.comeback import rejoin_first_wait_s
 from kafilad.node.daemon import REJOIN_FIRST_S, REJOIN_MAX_S, REJOIN_UNKNOWN_SESSION_TRIES, rejoin_delay_s
 from kafilad.node.session_driver import RECONNECT_MAX_S, reconnect_delay_s
 from kafilad.proto.identity import compose_session_code
@@ -42,6 +43,14 @@ def test_other_failures_double_up_to_the_cap():
         wait_s, delay_s, tries = rejoin_delay_s(e, delay_s, tries)
         waits.append(wait_s)
     assert waits == [1.0, 2.0, 4.0, 5.0, 5.0, 5.0, 5.0, 5.0] and tries == 0 and REJOIN_MAX_S == 5.0
+
+
+def test_sessions_that_fail_before_serving_are_rejoined_after_a_growing_wait():
+    """Issue 21 item 3: a member whose stage kept failing to load rejoined at once each time (a trial's
+    `join` printed ~3,680 "reconnecting (attempt 1, next try in 0 s)" lines at 67 % CPU on the host).
+    After a session that served, the rejoin is at once (healing, docs/healing.md)."""
+    assert rejoin_first_wait_s(0) == 0.0
+    assert [rejoin_first_wait_s(n) for n in range(1, 7)] == [1.0, 2.0, 4.0, 5.0, 5.0, 5.0]
 
 
 def _next_try_after(waits, outage_s: float) -> float:

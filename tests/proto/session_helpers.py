@@ -331,7 +331,7 @@ def sample_frames() -> dict:
         cf.Data(id=7, data=bytes(range(256))), cf.FetchError(id=8, reason="no such file"),
         cf.Ready(fetched_bytes=10, cached_bytes=20, load_s=1.5, edges=[{"from": "a", "to": "b", "path": "relay"}],
                  epoch=2),
-        cf.Failed("out of memory"), cf.Leaving("its daemon is shutting down"),
+        cf.Failed("Member alpha could not build its stage.", code=cf.FAILED_STAGE_BUILD), cf.Leaving("its daemon is shutting down"),
         cf.Edges([{"from": "a", "to": "b", "path": "direct"}]),
         cf.Standby(epoch=3),
         cf.RingBroken(reason="beta stopped answering", member="beta", epoch=2),

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kafilad.errors import LocalProtocolError, RemoteProtocolError
 from kafilad.proto.rendezvous import (
+    CLOSE_POLICY_VIOLATION,
     CloseConn,
     ControlMessage,
     RecordPayload,
@@ -27,7 +28,7 @@ from kafilad.proto.rendezvous import (
     encode_relay_record,
     parse_relay_record,
 )
-from kafilad.proto.identity import peer_id
+from kafilad.proto.identity import fingerprint, peer_id
 from kafilad.proto.rendezvous_proof import Challenge, make_proof, proof_input, public_key
 
 # --- codec (proto_spec §1-§3, §7) -------------------------------------------------------------
@@ -125,6 +126,10 @@ def pid(label: str) -> str:
     return peer_id(public_key(key(label)))
 
 
+#: the session code's host fingerprint of the harness host (key "H"), which a join must carry
+HFP = fingerprint(public_key(key("H")))
+
+
 H, A, B = pid("H"), pid("A"), pid("B")
 
 
@@ -140,9 +145,10 @@ class Harness:
         self.records: list[tuple[int, bytes]] = []
         self.now = 0.0
 
-    def connect(self, conn: int) -> int:
-        """Open `conn`; its `challenge` (proto_spec §2.4) is kept in `challenges`, not the inbox."""
-        self.state.connection_made(conn, self.now)
+    def connect(self, conn: int, source: str | None = None) -> int:
+        """Open `conn` (from address `source`); its `challenge` (proto_spec §2.4) is kept in
+        `challenges`, not the inbox."""
+        self.state.connection_made(conn, self.now, source)
         self.inbox[conn] = []
         self._drain()
         [hello] = self.take(conn)
@@ -194,7 +200,7 @@ class Harness:
 
     def join(self, conn: int, sid: str, peer: str) -> list:
         self.connect(conn)
-        self.send(conn, t="join", session_id=sid, req=9, **self.ident(conn, peer, "join", sid))
+        self.send(conn, t="join", host_fingerprint=HFP, session_id=sid, req=9, **self.ident(conn, peer, "join", sid))
         return self.take(conn)
 
 
@@ -233,7 +239,7 @@ def test_invalid_member_count_and_double_register_are_refused():
     assert h.take(1)[0]["reason"] == "A session has 1 to 4 members; 5 were asked for."
     h.send(1, t="register", model_id="m", members=2, capability={}, **h.ident(1, "H", "register"))
     assert h.take(1)[0]["t"] == "registered"
-    h.send(1, t="join", session_id="x", **h.ident(1, "H", "join", "x"))
+    h.send(1, t="join", host_fingerprint=HFP, session_id="x", **h.ident(1, "H", "join", "x"))
     assert h.take(1)[0]["code"] == "already_in_session"
 
 
@@ -450,17 +456,17 @@ def test_squatter_without_the_key_is_refused_and_the_real_member_still_joins():
     h = Harness()
     sid = h.session(members=2)  # one slot left
     h.connect(2)
-    h.send(2, t="join", session_id=sid, peer_id=A, name="a", req=1)  # the id alone, as before proofs
+    h.send(2, t="join", host_fingerprint=HFP, session_id=sid, peer_id=A, name="a", req=1)  # the id alone, as before proofs
     assert h.take(2) == [{"t": "error", "code": "proof_required", "fatal": False, "req": 1, "reason": PROOF_REQUIRED}]
-    h.send(2, t="join", session_id=sid, req=2, **{**h.ident(2, "S", "join", sid, name="a"), "peer_id": A})
+    h.send(2, t="join", host_fingerprint=HFP, session_id=sid, req=2, **{**h.ident(2, "S", "join", sid, name="a"), "peer_id": A})
     [err] = h.take(2)
     assert (err["code"], err["fatal"]) == ("peer_id_mismatch", False)
     assert err["reason"] == (f"Peer id {A!r} is not the id of the static key presented (that key's id is "
                              f"{pid('S')!r}); a daemon may use only the peer id of its own key.")
     forged = h.ident(2, "S", "join", sid, name="a")["proof"]  # A's public key is no secret; its private key is
-    h.send(2, t="join", session_id=sid, peer_id=A, name="a", static_public=public_key(key("A")), proof=forged, req=3)
+    h.send(2, t="join", host_fingerprint=HFP, session_id=sid, peer_id=A, name="a", static_public=public_key(key("A")), proof=forged, req=3)
     assert h.take(2) == [{"t": "error", "code": "bad_proof", "fatal": False, "req": 3, "reason": bad_proof_reason(A)}]
-    h.send(2, t="join", session_id=sid, peer_id=A, name="a", static_public=public_key(key("A")),
+    h.send(2, t="join", host_fingerprint=HFP, session_id=sid, peer_id=A, name="a", static_public=public_key(key("A")),
            proof=bytes(64), req=4)
     assert h.take(2)[0]["code"] == "bad_proof"
     assert h.take(1) == [] and h.closed == {}  # the host never heard of the squatter
@@ -484,7 +490,7 @@ def test_a_low_order_key_proves_nothing():
     h.connect(2)
     low_order = bytes(32)
     mac = hmac.new(bytes(32), proof_input(h.challenges[2], low_order, "join", sid, "z"), hashlib.blake2b).digest()
-    h.send(2, t="join", session_id=sid, peer_id=peer_id(low_order), name="z", static_public=low_order, proof=mac)
+    h.send(2, t="join", host_fingerprint=HFP, session_id=sid, peer_id=peer_id(low_order), name="z", static_public=low_order, proof=mac)
     assert h.take(2)[0]["code"] == "bad_proof"
 
 
@@ -492,7 +498,7 @@ def test_a_proof_replayed_on_another_connection_or_request_is_refused():
     h = Harness()
     sid = h.session(members=4)
     h.connect(2)
-    seen = encode_control({"t": "join", "session_id": sid, **h.ident(2, "A", "join", sid)})
+    seen = encode_control({"t": "join", "host_fingerprint": HFP, "session_id": sid, **h.ident(2, "A", "join", sid)})
     h.feed(2, seen)
     assert h.take(2)[0]["t"] == "joined"
     h.connect(3)  # an eavesdropper replays the bytes it saw on its own connection (another challenge)
@@ -500,9 +506,9 @@ def test_a_proof_replayed_on_another_connection_or_request_is_refused():
     assert h.take(3) == [{"t": "error", "code": "bad_proof", "fatal": False, "reason": bad_proof_reason(A)}]
     h.connect(4)  # a proof is bound to the request type, session id and name, too
     register_proof = h.ident(4, "B", "register")
-    h.send(4, t="join", session_id=sid, **register_proof)
+    h.send(4, t="join", host_fingerprint=HFP, session_id=sid, **register_proof)
     renamed = {**h.ident(4, "B", "join", sid), "name": "mallory"}
-    h.send(4, t="join", session_id=sid, **renamed)
+    h.send(4, t="join", host_fingerprint=HFP, session_id=sid, **renamed)
     assert [e["code"] for e in h.take(4)] == ["bad_proof", "bad_proof"]
     assert h.join(5, sid, "B")[0]["t"] == "joined"
 
@@ -536,12 +542,82 @@ def test_same_peer_id_under_another_key_cannot_replace_the_member():
     h = Harness()
     sid = h.session()
     h.connect(2)
-    h.send(2, t="join", session_id=sid, **h.ident(2, "", "join", sid, name="first", private=first))
+    h.send(2, t="join", host_fingerprint=HFP, session_id=sid, **h.ident(2, "", "join", sid, name="first", private=first))
     assert h.take(2)[0]["t"] == "joined"
     h.connect(3)
-    h.send(3, t="join", session_id=sid, **h.ident(3, "", "join", sid, name="second", private=second))
+    h.send(3, t="join", host_fingerprint=HFP, session_id=sid, **h.ident(3, "", "join", sid, name="second", private=second))
     [err] = h.take(3)
     assert err["code"] == "duplicate_peer"
     assert err["reason"] == (f"Peer {peer_id(public_key(first))!r} is already a member of session {sid!r} "
                              "with a different static key.")
     assert h.closed == {}
+
+
+def test_the_session_id_alone_finds_nothing_and_holds_no_slot():
+    """issue 22 item 1: an outsider who saw the 8-character id (not the code's fingerprint) learns
+    nothing, is told what a wrong id is told, and takes no slot; a session of another key under the
+    same id is another session."""
+    h = Harness()
+    sid = h.session(members=2)
+    h.connect(2)
+    h.send(2, t="join", session_id=sid, req=1, host_fingerprint="a" * 16, **h.ident(2, "B", "join", sid))
+    [guessed] = h.take(2)
+    h.send(2, t="join", session_id="zzzzzzzz", req=1, host_fingerprint="a" * 16, **h.ident(2, "B", "join", "zzzzzzzz"))
+    [absent] = h.take(2)
+    assert guessed["code"] == absent["code"] == "unknown_session"
+    assert guessed["reason"].replace(sid, "X") == absent["reason"].replace("zzzzzzzz", "X")
+    h.send(2, t="join", session_id=sid, req=2, **h.ident(2, "B", "join", sid))  # no fingerprint at all
+    assert h.take(2)[0]["code"] == "fingerprint_required"
+    assert h.take(1) == []  # the host heard of none of it
+    assert h.join(3, sid, "A")[0]["t"] == "joined"  # the one free slot is still free
+    assert h.take(1) == [{"t": "member_joined", "peer_id": A, "name": "a"}]
+    h.connect(4)  # another key registers the same id: its own session; H's is untouched
+    h.send(4, t="register", model_id="m2", members=2, capability={}, session_id=sid, req=1,
+           **h.ident(4, "B", "register", sid))
+    assert h.take(4)[0]["t"] == "registered" and h.state.session_count == 2
+    assert h.take(1) == [] and h.take(3) == []
+
+
+def test_one_source_cannot_fill_the_rendezvous():
+    """issue 22 item 2: connections, sessions, joins, circuits and relay bytes are limited per source
+    address (and sessions per host key); past a limit a sentence, and other sources go on."""
+    lim = RendezvousLimits(max_connections_per_source=3, max_sessions_per_source=2, max_sessions_per_key=2,
+                           max_circuits_per_source=1, joins_per_source_per_s=1.0, joins_burst_per_source=2.0,
+                           relay_rate_per_source_Bps=1000.0, relay_burst_per_source_bytes=1000.0)
+    h = Harness(lim)
+    for conn, label in ((1, "H"), (2, "B")):
+        h.connect(conn, "10.0.0.9")
+        h.send(conn, t="register", model_id="m", members=3, capability={}, req=1, **h.ident(conn, label, "register"))
+        assert h.take(conn)[0]["t"] == "registered"
+    h.connect(3, "10.0.0.9")
+    h.send(3, t="register", model_id="m", members=3, capability={}, req=1, **h.ident(3, "C", "register"))
+    [err] = h.take(3)
+    assert err["code"] == "too_many_sessions" and "Address 10.0.0.9 already hosts 2 sessions" in err["reason"]
+    h.inbox[4] = []
+    h.state.connection_made(4, h.now, "10.0.0.9")  # a fourth connection from the same address
+    h._drain()
+    assert h.closed[4].code == CLOSE_POLICY_VIOLATION and "already has 3 connections" in h.closed[4].reason
+    # another address is served as before
+    h.connect(5, "10.0.0.7")
+    h.send(5, t="register", model_id="m", members=3, capability={}, req=1, **h.ident(5, "R", "register"))
+    assert h.take(5)[0]["t"] == "registered"
+    # joins from one address: a burst of 2, then 1 a second
+    sid = h.state._conns[1].session_id.split("-")[0]
+    codes = []
+    for conn, label in ((6, "A"), (7, "X"), (8, "Y")):
+        h.connect(conn, "10.0.0.8")
+        h.send(conn, t="join", host_fingerprint=HFP, session_id=sid, req=1, **h.ident(conn, label, "join", sid))
+        codes.append(h.take(conn)[0].get("code", "joined"))
+    assert codes == ["joined", "joined", "rate_limited"]
+    # one circuit per address; relay bytes past the address's rate pause its reader
+    h.take(1)
+    h.send(6, t="circuit_open", to=H, label="x", req=2)
+    [opened] = [m for m in h.take(6) if m["t"] == "circuit_opened"]
+    h.send(7, t="circuit_open", to=H, label="x", req=2)
+    assert [m["code"] for m in h.take(7) if m["t"] == "error"] == ["too_many_circuits"]
+    assert h.feed(6, encode_relay(opened["circuit"], b"x" * 900)) == 0.0
+    assert h.feed(6, encode_relay(opened["circuit"], b"x" * 900)) == pytest.approx(0.8)
+    h.lose(6)  # its circuit and connection go back to the address
+    h.connect(9, "10.0.0.8")
+    h.send(9, t="circuit_open", to=H, label="x", req=2)
+    assert h.take(9)[0]["code"] == "not_in_session"

@@ -29,7 +29,7 @@ from proto.session_helpers import (
 LOCAL_EVENTS = {type(e): e for e in [
     sm.Registered("S2"), sm.MemberJoined(C, "gamma", key(C), True), sm.Decision(C, True), sm.PendingTimedOut(C, 1.0),
     sm.OwnCapability(dict(CAPABILITY)), planned((HOST_NAME, "alpha", "beta"), HOST_NAME), sm.PlanFailed("too big"),
-    sm.OwnStageLoaded(dict(LOAD), 1), sm.MemberLost(A, "gone"), sm.RingFailed(None, "broke", None),
+    sm.OwnStageLoaded(dict(LOAD), 1), sm.OwnStageFailed("Member boss could not build its stage.", 1), sm.MemberLost(A, "gone"), sm.RingFailed(None, "broke", None),
     sm.RendezvousLost("eof"), sm.JoinFailed("Cannot join."), sm.Abort("boom"), sm.Close("bye"),
     sm.CapabilitySent(dict(CAPABILITY)), sm.StageLoaded(dict(LOAD), 1), sm.LoadFailed("oom"),
     sm.HostLinkLost("eof"), sm.SessionEnded("ended"), sm.RendezvousBack(2),

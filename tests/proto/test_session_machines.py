@@ -378,6 +378,35 @@ def member_failed_to_load(h, fire):
          [HOST, B])
 
 
+#: what kafilad/node/stagehost.py `build_failure` says (issue 21 item 3)
+ALPHA_CANNOT_BUILD = ("Member alpha could not build its stage (blocks [2, 4)) of this llama model: Weights for stage "
+                      "[2, 4) head=False do not fit the model.")
+HOST_CANNOT_BUILD = f"Member {HOST_NAME} could not build its stage (blocks [0, 2) and the head) of this llama model: x."
+
+
+@host_case(H.LOADING, cf.Failed, H.FAILED)
+def member_whose_stage_cannot_build_fails_the_session(h, fire):
+    """Issue 21 item 3: a replan would fail the same way and the member would rejoin and fail again
+    (the trial flapped between loading and recovering until `leave`)."""
+    out = fire(sm.FrameFrom(A, cf.Failed(ALPHA_CANNOT_BUILD, code=cf.FAILED_STAGE_BUILD)))
+    reason = sm.stage_build_failed(ALPHA_CANNOT_BUILD)
+    failure(out, reason, "alpha", told=(A, B))
+    assert not [a for a in out if isinstance(a, sm.MakePlan)] and not h.lost
+    assert reason.startswith(ALPHA_CANNOT_BUILD[:-1] + ". ") and "`kafila-ctl leave` on the host" in reason
+    assert h.error == reason and h.culprit == "alpha"
+
+
+@host_case(H.LOADING, sm.OwnStageFailed, H.FAILED)
+def own_stage_cannot_build(h, fire):
+    failure(fire(sm.OwnStageFailed(HOST_CANNOT_BUILD, 1)), sm.stage_build_failed(HOST_CANNOT_BUILD), HOST_NAME,
+            told=(A, B))
+
+
+@host_case(H.LOADING, sm.OwnStageFailed, H.LOADING)
+def own_stage_of_an_earlier_plan_cannot_build(h, fire):
+    assert fire(sm.OwnStageFailed(HOST_CANNOT_BUILD, 0)) == [] and h.error is None
+
+
 @host_case(H.LOADING, cf.Leaving, H.RECOVERING)
 def leaving_while_loading(h, fire):
     lost(fire(sm.FrameFrom(A, cf.Leaving("bye"))), h, A, "alpha", "it is leaving: bye", [HOST, B])
@@ -496,9 +525,9 @@ def test_host_row(case):
     HOST_ROWS.run(case)
 
 
-#: Allowed by the table but never taken by the machine: a `failed` frame is always a loss (the
-#: host replans). Listed so that the table and this file change together.
-HOST_UNREACHABLE = {(H.LOADING, cf.Failed, H.FAILED)}
+#: Allowed by the table but never taken by the machine (listed so that the table and this file change
+#: together): none in these states.
+HOST_UNREACHABLE: set = set()
 
 
 def test_every_row_has_a_case():

@@ -160,6 +160,19 @@ def load_failed(m, fire):
     assert out[2:] == [sm.Send("", cf.Failed("sha256 mismatch for layers.2"))]
 
 
+@member_case(M.LOADING, sm.LoadFailed, M.FAILED)
+def stage_that_cannot_build(m, fire):
+    """Issue 21 item 3: the host fails the session on this frame, so the member forgets it (a rejoin
+    would fail again: the trial's join printed ~3,680 reconnecting lines) and its error, what
+    `kafila-ctl join` ends with, is the whole sentence."""
+    said = "Member NAME could not build its stage (blocks [2, 4)) of this gemma3_text model: x."
+    out = fire(sm.LoadFailed(said, cf.FAILED_STAGE_BUILD))
+    error = sm.stage_build_failed(said) + "."
+    member_failure(out, error)
+    assert out[2:] == [sm.Send("", cf.Failed(said, code=cf.FAILED_STAGE_BUILD)), sm.ForgetSession()]
+    assert m.error == error and m.error.startswith("Member NAME could not build its stage")
+
+
 @member_case(M.LOADING, sm.RingFailed, M.LOADING)
 def ring_failed_while_loading_is_reported(m, fire):
     assert fire(sm.RingFailed("beta", "no path to beta", 1)) == [

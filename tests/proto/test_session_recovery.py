@@ -349,6 +349,42 @@ def member_failed_while_recovering(h, fire):
     lost(fire(sm.FrameFrom(B, cf.Failed("oom"))), h, B, "beta", "it failed to load its stage: oom", [HOST, A])
 
 
+#: what kafilad/node/stagehost.py `build_failure` says (issue 21 item 3)
+BETA_CANNOT_BUILD = "Member beta could not build its stage (blocks [4, 6)) of this llama model: x."
+HOST_CANNOT_BUILD = f"Member {HOST_NAME} could not build its stage (blocks [0, 2) and the head) of this llama model: x."
+
+
+@host_case(H.RECOVERING, cf.Failed, H.FAILED)
+def member_whose_stage_cannot_build_while_recovering(h, fire):
+    """A stage of the plan being replaced could not be built: the plan to come would fail the same way."""
+    reason = sm.stage_build_failed(BETA_CANNOT_BUILD)
+    failure(fire(sm.FrameFrom(B, cf.Failed(BETA_CANNOT_BUILD, code=cf.FAILED_STAGE_BUILD))), reason, "beta",
+            told=(A, B))
+    assert h.error == reason
+
+
+@host_case(H.RECOVERING, sm.OwnStageFailed, H.FAILED)
+def own_stage_cannot_build_while_recovering(h, fire):
+    failure(fire(sm.OwnStageFailed(HOST_CANNOT_BUILD, h.epoch)), sm.stage_build_failed(HOST_CANNOT_BUILD), HOST_NAME,
+            told=(A, B))
+
+
+@host_case(H.RECOVERING, sm.OwnStageFailed, H.RECOVERING)
+def own_stage_of_an_earlier_plan_cannot_build_while_recovering(h, fire):
+    assert fire(sm.OwnStageFailed(HOST_CANNOT_BUILD, h.epoch - 1)) == [] and h.error != HOST_CANNOT_BUILD
+
+
+@host_case(H.READY, sm.OwnStageFailed, H.READY)
+def own_stage_of_an_earlier_plan_cannot_build_while_ready(h, fire):
+    assert fire(sm.OwnStageFailed(HOST_CANNOT_BUILD, h.epoch - 1)) == [] and h.error is None
+
+
+@host_case(H.DEGRADED, sm.OwnStageFailed, H.DEGRADED)
+def own_stage_cannot_build_while_degraded(h, fire):
+    """No plan is loading: a late report of the last one changes nothing (the session waits for a member)."""
+    assert fire(sm.OwnStageFailed(HOST_CANNOT_BUILD, h.epoch)) == []
+
+
 @host_case(H.RECOVERING, cf.Leaving, H.RECOVERING)
 def leaving_while_recovering(h, fire):
     lost(fire(sm.FrameFrom(B, cf.Leaving("bye"))), h, B, "beta", "it is leaving: bye", [HOST, A])

@@ -12,7 +12,7 @@ import trio
 from kafilad.errors import SessionError
 from kafilad.node.rdv_client import open_rendezvous
 from kafilad.rendezvous.server import serve_rendezvous
-from rendezvous.test_server import A, H, key, rdv, run_with_server
+from rendezvous.test_server import HFP, A, H, key, rdv, run_with_server
 
 
 def test_a_host_re_registers_its_session_id_and_members_join_it_again():
@@ -24,12 +24,18 @@ def test_a_host_re_registers_its_session_id_and_members_join_it_again():
             host2 = await stack.enter_async_context(rdv(url, "H", "host"))
             assert await host2.register("m", 2, {}, session_id=sid) == sid
             member = await stack.enter_async_context(rdv(url, "A", "a"))
-            assert await member.join(sid) == H
-            # another key cannot take the id
+            assert await member.join(sid, HFP) == H
+            # another key that registers the id gets a session of its own: it takes nothing from H's
             other = await stack.enter_async_context(rdv(url, "B", "b"))
-            with pytest.raises(SessionError, match="held by another host key"):
-                await other.register("m", 2, {}, session_id=sid)
-            bad = await stack.enter_async_context(rdv(url, "C", "c"))
+            assert await other.register("m", 2, {}, session_id=sid) == sid
+            member2 = await stack.enter_async_context(rdv(url, "R", "r"))
+            with pytest.raises(SessionError, match="already has all 2 members"):  # H's session: A holds its slot
+                await member2.join(sid, HFP)
+            # the id alone, or with a guessed fingerprint, finds nothing
+            outsider = await stack.enter_async_context(rdv(url, "C", "c"))
+            with pytest.raises(SessionError, match="No session"):
+                await outsider.join(sid, "a" * 16)
+            bad = await stack.enter_async_context(rdv(url, "C", "c2"))
             with pytest.raises(SessionError, match="8 characters"):
                 await bad.register("m", 2, {}, session_id="NOT-AN-ID")
     run_with_server(body)
@@ -47,10 +53,12 @@ def test_a_session_id_survives_a_rendezvous_restart():
         async with trio.open_nursery() as nursery:
             port = await nursery.start(partial(serve_rendezvous, "127.0.0.1", 0))
             url = f"ws://127.0.0.1:{port}"
-            async with rdv(url, "H", "host") as host:
+            # an outsider who saw the id registers it first on the restarted rendezvous: no takeover
+            async with rdv(url, "B", "squatter") as squatter, rdv(url, "H", "host") as host:
+                assert await squatter.register("m", 2, {}, session_id=sid) == sid
                 assert await host.register("m", 2, {}, session_id=sid) == sid
                 async with rdv(url, "A", "a") as member:
-                    assert await member.join(sid) == H
+                    assert await member.join(sid, HFP) == H
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -99,7 +107,7 @@ def test_websocket_pings_keep_an_idle_timeout_proxy_open(ping_s, survives):
                 assert (host.lost is None) == survives, host.lost
                 if survives:  # the host's connection still carries messages: it hears a member join
                     async with open_rendezvous(url, static_private=key("A"), name="a") as member:
-                        assert await member.join(sid) == H
+                        assert await member.join(sid, HFP) == H
                         with trio.fail_after(5):
                             assert (await host.events.receive()).peer_id == A
             nursery.cancel_scope.cancel()

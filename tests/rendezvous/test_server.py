@@ -33,7 +33,7 @@ from kafilad.proto.rendezvous import (
     encode_relay,
     parse_relay_record,
 )
-from kafilad.proto.identity import peer_id
+from kafilad.proto.identity import fingerprint, peer_id
 from kafilad.proto.rendezvous_proof import Challenge, make_proof, public_key
 from kafilad.rendezvous.server import OUTBOUND_QUEUE_MESSAGES, serve_rendezvous
 
@@ -51,6 +51,8 @@ def pid(label: str) -> str:
 
 
 H, A, B, C, R = (pid(x) for x in "HABCR")
+#: the host fingerprint of key("H")'s sessions (the code's part after '-'), which a join carries
+HFP = fingerprint(public_key(key("H")))
 
 
 def rdv(url: str, label: str, name: str):
@@ -68,7 +70,7 @@ async def raw_challenge(raw) -> Challenge:
 def join_msg(label: str, sid: str, name: str, challenge: Challenge, **override) -> bytes:
     """A `join` proven with `key(label)` against `challenge`; `override` replaces fields."""
     static_public, proof = make_proof(key(label), challenge, "join", sid, name)
-    return encode_control({"t": "join", "session_id": sid, "peer_id": pid(label), "name": name,
+    return encode_control({"t": "join", "session_id": sid, "host_fingerprint": HFP, "peer_id": pid(label), "name": name,
                            "static_public": static_public, "proof": proof, **override})
 
 
@@ -98,7 +100,7 @@ async def session(stack: AsyncExitStack, url: str, peers: list[str], members: in
     clients = []
     for peer in peers:
         client = await stack.enter_async_context(rdv(url, peer, peer.lower()))
-        assert await client.join(sid) == H
+        assert await client.join(sid, HFP) == H
         assert await host.events.receive() == MemberJoined(pid(peer), peer.lower())
         for earlier in clients:
             assert await earlier.events.receive() == MemberJoined(pid(peer), peer.lower())
@@ -114,12 +116,12 @@ def test_register_join_unknown_and_full_session():
             assert a.roster == [{"peer_id": H, "name": "host"}, {"peer_id": A, "name": "a"}]
             late = await stack.enter_async_context(rdv(url, "B", "b"))
             with pytest.raises(SessionError) as full:
-                await late.join(sid)
+                await late.join(sid, HFP)
             assert str(full.value) == f"Session {sid!r} already has all 2 members."
             with pytest.raises(SessionError, match="No session 'zzzzzzzz' is open at this rendezvous"):
-                await late.join("zzzzzzzz")
+                await late.join("zzzzzzzz", HFP)
             with pytest.raises(SessionError, match="is the host of session"):
-                await (await stack.enter_async_context(rdv(url, "H", "x"))).join(sid)
+                await (await stack.enter_async_context(rdv(url, "H", "x"))).join(sid, HFP)
 
     run_with_server(body)
 
@@ -189,7 +191,7 @@ def test_member_disconnect_closes_its_circuits_and_notifies_others():
         async with AsyncExitStack() as stack:
             _, host, [a, b] = await session(stack, url, ["A", "B"], members=4)
             async with rdv(url, "C", "c") as c:
-                await c.join(host.session_id)
+                await c.join(host.session_id, HFP)
                 for client in (host, a, b):
                     assert await client.events.receive() == MemberJoined(C, "c")
                 c_hc = await host.open_circuit(C, "ring")
@@ -239,7 +241,7 @@ def test_a_member_whose_daemon_stops_says_goodbye(caplog):
             sid, host, _ = await session(stack, url, [], members=3)
             with trio.CancelScope() as daemon:  # the member daemon's root scope
                 async with rdv(url, "A", "a") as a:
-                    assert await a.join(sid) == H
+                    assert await a.join(sid, HFP) == H
                     assert await host.events.receive() == MemberJoined(A, "a")
                     daemon.cancel()  # SIGTERM
                     await trio.sleep_forever()
@@ -277,7 +279,7 @@ def test_host_leaving_closes_the_session_for_members():
             assert a.session_id is None
             probe = await stack.enter_async_context(rdv(url, "Z", "z"))
             with pytest.raises(SessionError, match="No session"):
-                await probe.join(sid)
+                await probe.join(sid, HFP)
 
     run_with_server(body)
 
@@ -363,7 +365,7 @@ def test_malformed_message_closes_that_connection_only(bad, code, close_code):
             await circuit.send_message(b"still relaying")
             assert await peer_side.receive_message() == b"still relaying"
             newcomer = await stack.enter_async_context(rdv(url, "N", "n"))
-            assert await newcomer.join(host.session_id) == H
+            assert await newcomer.join(host.session_id, HFP) == H
 
     run_with_server(body)
 
@@ -481,7 +483,7 @@ def test_squatter_with_a_stolen_peer_id_is_refused_and_the_real_member_joins_the
                 err = decode_message(await squatter.get_message()).fields
                 assert err["code"] == "bad_proof" and err["reason"].startswith(f"The proof for peer {A!r}")
                 async with rdv(url, "A", "a") as real:
-                    assert await real.join(sid) == H
+                    assert await real.join(sid, HFP) == H
                     assert await host.events.receive() == MemberJoined(A, "a")
                     await squatter.send_message(join_msg("S", sid, "s", challenge))  # its own key: session full
                     err = decode_message(await squatter.get_message()).fields
@@ -516,7 +518,7 @@ def test_a_proven_reconnect_replaces_the_stale_connection():
             stale = await host.open_circuit(A, "ring")
             await old.accept_circuit()
             new = await stack.enter_async_context(rdv(url, "A", "a"))
-            assert await new.join(sid) == H
+            assert await new.join(sid, HFP) == H
             reason = f"Peer {A!r} joined session {sid!r} again from a newer connection, which replaces this one."
             assert await old.events.receive() == RendezvousErrorEvent("superseded", reason)
             gone = await old.events.receive()
@@ -578,7 +580,7 @@ def test_a_wedged_stale_connection_does_not_stall_the_reconnect():
                     nursery.start_soon(flood)
                     await trio.sleep(0.5)  # let the flood reach the server (not asserted on)
                     async with rdv(url, "A", "a") as new:
-                        assert await new.join(sid) == H
+                        assert await new.join(sid, HFP) == H
                     assert len(sent) > OUTBOUND_QUEUE_MESSAGES  # the queue to `wedged` was full
                     assert await host.events.receive() == MemberLeft(A, "it rejoined from a new connection")
 
@@ -600,7 +602,7 @@ def test_a_websocket_that_never_registers_is_closed_after_the_deadline():
             assert trio.current_time() - t0 >= REGISTER_S  # closed by its deadline, not before (hang guard: run_with_server)
             await trio.sleep(REGISTER_S + 0.1)  # the registered host and the joined member are still served
             newcomer = await stack.enter_async_context(rdv(url, "N", "n"))
-            assert await newcomer.join(host.session_id) == H
+            assert await newcomer.join(host.session_id, HFP) == H
             assert await host.events.receive() == MemberJoined(N, "n")
             assert await a.events.receive() == MemberJoined(N, "n")
 

@@ -1,11 +1,50 @@
 // Kafila's page (kafilad/control/web.py): a chat streamed from the host's OpenAI-compatible API
 // (POST /v1/chat/completions with "stream": true, Server-Sent Events) and a live view of the ring
 // polled from GET /api/kafila/status. Plain script, no build step, no dependencies. Every value
-// from the daemon goes into the page as text (textContent), never as HTML.
+// from the daemon goes into the page as text (textContent), never as HTML. When the API has keys
+// (kafilad/control/auth.py) the page asks for one once, on its first 401, keeps it in this origin's
+// localStorage and sends it as `Authorization: Bearer KEY`; a key the API refuses is asked again.
 "use strict";
 
+const KEY_STORAGE = "kafila.apiKey";
+
+function storedKey() {
+  try { return localStorage.getItem(KEY_STORAGE) || page.sessionKey || ""; } catch (e) { return page.sessionKey || ""; }
+}
+
+/** The headers every API call carries: the stored key, if any. */
+function authHeaders(extra) {
+  const key = storedKey();
+  return Object.assign({}, extra || {}, key ? { authorization: `Bearer ${key}` } : {});
+}
+
+/** Show the key form; `refused`: a stored key was sent and refused. */
+function askKey(refused) {
+  if (refused) {
+    try { localStorage.removeItem(KEY_STORAGE); } catch (e) { /* storage blocked */ }
+    $("key-note").textContent = "The API refused the key this browser had; enter the key the host's owner gave you.";
+  }
+  $("key-form").hidden = false;
+  $("api-key").focus();
+}
+
+function setUpKey() {
+  $("key-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const key = $("api-key").value.trim();
+    if (!key) return;
+    try { localStorage.setItem(KEY_STORAGE, key); } catch (e) { page.sessionKey = key; }
+    $("api-key").value = "";
+    $("key-form").hidden = true;
+    $("change-key").hidden = false;
+    poll();
+  });
+  $("change-key").addEventListener("click", () => askKey(false));
+  $("change-key").hidden = !storedKey();
+}
+
 const $ = (id) => document.getElementById(id);
-const page = { messages: [], model: null, controller: null, pollMs: 1000, sending: false };
+const page = { messages: [], model: null, controller: null, pollMs: 1000, sending: false, pollTimer: null };
 
 function el(tag, attrs, text) {
   const e = document.createElement(tag);
@@ -88,8 +127,9 @@ async function send(text) {
   let reply = "", chunks = 0, firstS = null, finish = null, failure = null;
   try {
     const resp = await fetch("/v1/chat/completions", {
-      method: "POST", headers: { "content-type": "application/json" },
+      method: "POST", headers: authHeaders({ "content-type": "application/json" }),
       body: JSON.stringify(request), signal: controller.signal });
+    if (resp.status === 401) askKey(Boolean(storedKey()));
     if (!resp.ok) throw new Error(await errorSentence(resp));
     msg.dataset.state = "streaming";
     const reader = resp.body.getReader();
@@ -297,8 +337,14 @@ function render(st) {
 }
 
 async function poll() {
+  clearTimeout(page.pollTimer);
   try {
-    const resp = await fetch("/api/kafila/status", { cache: "no-store" });
+    const resp = await fetch("/api/kafila/status", { cache: "no-store", headers: authHeaders() });
+    if (resp.status === 401) {  // polling resumes once a key is given (setUpKey)
+      askKey(Boolean(storedKey()));
+      $("conn").textContent = "waiting for an API key";
+      return;
+    }
     if (!resp.ok) throw new Error(await errorSentence(resp));
     const st = await resp.json();
     if (st.poll_ms) page.pollMs = st.poll_ms;
@@ -307,10 +353,11 @@ async function poll() {
   } catch (e) {
     $("conn").textContent = `the daemon does not answer (${e.message || e}); retrying`;
   }
-  setTimeout(poll, page.pollMs);
+  page.pollTimer = setTimeout(poll, page.pollMs);
 }
 
 document.addEventListener("DOMContentLoaded", () => {
+  setUpKey();
   setUpChat();
   poll();
 });
