@@ -2,6 +2,7 @@
 
 - 2,100 idle TCP connections to the HTTP port of a daemon that may hold only 1,024 file handles:
   the control socket and the API still answer (separate limits; idle connections make room).
+  That they answer is asserted, within a hang guard, not how fast: a loaded machine is slow.
 - 100 unfinished 4 MB bodies and 8 unfinished large control frames: the daemon's memory stays
   bounded (a total, not per connection) and the excess is answered 413 / 503 / 408 (each with
   Retry-After; none reset) or an error reply.
@@ -21,6 +22,7 @@ import time
 import urllib.request
 
 import pytest
+import trio
 
 from kafila_ctl.demo import LoopbackCluster
 
@@ -35,6 +37,18 @@ class TightFileLimitCluster(LoopbackCluster):
         log = open(self.root / f"{self.names[i]}.log", "ab")
         return subprocess.Popen(self.daemon_argv(i), stdout=log, stderr=log, env=self.daemon_env(i),
                                 preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)))
+
+
+#: seconds after which an answer that has not come is a hung test (what is asserted is that it comes)
+HANG_GUARD_S = 60.0
+
+
+def call_within(c: LoopbackCluster, i: int, op: str, **args):
+    """`c.call(i, op, **args)`, failing the test (trio.TooSlowError) after HANG_GUARD_S without an answer."""
+    async def call():
+        with trio.fail_after(HANG_GUARD_S):
+            return await c.client(i).call(op, **args)
+    return trio.run(call)
 
 
 def http_port(c: LoopbackCluster) -> int:
@@ -67,13 +81,10 @@ def test_idle_connection_flood_never_starves_the_control_socket_or_the_api(tmp_p
             for _ in range(2_100):
                 idle.append(socket.create_connection(("127.0.0.1", port), timeout=10))
             time.sleep(1.0)
-            t0 = time.monotonic()
-            snap = c.call(0, "status")
-            assert snap["state"] == "idle" and time.monotonic() - t0 < 5
-            t0 = time.monotonic()
-            status, body = get(port)
+            snap = call_within(c, 0, "status")  # answered at all: a starved socket would leave it unanswered
+            assert snap["state"] == "idle"
+            status, body = get(port, timeout_s=HANG_GUARD_S)
             assert status == 503 and "No session is being served" in body["error"]["message"]
-            assert time.monotonic() - t0 < 5
         finally:
             for s in idle:
                 s.close()
@@ -172,10 +183,13 @@ def test_a_streaming_client_that_never_reads_slows_only_itself(tmp_path, synth_l
             with urllib.request.urlopen(req, timeout=60) as r:
                 results.append(json.loads(r.read())["choices"][0]["text"])
 
-        t0 = time.monotonic()
         t = threading.Thread(target=normal)
         t.start()
-        t.join(60)
-        assert results == [expected["text"]] and time.monotonic() - t0 < 20
+        t.join(HANG_GUARD_S)
+        assert results == [expected["text"]]
+        # served, and not by the server giving up on the stuck client first (its send timeout, 30 s,
+        # cancels that request: a `generation` record with finish_reason "cancelled")
+        gens = [r for r in c.call(0, "trace") if r["event"] == "generation"]
+        assert [r for r in gens if r["finish_reason"] == "cancelled"] == [], gens
         stuck.close()
         assert c.call(0, "status")["state"] == "ready"

@@ -3,7 +3,9 @@ refused (a new user's trial: the 3.9 MB prompt was tokenized on the host's event
 stream stalled 9.5 s and died, the ring's links were declared silent and the ring broke). Three
 real daemons on loopback serving stories260K; the refusal comes from the tokenizer's lower bound
 (kafilad/executor/tokenizer.py `min_tokens`), any tokenizing from a worker thread
-(kafilad/node/host_requests.py `off_loop`).
+(kafilad/node/host_requests.py `off_loop`). Where the prompt is read (off the event loop) is
+counted in tests/control/test_huge_prompt.py; this test asserts what the clients and the ring saw
+(the stream whole, the refusal, the session still ready), not how fast.
 """
 
 from __future__ import annotations
@@ -53,6 +55,6 @@ def test_a_stream_runs_on_while_a_huge_prompt_is_refused(tmp_path):
             "The prompt (at least 560000 tokens) plus 'max_tokens' 1 exceeds the session's context of 512 tokens.")
         assert streamed.endswith(b"data: [DONE]\n\n") and b'"error"' not in streamed, bytes(streamed[-400:])
         assert big["answered_s"] < chunk_s[-1]  # refused while the stream ran
-        stall_s = max(b - a for a, b in zip(chunk_s, chunk_s[1:]))
-        assert stall_s < 1.0, stall_s  # 3 s (then the ring broke) when the prompt was tokenized on the loop
-        assert c.call(0, "status")["state"] == "ready"
+        status = c.call(0, "status")
+        assert status["state"] == "ready" and not any(m["lost"] for m in status["members"]), status["members"]
+        assert (status.get("schedule") or {}).get("stalls", []) == [], status["schedule"]  # no ring pass overdue

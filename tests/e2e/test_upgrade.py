@@ -37,7 +37,7 @@ def _assert_upgraded(cluster: LoopbackCluster, windows: list[tuple[float, float]
     assert [e["path"] for e in edges] == ["direct"] * 3, edges
     for e in edges:
         assert e["upgraded_from"] == "relayed" and e["tries"] >= 1 and "reason" not in e, e
-        assert e["remote"].startswith("127.0.0.1:") and e["rtt_ms"] is not None and e["verify_s"] < 5.0, e
+        assert e["remote"].startswith("127.0.0.1:") and e["rtt_ms"] is not None and e["verify_s"] > 0, e
         assert any(a <= e["upgraded_at"] <= b for a, b in windows), (e, windows)
     trace = cluster.call(0, "trace")
     upgrades = [ev for ev in trace if ev["event"] == "edges" and ev.get("cause") == "upgrade"]
@@ -107,7 +107,7 @@ def test_trace_records_each_edge_with_live_bytes(tmp_path, synth_llama):
             assert {e["from"]: e["bytes_sent"] for e in gen["edges"]} == sums
             for e in gen["edges"]:
                 assert e["path"] == "direct" and e["predicted_path"] == "direct"
-                assert e["verify_s"] is not None and 0 < e["verify_s"] < 5.0 and e["rtt_ms"] is not None
+                assert e["verify_s"] is not None and e["verify_s"] > 0 and e["rtt_ms"] is not None
             host_edge = next(e for e in gen["edges"] if e["from"] == "m0")  # the host's own link counter is live
             assert host_edge["link_bytes_sent"] >= host_edge["bytes_sent"]
             seen.append(dict(sums))

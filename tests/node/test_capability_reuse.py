@@ -19,23 +19,36 @@ def config():
     return synth_config("llama", num_hidden_layers=2, hidden_size=64)
 
 
-def test_the_same_model_is_measured_once_then_reused_with_memory_read_afresh(tmp_path, config):
+@pytest.fixture
+def probes_run(monkeypatch) -> list:
+    """The timing probes run (kafilad/executor/probe.py `measure_capability`, which still runs in full):
+    one entry per probe, so a test counts them instead of timing them."""
+    probe = stagehost.executor().probe
+    real, runs = probe.measure_capability, []
+
+    def counted(*args, **kwargs):
+        runs.append(args)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(probe, "measure_capability", counted)
+    return runs
+
+
+def test_the_same_model_is_measured_once_then_reused_with_memory_read_afresh(tmp_path, config, probes_run):
     admitted = cf.Admitted(session_id="s", model_id="m", config=config, dtype="float32", context=64, concurrency=1)
-    t0 = time.perf_counter()
+    before = time.time()
     first = stagehost.measure_capability(admitted, tmp_path)
-    probe_s = time.perf_counter() - t0
+    assert len(probes_run) == 1
     saved = json.loads((tmp_path / stagehost.CAPABILITY_FILE).read_text())
     assert saved["capability"]["bandwidth_Bps"] == first["bandwidth_Bps"] > 0
-    assert 0 <= time.time() - saved["measured_at_s"] < 60
-    t0 = time.perf_counter()
+    assert before <= saved["measured_at_s"] <= time.time()
     again = stagehost.measure_capability(admitted, tmp_path)
-    reuse_s = time.perf_counter() - t0
+    assert len(probes_run) == 1  # reused: no second probe (the 1-3 s a restarted member's rejoin spent)
     for k in ("bandwidth_Bps", "step_overhead_s", "batch_row_cost", "dtype", "bandwidth_source"):
         assert again[k] == first[k], k
-    assert again["memory_bytes"] > 0 and reuse_s < probe_s / 5, (reuse_s, probe_s)
+    assert again["memory_bytes"] > 0
 
 
-def test_another_model_an_old_measurement_or_no_state_dir_measures_again(tmp_path, config):
+def test_another_model_an_old_measurement_or_no_state_dir_measures_again(tmp_path, config, probes_run):
     admitted = cf.Admitted(session_id="s", model_id="m", config=config, dtype="float32", context=64, concurrency=1)
     first = stagehost.measure_capability(admitted, tmp_path)
     other = cf.Admitted(session_id="s", model_id="m", config={**config, "hidden_size": 32, "head_dim": 8}, dtype="float32",
@@ -50,3 +63,5 @@ def test_another_model_an_old_measurement_or_no_state_dir_measures_again(tmp_pat
     path.write_text("{not json")
     assert stagehost._reused_capability(tmp_path, stagehost._capability_key(config, "float32")) is None
     assert stagehost._reused_capability(None, stagehost._capability_key(config, "float32")) is None
+    stagehost.measure_capability(admitted, tmp_path)  # the stored measurement is unreadable: measured again
+    assert len(probes_run) == 2

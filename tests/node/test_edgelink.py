@@ -2,19 +2,25 @@
 
 No network: each path is a Link over a trio memory stream pair, so the frame codec runs; the
 tests move the edge between paths by hand, as RingEdge does, and check that the ring sees
-every frame once and in order.
+every frame once and in order. Time is trio's MockClock: the guards below (`fail_after`) count trio
+time, which a loaded machine does not stretch.
 """
 
 from __future__ import annotations
 
 import pytest
 import trio
-from trio.testing import memory_stream_pair, trio_test
+from trio.testing import MockClock, memory_stream_pair, trio_test
 
 from kafilad.errors import LinkBroken, LinkEnded
 from kafilad.node import edgelink
 from kafilad.node.edgelink import EdgeReceiver, EdgeSender
 from kafilad.node.link import Link
+
+
+@pytest.fixture
+def clock():
+    return MockClock(autojump_threshold=0)
 
 
 def _path() -> tuple[Link, Link]:
@@ -30,7 +36,7 @@ def _ends(nursery, *, on_broken_s=None, on_broken_r=None):
 
 
 @trio_test
-async def test_frames_carry_a_sequence_the_receiver_strips_and_acks_trim_the_sender():
+async def test_frames_carry_a_sequence_the_receiver_strips_and_acks_trim_the_sender(clock):
     async with trio.open_nursery() as n:
         s, r = _ends(n)
         n.start_soon(s.read_acks)
@@ -48,7 +54,7 @@ async def test_frames_carry_a_sequence_the_receiver_strips_and_acks_trim_the_sen
 
 
 @trio_test
-async def test_a_switch_resends_what_the_receiver_did_not_deliver_and_nothing_twice():
+async def test_a_switch_resends_what_the_receiver_did_not_deliver_and_nothing_twice(clock):
     async with trio.open_nursery() as n:
         s, r = _ends(n)
         old_out, old_in = s.link, r.link
@@ -70,7 +76,7 @@ async def test_a_switch_resends_what_the_receiver_did_not_deliver_and_nothing_tw
 
 
 @trio_test
-async def test_repeats_are_dropped_and_a_gap_breaks_the_edge_with_a_sentence():
+async def test_repeats_are_dropped_and_a_gap_breaks_the_edge_with_a_sentence(clock):
     async with trio.open_nursery() as n:
         out, into = _path()
         r = EdgeReceiver(into, edge_name="a -> b", spawn=n.start_soon)
@@ -87,7 +93,7 @@ async def test_repeats_are_dropped_and_a_gap_breaks_the_edge_with_a_sentence():
 
 
 @trio_test
-async def test_a_new_path_closed_before_use_is_dropped_and_the_old_one_read_again():
+async def test_a_new_path_closed_before_use_is_dropped_and_the_old_one_read_again(clock):
     async with trio.open_nursery() as n:
         s, r = _ends(n)
         await s.send({"t": "act", "i": 1})
@@ -104,7 +110,7 @@ async def test_a_new_path_closed_before_use_is_dropped_and_the_old_one_read_agai
 
 
 @trio_test
-async def test_a_broken_path_waits_for_the_repair_and_a_failed_repair_raises_the_edges_sentence(monkeypatch):
+async def test_a_broken_path_waits_for_the_repair_and_a_failed_repair_raises_the_edges_sentence(clock, monkeypatch):
     monkeypatch.setattr(edgelink, "REPAIR_WAIT_S", 5.0)
     asked = []
     async with trio.open_nursery() as n:
@@ -135,7 +141,7 @@ async def test_a_broken_path_waits_for_the_repair_and_a_failed_repair_raises_the
 
 
 @trio_test
-async def test_a_closed_edge_raises_ended_and_is_not_repaired():
+async def test_a_closed_edge_raises_ended_and_is_not_repaired(clock):
     async with trio.open_nursery() as n:
         s, r = _ends(n, on_broken_s=lambda link, e: True)
         await s.close("the session replanned")

@@ -58,8 +58,9 @@ def test_two_live_ends_keep_the_link_up_while_idle():
 def test_time_our_own_loop_was_held_up_is_not_the_peers_silence():
     # One synchronous call holds the loop past the deadline; the peer's frame of that time is read
     # just after the loop resumes. The link stays up (seen: in the in-process session tests one
-    # stall of the shared loop expired every link at once, blaming peers that were alive).
-    import time
+    # stall of the shared loop expired every link at once, blaming peers that were alive). Under
+    # MockClock, `clock.jump` without a checkpoint is exactly a held loop: time passes, nothing runs.
+    clock = trio.testing.MockClock(autojump_threshold=0)
 
     async def main():
         a, b = pair()
@@ -79,14 +80,15 @@ def test_time_our_own_loop_was_held_up_is_not_the_peers_silence():
             n.start_soon(peer_frames)
             await trio.sleep(0.3)
             held["now"] = True
-            time.sleep(0.9)  # the loop is held up: nothing runs, no frame is read
+            clock.jump(0.9)  # the loop is held up: nothing runs, no frame is read
             await trio.sleep(0.5)
             assert a.closed_reason is None
             live.saw_frame()  # and a peer that is really silent is still found
             n.cancel_scope.cancel()
         live2 = Liveness(pair()[0], interval_s=0.1, deadline_s=0.5)
-        with trio.fail_after(2):
-            await live2._watchdog()
+        t0 = trio.current_time()
+        await live2._watchdog()
         assert "sent nothing for" in live2.link.closed_reason
+        assert 0.5 < trio.current_time() - t0 <= 0.6 + 1e-6  # the deadline, then at most one check period
 
-    trio.run(main)
+    trio.run(main, clock=clock)

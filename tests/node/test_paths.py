@@ -71,7 +71,7 @@ async def test_an_edge_goes_direct_over_quic_and_is_recorded():
             assert await got["b"].receive_message() == b"over quic"
             (rec,) = a.edge_list()
             assert rec["from"] == "a" and rec["to"] == "b" and rec["path"] == "direct"
-            assert rec["predicted_path"] == "direct" and rec["rtt_ms"] > 0 and 0 < rec["verify_s"] < 5
+            assert rec["predicted_path"] == "direct" and rec["rtt_ms"] > 0 and rec["verify_s"] > 0
             assert rec["remote"] == "127.0.0.1:%d" % b.endpoint.local_address[1]
             nursery.cancel_scope.cancel()
 

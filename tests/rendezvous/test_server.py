@@ -598,17 +598,20 @@ def test_a_websocket_that_never_registers_is_closed_after_the_deadline():
                 with pytest.raises(trio_websocket.ConnectionClosed) as closed:
                     await idle.get_message()
                 assert closed.value.reason.code == 1008
-                assert closed.value.reason.reason == "did not register or join a session within 0.5 s"
-            assert 0.4 <= trio.current_time() - t0 < 5
-            await trio.sleep(0.6)  # the registered host and the joined member are still served
+                assert closed.value.reason.reason == f"did not register or join a session within {REGISTER_S:g} s"
+            assert trio.current_time() - t0 >= REGISTER_S  # closed by its deadline, not before (hang guard: run_with_server)
+            await trio.sleep(REGISTER_S + 0.1)  # the registered host and the joined member are still served
             newcomer = await stack.enter_async_context(rdv(url, "N", "n"))
             assert await newcomer.join(host.session_id, HFP) == H
             assert await host.events.receive() == MemberJoined(N, "n")
             assert await a.events.receive() == MemberJoined(N, "n")
 
-    run_with_server(body, register_timeout_s=0.5)
+    run_with_server(body, register_timeout_s=REGISTER_S)
 
 
+#: the register deadline in the test above: long enough for a loaded machine to connect and register
+#: the clients that do (each must within it, in real time), short enough to wait out
+REGISTER_S = 2.0
 N = pid("N")
 
 

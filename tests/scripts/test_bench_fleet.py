@@ -247,6 +247,7 @@ def test_cpu_share_of_a_process_from_proc():
     assert after - before == pytest.approx(cpu_s, abs=0.05)
     assert fh.process_cpu_s(2 ** 22 + 12345) is None  # no such process (above the default pid_max)
     share = fh.cpu_shares([before, None], [after, 1.0], wall_s)
-    # every thread of this process counts (process_time too), so the share may pass one core
-    assert share[0] > 0.2 and share[0] == pytest.approx(cpu_s / wall_s, abs=0.05 / wall_s) and share[1] is None
+    # every thread of this process counts (process_time too), so the share may pass one core; how large
+    # it is depends on what else the machine runs, so only its agreement with process_time is asserted
+    assert share[0] > 0 and share[0] == pytest.approx(cpu_s / wall_s, abs=0.05 / wall_s) and share[1] is None
     assert fh.cpu_shares([1.0], [1.5], 2.0) == [0.25] and fh.cpu_shares([1.0], [1.5], 0.0) == [None]
