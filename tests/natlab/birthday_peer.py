@@ -28,7 +28,7 @@ from kafilad.net.udp_endpoint import UdpEndpoint
 from kafilad.node.link import secure_link
 from kafilad.node.paths import open_session_paths
 from kafilad.node.rdv_client import Signal, open_rendezvous
-from kafilad.proto.identity import peer_id as peer_id_of
+from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
 from kafilad.proto.rendezvous_proof import public_key
 
 KEYS = {"host": bytes(range(1, 33)), "join": bytes(range(2, 34))}
@@ -59,7 +59,8 @@ async def main(kind: str, url: str, code_file: Path, rounds: int, pause_s: float
                 else:
                     while not code_file.exists() or not code_file.read_text():
                         await trio.sleep(0.05)
-                    await rdv.join(code_file.read_text())
+                    # the rendezvous holds the session under its whole code: the host key's fingerprint too
+                    await rdv.join(code_file.read_text(), fingerprint(public_key(KEYS["host"])))
                 cap = await pm.capability()
                 searches: list = []
                 pm.on_event = lambda k, f: searches.append(f) if k == "birthday" else None
