@@ -32,6 +32,7 @@ from kafilad.node.session_driver import SessionDriver, reconnect_delay_s
 from kafilad.node.outbox import Outbox
 from kafilad.node.ring import run_on_mlx_thread
 from kafilad.planner import DEFAULT_STRATEGY, plan as make_plan
+from kafilad.planner.moe import moe_spec
 from kafilad.planner.records import Device
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
@@ -429,6 +430,19 @@ class HostSession(HostRequests, SessionDriver):
         await serve_fetch(self.files, link, f)
 
     # ---- formation --------------------------------------------------------------------------
+    def _fallback_dtype(self, capability: dict) -> Optional[str]:
+        """The narrower dtype a member may hold its stage in when float32 does not fit, or None.
+
+        A CPU member never holds a mixture-of-experts model in bfloat16 or float16: MLX's CPU backend
+        runs the routed experts' gather_mm in float32 only ("[GatherMM::eval] Currently only supports
+        float32"; docs/architectures.md), so such a stage could load and then fail its first step.
+        Without the fallback the planner refuses a member too small for float32 up front, naming it.
+        """
+        fallback = capability.get("fallback_dtype")
+        if fallback and fallback != "float32" and capability.get("backend") == "cpu" and moe_spec(self.info.config):
+            return None
+        return fallback
+
     async def _make_plan(self, order: tuple, seq: int) -> None:
         self._replan_t0 = time.perf_counter()
         self.fleet_devices = [Device(name=e.name, memory_bytes=int(e.capability["memory_bytes"]),
@@ -436,7 +450,8 @@ class HostSession(HostRequests, SessionDriver):
                                      step_overhead_s=float(e.capability.get("step_overhead_s") or 0.0),
                                      nat_class=e.capability.get("nat_class"),
                                      rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"), batch_row_cost=e.capability.get("batch_row_cost"),
-                                     dtype=e.capability.get("dtype"), fallback_dtype=e.capability.get("fallback_dtype"))
+                                     dtype=e.capability.get("dtype"),
+                                     fallback_dtype=self._fallback_dtype(e.capability))
                               for e in order]
         devices = list(self.fleet_devices)
 
