@@ -53,6 +53,9 @@ def status_renderable(snap: dict):
     head = Text()
     head.append(f"{snap.get('name')} ", style="bold")
     head.append(f"peer {snap.get('peer_id')}  fingerprint {snap.get('fingerprint')}\n")
+    api = snap.get("http")
+    if api:  # the daemon's HTTP API (.../v1) and, at its root, the web page (README "Web page")
+        head.append(f"API {api}  web page {api.removesuffix('/v1')}/\n")
     if not snap.get("session"):
         head.append("not in a session", style="dim")
         return Panel(head, title="kafilad")

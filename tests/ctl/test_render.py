@@ -101,3 +101,12 @@ def test_a_restarted_host_registering_its_session_again_reads_restoring_with_the
     out = " ".join(render(snap).replace("│", " ").split())  # the panel's lines, joined
     assert "session rklt7mxf (host) state restoring" in out
     assert f"rendezvous: re-registering the session (attempt 2, next in 1 s) — {why}" in out
+
+
+def test_status_shows_the_api_and_web_page_address():
+    """README "Web page": the address `status` shows; absent when the daemon serves no HTTP API."""
+    out = render({**SNAPSHOT, "http": "http://127.0.0.1:8400/v1"})
+    assert "API http://127.0.0.1:8400/v1  web page http://127.0.0.1:8400/" in out
+    idle = render({"name": "m9", "peer_id": "p", "fingerprint": "f", "session": None, "http": "http://127.0.0.1:8401/v1"})
+    assert "web page http://127.0.0.1:8401/" in idle
+    assert "API" not in render(SNAPSHOT)
