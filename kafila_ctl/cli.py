@@ -276,20 +276,62 @@ def cmd_generate(args) -> int:
     return 0
 
 
+#: `kafila-ctl chat`'s commands: a line starting with "/" is one of these and never reaches the model
+#: ("//" sends the rest of the line, starting with "/", as text).
+CHAT_HELP = ("/help   this list\n"
+             "/clear  forget the conversation so far (the system message stays)\n"
+             "/exit   end the chat (also /quit, or end of input)\n"
+             "//text  send \"/text\" to the model")
+
+
+def chat_command(line: str) -> tuple[str, str]:
+    """What one input line of `kafila-ctl chat` asks for: ("send", text), ("skip", ""), ("help", ""),
+    ("clear", ""), ("exit", "") or ("unknown", the command). Pure; commands never reach the model."""
+    text = line.strip()
+    if not text:
+        return "skip", ""
+    if text.startswith("//"):
+        return "send", text[1:]
+    if not text.startswith("/"):
+        return "send", line
+    word = text.split()[0].lower()
+    if word in ("/exit", "/quit"):
+        return "exit", ""
+    if word in ("/help", "/?"):
+        return "help", ""
+    if word in ("/clear", "/reset"):
+        return "clear", ""
+    return "unknown", word
+
+
 def cmd_chat(args) -> int:
-    """Interactive chat through the host (the model's chat template is applied on the host)."""
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    """Chat through the host (the model's chat template is applied on the host). Interactive on a
+    terminal ("you> " prompts); piped, each reply is followed by a blank line so replies stay apart."""
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
     interactive = sys.stdin.isatty()
     while True:
         try:
             line = input("you> " if interactive else "")
         except EOFError:
             return 0
-        if line.strip() in ("/exit", "/quit"):
+        action, text = chat_command(line)
+        if action == "exit":
             return 0
-        if not line.strip():
+        if action == "skip":
             continue
-        messages.append({"role": "user", "content": line})
+        if action == "help":
+            print(CHAT_HELP, file=sys.stderr if not interactive else sys.stdout)
+            continue
+        if action == "clear":
+            messages = list(system)
+            print("(conversation cleared)", file=sys.stderr if not interactive else sys.stdout)
+            continue
+        if action == "unknown":
+            print(f"kafila-ctl: unknown chat command {text}; /help lists them (start a line with // to send "
+                  "one that begins with /)", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": text})
         while True:
             try:
                 result = _stream_generation(args, messages=messages)
@@ -305,7 +347,7 @@ def cmd_chat(args) -> int:
                 break
         if result is None:
             continue
-        print()
+        print("\n" if not interactive else "", flush=True)
         messages.append({"role": "assistant", "content": result["text"]})
 
 
@@ -543,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print {text, token_ids, ...} as JSON at the end")
     s.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("chat", help="chat with the served model (host only); /exit or EOF ends")
+    s = sub.add_parser("chat", help="chat with the served model (host only); /help lists its commands, /exit or EOF ends")
     s.add_argument("--system", help="a system message")
     s.add_argument("--max-tokens", type=_max_tokens, default=256, help="tokens per reply at most (default 256)")
     s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")

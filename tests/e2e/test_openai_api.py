@@ -60,9 +60,11 @@ def test_completions_models_and_streaming(tmp_path, synth_llama):
         import subprocess
         import sys
         r = subprocess.run([sys.executable, "-m", "kafila_ctl.cli", "--state-dir", str(c.state_dir(0)), "chat"],
-                           input="hello\nwhat now\n", capture_output=True, text=True, timeout=120)
+                           input="hello\n/help\nwhat now\n", capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "kafila-ctl:" not in r.stderr, r.stderr
-        assert len([ln for ln in r.stdout.splitlines() if ln.strip()]) >= 2
+        replies = [p for p in r.stdout.split("\n\n") if p.strip()]
+        assert len(replies) == 2, r.stdout  # piped replies end with a blank line, so they stay apart
+        assert "/clear  forget the conversation" in r.stderr  # /help answered by chat, not sent to the model
 
 
 # ---- issue 9: every input that once killed the host daemon, kept as a test --------------------------
