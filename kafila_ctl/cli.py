@@ -14,7 +14,7 @@ import trio
 from kafilad.errors import KafilaError
 from kafilad.planner.plan import DEFAULT_STRATEGY, STRATEGIES
 from kafilad.proto import session_events as sm
-from kafila_ctl.client import ControlClient
+from kafila_ctl.client import ControlClient, DaemonShutDown
 
 
 def _client(args) -> ControlClient:
@@ -215,6 +215,8 @@ def cmd_status(args) -> int:
             trio.run(run_lines)
         except KeyboardInterrupt:
             pass
+        except DaemonShutDown:  # the daemon was stopped: nothing more will change, which ends the watch
+            print(f"{time.strftime('%H:%M:%S')} kafilad stopped", flush=True)
         return 0
     if args.watch:
         async def run():
@@ -227,6 +229,8 @@ def cmd_status(args) -> int:
             trio.run(run)
         except KeyboardInterrupt:
             pass
+        except DaemonShutDown:
+            print("kafilad stopped; nothing more to watch.")
         return 0
     snap = _call(args, "status")
     if args.json:

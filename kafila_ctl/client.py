@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator
 
 import trio
 
-from kafilad.control.api import FramedStream, request
+from kafilad.control.api import SHUTTING_DOWN, FramedStream, request
 from kafilad.errors import KafilaError, RemoteProtocolError
 
 
@@ -17,6 +17,11 @@ class DaemonNotRunning(KafilaError):
 
 class DaemonStopped(KafilaError):
     """The daemon went away during an operation: nothing answers on its socket any more."""
+
+
+class DaemonShutDown(DaemonStopped):
+    """The daemon stopped in an orderly way (`kafila-ctl stop`, SIGTERM) before it finished the
+    operation: its reply carried code `shutting_down` (proto_spec 05 §4)."""
 
 
 class UsageError(KafilaError):
@@ -75,6 +80,7 @@ class ControlClient:
 
         Raises:
             DaemonNotRunning: nothing answers on the socket.
+            DaemonShutDown: the daemon stopped before its reply (code `shutting_down`, proto_spec 05 §4).
             KafilaError: the daemon replied with an error (its message).
         """
         result = None
@@ -108,7 +114,8 @@ class ControlClient:
                     yield "event", msg
                 elif msg.get("t") == "reply":
                     if not msg.get("ok"):
-                        raise KafilaError(msg.get("error") or f"'{op}' failed.")
+                        cls = DaemonShutDown if msg.get("code") == SHUTTING_DOWN else KafilaError
+                        raise cls(msg.get("error") or f"'{op}' failed.")
                     yield "result", msg.get("result")
                     return
         finally:

@@ -76,6 +76,9 @@ assert set(OP_ARGS) == set(OPS)
 #: (None at a clean end; RemoteProtocolError for a malformed frame or an end inside one), ``aclose()``.
 FramedStream = FrameStream
 
+#: the code of a failed reply to an op that the daemon's stop cut short (proto_spec 05 §4)
+SHUTTING_DOWN = "shutting_down"
+
 
 def request(op: str, args: dict[str, Any] | None = None) -> dict:
     return {"t": "request", "v": API_VERSION, "op": op, "args": args or {}}

@@ -33,7 +33,7 @@ import trio
 
 import msgpack
 
-from kafilad.control.api import API_VERSION, OP_ARGS
+from kafilad.control.api import API_VERSION, OP_ARGS, SHUTTING_DOWN
 from kafilad.errors import KafilaError, LocalProtocolError, find_kafila_error, only_cancelled
 from kafilad.proto.frames import HEADER, HEADER_BYTES, encode_frame
 
@@ -238,7 +238,7 @@ class ControlServer:
             if not gone_event.is_set() and not sending[0]:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await self._send(stream, _error(f"The daemon is shutting down, so '{op}' was not finished; "
-                                                    "send it again once the daemon is back."))
+                                                    "send it again once the daemon is back.", code=SHUTTING_DOWN))
             raise
 
     async def _dispatch_in(self, stream, op: str, args: dict, send_q, recv_q, writer_done: trio.Event,
@@ -342,8 +342,9 @@ async def _linger(stream: trio.abc.Stream, timeout_s: float = 1.0, max_bytes: in
             return
 
 
-def _error(message: str) -> dict:
-    return {"t": "reply", "ok": False, "error": message}
+def _error(message: str, code: str | None = None) -> dict:
+    """A failed reply (proto_spec 05 §4): `message` for people, `code` for programs."""
+    return {"t": "reply", "ok": False, "error": message, **({"code": code} if code else {})}
 
 
 class MalformedRequest(KafilaError):

@@ -366,3 +366,23 @@ def test_watch_says_the_daemon_stopped_and_where_to_look(daemon):
                    f"(as a service: `systemctl --user status kafilad` or `journalctl --user -u kafilad`); start it "
                    f"again as it was started (`systemctl --user start kafilad`, or its own command line with "
                    f"`--state-dir {state}` and the same --rendezvous and --http).\n")
+
+
+def test_watch_ends_quietly_when_the_daemon_is_stopped(daemon):
+    """Issue 25: `status --watch` ended on `kafila-ctl stop` with "'watch' was not finished; send it
+    again once the daemon is back". An orderly stop's reply carries code `shutting_down` (proto_spec
+    05 §4): the watch says the daemon stopped and exits 0."""
+    p, state = daemon
+    watch = subprocess.Popen(CTL + ["--state-dir", str(state), "status", "--watch"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert "alpha: not in a session" in watch.stdout.readline()
+        assert ctl(state, "stop").returncode == 0
+        assert watch.wait(30) == 0
+        out, err = watch.stdout.read(), watch.stderr.read()
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    assert err == "" and re.fullmatch(r"\d\d:\d\d:\d\d kafilad stopped\n", out), (out, err)
+    p.wait(30)
