@@ -310,6 +310,10 @@ class Tokenizer:
                                        byte_ids=self.byte_ids, skipped_ids=self.special_ids)
 
 
+#: transformers' own "no limit" for `model_max_length` (transformers.tokenization_utils_base.VERY_LARGE_INTEGER)
+UNBOUNDED_TOKENS = int(1e30)
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """The tokenizer of a local model dir (reads only local files).
 
@@ -321,7 +325,11 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
 
     eos = declared_eos_token_ids(model_dir)
     try:
-        wrapped = _load(Path(model_dir), eos_token_ids=eos)
+        # the session's admitted context bounds a prompt (DESIGN §5.4), not the tokenizer config's
+        # `model_max_length` (stories260K says 512 though it is served at 2048): without this,
+        # transformers warns of "indexing errors" for every longer prompt
+        wrapped = _load(Path(model_dir), tokenizer_config_extra={"model_max_length": UNBOUNDED_TOKENS},
+                        eos_token_ids=eos)
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError, OSError, KeyError, ... here
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ModelFormatError(f"{model_dir} has no tokenizer that can be loaded (tokenizer.json, tokenizer.model "

@@ -220,3 +220,17 @@ async def test_synth_served_text_is_the_decode(synth_dir):
     st, streamed = await serve(synth_dir, "Kafila serves a model", 48)
     assert len(st.generated) == 48
     assert "".join(streamed) == st.text == continuation(tok, st.prompt_ids, st.generated)
+
+
+def test_a_prompt_past_the_configs_model_max_length_is_not_warned_about(capfd):
+    """Issue 25: stories260K's tokenizer_config says model_max_length 512 though the session admits
+    2048; transformers then warned "(639 > 512) ... will result in indexing errors" on every longer
+    prompt. The admitted context bounds prompts, so the tokenizer is loaded without that limit."""
+    from kafila_ctl.demo import packaged_model_dir
+    from kafilad.executor.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(packaged_model_dir())
+    capfd.readouterr()
+    ids = tok.encode("Once upon a time " * 200)
+    assert len(ids) > 512
+    assert "indexing errors" not in capfd.readouterr().err
