@@ -56,7 +56,7 @@ HEADERS = [
 ]
 
 MEMBER_KEYS = ("name", "blocks", "head", "predicted_stage_s", "measured_stage_s", "ready", "lost", "control",
-               "progress", "nat_class")
+               "progress", "nat_class", "standby", "left")
 EDGE_KEYS = ("from", "to", "path", "predicted_path", "rtt_ms", "classes", "same_network", "fallbacks",
              "upgraded_at", "datagram_bytes", "bytes_sent")
 PLAN_KEYS = ("order", "head", "bottleneck_s", "circuit_s", "utilization", "tier", "strategy", "n_blocks")

@@ -51,6 +51,24 @@ def test_wait_returns_on_a_standby_member(tmp_path, synth_llama):
         # a member on standby is where `wait` (for ready) ends: it holds no blocks until a replan
         snap = c.call(2, "wait", states=["ready"], timeout_s=60)
         assert snap["state"] == "standby" and snap["blocks"] is None
+        # the web page says what the CLI says: m2 stands by, and the ring counts it ready (it showed
+        # "joining" and "2 of 3 members ready")
+        from e2e.test_web_page import CHROMIUM, sync_playwright_or_skip, wait_until as page_wait
+        sync_playwright = sync_playwright_or_skip()
+        base = c.call(0, "status")["http"].removesuffix("/v1")
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--disable-dev-shm-usage"])
+            try:
+                page = browser.new_page()
+                page.goto(base + "/")
+                page_wait(page, "() => document.querySelectorAll('#members tbody tr').length === 3")
+                page_wait(page, "() => document.getElementById('summary').textContent.includes('members ready')")
+                row = page.locator('#members tbody tr[data-name="m2"]').evaluate(
+                    "r => Array.from(r.cells, c => c.textContent)")
+                assert row[-1] == "standby (no blocks, ready for healing)", row
+                assert "3 of 3 members ready (1 on standby)" in page.text_content("#summary")
+            finally:
+                browser.close()
 
 
 def test_a_standby_member_that_leaves_is_no_longer_listed_as_standby(tmp_path, synth_llama):

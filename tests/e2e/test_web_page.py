@@ -94,6 +94,7 @@ def test_page_streams_the_greedy_reply_and_shows_the_ring(tmp_path):
         assert status == 200, reply
         expected = reply["choices"][0]["message"]["content"]
         assert expected.strip(), reply
+        expected_tokens = reply["usage"]["completion_tokens"]
 
         with urllib.request.urlopen(base + "/api/kafila/status", timeout=30) as r:
             raw = r.read()
@@ -139,11 +140,15 @@ def test_page_streams_the_greedy_reply_and_shows_the_ring(tmp_path):
                 request = json.loads(sent.value.post_data)
                 assert request["stream"] is True and request["temperature"] == 0
                 assert request["max_tokens"] == MAX_TOKENS
+                assert request["stream_options"] == {"include_usage": True}
                 assert request["messages"] == [{"role": "user", "content": PROMPT}]
                 page.wait_for_selector("#chat-log .msg.assistant[data-state=done]", timeout=120_000)
                 answer = page.locator("#chat-log .msg.assistant").last
                 assert answer.locator(".text").text_content() == expected
                 assert int(answer.get_attribute("data-chunks")) > 1  # it came as a stream of chunks
+                # the count shown is the API's token count, not the chunks (issue 25: 78 shown, 152 run)
+                assert int(answer.get_attribute("data-tokens")) == expected_tokens
+                assert answer.locator(".meta").text_content().startswith(f"{expected_tokens} tokens")
                 assert page.locator("#chat-log .msg.user").last.text_content() == PROMPT
 
                 # after the reply the live view shows measured stage times and tokens/s

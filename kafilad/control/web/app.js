@@ -116,7 +116,8 @@ async function send(text) {
   const body = msg.querySelector(".text");
   msg.dataset.state = "waiting";
   msg.dataset.chunks = "0";
-  const request = { messages: page.messages.slice(), stream: true,
+  // the usage chunk (stream_options) counts tokens; a content chunk may carry several or none
+  const request = { messages: page.messages.slice(), stream: true, stream_options: { include_usage: true },
                     max_tokens: Number.isFinite(maxTokens) ? maxTokens : 128,
                     temperature: Number.isFinite(temperature) ? temperature : 0 };
   if (page.model) request.model = page.model;
@@ -124,7 +125,7 @@ async function send(text) {
   page.controller = controller;
   setSending(true);
   const t0 = performance.now();
-  let reply = "", chunks = 0, firstS = null, finish = null, failure = null;
+  let reply = "", chunks = 0, tokens = null, firstS = null, finish = null, failure = null;
   try {
     const resp = await fetch("/v1/chat/completions", {
       method: "POST", headers: authHeaders({ "content-type": "application/json" }),
@@ -145,6 +146,7 @@ async function send(text) {
         if (data === "[DONE]") { done = true; break; }
         const chunk = JSON.parse(data);
         if (chunk.error) { failure = chunk.error.message || "The request failed."; continue; }
+        if (chunk.usage) tokens = chunk.usage.completion_tokens;
         const choice = (chunk.choices || [])[0];
         if (!choice) continue;
         const piece = (choice.delta && choice.delta.content) || "";
@@ -168,7 +170,9 @@ async function send(text) {
   }
   const totalS = (performance.now() - t0) / 1000;
   const decodeS = firstS === null ? 0 : totalS - firstS;
-  const rate = chunks > 1 && decodeS > 0 ? (chunks - 1) / decodeS : null;
+  const counted = tokens === null ? chunks : tokens;  // the API's count; chunks only if it sent none
+  msg.dataset.tokens = String(counted);
+  const rate = counted > 1 && decodeS > 0 ? (counted - 1) / decodeS : null;
   if (failure && failure !== "stopped" && !reply) {
     page.messages.pop();  // the turn never happened: it is not part of the conversation
     msg.className = "msg error";
@@ -178,7 +182,7 @@ async function send(text) {
   }
   page.messages.push({ role: "assistant", content: reply });
   msg.dataset.state = failure ? (failure === "stopped" ? "stopped" : "error") : "done";
-  const parts = [`${chunks} tokens`, firstS === null ? null : `first after ${(firstS * 1000).toFixed(0)} ms`,
+  const parts = [`${counted} tokens`, firstS === null ? null : `first after ${(firstS * 1000).toFixed(0)} ms`,
                  rate === null ? null : `${rate.toFixed(1)} tokens/s`, finish ? `finish: ${finish}` : null,
                  failure ? (failure === "stopped" ? "stopped by you" : failure) : null];
   setMeta(msg, parts.filter(Boolean).join(" · "));
@@ -212,6 +216,8 @@ function setUpChat() {
 
 function memberState(m) {
   if (m.lost) return ["lost: " + m.lost, "bad"];
+  if (m.left) return ["left", "warn"];
+  if (m.standby) return ["standby (no blocks, ready for healing)", "ok"];  // as `kafila-ctl status` says
   if (m.ready) return [m.control === "down" ? "ready, control down" : "ready", m.control === "down" ? "warn" : "ok"];
   return [m.progress || "joining", "warn"];
 }
@@ -286,12 +292,15 @@ function renderPicture(st) {
 
 function renderSummary(st) {
   const members = st.members || [];
-  const ready = members.filter((m) => m.ready).length;
+  // a member on standby holds no blocks until a replan: ready as `kafila-ctl wait` counts it
+  const ready = members.filter((m) => m.ready || (m.standby && !m.lost && !m.left)).length;
+  const standby = members.filter((m) => m.standby && !m.lost && !m.left).length;
   const bits = [];
   if (!st.session) bits.push(`${st.node || "this daemon"} is not in a session`);
   else {
     bits.push(`${st.role === "host" ? "hosted by" : "member"} ${st.node}`);
-    bits.push(`${ready} of ${st.expected_members || members.length} members ready`);
+    bits.push(`${ready} of ${st.expected_members || members.length} members ready` +
+              (standby ? ` (${standby} on standby)` : ""));
   }
   const p = st.plan;
   if (p && p.circuit_s) {
