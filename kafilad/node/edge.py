@@ -322,10 +322,10 @@ class RingEdge:
                 return f"the direct path to {where} went silent for {silent_s:.1f} s"
             stalled_s = t.stalled_for_s(now)  # data unacknowledged: a black hole, or a dead path (§4a)
             if stalled_s >= STALL_S and t.datagram_bytes > START_DATAGRAM_BYTES:
-                if not await self.paths.small_datagrams_pass(t, BLACK_HOLE_CHECK_S):
+                if not await self.paths.sizes.small_datagrams_pass(t, BLACK_HOLE_CHECK_S):
                     silent_s = t.silent_for_s(trio.current_time())
                     return f"the direct path to {where} went silent for {silent_s:.1f} s"
-                self.paths.black_hole(t)
+                self.paths.sizes.black_hole(t)
                 await _report(self._on_edges)
             elif stalled_s >= 2 * STALL_S:
                 return (f"the direct path to {where} carries small datagrams only: stream data in "

@@ -1,14 +1,16 @@
 """NAT classification of a session's path manager (proto_spec 07 §1, 04 §4.4-§4.6).
 
-Split from kafilad/node/paths.py: :class:`NatClassifier` is a base of
-:class:`kafilad.node.paths.PathManager` (it uses its ``endpoint``, ``rdv``, ``nursery``,
-``closed`` and ``event``). Classification runs once at session start; an "unknown" class (no
-STUN answer) is noted with its reason and retried in the background with backoff.
+:class:`NatClassifier` is a part of :class:`kafilad.node.paths.PathManager`, held in its ``nat``
+field: it owns the classification's state and is given what it uses of the manager (the UDP
+endpoint, the rendezvous, the session's nursery, the event log and whether the paths closed).
+Classification runs once at session start; an "unknown" class (no STUN answer) is noted with its
+reason and retried in the background with backoff.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable, Optional
 
 import trio
 
@@ -28,7 +30,39 @@ STUN_CONTACT_MEMORY_S = 120.0
 
 
 class NatClassifier:
-    """Classification state and methods of a PathManager (see :meth:`classify`)."""
+    """The NAT classification of one session's paths (see :meth:`classify`).
+
+    Args:
+        endpoint: the daemon's UDP endpoint (classification runs on its STUN socket).
+        rdv: the session's rendezvous: its ``stun_servers`` (host:port strings or pairs).
+        nursery: the session paths' nursery, where a retry of an "unknown" class runs.
+        event: ``event(kind, **fields)``, the manager's path-event log (proto_spec 07 §6).
+        closed: whether the session's paths closed (a retry stops then).
+    Attributes:
+        report: the last NatReport (kafilad/net/stun_client.py), None before one.
+        nat_class: "O" | "C" | "S" | "unknown" once classified; None without STUN servers.
+        nat_reason: why ``nat_class`` is "unknown" (a sentence), else "".
+        rendezvous_rtt_ms: the STUN round trip measured by the last classification.
+        classifications: how many classifications ran.
+    """
+
+    def __init__(self, endpoint, rdv, nursery, event: Callable[..., None], closed: Callable[[], bool]):
+        self.endpoint = endpoint
+        self.rdv = rdv
+        self.nursery = nursery
+        self.event = event
+        self._closed = closed
+        self.report = None
+        self.nat_class: Optional[str] = None
+        self.nat_reason = ""
+        self.rendezvous_rtt_ms: Optional[float] = None
+        self.classifications = 0
+        self._retrying_class = False
+        self._stun_contacts: dict[tuple, float] = {}  # STUN address -> when a classification last sent to it
+
+    @property
+    def closed(self) -> bool:
+        return self._closed()
 
     def _stun_servers(self) -> list:
         return [parse_host_port(s) if isinstance(s, str) else tuple(s)

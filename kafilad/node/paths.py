@@ -31,7 +31,7 @@ A re-probe between C and S or S and S searches by birthday probing instead (§7b
 kafilad/node/birthday.py): the S end's extra sockets and the C end's port sweep; the pair found is
 a (socket, remote) pair, and its ICE agent and QUIC connection live on that socket's endpoint,
 which :meth:`PathManager.release` closes with the path. Classification (§1) and the datagram size
-search (§4a) live in kafilad/node/pathclass.py and kafilad/node/pathsize.py (bases of PathManager).
+search (§4a) live in kafilad/node/pathclass.py and kafilad/node/pathsize.py (parts of PathManager, in its `nat` and `sizes` fields).
 
 Environment (read when used, so each daemon can differ):
 
@@ -116,7 +116,7 @@ def dropped_check_attempts() -> int:
         return 0
 
 
-class PathManager(NatClassifier, PathSizes):
+class PathManager:
     """Direct-path machinery of one daemon in one session (make it with :func:`open_session_paths`).
 
     Args:
@@ -129,9 +129,8 @@ class PathManager(NatClassifier, PathSizes):
         session_id: the session's id (default: ``rdv.session_id`` when used).
     Attributes:
         edges: every EdgeRecord this daemon is an end of, by edge id (proto_spec 07 §2).
-        report: the NAT classification (a NatReport) once :meth:`classify` ran.
-        nat_class: "O" | "C" | "S" | "unknown" once classified; None without STUN servers.
-        nat_reason: why ``nat_class`` is "unknown" (a sentence), else "".
+        nat: the NAT classification (kafilad/node/pathclass.py NatClassifier); ``nat_class``,
+            ``nat_reason`` and ``report`` read it.
         events: the last EVENTS_KEPT path events as dicts {"event", "ts", ...} (classifications,
             fallbacks, failed re-probes; proto_spec 07 §6).
         on_event: called as ``on_event(kind, fields)`` for each event, e.g. to write the session
@@ -147,15 +146,9 @@ class PathManager(NatClassifier, PathSizes):
         self.name = name if name is not None else getattr(rdv, "name", "?")
         self.static_private = static_private
         self._session_id = session_id
-        self.report = None
-        self.nat_class: Optional[str] = None
-        self.nat_reason = ""
-        self.rendezvous_rtt_ms: Optional[float] = None
-        self.classifications = 0
         self.events: collections.deque = collections.deque(maxlen=EVENTS_KEPT)
         self.on_event: Optional[Callable[[str, dict], object]] = None
-        self._retrying_class = False
-        self._stun_contacts: dict[tuple, float] = {}  # STUN address -> when a classification last sent to it
+        self.nat = NatClassifier(endpoint, rdv, nursery, self.event, lambda: self.closed)
         self.edges: dict[str, EdgeRecord] = {}
         self.ring_edges: list = []  # the RingEdges of the ring formed last (kafilad/node/edge.py form_ring)
         self.ring_epoch = 0  # the plan epoch of that ring: part of its edges' ids (proto_spec 07 §2)
@@ -164,14 +157,34 @@ class PathManager(NatClassifier, PathSizes):
         self._quic: weakref.WeakSet[QuicTransport] = weakref.WeakSet()
         self._agents: "weakref.WeakKeyDictionary[QuicTransport, tuple]" = weakref.WeakKeyDictionary()
         self._wakers: dict = {}  # running ICE agent -> wakes its driver (to stop it at once)
-        self._searches: "weakref.WeakKeyDictionary[QuicTransport, tuple]" = weakref.WeakKeyDictionary()
-        self._size_waiters: dict = {}  # ICE agent -> (size probed, trio.Event set when answered)
+        self.sizes = PathSizes(self._agents, self._wakers, self.event)
         self._pools: "weakref.WeakKeyDictionary[QuicTransport, birthday.SocketPool]" = weakref.WeakKeyDictionary()
         self._scope: Optional[trio.CancelScope] = None
 
     @property
     def peer_id(self) -> str:
         return self.rdv.peer_id
+
+    # ---- NAT classification (proto_spec 07 §1): the ``nat`` part's ----------------------------
+    @property
+    def nat_class(self) -> Optional[str]:
+        return self.nat.nat_class
+
+    @property
+    def nat_reason(self) -> str:
+        return self.nat.nat_reason
+
+    @property
+    def report(self):
+        return self.nat.report
+
+    async def classify(self) -> dict:
+        """Classify our NAT now (NatClassifier.classify); the capability's NAT fields."""
+        return await self.nat.classify()
+
+    async def capability(self) -> dict:
+        """The capability frame's NAT fields (DESIGN §3 step 3); classifies once (NatClassifier.capability)."""
+        return await self.nat.capability()
 
     @property
     def session_id(self) -> str:
@@ -406,7 +419,7 @@ class PathManager(NatClassifier, PathSizes):
             self._pools[t] = pool
         t.watch()  # PINGs every LIVENESS_PING_S: the edge sees a dead path within seconds (§7a)
         if sender and t.datagram_bytes < max(LADDER_BYTES):  # a network path: find its size (§4a)
-            self.nursery.start_soon(self._search_pmtu, t, agent, rec)
+            self.nursery.start_soon(self.sizes.search, t, agent, rec)
         if self.closed:  # the session ended while QUIC connected
             self.release(t)
             return None, {"reason": "the session ended"}
@@ -493,9 +506,7 @@ class PathManager(NatClassifier, PathSizes):
                             outcome["ev"] = ev
                             settled.set()
                         elif isinstance(ev, ice.SizeConfirmed):
-                            waiter = self._size_waiters.get(agent)
-                            if waiter is not None and waiter[0] == ev.size_bytes:
-                                waiter[1].set()
+                            self.sizes.size_confirmed(agent, ev.size_bytes)
                         elif isinstance(ev, ice.PathLost):
                             log.warning("ring edge %s -> %s: %s", rec.src, rec.dst, ev.reason)
                             self.event("path_lost", edge=f"{rec.src} -> {rec.dst}", reason=ev.reason)

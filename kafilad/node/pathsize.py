@@ -1,13 +1,15 @@
 """Datagram size of a direct path: the search and black holes (proto_spec 07 §4a; RFC 8899).
 
-Split from kafilad/node/paths.py: :class:`PathSizes` is a base of
-:class:`kafilad.node.paths.PathManager` (it uses its ``_searches``, ``_size_waiters``,
-``_wakers``, ``_agents`` and ``event``). The pure search is kafilad/proto/pmtu.py.
+:class:`PathSizes` is a part of :class:`kafilad.node.paths.PathManager`, held in its ``sizes``
+field: it owns the running searches and size probes, and is given the manager's ICE agents (by
+transport), their drivers' wakers and the event log. The pure search is kafilad/proto/pmtu.py.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
+from typing import Callable
 
 import trio
 
@@ -29,9 +31,28 @@ def _smoothed_rtt_s(t: QuicTransport) -> float:
 
 
 class PathSizes:
-    """The datagram-size methods of a PathManager."""
+    """The datagram sizes of one session's direct paths (RFC 8899 DPLPMTUD on ICE size probes).
 
-    async def _search_pmtu(self, t: QuicTransport, agent: ice.IceAgent, rec: EdgeRecord) -> None:
+    Args:
+        agents: the manager's ``{QuicTransport: (IceAgent, ...)}`` (read, never written).
+        wakers: the manager's ``{IceAgent: wake()}`` of running agent drivers (read).
+        event: ``event(kind, **fields)``, the manager's path-event log (proto_spec 07 §6).
+    """
+
+    def __init__(self, agents, wakers: dict, event: Callable[..., None]):
+        self._agents = agents
+        self._wakers = wakers
+        self.event = event
+        self._searches: "weakref.WeakKeyDictionary[QuicTransport, tuple]" = weakref.WeakKeyDictionary()
+        self._size_waiters: dict = {}  # ICE agent -> (size probed, trio.Event set when answered)
+
+    def size_confirmed(self, agent: ice.IceAgent, size_bytes: int) -> None:
+        """The agent's driver saw a SizeConfirmed for ``size_bytes``: wake the probe waiting on it."""
+        waiter = self._size_waiters.get(agent)
+        if waiter is not None and waiter[0] == size_bytes:
+            waiter[1].set()
+
+    async def search(self, t: QuicTransport, agent: ice.IceAgent, rec: EdgeRecord) -> None:
         """Probe larger datagram sizes on ``t``'s path with the agent's padded checks and raise
         ``t``'s size to each one answered (DPLPMTUD, RFC 8899), until the path is let go."""
         search = PmtuSearch(now=trio.current_time())
