@@ -18,6 +18,41 @@ class RemoteProtocolError(KafilaError):
     """The peer sent something malformed or out of order; the link carrying it is closed."""
 
 
+class MalformedFrame(RemoteProtocolError):
+    """A received frame map is not one of its layer's frames (proto_spec 05 §3, 07 §7): the link that
+    carried it is closed with this reason.
+
+    Attributes:
+        code: what was wrong, one of ``MalformedFrame.CODES``: "not_map" (the body is no map with a
+            str "t"), "missing" (a required field is absent), "type" (a field of the wrong type),
+            "range" (a number or length out of bounds), "sequence" (an edge's ``es`` is not a
+            positive integer).
+        frame_type: the frame's "t" ("" when it had none). field: the field at fault ("" for none).
+    """
+
+    CODES = ("not_map", "missing", "type", "range", "sequence")
+
+    def __init__(self, message: str, *, code: str, frame_type: str = "", field: str = ""):
+        super().__init__(message)
+        self.code = code
+        self.frame_type = frame_type
+        self.field = field
+
+
+class SequenceGap(RemoteProtocolError):
+    """A ring edge carried frame ``got`` where frame ``expected`` was due (proto_spec 07 §7): frames
+    were skipped, so the edge cannot deliver in order and breaks.
+
+    Attributes:
+        expected, got: edge sequence numbers (``es``).
+    """
+
+    def __init__(self, message: str, *, expected: int, got: int):
+        super().__init__(message)
+        self.expected = expected
+        self.got = got
+
+
 class HandshakeError(RemoteProtocolError):
     """The Noise handshake failed or the remote static key is not the one expected."""
 
