@@ -40,14 +40,15 @@ from typing import Awaitable, Callable, Optional, Union
 
 import trio
 
-from kafilad.errors import (HandshakeError, HandshakeRefused, HandshakeTimeout, KafilaError, RingEdgeError, SessionError,
-                            collapse_groups)
+from kafilad.errors import (HandshakeError, HandshakeRefused, HandshakeTimeout, KafilaError, MalformedFrame, RingEdgeError,
+                            SessionError, collapse_groups)
 from kafilad.net.quic_transport import STALL_S, START_DATAGRAM_BYTES, QuicTransport
-from kafilad.node.edgelink import EdgeReceiver, EdgeSender, seq_of
+from kafilad.node.edgelink import EdgeReceiver, EdgeSender
 from kafilad.node.link import Link, LinkClosed, secure_link
 from kafilad.node.birthday import birthday_enabled
 from kafilad.node.paths import REPROBE_MAX_S, PathKind, PathManager, direct_enabled, reprobe_initial_s
 from kafilad.proto.birthday import role_for
+from kafilad.proto.ring_frames import PathReady, decode_edge
 
 log = logging.getLogger("kafilad.edge")
 
@@ -364,9 +365,15 @@ class RingEdge:
         return True
 
     async def _ready_on(self, link: Link) -> Optional[int]:
-        """The `es` of the receiver's `path_ready` on ``link`` (§7 step 2), or None if another frame came."""
+        """The `es` of the receiver's `path_ready` on ``link`` (§7 step 2), or None if another frame came
+        (or a malformed one: the caller then closes ``link``)."""
         frame = await link.receive()
-        return seq_of(frame) if frame.get("t") == "path_ready" else None
+        try:
+            got = decode_edge(frame)
+        except MalformedFrame as e:
+            log.warning("ring edge %s: a malformed frame instead of path_ready: %s", self.name, e)
+            return None
+        return got.es if isinstance(got, PathReady) else None
 
     async def _switched(self, link: Link, transport: Optional[QuicTransport], *, es: Optional[int], upgrade: bool,
                         why: str = "", took_s: Optional[float] = None) -> None:

@@ -19,7 +19,10 @@ reordered across a move, and the ring never notices::
 ``es`` (edge sequence) counts the frames of one edge from 1, across every path it used; the
 receiver drops a frame it already delivered (es <= delivered), so a frame that arrived on the old
 path after ``path_ready`` and is resent on the new one counts once. A frame without ``es`` (an
-older peer) is delivered as it is.
+older peer) is delivered as it is. Those decisions (numbering, the window of kept frames, acks,
+what is sent again) are the pure machines of kafilad/proto/edge_seq.py; the maps an edge carries
+are read once, by kafilad/proto/ring_frames.py ``decode_edge``. This module is their driver: it
+moves frames between links and parks callers while a path is repaired or the window is full.
 
 A write or read that fails on a direct path asks the RingEdge to repair it (``on_broken``) and
 waits, bounded, for the new path; once the edge gives up (``fail``), every waiting and later
@@ -28,19 +31,20 @@ call raises :class:`LinkBroken` with a sentence naming the edge.
 
 from __future__ import annotations
 
-import collections
 import logging
 from typing import Callable, Optional
 
 import trio
 
-from kafilad.errors import LinkBroken, LinkClosed, LinkEnded
+from kafilad.errors import LinkBroken, LinkClosed, LinkEnded, MalformedFrame, SequenceGap
 from kafilad.node.link import Link
+from kafilad.proto.edge_seq import KEEP_FRAMES, Delivery, ReceiveSequencer, SendSequencer
+from kafilad.proto.ring_frames import EdgeAck, PathReady, Sequenced, decode_edge
 
 log = logging.getLogger("kafilad.edge")
 
-#: Frames a sender keeps unacknowledged before `send` waits for an `edge_ack` (backpressure).
-KEEP_FRAMES = 1024
+__all__ = ["ACK_DELAY_S", "KEEP_FRAMES", "EdgeReceiver", "EdgeSender", "PREVIOUS_KEEP_S", "REPAIR_WAIT_S"]
+
 #: How long a receiver waits after a delivery before it acknowledges (coalescing what else comes):
 #: the ack then goes out while the stage computes, not between the frame's arrival and the start
 #: of its compute (bench_ring --timeline, 100 MB model: that hand-off 0.22-0.32 ms -> 0.11-0.20 ms
@@ -51,15 +55,6 @@ REPAIR_WAIT_S = 15.0
 #: How long a receiver keeps the previous path readable after a switch: if the new link closes
 #: before it carried a frame (the sender gave up on it), the previous one is read again.
 PREVIOUS_KEEP_S = 15.0
-#: The sequence field every ring frame carries on an edge (proto_spec 07 §7).
-SEQ = "es"
-
-
-def seq_of(frame: dict) -> Optional[int]:
-    """The `es` of an `edge_ack` / `path_ready` frame; None if absent or not a non-negative int."""
-    es = frame.get(SEQ)
-    return es if isinstance(es, int) and not isinstance(es, bool) and es >= 0 else None
-
 
 class _EdgeEnd:
     """What both ends share: the current link, failure, closing, and the repair hook."""
@@ -149,10 +144,7 @@ class EdgeSender(_EdgeEnd):
 
     def __init__(self, link: Link, *, edge_name: str, spawn: Callable, on_broken: Optional[Callable] = None):
         super().__init__(link, edge_name=edge_name, spawn=spawn, on_broken=on_broken)
-        self.sent = 0            # highest es sent
-        self.acked = 0           # highest es the receiver acknowledged
-        self.resent = 0          # frames sent again after a switch
-        self._kept: collections.deque = collections.deque()  # (es, frame) not yet acknowledged
+        self.seq = SendSequencer(KEEP_FRAMES)  # numbering, kept frames, resends (proto_spec 07 §7)
         self._lock = trio.Lock()
         self._proposal: Optional[tuple[Link, int]] = None
         self._write_scope: Optional[trio.CancelScope] = None
@@ -161,7 +153,22 @@ class EdgeSender(_EdgeEnd):
     @property
     def kept(self) -> int:
         """Frames kept for a possible resend (sent, not yet acknowledged)."""
-        return len(self._kept)
+        return self.seq.kept
+
+    @property
+    def sent(self) -> int:
+        """The highest es sent."""
+        return self.seq.sent
+
+    @property
+    def acked(self) -> int:
+        """The highest es the receiver acknowledged."""
+        return self.seq.acked
+
+    @property
+    def resent(self) -> int:
+        """Frames sent again after a switch."""
+        return self.seq.resent
 
     async def send(self, body: dict) -> int:
         """Send one ring frame on the current path (proto_spec 07 §7); its size in bytes.
@@ -172,13 +179,10 @@ class EdgeSender(_EdgeEnd):
         """
         async with self._lock:
             self._raise_if_over()
-            while len(self._kept) >= KEEP_FRAMES:
+            while self.seq.window_full:
                 await self._acked_event.wait()
                 self._raise_if_over()
-            self.sent += 1
-            es = self.sent
-            frame = {**body, SEQ: es}
-            self._kept.append((es, frame))
+            es, frame = self.seq.stamp(body)
             while True:
                 if self._proposal is not None:
                     sizes = await self._apply()
@@ -223,30 +227,24 @@ class EdgeSender(_EdgeEnd):
 
     def _signal(self) -> None:
         super()._signal()
-        self._acked_event.set()  # a send waiting on a full window looks again (the edge may be over)
-        self._acked_event = trio.Event()
+        self._wake_window()  # a send waiting on a full window looks again (the edge may be over)
 
     async def _apply(self) -> dict:
         link, delivered = self._proposal
         self._proposal = None
         old, self.link = self.link, link
-        self._ack(delivered)
-        self._signal()
+        again = self.seq.on_path_ready(delivered)
+        self._signal()  # also wakes a send parked on a full window
         self._spawn(old.close)  # the receiver reads only the new link now (reason "closed": a normal end)
         sizes = {}
-        for es, frame in list(self._kept):
+        for es, frame in again:
             sizes[es] = await link.send(frame)
-            self.resent += 1
         if sizes:
             log.info("ring edge %s: %d frame(s) sent again on the new path (after %d)", self.edge_name, len(sizes),
                      delivered)
         return sizes
 
-    def _ack(self, es: int) -> None:
-        if es > self.acked:
-            self.acked = es
-        while self._kept and self._kept[0][0] <= es:
-            self._kept.popleft()
+    def _wake_window(self) -> None:
         self._acked_event.set()
         self._acked_event = trio.Event()
 
@@ -263,10 +261,13 @@ class EdgeSender(_EdgeEnd):
                 while link is self.link and self.closed_reason is None and self.failed is None:
                     await self._changed.wait()
                 continue
-            if frame.get("t") == "edge_ack":
-                es = seq_of(frame)
-                if es is not None and es <= self.sent:
-                    self._ack(es)
+            try:
+                got = decode_edge(frame)
+            except MalformedFrame as e:  # a malformed frame closes its link (repaired, or the next send fails)
+                await link.close(f"the ring edge {self.edge_name} carried a malformed frame back: {e}", broken=True)
+                continue
+            if isinstance(got, EdgeAck) and self.seq.on_ack(got.es):
+                self._wake_window()
 
 
 class EdgeReceiver(_EdgeEnd):
@@ -277,13 +278,21 @@ class EdgeReceiver(_EdgeEnd):
 
     def __init__(self, link: Link, *, edge_name: str, spawn: Callable, on_broken: Optional[Callable] = None):
         super().__init__(link, edge_name=edge_name, spawn=spawn, on_broken=on_broken)
-        self.delivered = 0       # highest es handed to the ring
-        self.repeats = 0         # frames dropped as already delivered
+        self.seq = ReceiveSequencer()  # in order, exactly once, acks (proto_spec 07 §7)
         self.previous: Optional[Link] = None  # the link before the last switch, until the new one carries a frame
         self._read_scope: Optional[trio.CancelScope] = None
         self._frames_on_link = 0
         self._ack_wanted = trio.Event()
-        self._acked = 0
+
+    @property
+    def delivered(self) -> int:
+        """The highest es handed to the ring."""
+        return self.seq.delivered
+
+    @property
+    def repeats(self) -> int:
+        """Frames dropped as already delivered."""
+        return self.seq.repeats
 
     async def receive(self) -> dict:
         """The next ring frame, in order, each once (proto_spec 07 §7).
@@ -311,27 +320,25 @@ class EdgeReceiver(_EdgeEnd):
                 self._read_scope = None
             if scope.cancelled_caught or link is not self.link:
                 continue  # read on a path we just left: the sender sends it again on the new one
-            t = frame.get("t")
-            if t in ("path_switched", "edge_ack", "path_ready"):
+            try:
+                got = decode_edge(frame)
+                if not isinstance(got, Sequenced):
+                    continue  # the edge's own frames (edge_ack, path_ready, path_switched) never reach the ring
+                verdict = self.seq.receive(got.es)
+            except MalformedFrame as e:
+                raise LinkBroken(f"the ring edge {self.edge_name} carried a malformed frame ({e})") from None
+            except SequenceGap as e:
+                raise LinkBroken(f"the ring edge {self.edge_name} skipped frames {e.expected}..{e.got - 1}") from None
+            if verdict is Delivery.REPEAT:
                 continue
-            if SEQ not in frame:
-                return frame
-            es = frame.pop(SEQ)
-            if not isinstance(es, int) or isinstance(es, bool) or es < 1:
-                raise LinkBroken(f"the ring edge {self.edge_name} carried a frame with a malformed sequence "
-                                 f"number {es!r}")
-            if es <= self.delivered:
-                self.repeats += 1
-                continue
-            if es != self.delivered + 1:
-                raise LinkBroken(f"the ring edge {self.edge_name} skipped frames {self.delivered + 1}..{es - 1}")
-            self.delivered = es
+            if got.es is None:
+                return got.body  # an older sender's frame: delivered as it is, uncounted
             self._frames_on_link += 1
             if self._frames_on_link == 1 and self.previous is not None:
                 old, self.previous = self.previous, None
                 self._spawn(old.close)
             self._ack_wanted.set()
-            return frame
+            return got.body
 
     def _revert(self, link: Link, error: LinkClosed) -> bool:
         """The new link closed before it carried a frame: read the previous one again, if it is open."""
@@ -359,7 +366,7 @@ class EdgeReceiver(_EdgeEnd):
         self._signal()
         self._spawn(self._forget_previous, old)
         try:
-            await link.send({"t": "path_ready", SEQ: delivered})
+            await link.send(PathReady(delivered).to_wire())
         except LinkClosed:
             if self.link is link and self.previous is old:
                 self.link, self.previous = old, None
@@ -378,12 +385,12 @@ class EdgeReceiver(_EdgeEnd):
             await self._ack_wanted.wait()
             await trio.sleep(ACK_DELAY_S)
             self._ack_wanted = trio.Event()
-            es = self.delivered
-            if es <= self._acked:
+            es = self.seq.ack_due()
+            if es is None:
                 continue
             try:
-                await self.link.send({"t": "edge_ack", SEQ: es})
-                self._acked = es
+                await self.link.send(EdgeAck(es).to_wire())
+                self.seq.acked_up_to(es)
             except LinkClosed:
                 await self._changed.wait()  # a new link (or the end) comes; ack there
                 self._ack_wanted.set()

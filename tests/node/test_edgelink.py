@@ -203,3 +203,34 @@ async def test_ending_an_edge_wakes_a_send_parked_waiting_for_a_repair(monkeypat
                 await trio.sleep(0.01)
         assert errors == [(LinkEnded, "the ring re-formed")]
         n.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_malformed_sequence_number_breaks_the_edge_with_a_sentence(clock):
+    async with trio.open_nursery() as n:
+        out, into = _path()
+        r = EdgeReceiver(into, edge_name="a -> b", spawn=n.start_soon)
+        await out.send({"t": "act", "es": "1"})
+        with pytest.raises(LinkBroken, match=r"^the ring edge a -> b carried a malformed frame \(malformed act "
+                                             r"frame: its sequence number '1' is not an integer >= 1\)$"):
+            await r.receive()
+        n.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_malformed_ack_closes_the_senders_link_with_the_reason(clock):
+    async with trio.open_nursery() as n:
+        s, r = _ends(n)
+        n.start_soon(s.read_acks)
+        await s.send({"t": "act", "i": 1})
+        assert (await r.receive())["i"] == 1
+        await r.link.send({"t": "edge_ack", "es": -4})  # the receiver's end, misbehaving
+        with trio.fail_after(1):
+            while s.link.closed_reason is None:
+                await trio.sleep(0.01)
+        assert s.link.closed_reason == ("the ring edge a -> b carried a malformed frame back: malformed edge_ack "
+                                        "frame: 'es' is -4, not >= 0")
+        assert s.kept == 1  # nothing was acknowledged by it
+        with pytest.raises(LinkBroken, match="carried a malformed frame back"):
+            await s.send({"t": "act", "i": 2})
+        n.cancel_scope.cancel()
