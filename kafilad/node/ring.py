@@ -1,7 +1,9 @@
 """One member's part of the serving ring (DESIGN §2 "ring", §6 "Batched decode"; proto_spec 05 §3).
 
 A token leaves the head, passes through every member's block range in ring order and returns to
-the head for sampling. Frames on a ring edge (all inside Noise, proto_spec 05 §3):
+the head for sampling. Frames on a ring edge (all inside Noise, proto_spec 05 §3), typed as
+kafilad/proto/ring_frames.py's `Act`, `BatchAct` and `End` and read once, by `decode_ring_frame`, as
+the ring loop takes them from its inbox (a malformed one breaks the ring naming the sender):
 
 ```
 {"t": "act", "req": str, "sample": bool, "h": array | null, "hops": [[peer_id, compute_s], ...],
@@ -56,11 +58,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional, Union
 
+import attrs
 import trio
 
-from kafilad.errors import GenerationCancelled, GenerationError, RemoteProtocolError
+from kafilad.errors import GenerationCancelled, GenerationError, MalformedFrame, RemoteProtocolError
 from kafilad.node.link import Link, LinkClosed
 from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, Phase, PROGRESS_FACTOR, PROGRESS_FLOOR_S, EmitToken, EndRequest,
                                     EndReturned, FinishRequest, HeadScheduler, PassFailed, PassReturned,
@@ -71,8 +74,9 @@ from kafilad.node.step_policy import StepPolicy
 from kafilad.node.step_timeline import TIMELINE
 from kafilad.node.ring_parts import (BATCH_ENV, MICRO_BATCHES_ENV, RequestState, RingViews, Speculation,  # noqa: F401
                                      StageCalls,
-                                     _frame_reqs, _plain, _recent, batching_enabled, pinned_micro_batches,
+                                     _plain, _recent, batching_enabled, pinned_micro_batches,
                                      run_on_mlx_thread)
+from kafilad.proto.ring_frames import Act, BatchAct, End, decode_ring_frame
 
 log = logging.getLogger("kafilad.ring")
 
@@ -154,19 +158,20 @@ class RingMember(StageCalls, RingViews):
         except LinkClosed as e:
             self.fail_all(f"the ring link from {link.peer_name} closed: {e.reason}", member=link.peer_name)
 
-    async def _send_next(self, frame: dict) -> None:
+    async def _send_next(self, frame: Union[Act, BatchAct, End]) -> None:
+        wire = frame.to_wire()
         if self.next_link is None:
-            await self._inbox_send.send(frame)
+            await self._inbox_send.send(wire)
             return
         TIMELINE.mark("tx")
         try:
-            n = await self.next_link.send(frame)
+            n = await self.next_link.send(wire)
         except LinkClosed as e:
             self.fail_all(f"{e.reason}", member=self.next_name)
             return
         TIMELINE.mark("sent")
-        if frame.get("t") == "act":  # an `end` goes after its request's statistics were taken
-            self.stats.note_sent(_frame_reqs(frame), n)
+        if not isinstance(frame, End):  # an `end` goes after its request's statistics were taken
+            self.stats.note_sent(list(frame.reqs), n)
 
     async def _compute(self, fn, *args):
         """Run `fn(*args)` on the MLX thread; return (result, seconds `fn` itself took).
@@ -211,23 +216,28 @@ class RingMember(StageCalls, RingViews):
                 self._drop_caches = False
                 await self.runner_drop_all()
 
-    async def _on_frame(self, frame: dict) -> None:
-        t = frame.get("t")
+    async def _on_frame(self, raw: dict) -> None:
         try:
-            if t == "act":
+            frame = decode_ring_frame(raw)
+        except MalformedFrame as e:  # the previous member cannot be trusted to carry requests on
+            log.warning("ring: malformed frame from %s: %s", self.prev_name, e)
+            self.fail_all(f"it sent a malformed ring frame ({type(e).__name__}: {e})", member=self.prev_name)
+            return
+        try:
+            if isinstance(frame, (Act, BatchAct)):
                 await self._on_act(frame)
-            elif t == "end":
+            elif isinstance(frame, End):
                 await self._on_end(frame)
-            else:
-                log.warning("ring: ignoring unknown frame type %r", t)
+            else:  # UnknownRingFrame, or an edge's own frame on a bare link
+                log.warning("ring: ignoring a %r frame", getattr(frame, "t", None) or type(frame).T)
         except (KeyError, TypeError, ValueError, IndexError, RemoteProtocolError) as e:
-            # a malformed frame (or activations our stage cannot take) from the previous member:
-            # the ring cannot be trusted to carry this request on; it breaks, naming the sender
-            log.warning("ring: malformed %r frame from %s: %r", t, self.prev_name, e)
+            # a well-formed frame our stage cannot take (activations of another shape, a prompt-cache
+            # entry it does not hold): the ring breaks, naming the sender
+            log.warning("ring: %s frame from %s not taken: %r", frame.T, self.prev_name, e)
             self.fail_all(f"it sent a malformed ring frame ({type(e).__name__}: {e})", member=self.prev_name)
         except GenerationError as e:
             if self.scheduler is not None:
-                await self._execute(self.scheduler.handle(PassFailed(tuple(_frame_reqs(frame)), str(e))))
+                await self._execute(self.scheduler.handle(PassFailed(tuple(frame.reqs), str(e))))
 
     async def _check_progress(self) -> None:
         """Fail the rows of every pass past its progress deadline with a sentence (issue 11)."""
@@ -246,61 +256,52 @@ class RingMember(StageCalls, RingViews):
             await self._execute(self.scheduler.handle(PassTimedOut(o.reqs, reason)))
 
     # ---- every member ---------------------------------------------------------------------
-    async def _on_act(self, frame: dict) -> None:
+    async def _on_act(self, frame: Union[Act, BatchAct]) -> None:
         TIMELINE.mark("on_act")
         if self.head:
             await self._head_on_return(frame)
             return
         if self.broken:
             return
-        h_wire = frame["h"]
-        hops = list(frame.get("hops", []))
-        if "reqs" in frame:
-            rids = [str(r) for r in frame["reqs"]]
-            group = frame.get("mb", 0)
+        h_wire = frame.h
+        hops = frame.hops
+        if isinstance(frame, BatchAct):
+            rids = list(frame.reqs)
+            group = frame.mb
             out, dt = await self._compute(self._run_batch_wire, rids, h_wire, group)
             self.stats.note_step(rids, dt)
-            await self._send_next({"t": "act", "reqs": rids, "mb": group, "sample": True, "h": out,
-                                   "hops": hops + [[self.peer_id, dt]]})
+            await self._send_next(BatchAct(reqs=frame.reqs, mb=group, sample=True, h=out,
+                                           hops=hops + ((self.peer_id, dt),)))
             return
-        req = frame["req"]
-        entry, reuse, evict = _prompt_cache_fields(frame)
+        req = frame.req
+        if h_wire is None:
+            raise RemoteProtocolError(f"An act of request {req} for this member's blocks carries no activation.")
+        entry, reuse, evict = frame.from_entry, frame.reuse, list(frame.evict)
         if evict:
             await self._compute(self.runner.prefix_evict, evict)
         if entry is not None:
             await self._compute(self.runner.prefix_start, req, entry, reuse)
         out, dt = await self._compute(self._run_blocks_wire, req, h_wire)
         self.stats.note_step([req], dt)
-        sample = bool(frame.get("sample"))
+        sample = frame.sample
         if self.next_is_head and not sample:
             out = None  # an unsampled prefill chunk only fills caches: its output is not needed
-        fwd = {"t": "act", "req": req, "sample": sample, "h": out, "hops": hops + [[self.peer_id, dt]]}
-        if entry is not None:  # the prompt cache's start goes round to every member
-            fwd["from"], fwd["reuse"] = entry, reuse
-        if evict:
-            fwd["evict"] = evict
-        await self._send_next(fwd)
+        # the prompt cache's start (from, reuse, evict) goes round to every member with the act
+        await self._send_next(attrs.evolve(frame, h=out, hops=hops + ((self.peer_id, dt),)))
 
-    async def _on_end(self, frame: dict) -> None:
-        req = frame["req"]
+    async def _on_end(self, frame: End) -> None:
+        req = frame.req
         if self.head:
-            stats = tuple(tuple(row) for row in frame.get("stats", []))
-            await self._execute(self.scheduler.handle(EndReturned(req, stats)))
+            await self._execute(self.scheduler.handle(EndReturned(req, frame.stats)))
             return
-        keep, evict = _end_cache_fields(frame)
+        keep, evict = frame.keep, list(frame.evict)
         if keep is not None:
             await self._compute(self.runner.prefix_keep, req, keep)
         else:
             await self._compute(self.runner.drop, req)
         if evict:
             await self._compute(self.runner.prefix_evict, evict)
-        stats = list(frame.get("stats", [])) + [self.stats.take_row(self.peer_id, req)]
-        out = {"t": "end", "req": req, "stats": stats}
-        if keep is not None:
-            out["keep"] = keep
-        if evict:
-            out["evict"] = evict
-        await self._send_next(out)
+        await self._send_next(attrs.evolve(frame, stats=frame.stats + (tuple(self.stats.take_row(self.peer_id, req)),)))
         self._wake_idle()  # after the end went on: a member waiting to rejoin must not cut it off
         TIMELINE.flush()
 
@@ -373,12 +374,10 @@ class RingMember(StageCalls, RingViews):
                         await self._compute(self.runner.prefix_start, a.req, a.from_entry, a.reuse_tokens)
                     out, dt = await self._compute(self._head_embed_wire, a.req, list(a.ids))
                     self.stats.note_step([a.req], dt)
-                    frame = {"t": "act", "req": a.req, "sample": a.sample, "h": out, "hops": [[self.peer_id, dt]]}
-                    if a.from_entry is not None:
-                        frame["from"], frame["reuse"] = a.from_entry, a.reuse_tokens
-                    if a.evict:
-                        frame["evict"] = list(a.evict)
-                    await self._send_next(frame)
+                    await self._send_next(Act(req=a.req, sample=a.sample, h=out, hops=((self.peer_id, dt),),
+                                              from_entry=a.from_entry,
+                                              reuse=a.reuse_tokens if a.from_entry is not None else 0,
+                                              evict=tuple(a.evict)))
             elif isinstance(a, SendDecodeStep):
                 if not self.broken:
                     await self._send_decode_step(list(a.reqs), list(a.tokens), a.group)
@@ -406,19 +405,19 @@ class RingMember(StageCalls, RingViews):
         spec, self._spec = self._spec, None
         if spec is not None and spec.matches(rids, tokens, group):
             self.stats.note_step(rids, spec.dt_s)  # run with its sampling (`_sample`)
-            frame = ({"t": "act", "req": rids[0]} if spec.group is None else {"t": "act", "reqs": rids, "mb": group})
-            await self._send_next({**frame, "sample": True, "h": spec.out, "hops": [[self.peer_id, spec.dt_s]]})
+            hops = ((self.peer_id, spec.dt_s),)
+            await self._send_next(Act(req=rids[0], sample=True, h=spec.out, hops=hops) if spec.group is None
+                                  else BatchAct(reqs=tuple(rids), mb=group, sample=True, h=spec.out, hops=hops))
             return
         if spec is not None:
             await self._unspeculate(spec)
         if len(rids) == 1:  # the single form: a lone request decodes exactly as generate_step
             out, dt = await self._compute(self._head_embed_wire, rids[0], tokens)
-            frame = {"t": "act", "req": rids[0], "sample": True, "h": out}
+            frame = Act(req=rids[0], sample=True, h=out, hops=((self.peer_id, dt),))
         else:
             out, dt = await self._compute(self._head_embed_batch_wire, rids, tokens, group)
-            frame = {"t": "act", "reqs": rids, "mb": group, "sample": True, "h": out}
+            frame = BatchAct(reqs=tuple(rids), mb=group, sample=True, h=out, hops=((self.peer_id, dt),))
         self.stats.note_step(rids, dt)
-        frame["hops"] = [[self.peer_id, dt]]
         await self._send_next(frame)
 
     async def _sample(self, a: SampleTokens, h_wire: Optional[dict], batched: bool) -> None:
@@ -485,12 +484,12 @@ class RingMember(StageCalls, RingViews):
         else:
             await self._compute(self.runner.trim_last_group, spec.group)
 
-    async def _head_on_return(self, frame: dict) -> None:
-        rids = tuple(_frame_reqs(frame))
-        hops = tuple((pid, dt) for pid, dt in frame.get("hops", []))
-        actions = self.scheduler.handle(PassReturned(rids, bool(frame.get("sample")), hops, now_s=time.perf_counter()))
-        self._returned_group = frame.get("mb", 0)
-        await self._execute(actions, h_wire=frame.get("h"), batched="reqs" in frame)
+    async def _head_on_return(self, frame: Union[Act, BatchAct]) -> None:
+        batched = isinstance(frame, BatchAct)
+        actions = self.scheduler.handle(PassReturned(tuple(frame.reqs), frame.sample, frame.hops,
+                                                     now_s=time.perf_counter()))
+        self._returned_group = frame.mb if batched else 0
+        await self._execute(actions, h_wire=frame.h, batched=batched)
 
     async def _deliver(self, st: RequestState, event: dict) -> None:
         """Queue one event on the request's stream; a full or abandoned stream ends that request only."""
@@ -569,12 +568,7 @@ class RingMember(StageCalls, RingViews):
             await self._compute(self.runner.prefix_evict, evict)
         row = self.stats.take_row(self.peer_id, req)
         if not self.broken:
-            frame = {"t": "end", "req": req, "stats": [row]}
-            if keep is not None:
-                frame["keep"] = keep
-            if evict:
-                frame["evict"] = evict
-            await self._send_next(frame)
+            await self._send_next(End(req=req, stats=(tuple(row),), keep=keep, evict=tuple(evict)))
         self._wake_idle()
         TIMELINE.flush()
 
@@ -633,29 +627,3 @@ class RingMember(StageCalls, RingViews):
         if self.runner.prefix_index is not None:
             self.runner.prefix_index.tokens.clear()
 
-
-def _prompt_cache_fields(frame: dict) -> tuple[Optional[str], int, list[str]]:
-    """An act's prompt-cache start: ("from" entry or None, "reuse" tokens, "evict" entries).
-
-    Raises:
-        RemoteProtocolError: a field of the wrong type.
-    """
-    entry, reuse, evict = frame.get("from"), frame.get("reuse", 0), frame.get("evict", [])
-    if (entry is not None and not isinstance(entry, str)) or not isinstance(reuse, int) or isinstance(reuse, bool) \
-            or reuse < 0 or not isinstance(evict, list) or not all(isinstance(e, str) for e in evict):
-        raise RemoteProtocolError("An act's prompt-cache fields are malformed ('from' str, 'reuse' int >= 0, "
-                                  "'evict' [str]).")
-    return entry, reuse, evict
-
-
-def _end_cache_fields(frame: dict) -> tuple[Optional[int], list[str]]:
-    """An end's prompt-cache fields: ("keep" tokens or None, "evict" entries).
-
-    Raises:
-        RemoteProtocolError: a field of the wrong type.
-    """
-    keep, evict = frame.get("keep"), frame.get("evict", [])
-    if (keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 0)) \
-            or not isinstance(evict, list) or not all(isinstance(e, str) for e in evict):
-        raise RemoteProtocolError("An end's prompt-cache fields are malformed ('keep' int >= 0, 'evict' [str]).")
-    return keep, evict

@@ -228,13 +228,6 @@ def _plain(rec: Optional[Request]) -> Sampling:
     return Sampling(temperature=rec.temperature if rec is not None else 0.0)
 
 
-def _frame_reqs(frame: dict) -> list[str]:
-    """The request ids an `act` or `end` frame carries, in row order (proto_spec 05 §3)."""
-    if "reqs" in frame:
-        return [str(r) for r in frame["reqs"]]
-    return [frame["req"]] if frame.get("req") is not None else []
-
-
 class StageCalls:
     """RingMember's calls into its StageRunner (`self.runner`) that take and give activations in
     the wire form (`self.ex`: kafilad.executor.runner's array_to_wire / array_from_wire); each runs

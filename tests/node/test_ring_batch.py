@@ -248,6 +248,18 @@ async def test_malformed_ring_frame_breaks_the_ring_naming_the_sender(synth_mode
 
 
 @trio_test
+async def test_a_ring_frame_missing_a_field_breaks_the_ring_with_the_decoders_sentence(synth_model):
+    """A frame the decoder refuses (proto_spec 05 §3) breaks the ring naming the sender and the field."""
+    async with ring_of(synth_model, [(0, 2), (2, 5)]) as (head, tail):
+        tail.prev_name = "m0"
+        await head.next_link.send({"t": "end", "stats": []})
+        with trio.fail_after(10):
+            await tail.broken_event.wait()
+        assert tail.broken == ("member m0 is unreachable: it sent a malformed ring frame (MalformedFrame: "
+                               "malformed end frame: 'req' is missing)")
+
+
+@trio_test
 async def test_a_client_that_does_not_read_ends_only_its_request(synth_model):
     """The ring never waits for a client: a stream left unread fills its buffer and ends alone."""
     release, seen, states = trio.Event(), [], {}
