@@ -18,6 +18,31 @@ class RemoteProtocolError(KafilaError):
     """The peer sent something malformed or out of order; the link carrying it is closed."""
 
 
+class FramingError(RemoteProtocolError):
+    """A byte stream that is not a frame stream (proto_spec 02 §2): the link or connection is closed.
+
+    Attributes:
+        code: "length" (a length prefix of 0 or over the limit), "msgpack" (a body that is not
+            msgpack), "not_map" (a msgpack value other than a map), "no_type" (a map without a str
+            "t"), "eof" (the stream ended inside a frame).
+        header: the 4 length bytes of the frame at fault (b"" for "eof"). length: the length they announce.
+        cause: msgpack's own exception ("msgpack"). raw: the body's bytes ("msgpack"). value: the
+            decoded value ("not_map").
+    """
+
+    CODES = ("length", "msgpack", "not_map", "no_type", "eof")
+
+    def __init__(self, message: str, *, code: str, header: bytes = b"", length: int = 0, cause=None,
+                 raw: bytes = b"", value=None):
+        super().__init__(message)
+        self.code = code
+        self.header = header
+        self.length = length
+        self.cause = cause
+        self.raw = raw
+        self.value = value
+
+
 class MalformedFrame(RemoteProtocolError):
     """A received frame map is not one of its layer's frames (proto_spec 05 §3, 07 §7): the link that
     carried it is closed with this reason.

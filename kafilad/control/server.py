@@ -34,8 +34,8 @@ import trio
 import msgpack
 
 from kafilad.control.api import API_VERSION, OP_ARGS, SHUTTING_DOWN
-from kafilad.errors import KafilaError, LocalProtocolError, find_kafila_error, only_cancelled
-from kafilad.proto.frames import HEADER, HEADER_BYTES, encode_frame
+from kafilad.errors import FramingError, KafilaError, LocalProtocolError, find_kafila_error, only_cancelled
+from kafilad.proto.frames import FrameDecoder, encode_frame
 
 log = logging.getLogger("kafilad.control")
 
@@ -144,17 +144,19 @@ class ControlServer:
 
     async def _read_request(self, stream: trio.abc.Stream) -> tuple[dict | None, int, str | None]:
         """The request frame; returns (request or None, bytes held from the budget, error sentence or None).
-        A sentence comes back for a request that cannot be read (`request_from`) or arrive, for a reply."""
+        A sentence comes back for a request that cannot be read (`refusal`) or arrive, for a reply.
+        The frame layer's one decoder (kafilad/proto/frames.py `FrameDecoder`) reads the frame."""
         lim = self.limits
-        buf = bytearray()
+        decoder = FrameDecoder(lim.max_request_bytes, require_type=False)  # `_check` answers a missing "t"
         held = 0
         with trio.move_on_after(lim.request_timeout_s):
             while True:
                 try:
-                    req = request_from(buf, lim.max_request_bytes)
-                except MalformedRequest as e:
-                    log.warning("control: malformed request refused: %s", e)
-                    return None, held, str(e)
+                    req = decoder.next_event()
+                except FramingError as e:
+                    sentence = refusal(e, lim.max_request_bytes)
+                    log.warning("control: malformed request refused: %s", sentence)
+                    return None, held, sentence
                 if req is not None:
                     return req, held, None
                 try:
@@ -162,7 +164,7 @@ class ControlServer:
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     data = b""
                 if not data:
-                    if buf:
+                    if decoder.pending_bytes:
                         log.warning("control: a connection closed in the middle of its request frame")
                     return None, held, None
                 if self.held_request_bytes + len(data) > lim.max_total_request_bytes:
@@ -170,7 +172,7 @@ class ControlServer:
                                         "requests, its limit; retry shortly.")
                 self.held_request_bytes += len(data)
                 held += len(data)
-                buf += data
+                decoder.receive_data(data)
         return None, held, f"The control request did not arrive within {lim.request_timeout_s:g} s."
 
     async def _connection(self, stream: trio.abc.Stream) -> None:
@@ -347,10 +349,6 @@ def _error(message: str, code: str | None = None) -> dict:
     return {"t": "reply", "ok": False, "error": message, **({"code": code} if code else {})}
 
 
-class MalformedRequest(KafilaError):
-    """A control request frame that cannot be read; the message says what is wrong with it."""
-
-
 #: what a client that is not kafila-ctl is told to send (kafilad/control/api.py)
 FRAME_HINT = "a control request is a u32 big-endian length, then that many bytes of one msgpack map (proto_spec 02 §1)"
 
@@ -358,36 +356,21 @@ FRAME_HINT = "a control request is a u32 big-endian length, then that many bytes
 _UNUSED_MSGPACK_BYTES = frozenset({0xC1})
 
 
-def request_from(buf: bytearray, max_bytes: int) -> dict | None:
-    """The request frame at the start of `buf` (its bytes are consumed), or None until it is complete;
-    sans-IO (proto_spec 02 §1-2 framing, one msgpack map per frame).
+def refusal(error: FramingError, max_bytes: int) -> str:
+    """The error reply's sentence for a request frame the frame decoder refused (proto_spec 02 §1-2).
 
-    Raises:
-        MalformedRequest: a length prefix of 0 or over `max_bytes` (raised as soon as the 4 bytes are
-            in: nothing after it can be read), a body that is not msgpack (with the reason, never an
-            empty one), or a msgpack value that is not a map.
+    Args:
+        error: the FrameDecoder's error (decided on its ``code``). max_bytes: the request size limit.
     """
-    if len(buf) < HEADER_BYTES:
-        return None
-    (length,) = HEADER.unpack_from(buf)
-    if length == 0 or length > max_bytes:
-        raise MalformedRequest(f"The control request's length prefix announces {length} bytes (first bytes "
-                               f"{bytes(buf[:HEADER_BYTES]).hex(' ')}), not 1 to {max_bytes}; {FRAME_HINT}.")
-    end = HEADER_BYTES + length
-    if len(buf) < end:
-        return None
-    raw = bytes(buf[HEADER_BYTES:end])
-    del buf[:end]
-    try:
-        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True, max_buffer_size=len(raw))
-        unpacker.feed(raw)
-        body = unpacker.unpack()
-    except Exception as exc:  # noqa: BLE001 - msgpack raises many types (OutOfData, FormatError, ValueError, ...)
-        raise MalformedRequest(f"The control request's {length} bytes are not msgpack: "
-                               f"{_msgpack_failure(exc, raw)}; {FRAME_HINT}.") from None
-    if not isinstance(body, dict):
-        raise MalformedRequest(f"The control request is {_kind(body)}, not a map; {FRAME_HINT}.")
-    return body
+    if error.code == "length":
+        return (f"The control request's length prefix announces {error.length} bytes (first bytes "
+                f"{error.header.hex(' ')}), not 1 to {max_bytes}; {FRAME_HINT}.")
+    if error.code == "msgpack":
+        why = _msgpack_failure(error.cause, error.raw)
+        return f"The control request's {error.length} bytes are not msgpack: {why}; {FRAME_HINT}."
+    if error.code == "not_map":
+        return f"The control request is {_kind(error.value)}, not a map; {FRAME_HINT}."
+    return f"The control request cannot be read: {error}; {FRAME_HINT}."
 
 
 def _msgpack_failure(exc: Exception, raw: bytes) -> str:

@@ -40,8 +40,8 @@ from typing import Awaitable, Callable, Optional, Union
 
 import trio
 
-from kafilad.errors import (HandshakeError, HandshakeRefused, HandshakeTimeout, KafilaError, MalformedFrame, RingEdgeError,
-                            SessionError, collapse_groups)
+from kafilad.errors import (HandshakeError, HandshakeRefused, HandshakeTimeout, KafilaError, MalformedFrame,
+                            RingEdgeError, SessionError, collapse_groups)
 from kafilad.net.quic_transport import STALL_S, START_DATAGRAM_BYTES, QuicTransport
 from kafilad.node.edgelink import EdgeReceiver, EdgeSender
 from kafilad.node.link import Link, LinkClosed, secure_link

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import msgpack
 
-from kafilad.errors import LocalProtocolError, RemoteProtocolError
+from kafilad.errors import FramingError, LocalProtocolError, RemoteProtocolError
 from kafilad.proto.noise import MAX_PLAINTEXT_BYTES
 
 #: Largest frame body (proto_spec 02 §2): bigger payloads must be split by the sender's protocol.
@@ -91,17 +91,22 @@ class FrameDecoder:
     """Turns a byte stream back into frame bodies (proto_spec 02 §1), sans-IO.
 
     Feed bytes with ``receive_data``; pull bodies (dicts) with ``next_event`` until it returns
-    None. After a RemoteProtocolError the decoder is dead and raises the same error again: the
-    link that carried the stream must be closed (proto_spec 02 §2).
+    None. After a FramingError (a RemoteProtocolError with a ``code``) the decoder is dead and
+    raises the same error again: the link that carried the stream must be closed (proto_spec 02 §2).
+    It is the one u32 frame decoder: member links (kafilad/net/frame_stream.py) and the local
+    control server (kafilad/control/server.py, which words each ``code`` for its clients) use it.
 
     Args:
         max_frame_bytes: frames longer than this are refused before being buffered.
+        require_type: refuse a map without a str "t" (proto_spec 02 §1.2); the control server
+            takes such a map and answers it itself.
     """
 
-    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES):
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES, *, require_type: bool = True):
         self._buf = bytearray()
         self._max = max_frame_bytes
-        self._error: RemoteProtocolError | None = None
+        self._require_type = require_type
+        self._error: FramingError | None = None
         self.frames_decoded = 0
 
     @property
@@ -110,8 +115,8 @@ class FrameDecoder:
         return len(self._buf)
 
     @property
-    def error(self) -> RemoteProtocolError | None:
-        """The RemoteProtocolError that ended this decoder (a malformed frame), or None."""
+    def error(self) -> FramingError | None:
+        """The FramingError that ended this decoder (a malformed frame), or None."""
         return self._error
 
     def receive_data(self, data: bytes) -> None:
@@ -124,13 +129,13 @@ class FrameDecoder:
         """The stream ended; call after ``next_event`` returned None.
 
         Raises:
-            RemoteProtocolError: the stream stopped inside a frame.
+            FramingError: the stream stopped inside a frame (code "eof").
         """
         if self._buf:
-            self._fail(f"The stream ended inside a frame ({len(self._buf)} bytes of an unfinished frame).")
+            self._fail(f"The stream ended inside a frame ({len(self._buf)} bytes of an unfinished frame).", code="eof")
 
-    def _fail(self, reason: str) -> None:
-        self._error = RemoteProtocolError(reason)
+    def _fail(self, reason: str, **details) -> None:
+        self._error = FramingError(reason, **details)
         self._buf = bytearray()
         raise self._error
 
@@ -138,19 +143,19 @@ class FrameDecoder:
         """The next complete frame body, or None until more bytes arrive.
 
         Raises:
-            RemoteProtocolError: a length of 0 or over the limit, a body that does not start with a
-                complete msgpack map, or no str "t".
+            FramingError: a length of 0 or over the limit (code "length"), a body that does not start
+                with a complete msgpack object ("msgpack") or map ("not_map"), or no str "t" ("no_type").
         """
         if self._error is not None:
             raise self._error
         if len(self._buf) < HEADER_BYTES:
             return None
         (length,) = HEADER.unpack_from(self._buf)
+        header = bytes(self._buf[:HEADER_BYTES])
         if length == 0 or length > self._max:
             self._fail(
                 f"The peer announced a frame of {length} bytes; frames are 1..{self._max} bytes "
-                "(proto_spec 02 §2)."
-            )
+                "(proto_spec 02 §2).", code="length", header=header, length=length)
         end = HEADER_BYTES + length
         if len(self._buf) < end:
             return None
@@ -162,11 +167,14 @@ class FrameDecoder:
             unpacker.feed(raw)
             body = unpacker.unpack()
         except Exception as exc:  # msgpack raises many types (OutOfData, FormatError, ValueError, ...)
-            self._fail(f"A frame of {length} bytes is not valid msgpack ({type(exc).__name__}: {exc}).")
+            self._fail(f"A frame of {length} bytes is not valid msgpack ({type(exc).__name__}: {exc}).",
+                       code="msgpack", header=header, length=length, cause=exc, raw=raw)
         if not isinstance(body, dict):
-            self._fail(f"A frame body is a msgpack {type(body).__name__}, not a map (proto_spec 02 §1.2).")
-        if not isinstance(body.get("t"), str) or not body["t"]:
-            self._fail("A frame body has no str key 't' naming its type (proto_spec 02 §1.2).")
+            self._fail(f"A frame body is a msgpack {type(body).__name__}, not a map (proto_spec 02 §1.2).",
+                       code="not_map", header=header, length=length, value=body)
+        if self._require_type and (not isinstance(body.get("t"), str) or not body["t"]):
+            self._fail("A frame body has no str key 't' naming its type (proto_spec 02 §1.2).", code="no_type",
+                       header=header, length=length)
         self.frames_decoded += 1
         return body
 

@@ -125,6 +125,7 @@ SHAPE = 'a control request is {"t": "request", "v": 1, "op": NAME, "args": {NAME
                                         f"msgpack value; {HINT}"),
     (struct.pack(">I", 3) + msgpack.packb([1, 2]), f"The control request is an array, not a map; {HINT}"),
     (struct.pack(">I", 3) + msgpack.packb("op"), f"The control request is a string, not a map; {HINT}"),
+    (struct.pack(">I", 8) + msgpack.packb({"v": 1, "op": 2}), f'This frame\'s "t" is missing, not "request"; {SHAPE}'),
     (encode_frame({"t": "request"}), f'The control request has no "v" (the control API version; this kafilad speaks '
                                      f'v1); {SHAPE}'),
     (encode_frame({"t": "request", "v": API_VERSION}), f'The control request has no "op" naming its operation; {SHAPE}'),

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kafilad.errors import LocalProtocolError, RemoteProtocolError
+from kafilad.errors import FramingError, LocalProtocolError, RemoteProtocolError
 from kafilad.proto import frames
 from kafilad.proto.noise import MAX_PLAINTEXT_BYTES
 
@@ -82,6 +82,27 @@ def test_decoder_rejects_with_reason(stream: bytes, message: str):
         dec.next_event()
     with pytest.raises(RemoteProtocolError, match=message):  # stays dead
         dec.receive_data(frames.encode_frame({"t": "ok"}))
+
+
+@pytest.mark.parametrize("stream, code, check", [
+    (struct.pack(">I", 0), "length", lambda e: e.header == b"\0\0\0\0" and e.length == 0),
+    (_raw_frame(b"\xc1"), "msgpack", lambda e: e.raw == b"\xc1" and isinstance(e.cause, Exception)),
+    (_raw_frame(msgpack.packb([1, 2])), "not_map", lambda e: e.value == [1, 2]),
+    (_raw_frame(msgpack.packb({"x": 1})), "no_type", lambda e: e.length == 4),
+])
+def test_decoder_errors_carry_a_code_and_what_a_caller_words_them_from(stream, code, check):
+    """Callers decide on the code, never the text (the control server words each for its clients)."""
+    dec = frames.FrameDecoder()
+    dec.receive_data(stream)
+    with pytest.raises(FramingError) as info:
+        dec.next_event()
+    assert info.value.code == code and code in FramingError.CODES and check(info.value)
+
+
+def test_a_decoder_that_does_not_require_a_type_returns_any_map():
+    dec = frames.FrameDecoder(require_type=False)
+    dec.receive_data(_raw_frame(msgpack.packb({"x": 1})))
+    assert dec.next_event() == {"x": 1}
 
 
 def test_oversize_length_is_refused_before_the_body_arrives():
