@@ -18,6 +18,9 @@ from typing import Optional
 import attrs
 import trio
 
+from kafilad.errors import MalformedFrame
+from kafilad.proto.ring_frames import IceOffer, decode_ice_offer
+
 log = logging.getLogger("kafilad.paths")
 
 #: How long to wait for the peer's offer signal before relaying (proto_spec 07 §2); also how long
@@ -165,37 +168,44 @@ class EdgeRecord:
         return out
 
 
+@attrs.frozen
+class HeldOffer:
+    """An offer in the inbox: the typed offer, the peer that signalled it, and when (trio time, s)."""
+
+    offer: IceOffer
+    from_peer: str
+    received_at: float
+
+
 class OfferInbox:
     """Candidate offers received over rendezvous signals (proto_spec 07 §2), matched by (edge, try) and sender."""
 
     def __init__(self, capacity: int = INBOX_OFFERS):
         self.capacity = capacity
-        self.offers: dict[tuple[str, int], dict] = {}
+        self.offers: dict[tuple[str, int], HeldOffer] = {}
         self._changed = trio.Event()
 
     def store(self, from_peer: str, body, now: float) -> bool:
-        """Keep a well-formed offer, stamped with ``from`` and ``received_at`` = ``now``; False if it was dropped."""
-        if not isinstance(body, dict) or body.get("t") != "ice_offer":
+        """Keep a well-formed offer (``decode_ice_offer``), with its sender and ``now``; False if it was dropped."""
+        try:
+            offer = decode_ice_offer(body)
+        except MalformedFrame as e:
+            log.debug("dropping a signal from %s: %s", from_peer, e)
             return False
-        edge, attempt = body.get("edge"), body.get("try", 0)
-        if not isinstance(edge, str) or not isinstance(attempt, int) or isinstance(attempt, bool):
-            return False
-        if not (isinstance(body.get("ufrag"), str) and isinstance(body.get("pwd"), str)):
-            return False
-        self.offers[(edge, attempt)] = {**body, "from": from_peer, "received_at": now}
+        self.offers[(offer.edge, offer.attempt)] = HeldOffer(offer, from_peer, now)
         while len(self.offers) > self.capacity:
             self.offers.pop(next(iter(self.offers)))
         self._changed.set()
         self._changed = trio.Event()
         return True
 
-    async def wait(self, edge: str, attempt: int, peer: str, timeout_s: float) -> Optional[dict]:
+    async def wait(self, edge: str, attempt: int, peer: str, timeout_s: float) -> Optional[IceOffer]:
         """The offer of ``peer`` for (``edge``, ``attempt``), taken out of the inbox; None after ``timeout_s``."""
         with trio.move_on_after(timeout_s):
             while True:
-                offer = self.offers.pop((edge, attempt), None)
-                if offer is not None and offer["from"] == peer:
-                    return offer
+                held = self.offers.pop((edge, attempt), None)
+                if held is not None and held.from_peer == peer:
+                    return held.offer
                 await self._changed.wait()
         return None
 
@@ -208,9 +218,9 @@ class OfferInbox:
         while True:
             changed = self._changed
             stale = trio.current_time() - OFFER_TIMEOUT_S
-            for key in [k for k, o in self.offers.items() if k[0] == edge and k[1] >= 1 and o["received_at"] < stale]:
+            for key in [k for k, o in self.offers.items() if k[0] == edge and k[1] >= 1 and o.received_at < stale]:
                 self.offers.pop(key, None)
-            tries = [k for (e, k), o in self.offers.items() if e == edge and k >= 1 and o["from"] == peer]
+            tries = [k for (e, k), o in self.offers.items() if e == edge and k >= 1 and o.from_peer == peer]
             if tries:
                 newest = max(tries)
                 for k in tries:

@@ -75,8 +75,8 @@ from kafilad.node.pathsize import PathSizes
 from kafilad.planner.ring import class_known, predict_path
 from kafilad.proto import ice
 from kafilad.proto.birthday import role_for as bd_role_for
-from kafilad.proto.natclass import CLASSES
 from kafilad.proto.pmtu import LADDER_BYTES
+from kafilad.proto.ring_frames import IceOffer
 
 log = logging.getLogger("kafilad.paths")
 
@@ -352,11 +352,9 @@ class PathManager:
         if not direct_enabled():
             return None, {"reason": "direct paths are disabled (KAFILA_DIRECT=0)"}
         creds = ice.new_credentials()
-        offer = {"t": "ice_offer", "edge": edge, "try": attempt, "ufrag": creds.ufrag, "pwd": creds.pwd,
-                 "cands": await self.candidates(), "nat_class": self.nat_class,
-                 "birthday": birthday.birthday_enabled()}
-        if self.nat_reason:
-            offer["nat_reason"] = self.nat_reason
+        offer = IceOffer(edge=edge, attempt=attempt, ufrag=creds.ufrag, pwd=creds.pwd,
+                         cands=tuple(await self.candidates()), nat_class=self.nat_class,
+                         nat_reason=self.nat_reason or None, birthday=birthday.birthday_enabled()).to_wire()
         t0 = trio.current_time()
         try:
             await self.rdv.send_signal(peer_id, offer)
@@ -367,16 +365,16 @@ class PathManager:
         log.debug("edge %s try %d: %s", edge, attempt, "their offer came" if theirs else "no offer came")
         if theirs is None:
             return None, {"reason": f"no candidate offer from {peer_name} within {OFFER_TIMEOUT_S:g} s"}
-        their_class = theirs.get("nat_class") if theirs.get("nat_class") in CLASSES else None
-        their_cands = ice.candidates_from_sdp(theirs.get("cands"))
-        self._note_classes(rec, their_class, theirs.get("nat_reason"), peer_name)
+        their_class = theirs.nat_class
+        their_cands = ice.candidates_from_sdp(list(theirs.cands))
+        self._note_classes(rec, their_class, theirs.nat_reason, peer_name)
         rec.predicted = PathKind(predict_path(self.nat_class, their_class))
         rec.same_network = self.shares_network(their_cands)
         if rec.predicted == PathKind.RELAYED and rec.same_network:
             rec.predicted = PathKind.DIRECT  # one NAT or one LAN: the host candidates connect (§2)
         if rec.predicted == PathKind.RELAYED and attempt == 0:
             return None, {"reason": f"predicted relay ({self.nat_class}-{their_class})"}
-        their_creds = ice.Credentials(theirs["ufrag"], theirs["pwd"])
+        their_creds = ice.Credentials(theirs.ufrag, theirs.pwd)
         deaf = attempt < dropped_check_attempts()
         endpoint, pool, found = self.endpoint, None, {}
         role, peer = self._birthday_role(theirs, their_class, their_cands, attempt)
@@ -436,12 +434,12 @@ class PathManager:
             rec.class_reasons[peer_name] = their_reason if isinstance(their_reason, str) and their_reason else \
                 "the NAT classification did not finish"
 
-    def _birthday_role(self, theirs: dict, their_class: Optional[str], their_cands: list, attempt: int):
+    def _birthday_role(self, theirs: IceOffer, their_class: Optional[str], their_cands: list, attempt: int):
         """(our role, the peer's server-reflexive address) when this attempt searches by birthday
         probing (§7b): a re-probe between C and S or S and S, both ends willing, the peer's mapped
         address known; else (None, None)."""
         role = bd_role_for(self.nat_class, their_class)
-        if role is None or attempt < 1 or not birthday.birthday_enabled() or theirs.get("birthday") is not True:
+        if role is None or attempt < 1 or not birthday.birthday_enabled() or not theirs.birthday:
             return None, None
         srflx = [c for c in their_cands if c.type == "srflx"]
         if not srflx:

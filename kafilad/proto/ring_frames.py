@@ -21,6 +21,9 @@ compatibility, proto_spec 02 §1.2). ``to_wire()`` gives the map to send.
  EdgeAck     edge_ack     es: int >= 0                                               07 §7
  PathReady   path_ready   es: int >= 0                                               07 §7
  PathSwitched path_switched  (no fields; an older sender's, dropped by the edge)     07 §7
+ IceOffer    ice_offer    edge: str, try: int (absent: 0), ufrag: str, pwd: str,     07 §2
+                          cands?: [str], nat_class?, nat_reason?, birthday?: bool
+                          (a rendezvous signal body, not a ring frame: decode_ice_offer)
 ```
 An ``act`` with a ``reqs`` key is a :class:`BatchAct`, else an :class:`Act`. ``h`` is an activation
 array map (proto_spec 02 §4.2), checked by :func:`kafilad.proto.frames.decode_activation`.
@@ -42,6 +45,7 @@ import attrs
 
 from kafilad.errors import LocalProtocolError, MalformedFrame, RemoteProtocolError
 from kafilad.proto.frames import decode_activation
+from kafilad.proto.natclass import CLASSES
 
 #: Micro-batch groups a batched act may name (proto_spec 05 §3 `mb`).
 MAX_GROUPS = 64
@@ -392,3 +396,60 @@ def stamp(body: dict, es: int) -> dict:
     if SEQ in body:
         raise LocalProtocolError("A ring frame body must not carry its own 'es' (proto_spec 07 §7).")
     return {**body, SEQ: es}
+
+
+@attrs.frozen
+class IceOffer:
+    """One end's candidate offer for one attempt on one edge, a rendezvous ``signal`` body (proto_spec 07 §2).
+
+    Attributes:
+        edge: the edge id ``<session_id>:<epoch>:<sender>><receiver>``. attempt: wire "try", 0 at
+            formation, 1, 2, ... for re-probes. ufrag, pwd: ICE credentials (RFC 8445 §5.3).
+        cands: SDP candidate values, as sent (kafilad/proto/ice.py ``candidates_from_sdp`` parses
+            them and skips what it cannot use). nat_class: one of natclass.CLASSES, else None.
+        nat_reason: why the class is "unknown", or None. birthday: the end searches C-S / S-S
+            re-probes by birthday probing (§7b).
+    """
+
+    T: ClassVar[str] = "ice_offer"
+    edge: str
+    attempt: int
+    ufrag: str
+    pwd: str
+    cands: tuple = ()
+    nat_class: Optional[str] = None
+    nat_reason: Optional[str] = None
+    birthday: bool = False
+
+    def to_wire(self) -> dict:
+        out = {"t": "ice_offer", "edge": self.edge, "try": self.attempt, "ufrag": self.ufrag, "pwd": self.pwd,
+               "cands": list(self.cands), "nat_class": self.nat_class, "birthday": self.birthday}
+        if self.nat_reason:
+            out["nat_reason"] = self.nat_reason
+        return out
+
+
+def decode_ice_offer(d: Any) -> IceOffer:
+    """The typed offer for a received signal body (proto_spec 07 §2).
+
+    The optional fields are read leniently, as an older or newer peer may fill them otherwise: a
+    ``cands`` that is not a list is empty and its non-str entries are dropped, a ``nat_class``
+    outside natclass.CLASSES is None, a ``nat_reason`` that is not a str is None, ``birthday`` is
+    true only when it is ``true``.
+
+    Raises:
+        MalformedFrame: not a map with "t" "ice_offer" (code "not_map"), or ``edge`` / ``ufrag`` /
+            ``pwd`` not a str, ``try`` not an integer (the offer is dropped).
+    """
+    if not isinstance(d, dict) or d.get("t") != "ice_offer":
+        raise MalformedFrame("malformed ice_offer: not a map with 't' 'ice_offer'", code="not_map")
+    r = _Reader(d, "ice_offer")
+    attempt = d.get("try", 0)
+    if not _int(attempt):
+        raise r.fail("type", "try", f"'try' is {_short(attempt)}, not an integer")
+    cands = d.get("cands")
+    nat_class, reason = d.get("nat_class"), d.get("nat_reason")
+    return IceOffer(edge=r.str_("edge"), attempt=attempt, ufrag=r.str_("ufrag"), pwd=r.str_("pwd"),
+                    cands=tuple(c for c in cands if isinstance(c, str)) if isinstance(cands, list) else (),
+                    nat_class=nat_class if nat_class in CLASSES else None,
+                    nat_reason=reason if isinstance(reason, str) else None, birthday=d.get("birthday") is True)

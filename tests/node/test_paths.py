@@ -8,6 +8,7 @@ from trio.testing import trio_test
 
 from kafilad.net.udp_endpoint import UdpEndpoint
 from kafilad.node.paths import OfferInbox, PathManager
+from kafilad.proto.ring_frames import IceOffer
 from kafilad.node.rdv_client import Signal, open_rendezvous
 from kafilad.proto.identity import fingerprint, peer_id as peer_id_of  # [rdv-proof]
 from kafilad.proto.rendezvous_proof import public_key  # [rdv-proof]
@@ -105,8 +106,9 @@ def test_malformed_offers_are_dropped():
         assert inbox.store("p", body, now=0.0) is False
     assert inbox.offers == {}
     assert inbox.store("p", {"t": "ice_offer", "edge": "e", "ufrag": "abcd", "pwd": "x" * 22}, now=1.5)
-    assert list(inbox.offers) == [("e", 0)] and inbox.offers[("e", 0)]["from"] == "p"
-    assert inbox.offers[("e", 0)]["received_at"] == 1.5
+    assert list(inbox.offers) == [("e", 0)] and inbox.offers[("e", 0)].from_peer == "p"
+    assert inbox.offers[("e", 0)].received_at == 1.5
+    assert inbox.offers[("e", 0)].offer == IceOffer(edge="e", attempt=0, ufrag="abcd", pwd="x" * 22)
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

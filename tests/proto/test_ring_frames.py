@@ -143,3 +143,23 @@ def test_any_msgpack_value_is_a_frame_or_the_typed_error(value):
             assert "es" not in frame.body and frame.body["t"] == value["t"]
         elif not isinstance(frame, UnknownRingFrame):
             assert decode_ring_frame(wire_roundtrip(frame)) == frame
+
+
+def test_an_ice_offer_survives_the_wire_and_its_optional_fields_are_read_leniently():
+    from kafilad.proto.ring_frames import IceOffer, decode_ice_offer
+    offer = IceOffer(edge="s:1:a>b", attempt=2, ufrag="u" * 8, pwd="p" * 32,
+                     cands=("h1 1 udp 2130706431 10.0.1.2 40001 typ host",), nat_class="unknown",
+                     nat_reason="no STUN answer", birthday=True)
+    assert decode_ice_offer(wire_roundtrip(offer)) == offer
+    assert offer.to_wire()["try"] == 2 and "attempt" not in offer.to_wire()
+    loose = decode_ice_offer({"t": "ice_offer", "edge": "e", "ufrag": "u", "pwd": "p", "cands": ["x", 3],
+                              "nat_class": "Z", "nat_reason": 5, "birthday": "yes"})
+    assert loose == IceOffer(edge="e", attempt=0, ufrag="u", pwd="p", cands=("x",))
+    for bad, field in (({"t": "ice_offer", "ufrag": "u", "pwd": "p"}, "edge"),
+                       ({"t": "ice_offer", "edge": "e", "try": True, "ufrag": "u", "pwd": "p"}, "try"),
+                       ({"t": "ice_offer", "edge": "e", "ufrag": "u", "pwd": 1}, "pwd")):
+        with pytest.raises(MalformedFrame) as info:
+            decode_ice_offer(bad)
+        assert info.value.field == field
+    with pytest.raises(MalformedFrame):
+        decode_ice_offer({"t": "act"})
