@@ -434,7 +434,7 @@ def decode_ice_offer(d: Any) -> IceOffer:
 
     The optional fields are read leniently, as an older or newer peer may fill them otherwise: a
     ``cands`` that is not a list is empty and its non-str entries are dropped, a ``nat_class``
-    outside natclass.CLASSES is None, a ``nat_reason`` that is not a str is None, ``birthday`` is
+    outside natclass.CLASSES is None, a ``nat_reason`` that is not a non-empty str is None, ``birthday`` is
     true only when it is ``true``.
 
     Raises:
@@ -452,4 +452,4 @@ def decode_ice_offer(d: Any) -> IceOffer:
     return IceOffer(edge=r.str_("edge"), attempt=attempt, ufrag=r.str_("ufrag"), pwd=r.str_("pwd"),
                     cands=tuple(c for c in cands if isinstance(c, str)) if isinstance(cands, list) else (),
                     nat_class=nat_class if nat_class in CLASSES else None,
-                    nat_reason=reason if isinstance(reason, str) else None, birthday=d.get("birthday") is True)
+                    nat_reason=reason if isinstance(reason, str) and reason else None, birthday=d.get("birthday") is True)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kafilad.errors import LocalProtocolError, MalformedFrame
 from kafilad.proto.frames import FrameDecoder, encode_activation, encode_frame
 from kafilad.proto.ring_frames import (Act, BatchAct, EdgeAck, End, PathReady, PathSwitched, Sequenced,
-                                       UnknownRingFrame, decode_edge, decode_ring_frame, stamp)
+                                       UnknownRingFrame, decode_edge, decode_ice_offer, decode_ring_frame, stamp)
 
 H = encode_activation("float32", (1, 2, 3), bytes(24))
 HB = encode_activation("bfloat16", (2, 1, 3), bytes(12))
@@ -122,9 +122,10 @@ msgpack_values = st.recursive(
 field_values = msgpack_values | st.just(H) | st.just(HB) | st.lists(st.text(max_size=3), max_size=3) \
     | st.lists(st.tuples(st.text(max_size=3), st.floats()).map(list), max_size=3)
 ring_maps = st.fixed_dictionaries(
-    {"t": st.sampled_from(["act", "end", "edge_ack", "path_ready", "path_switched", "other", ""])},
+    {"t": st.sampled_from(["act", "end", "edge_ack", "path_ready", "path_switched", "ice_offer", "other", ""])},
     optional={k: field_values for k in ("req", "reqs", "sample", "h", "hops", "from", "reuse", "evict", "mb",
-                                         "stats", "keep", "es")})
+                                         "stats", "keep", "es", "edge", "try", "ufrag", "pwd", "cands",
+                                         "nat_class", "nat_reason", "birthday")})
 
 
 @settings(max_examples=400, deadline=None)
@@ -133,6 +134,12 @@ def test_any_msgpack_value_is_a_frame_or_the_typed_error(value):
     """Fuzz: any value a peer can send decodes to a frame or raises MalformedFrame, never another error,
     and what decodes re-encodes to a map that decodes to the same frame."""
     value = msgpack.unpackb(msgpack.packb(value, use_bin_type=True), raw=False, strict_map_key=False)
+    try:
+        offer = decode_ice_offer(value)
+    except MalformedFrame as e:
+        assert e.code in MalformedFrame.CODES
+    else:
+        assert decode_ice_offer(wire_roundtrip(offer)) == offer
     for decode in (decode_ring_frame, decode_edge):
         try:
             frame = decode(value)
@@ -163,3 +170,4 @@ def test_an_ice_offer_survives_the_wire_and_its_optional_fields_are_read_lenient
         assert info.value.field == field
     with pytest.raises(MalformedFrame):
         decode_ice_offer({"t": "act"})
+    assert decode_ice_offer({**loose.to_wire(), "nat_reason": ""}).nat_reason is None  # as to_wire leaves it out
