@@ -452,4 +452,5 @@ def decode_ice_offer(d: Any) -> IceOffer:
     return IceOffer(edge=r.str_("edge"), attempt=attempt, ufrag=r.str_("ufrag"), pwd=r.str_("pwd"),
                     cands=tuple(c for c in cands if isinstance(c, str)) if isinstance(cands, list) else (),
                     nat_class=nat_class if nat_class in CLASSES else None,
-                    nat_reason=reason if isinstance(reason, str) and reason else None, birthday=d.get("birthday") is True)
+                    nat_reason=reason if isinstance(reason, str) and reason else None,
+                    birthday=d.get("birthday") is True)
