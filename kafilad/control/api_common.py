@@ -27,7 +27,8 @@ import trio
 
 from kafilad.control.http_server import SHUTTING_DOWN_MID_STREAM, ClientGone
 from kafilad.control.metrics import metered
-from kafilad.errors import GenerationCancelled, HostBusyError, KafilaError, SessionNotReadyError, only_cancelled
+from kafilad.errors import (CONTEXT_LENGTH_EXCEEDED, INVALID_LOGIT_BIAS, ContextTooLongError, GenerationCancelled,
+                            HostBusyError, KafilaError, SessionNotReadyError, only_cancelled)
 from kafilad.node import comeback
 from kafilad.node.step_timeline import TIMELINE
 
@@ -315,22 +316,17 @@ def generation_error(e: KafilaError, session, fields: Optional[dict[str, str]] =
     if isinstance(e, HostBusyError):
         return HttpError(429, api_text(str(e), fields), "rate_limit_exceeded",
                          headers=[("retry-after", str(max(1, int(e.retry_after_s))))])
-    numbers = [getattr(e, k, None) for k in ("prompt_tokens", "max_tokens", "context")]
-    field = getattr(e, "prompt_field", None)  # set when the request had no max_tokens: the API chose it
-    if all(isinstance(n, int) for n in numbers) and field:  # so the prompt alone fills the context
-        return HttpError(400, f"The prompt ({tokens_text(numbers[0], not getattr(e, 'at_least', False))}) "
-                              f"leaves no room to generate in the session's context of {numbers[2]} tokens; "
-                              f"shorten the {field}.", param=field, code="context_length_exceeded")
-    if all(isinstance(n, int) for n in numbers):  # ContextTooLongError
+    if isinstance(e, ContextTooLongError):
+        prompt = tokens_text(e.prompt_tokens, not e.at_least)
+        if e.prompt_field:  # the request had no max_tokens (the API chose it): the prompt alone fills the context
+            return HttpError(400, f"The prompt ({prompt}) leaves no room to generate in the session's context "
+                                  f"of {e.context} tokens; shorten the {e.prompt_field}.", param=e.prompt_field,
+                             code=CONTEXT_LENGTH_EXCEEDED)
         field = (fields or {}).get("max_tokens", "max_tokens")
-        return HttpError(400, f"The prompt ({tokens_text(numbers[0], not getattr(e, 'at_least', False))}) plus "
-                              f"'{field}' {numbers[1]} exceeds the "
-                              f"session's context of {numbers[2]} tokens.", param=field,
-                         code="context_length_exceeded")
+        return HttpError(400, f"The prompt ({prompt}) plus '{field}' {e.max_tokens} exceeds the "
+                              f"session's context of {e.context} tokens.", param=field, code=CONTEXT_LENGTH_EXCEEDED)
     message = api_text(str(e), fields)
-    if "admitted context" in message:  # the prompt is too long for the session
-        return HttpError(400, message, code="context_length_exceeded")
-    if "'logit_bias'" in message:  # the head refused a token id outside the vocabulary
+    if e.code == INVALID_LOGIT_BIAS:  # the head refused a token id outside the vocabulary
         return HttpError(400, message, param="logit_bias")
     if state_of(session) != "ready":
         try:

@@ -260,7 +260,7 @@ class Node:
                     log.info("hosting the remembered session %s again", session.code)
                     return
                 except (KafilaError, KeyError, TypeError, ValueError) as e:
-                    if isinstance(e, KafilaError) and "held by another host key" in str(e):
+                    if comeback.rehost_gives_up(e):
                         self.state.forget_session()
                         return
                     reason = str(e) if isinstance(e, KafilaError) else f"the remembered session is damaged ({e!r})"
@@ -306,8 +306,7 @@ class Node:
                     await self.op_join({"code": record["code"], "rendezvous": record["rendezvous"]}, _ignore)
                     return
                 except KafilaError as e:
-                    if ("refused this device" in str(e) and "already in the session" not in str(e)) \
-                            or "Refusing to join" in str(e):
+                    if comeback.rejoin_gives_up(e):
                         log.warning("not rejoining %s: %s", record["code"], e)
                         self.state.forget_session()
                         return
