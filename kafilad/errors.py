@@ -17,6 +17,7 @@ ADMIT_TIMEOUT = "admit_timeout"
 SESSION_FAILED = "session_failed"
 HOST_KEY_MISMATCH = "host_key_mismatch"
 DUPLICATE_PEER = "duplicate_peer"
+SHUTTING_DOWN = "shutting_down"  # the daemon stops, so the operation was not finished (proto_spec 05 §4)
 
 
 class KafilaError(Exception):
