@@ -29,8 +29,7 @@ from kafilad.control.http_server import SHUTTING_DOWN_MID_STREAM, ClientGone
 from kafilad.control.metrics import metered
 from kafilad.errors import (CONTEXT_LENGTH_EXCEEDED, INVALID_LOGIT_BIAS, ContextTooLongError, GenerationCancelled,
                             HostBusyError, KafilaError, SessionNotReadyError, only_cancelled)
-from kafilad.node import comeback
-from kafilad.node.step_timeline import TIMELINE
+from kafilad.step_timeline import TIMELINE
 
 log = logging.getLogger("kafilad.http")
 
@@ -80,7 +79,7 @@ def not_restoring(node) -> None:
 async def serving_session(node, gone: trio.Event):
     """The hosted session of `node` once it is ready to generate: a session healing from a member
     loss, or one a restarted host daemon is restoring, is waited for, at most RECOVERY_WAIT_S each
-    (kafilad/node/comeback.py `session_back`, kafilad/node/host_requests.py `wait_serving`).
+    (kafilad/node/daemon.py `Node.session_back`, kafilad/node/host_requests.py `wait_serving`).
 
     Args:
         gone: set when the request's client went away (`Responder.client_gone`).
@@ -89,7 +88,7 @@ async def serving_session(node, gone: trio.Event):
         ClientGone: the client went away while its request waited.
     """
     if hasattr(node, "restoring_sentence"):  # a daemon: one restoring its session after a restart is waited for
-        await comeback.session_back(node, gone)
+        await node.session_back(gone)
     if gone.is_set():
         raise ClientGone("the client closed its connection")
     not_restoring(node)
@@ -113,11 +112,10 @@ NOT_HOSTING = "No session is being served by this daemon: it is not hosting one.
 
 def ready(s):
     """`s` if it is a hosted session ready to generate; else HttpError 503 saying its state."""
-    from kafilad.node.host import HostSession
     if s is None:
         raise HttpError(503, NOT_HOSTING, "service_unavailable")
     state = state_of(s)
-    if not isinstance(s, HostSession):
+    if s.role != "host":  # a member session (kafilad/node/member.py MemberSession)
         if state in ("failed", "closed"):
             raise HttpError(503, NOT_HOSTING, "service_unavailable")
         raise HttpError(503, "This daemon is a member of a session, not its host; send requests to the host's API.",

@@ -375,6 +375,11 @@ class Node:
         self.changed()
         return {"session_id": session.session_id, "host": session.host_name, "state": str(session.state)}
 
+    async def session_back(self, gone: Optional[trio.Event] = None) -> None:
+        """Return once this daemon is no longer restoring its remembered session (comeback.session_back:
+        at most host_requests.RECOVERY_WAIT_S, or until `gone` is set); the HTTP API waits on it."""
+        await comeback.session_back(self, gone)
+
     async def host_session_back(self, gone: Optional[trio.Event] = None):
         """The hosted session, once a restarted daemon restoring it has it back (comeback.session_back).
 
