@@ -70,7 +70,7 @@ def not_restoring(node) -> None:
     Raises:
         HttpError: 503 + Retry-After saying so (kafilad/node/daemon.py `restoring_sentence`).
     """
-    said = getattr(node, "restoring_sentence", lambda: None)()
+    said = node.restoring_sentence()
     if said is not None:
         raise HttpError(503, f"{said} It serves requests once the session is ready.", "service_unavailable",
                         headers=[("retry-after", str(RETRY_FORMING_S))])
@@ -87,8 +87,7 @@ async def serving_session(node, gone: trio.Event):
         HttpError: 503 saying what the daemon is doing instead (`ready`).
         ClientGone: the client went away while its request waited.
     """
-    if hasattr(node, "restoring_sentence"):  # a daemon: one restoring its session after a restart is waited for
-        await node.session_back(gone)
+    await node.session_back(gone)  # a daemon restoring its session after a restart is waited for
     if gone.is_set():
         raise ClientGone("the client closed its connection")
     not_restoring(node)

@@ -22,6 +22,7 @@ from kafilad.control.api_common import generation_error
 from kafilad.errors import INVALID_LOGIT_BIAS, ContextTooLongError, GenerationError, SessionNotReadyError
 from kafilad.node.host import HostSession
 from kafilad.proto.session import HostState
+from kafilad.control.node_view import SessionOnly
 
 
 def session_in(state: HostState) -> HostSession:
@@ -68,7 +69,7 @@ async def answer(path: str, body: dict) -> tuple[int, dict]:
     h.info = read_model_info(h.model_dir)
     h.context = 512
     h._chat_tokenizer = None
-    status, _, out = await exchange(http_request("POST", path, body=json.dumps(body).encode()), SimpleNamespace(session=h))
+    status, _, out = await exchange(http_request("POST", path, body=json.dumps(body).encode()), SessionOnly(h))
     return status, json.loads(out)
 
 
