@@ -11,7 +11,7 @@ from pathlib import Path
 
 import trio
 
-from kafilad.errors import KafilaError
+from kafilad.errors import CONTEXT_LENGTH_EXCEEDED, KafilaError
 from kafilad.planner.plan import DEFAULT_STRATEGY, STRATEGIES
 from kafilad.proto import session_events as sm
 from kafila_ctl.client import ControlClient, DaemonShutDown
@@ -342,7 +342,7 @@ def cmd_chat(args) -> int:
                 break
             except KafilaError as e:
                 first = 1 if messages[0]["role"] == "system" else 0
-                if "admitted context" in str(e) and len(messages) - first > 1:
+                if e.code == CONTEXT_LENGTH_EXCEEDED and len(messages) - first > 1:
                     del messages[first:first + 2]  # forget the oldest exchange and try again
                     continue
                 print(f"kafila-ctl: {e}", file=sys.stderr)

@@ -24,6 +24,16 @@ class DaemonShutDown(DaemonStopped):
     operation: its reply carried code `shutting_down` (proto_spec 05 §4)."""
 
 
+class DaemonRefused(KafilaError):
+    """The daemon answered an operation with an error (proto_spec 05 §4): the message is its sentence,
+    ``code`` its `code` ("" when it sent none; e.g. kafilad/errors.py CONTEXT_LENGTH_EXCEEDED), which a
+    caller decides on."""
+
+    def __init__(self, message: str, code: str = ""):
+        super().__init__(message)
+        self.code = code
+
+
 class UsageError(KafilaError):
     """An argument kafila-ctl refuses before it starts or changes anything (exit status 2, as argparse's
     own usage errors); the message is a sentence naming the argument and what it takes."""
@@ -81,7 +91,7 @@ class ControlClient:
         Raises:
             DaemonNotRunning: nothing answers on the socket.
             DaemonShutDown: the daemon stopped before its reply (code `shutting_down`, proto_spec 05 §4).
-            KafilaError: the daemon replied with an error (its message).
+            DaemonRefused: the daemon replied with an error (its message and code).
         """
         result = None
         async for kind, body in self.stream(op, **args):
@@ -114,8 +124,11 @@ class ControlClient:
                     yield "event", msg
                 elif msg.get("t") == "reply":
                     if not msg.get("ok"):
-                        cls = DaemonShutDown if msg.get("code") == SHUTTING_DOWN else KafilaError
-                        raise cls(msg.get("error") or f"'{op}' failed.")
+                        code = msg.get("code") if isinstance(msg.get("code"), str) else ""
+                        text = str(msg.get("error") or f"'{op}' failed.")
+                        if code == SHUTTING_DOWN:
+                            raise DaemonShutDown(text)
+                        raise DaemonRefused(text, code)
                     yield "result", msg.get("result")
                     return
         finally:

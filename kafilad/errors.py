@@ -6,8 +6,29 @@ Messages are whole sentences a user can act on.
 from __future__ import annotations
 
 
+#: `code`s callers decide on (STYLE.md "Errors": never on a message's text). The control socket sends an
+#: error's code to kafila-ctl (proto_spec 05 §4); `denied` frames carry the join refusals' (proto_spec 05 §2).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+INVALID_LOGIT_BIAS = "invalid_logit_bias"
+DENIED = "denied"  # the host's `kafila-ctl deny`, or a refusal without a code (an older host)
+ALREADY_IN_SESSION = "already_in_session"
+SESSION_COMPLETE = "session_complete"
+ADMIT_TIMEOUT = "admit_timeout"
+SESSION_FAILED = "session_failed"
+HOST_KEY_MISMATCH = "host_key_mismatch"
+DUPLICATE_PEER = "duplicate_peer"
+SHUTTING_DOWN = "shutting_down"  # the daemon stops, so the operation was not finished (proto_spec 05 §4)
+
+
 class KafilaError(Exception):
-    """Root of every error Kafila raises on purpose."""
+    """Root of every error Kafila raises on purpose.
+
+    Attributes:
+        code: a short stable word naming the refusal for programs ("" when none is named); callers decide
+            on an error's type and this, never on its message, which is a sentence for people.
+    """
+
+    code: str = ""
 
 
 class LocalProtocolError(KafilaError):
@@ -174,7 +195,30 @@ class RingEdgeError(SessionError):
 
 
 class GenerationError(SessionError):
-    """A request failed mid-generation; the message names the member at fault."""
+    """A request failed mid-generation; the message names the member at fault.
+
+    Args:
+        code: e.g. INVALID_LOGIT_BIAS (the head cannot apply the request's sampling: the client's fault,
+            an HTTP 400); None keeps the class's code.
+    """
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class JoinRefused(SessionError):
+    """The host refused this device's join (its `denied` frame, proto_spec 05 §2), or this device refused
+    the host (its key does not match the session code: HOST_KEY_MISMATCH).
+
+    Attributes:
+        code: DENIED, ALREADY_IN_SESSION, SESSION_COMPLETE, ADMIT_TIMEOUT, SESSION_FAILED or HOST_KEY_MISMATCH.
+    """
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
 
 
 class ContextTooLongError(GenerationError):
@@ -186,6 +230,8 @@ class ContextTooLongError(GenerationError):
         prompt_field: set by an API when its client sent no max_tokens (the API chose it): the field
             holding the prompt, which alone leaves no room (kafilad/control/api_common.py).
     """
+
+    code = CONTEXT_LENGTH_EXCEEDED
 
     def __init__(self, message: str, *, prompt_tokens: int, max_tokens: int, context: int, at_least: bool = False):
         super().__init__(message)

@@ -56,3 +56,11 @@ def test_only_executor_imports_mlx():
             continue
         bad = imported_roots(path) & {"mlx", "mlx_lm"}
         assert not bad, f"{path.relative_to(PKG.parent)} imports {sorted(bad)}"
+
+
+def test_control_does_not_import_node():
+    """Imports run one way (issue 25 item 1): node/ (the daemon) starts control/'s servers and hands them
+    itself; control/ sees the node only through what it is handed, never by importing node/."""
+    for path in sorted((PKG / "control").rglob("*.py")):
+        bad = {m for m in imported_modules(path) if m == "kafilad.node" or m.startswith("kafilad.node.")}
+        assert not bad, f"{path.relative_to(PKG.parent)} imports {sorted(bad)}"

@@ -77,7 +77,7 @@ assert set(OP_ARGS) == set(OPS)
 FramedStream = FrameStream
 
 #: the code of a failed reply to an op that the daemon's stop cut short (proto_spec 05 §4)
-SHUTTING_DOWN = "shutting_down"
+from kafilad.errors import SHUTTING_DOWN  # noqa: E402,F401 - re-exported (kafila_ctl/client.py)
 
 
 def request(op: str, args: dict[str, Any] | None = None) -> dict:

@@ -27,9 +27,9 @@ import trio
 
 from kafilad.control.http_server import SHUTTING_DOWN_MID_STREAM, ClientGone
 from kafilad.control.metrics import metered
-from kafilad.errors import GenerationCancelled, HostBusyError, KafilaError, SessionNotReadyError, only_cancelled
-from kafilad.node import comeback
-from kafilad.node.step_timeline import TIMELINE
+from kafilad.errors import (CONTEXT_LENGTH_EXCEEDED, INVALID_LOGIT_BIAS, ContextTooLongError, GenerationCancelled,
+                            HostBusyError, KafilaError, SessionNotReadyError, only_cancelled)
+from kafilad.step_timeline import TIMELINE
 
 log = logging.getLogger("kafilad.http")
 
@@ -70,7 +70,7 @@ def not_restoring(node) -> None:
     Raises:
         HttpError: 503 + Retry-After saying so (kafilad/node/daemon.py `restoring_sentence`).
     """
-    said = getattr(node, "restoring_sentence", lambda: None)()
+    said = node.restoring_sentence()
     if said is not None:
         raise HttpError(503, f"{said} It serves requests once the session is ready.", "service_unavailable",
                         headers=[("retry-after", str(RETRY_FORMING_S))])
@@ -79,7 +79,7 @@ def not_restoring(node) -> None:
 async def serving_session(node, gone: trio.Event):
     """The hosted session of `node` once it is ready to generate: a session healing from a member
     loss, or one a restarted host daemon is restoring, is waited for, at most RECOVERY_WAIT_S each
-    (kafilad/node/comeback.py `session_back`, kafilad/node/host_requests.py `wait_serving`).
+    (kafilad/node/daemon.py `Node.session_back`, kafilad/node/host_requests.py `wait_serving`).
 
     Args:
         gone: set when the request's client went away (`Responder.client_gone`).
@@ -87,8 +87,7 @@ async def serving_session(node, gone: trio.Event):
         HttpError: 503 saying what the daemon is doing instead (`ready`).
         ClientGone: the client went away while its request waited.
     """
-    if hasattr(node, "restoring_sentence"):  # a daemon: one restoring its session after a restart is waited for
-        await comeback.session_back(node, gone)
+    await node.session_back(gone)  # a daemon restoring its session after a restart is waited for
     if gone.is_set():
         raise ClientGone("the client closed its connection")
     not_restoring(node)
@@ -112,11 +111,10 @@ NOT_HOSTING = "No session is being served by this daemon: it is not hosting one.
 
 def ready(s):
     """`s` if it is a hosted session ready to generate; else HttpError 503 saying its state."""
-    from kafilad.node.host import HostSession
     if s is None:
         raise HttpError(503, NOT_HOSTING, "service_unavailable")
     state = state_of(s)
-    if not isinstance(s, HostSession):
+    if s.role != "host":  # a member session (kafilad/node/member.py MemberSession)
         if state in ("failed", "closed"):
             raise HttpError(503, NOT_HOSTING, "service_unavailable")
         raise HttpError(503, "This daemon is a member of a session, not its host; send requests to the host's API.",
@@ -315,22 +313,17 @@ def generation_error(e: KafilaError, session, fields: Optional[dict[str, str]] =
     if isinstance(e, HostBusyError):
         return HttpError(429, api_text(str(e), fields), "rate_limit_exceeded",
                          headers=[("retry-after", str(max(1, int(e.retry_after_s))))])
-    numbers = [getattr(e, k, None) for k in ("prompt_tokens", "max_tokens", "context")]
-    field = getattr(e, "prompt_field", None)  # set when the request had no max_tokens: the API chose it
-    if all(isinstance(n, int) for n in numbers) and field:  # so the prompt alone fills the context
-        return HttpError(400, f"The prompt ({tokens_text(numbers[0], not getattr(e, 'at_least', False))}) "
-                              f"leaves no room to generate in the session's context of {numbers[2]} tokens; "
-                              f"shorten the {field}.", param=field, code="context_length_exceeded")
-    if all(isinstance(n, int) for n in numbers):  # ContextTooLongError
+    if isinstance(e, ContextTooLongError):
+        prompt = tokens_text(e.prompt_tokens, not e.at_least)
+        if e.prompt_field:  # the request had no max_tokens (the API chose it): the prompt alone fills the context
+            return HttpError(400, f"The prompt ({prompt}) leaves no room to generate in the session's context "
+                                  f"of {e.context} tokens; shorten the {e.prompt_field}.", param=e.prompt_field,
+                             code=CONTEXT_LENGTH_EXCEEDED)
         field = (fields or {}).get("max_tokens", "max_tokens")
-        return HttpError(400, f"The prompt ({tokens_text(numbers[0], not getattr(e, 'at_least', False))}) plus "
-                              f"'{field}' {numbers[1]} exceeds the "
-                              f"session's context of {numbers[2]} tokens.", param=field,
-                         code="context_length_exceeded")
+        return HttpError(400, f"The prompt ({prompt}) plus '{field}' {e.max_tokens} exceeds the "
+                              f"session's context of {e.context} tokens.", param=field, code=CONTEXT_LENGTH_EXCEEDED)
     message = api_text(str(e), fields)
-    if "admitted context" in message:  # the prompt is too long for the session
-        return HttpError(400, message, code="context_length_exceeded")
-    if "'logit_bias'" in message:  # the head refused a token id outside the vocabulary
+    if e.code == INVALID_LOGIT_BIAS:  # the head refused a token id outside the vocabulary
         return HttpError(400, message, param="logit_bias")
     if state_of(session) != "ready":
         try:

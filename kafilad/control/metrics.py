@@ -49,7 +49,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from kafilad.errors import GenerationCancelled, HostBusyError, KafilaError
+from kafilad.errors import ContextTooLongError, GenerationCancelled, HostBusyError, KafilaError
 
 #: what GET /metrics answers with (the text format every Prometheus scrapes)
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -142,14 +142,13 @@ def metered(generate: Generate, meter: Optional[RequestMeter] = None) -> Generat
             result = await generate(on_event)
         except GenerationCancelled as e:
             m.generations.labels(route, "client_gone").inc()
-            m.generated_tokens.labels(route).inc(getattr(e, "tokens", None) or seen[0])
+            m.generated_tokens.labels(route).inc(e.tokens or seen[0])
             raise
         except HostBusyError:
             m.generations.labels(route, "busy").inc()
             raise
         except KafilaError as e:
-            outcome = "refused" if all(isinstance(getattr(e, k, None), int) for k in ("prompt_tokens", "context")) \
-                else "failed"
+            outcome = "refused" if isinstance(e, ContextTooLongError) else "failed"
             m.generations.labels(route, outcome).inc()
             m.generated_tokens.labels(route).inc(seen[0])
             raise

@@ -193,8 +193,7 @@ async def _metrics(node, request: Request, res: Responder) -> None:
     """GET /metrics (kafilad/control/metrics.py): the API's counters and the node's status snapshot."""
     meter = CURRENT.get()
     metrics = meter.metrics if meter is not None else DEFAULT_METRICS
-    snapshot = node.snapshot() if callable(getattr(node, "snapshot", None)) else None
-    await res.send(200, metrics.render(snapshot), content_type=CONTENT_TYPE)
+    await res.send(200, metrics.render(node.snapshot()), content_type=CONTENT_TYPE)
 
 
 def _error_shape(path: str) -> Optional[Callable[[int, str], bytes]]:

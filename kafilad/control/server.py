@@ -317,13 +317,13 @@ class ControlServer:
         try:
             result = await handler(args, emit)
         except KafilaError as e:
-            return _error(str(e))
+            return _error(str(e), e.code or None)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone):
             return None  # the client went away mid-stream
         except Exception as e:  # noqa: BLE001 - a bug in a handler must not take the daemon down
             known = find_kafila_error(e)  # a refusal wrapped by a nursery is not a bug
             if known is not None:
-                return _error(str(known))
+                return _error(str(known), known.code or None)
             log.exception("control: handler %s failed", op)
             return _error(f"Internal error in '{op}': {e!r}.")
         return {"t": "reply", "ok": True, "result": result}

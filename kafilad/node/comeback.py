@@ -18,7 +18,7 @@ from typing import Optional
 
 import trio
 
-from kafilad.errors import RendezvousRefused
+from kafilad.errors import ALREADY_IN_SESSION, DUPLICATE_PEER, JoinRefused, RendezvousRefused
 
 RECONNECTING, RESTORING = "reconnecting", "restoring"
 
@@ -48,6 +48,24 @@ def rejoin_delay_s(error: Exception, delay_s: float, unknown_tries: int) -> tupl
             and unknown_tries < REJOIN_UNKNOWN_SESSION_TRIES:
         return REJOIN_FIRST_S, delay_s, unknown_tries + 1
     return delay_s, min(delay_s * 2, REJOIN_MAX_S), unknown_tries
+
+
+def rejoin_gives_up(error: Exception) -> bool:
+    """Whether a failed rejoin of the remembered session ends the rejoining (the session is forgotten).
+
+    True when the host refused this device (JoinRefused with any code but ALREADY_IN_SESSION: its old
+    link is not gone yet, so a later try may pass), or this device refused the host (HOST_KEY_MISMATCH);
+    False for anything else (host or rendezvous unreachable, the join cut short), which is retried.
+    Decided on the error's type and code (proto_spec 05 §2 `denied`), never on its message.
+    """
+    return isinstance(error, JoinRefused) and error.code != ALREADY_IN_SESSION
+
+
+def rehost_gives_up(error: Exception) -> bool:
+    """Whether a failed re-hosting of the remembered session ends it (the session is forgotten): the
+    rendezvous holds that session id for another host key (RendezvousRefused `duplicate_peer`, proto_spec
+    03 §2.3), which no retry changes. Anything else is retried."""
+    return isinstance(error, RendezvousRefused) and error.code == DUPLICATE_PEER
 
 
 def rejoin_first_wait_s(failed_unready: int) -> float:

@@ -27,6 +27,7 @@ from kafilad.node import comeback
 from kafilad.node.comeback import (REJOIN_FIRST_S, REJOIN_MAX_S, REJOIN_UNKNOWN_SESSION_TRIES,  # noqa: F401
                                    rejoin_delay_s)
 from kafilad.node.statedir import StateDir
+from kafilad.proto import lifecycle as lc
 from kafilad.proto import session as sm
 from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
 
@@ -116,6 +117,8 @@ class Node:
         #: while a restarted daemon hosts its remembered session again (`_rehost`): {"code", "attempt",
         #: "at" (time.time() of the next try), "reason"}
         self.restoring: Optional[dict] = None
+        #: which kind of session this daemon runs, if any (kafilad/proto/lifecycle.py)
+        self.lifecycle = lc.Lifecycle()
         self.mlx_lock = trio.Lock()
         self._changed = trio.Event()
         self._session_scope: Optional[trio.CancelScope] = None
@@ -126,14 +129,23 @@ class Node:
         self._changed.set()
         self._changed = trio.Event()
 
+    def _lifecycle(self, event: lc.Event) -> None:
+        """Feed the daemon's lifecycle machine; watchers learn of a new phase."""
+        self.lifecycle.handle(event)
+        if self.lifecycle.changed:
+            self.lifecycle.changed = False
+            self.changed()
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         remembered = self.state.remembered_session()
         if remembered is not None:  # said from the first status on: a request never finds "no session" meanwhile
             comeback_info = comeback.record(str(remembered.get("code") or ""), 1, "this daemon restarted")
             if remembered.get("role") == "host":
                 self.restoring = comeback_info
+                self._lifecycle(lc.Restore())
             else:
                 self.rejoining = comeback_info
+                self._lifecycle(lc.Rejoin())
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             await nursery.start(serve_control, self.state.socket_path, self.handlers)
@@ -156,6 +168,7 @@ class Node:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
             async for sig in sigs:
                 log.info("received signal %s; shutting down", sig)
+                self._lifecycle(lc.Stop())
                 scope.cancel()
                 return
 
@@ -166,7 +179,13 @@ class Node:
             raise KafilaError("No rendezvous given: pass --rendezvous ws://HOST:PORT to this command or to kafilad.")
         return url
 
-    def _ensure_no_session(self) -> None:
+    def _ensure_no_session(self, what: str) -> None:
+        """Refuse to start a session (``what``: "host", "join") while one runs or the daemon stops.
+
+        Raises:
+            KafilaError: a session runs; LocalProtocolError (code shutting_down): the daemon stops.
+        """
+        self.lifecycle.check_may_start(what)
         if self.session is not None and self.session.state not in ("failed", "closed"):
             raise KafilaError(f"This daemon is already in session {self.session.session_id} "
                               f"(state {self.session.state}); run `kafila-ctl leave` first.")
@@ -199,7 +218,10 @@ class Node:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     await session._handle(sm.Close("the session ended", final=False))
             self.changed()
-        if started and self._will_rejoin(session):
+        rejoin = started and self._will_rejoin(session)
+        if started and self.session is session:
+            self._lifecycle(lc.Ended(rejoin=rejoin))
+        if rejoin:
             # the host or rendezvous went away: come back by itself, at once after a session that served,
             # with a growing wait after sessions that failed before serving (comeback.rejoin_first_wait_s)
             self._failed_unready = 0 if session.served else self._failed_unready + 1
@@ -218,7 +240,7 @@ class Node:
 
     async def op_host(self, args: dict, emit) -> dict:
         from kafilad.node.host import HostSession
-        self._ensure_no_session()
+        self._ensure_no_session("host")
         strategy = _strategy(args)
         session = HostSession(self, model_dir=await resolve_model_dir(_required(args, "model_dir", str), self.state.path / "models"), members=_arg(args, "members", int, 1),
                               context=_arg(args, "context", int, None), concurrency=_arg(args, "concurrency", int, 1),
@@ -227,6 +249,7 @@ class Node:
                               queue_limit=_queue_limit(args), strategy=strategy, head_self=_head_self(args))
         code = await self.nursery.start(self._run_session, session)
         self.session = session
+        self._lifecycle(lc.Hosted())
         self.changed()
         return {"code": code, "session_id": session.session_id}
 
@@ -256,12 +279,14 @@ class Node:
                     session.rehosted = True  # requests wait while its members rejoin (host_requests.returning)
                     await self.nursery.start(self._run_session, session)
                     self.session = session
+                    self._lifecycle(lc.Hosted())
                     self.changed()
                     log.info("hosting the remembered session %s again", session.code)
                     return
                 except (KafilaError, KeyError, TypeError, ValueError) as e:
-                    if isinstance(e, KafilaError) and "held by another host key" in str(e):
+                    if comeback.rehost_gives_up(e):
                         self.state.forget_session()
+                        self._lifecycle(lc.GaveUp())
                         return
                     reason = str(e) if isinstance(e, KafilaError) else f"the remembered session is damaged ({e!r})"
                 wait_s = delay_s * random.uniform(0.8, 1.2)
@@ -297,6 +322,7 @@ class Node:
             while True:
                 record = self.state.remembered_session()
                 if record is None or (self.session is not None and self.session.state not in ("failed", "closed")):
+                    self._lifecycle(lc.GaveUp())  # forgotten (`leave`), or a user's host/join runs: no-op then
                     return
                 attempt += 1
                 self.rejoining = comeback.record(record["code"], attempt, reason or "this daemon restarted")
@@ -306,10 +332,10 @@ class Node:
                     await self.op_join({"code": record["code"], "rendezvous": record["rendezvous"]}, _ignore)
                     return
                 except KafilaError as e:
-                    if ("refused this device" in str(e) and "already in the session" not in str(e)) \
-                            or "Refusing to join" in str(e):
+                    if comeback.rejoin_gives_up(e):
                         log.warning("not rejoining %s: %s", record["code"], e)
                         self.state.forget_session()
+                        self._lifecycle(lc.GaveUp())
                         return
                     wait_s, delay_s, unknown_tries = rejoin_delay_s(e, delay_s, unknown_tries)
                     wait_s *= random.uniform(0.8, 1.2)
@@ -328,7 +354,7 @@ class Node:
 
     async def op_join(self, args: dict, emit) -> dict:
         from kafilad.node.member import MemberSession
-        self._ensure_no_session()
+        self._ensure_no_session("join")
         session = MemberSession(self, code=_required(args, "code", str).strip(), rendezvous=self._rdv(args))
         self.session = session
 
@@ -345,8 +371,14 @@ class Node:
             self.changed()  # the machine says `failed` and why (the join's error is the caller's reply)
             raise
         self.state.remember_session({"role": "member", "code": session.code, "rendezvous": session.rdv_url})
+        self._lifecycle(lc.Joined())
         self.changed()
         return {"session_id": session.session_id, "host": session.host_name, "state": str(session.state)}
+
+    async def session_back(self, gone: Optional[trio.Event] = None) -> None:
+        """Return once this daemon is no longer restoring its remembered session (comeback.session_back:
+        at most host_requests.RECOVERY_WAIT_S, or until `gone` is set); the HTTP API waits on it."""
+        await comeback.session_back(self, gone)
 
     async def host_session_back(self, gone: Optional[trio.Event] = None):
         """The hosted session, once a restarted daemon restoring it has it back (comeback.session_back).
@@ -439,6 +471,7 @@ class Node:
 
     def snapshot(self) -> dict:
         base = {"name": self.name, "peer_id": self.peer_id, "fingerprint": fingerprint(self.public_key),
+                "lifecycle": self.lifecycle.phase.value,
                 "rendezvous": self.rendezvous,
                 "http": f"http://{self.http[0]}:{self.http_port}/v1" if self.http_port else None}
         rejoin = self._reconnecting_snapshot()
@@ -580,6 +613,7 @@ class Node:
         if self._session_scope is not None:
             self._session_scope.cancel()
         self.session = None
+        self._lifecycle(lc.Left())
         self.changed()
         return {"left": sid}
 
@@ -587,6 +621,7 @@ class Node:
         async def stop_after_reply() -> None:
             await trio.sleep(0.2)
             self.nursery.cancel_scope.cancel()
+        self._lifecycle(lc.Stop())
         self.nursery.start_soon(stop_after_reply)
         return {"stopping": True}
 

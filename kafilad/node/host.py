@@ -16,7 +16,7 @@ from typing import Optional
 
 import trio
 
-from kafilad.errors import (HandshakeError, KafilaError, LinkClosed, RemoteProtocolError, RingEdgeError, SessionError,
+from kafilad.errors import (ALREADY_IN_SESSION, HandshakeError, KafilaError, LinkClosed, RemoteProtocolError, RingEdgeError, SessionError,
                             StageBuildError, collapse_groups)
 from kafilad.modelinfo import read_model_info
 from kafilad.node import paths, stagehost
@@ -320,7 +320,7 @@ class HostSession(HostRequests, SessionDriver):
             return
         pid = link.peer_id
         if pid in self.links:
-            await link.send(cf.Denied("this device is already in the session").to_wire())
+            await link.send(cf.Denied("this device is already in the session", code=ALREADY_IN_SESSION).to_wire())
             await link.close()
             return
         self.links[pid] = link

@@ -446,7 +446,7 @@ class HostRequests:
                     elif isinstance(f, cf.GenError):
                         if cancelled:
                             return partial()
-                        raise GenerationError(f.message or "generation failed")
+                        raise GenerationError(f.message or "generation failed", f.code or None)
                     elif isinstance(f, cf.Cancel):  # from `generate`: the client went away
                         await request_cancel(str(f.reason), wait)
             if cancelled:  # the head did not answer within CANCEL_WAIT_S

@@ -13,8 +13,8 @@ from typing import Optional
 
 import trio
 
-from kafilad.errors import (HandshakeError, KafilaError, LinkBroken, LinkClosed, RemoteProtocolError,
-                            RingEdgeError, SessionError, StageBuildError, collapse_groups, only_cancelled)
+from kafilad.errors import (HOST_KEY_MISMATCH, HandshakeError, JoinRefused, KafilaError, LinkBroken, LinkClosed,
+                            RemoteProtocolError, RingEdgeError, SessionError, StageBuildError, collapse_groups, only_cancelled)
 from kafilad.node import paths, stagehost
 from kafilad.node.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name, store_error
 from kafilad.node.host_requests import result_of
@@ -123,7 +123,7 @@ class MemberSession(SessionDriver):
         elif isinstance(a, sm.JoinAccepted):
             self._admitted.set()
         elif isinstance(a, sm.Refused):
-            raise SessionError(a.message)
+            raise JoinRefused(a.message, a.code) if a.code else SessionError(a.message)
         else:  # pragma: no cover - a new action without a driver is a bug
             raise KafilaError(f"no driver for the member action {a!r}")
 
@@ -199,7 +199,7 @@ class MemberSession(SessionDriver):
                 hello={"peer_id": self.node.peer_id, "name": self.node.name, "role": "member"},
                 check_remote=check_host, label="ctl")
         except HandshakeError as e:
-            raise SessionError(f"Refusing to join session {self.session_id}: {e}.") from None
+            raise JoinRefused(f"Refusing to join session {self.session_id}: {e}.", HOST_KEY_MISMATCH) from None
         self.host_name = self.link.peer_name
 
     async def _await_admission(self, progress) -> None:
@@ -445,7 +445,7 @@ class MemberSession(SessionDriver):
             await self._handle(sm.RingFailed(ring.broken_member, ring.broken, getattr(ring, "epoch", None)))
 
     async def _serve_generation(self, f: cf.Gen) -> None:
-        from kafilad.errors import GenerationError
+        from kafilad.errors import INVALID_LOGIT_BIAS, GenerationError
         from kafilad.proto.sampling import Sampling
         req = f.req
 
@@ -456,7 +456,8 @@ class MemberSession(SessionDriver):
             try:  # checked on receipt (proto_spec 05 §2 `gen`): a map this head cannot apply fails the request
                 sampling = Sampling.from_wire(f.sampling) if f.sampling is not None else None
             except RemoteProtocolError as e:
-                raise GenerationError(f"The head {self.node.name} cannot sample this request: {e}.") from None
+                raise GenerationError(f"The head {self.node.name} cannot sample this request: {e}.",
+                                      INVALID_LOGIT_BIAS) from None
             st = await self.ring.generate(req, f.prompt, max_tokens=f.max_tokens, temperature=float(f.temperature),
                                           on_event=on_event, sampling=sampling)
             if st.cancel_requested and st.error != self.ring.broken:  # the host's `cancel`: what was produced,
@@ -470,7 +471,7 @@ class MemberSession(SessionDriver):
             pass
         except KafilaError as e:
             try:
-                await self.send_ctl(cf.GenError(req=req, message=str(e)).to_wire())
+                await self.send_ctl(cf.GenError(req=req, message=str(e), code=e.code).to_wire())
             except LinkClosed:
                 pass
 

@@ -63,7 +63,7 @@ from typing import Awaitable, Callable, Optional, Union
 import attrs
 import trio
 
-from kafilad.errors import GenerationCancelled, GenerationError, MalformedFrame, RemoteProtocolError
+from kafilad.errors import INVALID_LOGIT_BIAS, GenerationCancelled, GenerationError, MalformedFrame, RemoteProtocolError
 from kafilad.node.link import Link, LinkClosed
 from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, Phase, PROGRESS_FACTOR, PROGRESS_FLOOR_S, EmitToken, EndRequest,
                                     EndReturned, FinishRequest, HeadScheduler, PassFailed, PassReturned,
@@ -332,7 +332,7 @@ class RingMember(StageCalls, RingViews):
             bad = [t for t, _ in sampling.logit_bias if isinstance(vocab, int) and t >= vocab]
             if bad:
                 raise GenerationError(f"'logit_bias' names token {bad[0]}, outside this model's vocabulary of "
-                                      f"{vocab} tokens.")
+                                      f"{vocab} tokens.", INVALID_LOGIT_BIAS)
         entry, reuse, evict = None, 0, []
         index = self.runner.prefix_index
         if index is not None:  # the prompt cache (kafilad/executor/prefix.py): start from the longest kept prefix

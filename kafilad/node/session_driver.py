@@ -4,8 +4,10 @@
 Each driver is a thin driver of a pure machine (kafilad/proto/session.py ``HostMachine``,
 kafilad/proto/session_member.py ``MemberMachine``; base kafilad/proto/session_machine.py): the
 machine decides, the driver does the I/O. Every event goes through :meth:`SessionDriver._handle`,
-which performs the machine's actions in order (the driver's ``_perform``) and tells status
-watchers once. Besides that one entry point, the base holds the plumbing both drivers need: the
+the session's one inbox: events are handled strictly one after another in the order they arrive
+(a FIFO lock), each event's actions performed in order (the driver's ``_perform``) before the next
+event reaches the machine, then status watchers are told once (issue 25 item 3: ``_handle`` is
+entered from many tasks, and ``_perform`` awaits, so two events' actions used to interleave). Besides that one entry point, the base holds the plumbing both drivers need: the
 machine's view (``state``, ``error``, ``rendezvous_lost``), the stage of the current plan (its
 cancel scope and ring links, DESIGN §3 healing), joining the ring once a stage is built
 (DESIGN §6), and the rendezvous reconnect backoff and status text (issue 8 §3).
@@ -70,6 +72,9 @@ class SessionDriver:
         self._ring_incoming_send, self._ring_incoming = trio.open_memory_channel(8)
         self._stage_scope: Optional[trio.CancelScope] = None
         self._stage_links: tuple = ()
+        self._inbox = trio.StrictFIFOLock()  # held while one event's actions run; waiters enter in arrival order
+        self._inbox_task: Optional[trio.lowlevel.Task] = None  # the task holding it
+        self._posted: list = []  # events raised by an action of the event being handled
 
     # ---- the machine's view ----------------------------------------------------------------
     @property
@@ -86,13 +91,37 @@ class SessionDriver:
 
     # ---- the one place events enter ----------------------------------------------------------
     async def _handle(self, event) -> None:
-        """Feed one event to the machine and perform its actions in order; tell watchers once."""
-        for action in self.machine.handle(event):
-            await self._perform(action)
-        self._handled()
-        if self.machine.changed:
-            self.machine.changed = False
-            self.node.changed()
+        """Feed one event to the machine and perform its actions in order; tell watchers once.
+
+        Events from any task are handled one at a time, in the order they arrive: an event waits until
+        every action of the events before it was performed, so no two events' actions interleave even
+        where an action awaits (a link's close, a stage's end). An event raised by an action of the
+        event being handled (the same task) is handled right after that event's actions, not nested
+        inside them.
+
+        Raises:
+            whatever an action raises (the member's Refused: JoinRefused, SessionError); events posted
+            by that event's actions are then dropped with it.
+        """
+        if self._inbox_task is trio.lowlevel.current_task():
+            self._posted.append(event)
+            return
+        async with self._inbox:
+            self._inbox_task = trio.lowlevel.current_task()
+            try:
+                pending = [event]
+                while pending:
+                    for action in self.machine.handle(pending.pop(0)):
+                        await self._perform(action)
+                    pending += self._posted
+                    self._posted.clear()
+                    self._handled()
+                    if self.machine.changed:
+                        self.machine.changed = False
+                        self.node.changed()
+            finally:
+                self._inbox_task = None
+                self._posted.clear()
 
     async def _perform(self, action) -> None:  # pragma: no cover - each driver defines it
         raise NotImplementedError

@@ -9,7 +9,7 @@ frame closes that link", DESIGN §7). Unknown keys are ignored (forward compatib
 
 ```
 host -> member  Pending                         unknown key, held for `kafila-ctl admit`
-host -> member  Denied(reason)                  then the link closes
+host -> member  Denied(reason, code)            then the link closes
 host -> member  Admitted(session_id, model_id, config, dtype, context, concurrency, name)
 member -> host  Capability(memory_bytes, bandwidth_Bps?, step_overhead_s?, batch_row_cost?, rendezvous_rtt_ms?,
                            nat_class?, dtype?, fallback_dtype?, backend?)
@@ -19,7 +19,7 @@ host -> member  Data(id, data) | FetchError(id, reason)
 member -> host  Ready(fetched_bytes, cached_bytes, load_s, edges) | Failed(reason, code?) | Leaving(reason)
 member -> host  Edges(edges) | RingBroken(reason, member)
 host -> head    Gen(req, prompt, max_tokens, temperature, sampling?)
-head -> host    GenEvent(req, event) | GenDone(req, result: GenResult) | GenError(req, message)
+head -> host    GenEvent(req, event) | GenDone(req, result: GenResult) | GenError(req, message, code)
 host -> head    Cancel(req, reason?)             the request's client went away: end it now
 host -> member  SessionFailed(reason) | SessionClosed(reason)      the latter: ended for good, forget it
 either way      Ping(n)                                            every 2 s; 8 s without a frame = lost
@@ -103,6 +103,9 @@ class Pending(ControlFrame):
 @_frame("denied")
 class Denied(ControlFrame):
     reason: str = _field(str)
+    #: kafilad/errors.py: DENIED, ALREADY_IN_SESSION, SESSION_COMPLETE, ADMIT_TIMEOUT, SESSION_FAILED; a
+    #: member decides on it (whether to rejoin later), never on `reason`. Absent from older hosts: DENIED.
+    code: str = _field(str, default="denied")
 
 
 @_frame("admitted")
@@ -316,6 +319,8 @@ class GenDone(ControlFrame):
 class GenError(ControlFrame):
     req: str = _field(str)
     message: str = _field(str)
+    #: why, for programs (kafilad/errors.py, e.g. INVALID_LOGIT_BIAS: the client's fault); "": the ring's
+    code: str = _field(str, default="")
 
 
 @_frame("cancel")

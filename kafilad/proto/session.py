@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from kafilad.errors import ALREADY_IN_SESSION, ADMIT_TIMEOUT, DENIED, SESSION_COMPLETE, SESSION_FAILED
 from kafilad.proto import control as cf
 from kafilad.proto.session_machine import _OVER, _Machine  # noqa: F401 - _OVER re-exported
 from kafilad.proto.session_member import DENIED_BY_HOST, MEMBER_TABLE, MemberMachine  # noqa: F401 - re-exported
@@ -267,7 +268,7 @@ class HostMachine(_Machine):
 
     def _on_MemberJoined(self, ev: MemberJoined, row) -> list:
         if self.state == HostState.FAILED:
-            return [Send(ev.peer_id, cf.Denied(FAILED_DENIAL)), CloseLink(ev.peer_id, "")]
+            return [Send(ev.peer_id, cf.Denied(FAILED_DENIAL, code=SESSION_FAILED)), CloseLink(ev.peer_id, "")]
         out = []
         old = self.members.get(ev.peer_id)
         if old is not None and old.control_down and old.public_key == ev.public_key:
@@ -275,9 +276,9 @@ class HostMachine(_Machine):
             out = self._lose(ev.peer_id, "it rejoined after the rendezvous outage", row)
             out = [a for a in out if a != CloseLink(ev.peer_id, "")]
         if ev.peer_id in self.members or ev.peer_id in self.pending:
-            return [Send(ev.peer_id, cf.Denied("this device is already in the session")), CloseLink(ev.peer_id, "")]
+            return [Send(ev.peer_id, cf.Denied("this device is already in the session", code=ALREADY_IN_SESSION)), CloseLink(ev.peer_id, "")]
         if self._full():
-            return [Send(ev.peer_id, cf.Denied("the session is already complete")), CloseLink(ev.peer_id, "")]
+            return [Send(ev.peer_id, cf.Denied("the session is already complete", code=SESSION_COMPLETE)), CloseLink(ev.peer_id, "")]
         name = self._unique_name(ev.name, ev.peer_id)
         if self.open or ev.trusted or self.session_keys.get(ev.peer_id) == ev.public_key:
             return out + self._admit(ev.peer_id, name, ev.public_key, remember=ev.trusted)  # --open: this session only
@@ -298,9 +299,10 @@ class HostMachine(_Machine):
             return []
         self.changed = True
         if not ev.admit:
-            return [Send(p.peer_id, cf.Denied(ev.reason or DENIED_BY_HOST)), CloseLink(p.peer_id, "")]
+            return [Send(p.peer_id, cf.Denied(ev.reason or DENIED_BY_HOST, code=DENIED)), CloseLink(p.peer_id, "")]
         if self._full():
-            return [Send(p.peer_id, cf.Denied("the session became complete while this device waited")),
+            return [Send(p.peer_id, cf.Denied("the session became complete while this device waited",
+                                                code=SESSION_COMPLETE)),
                     CloseLink(p.peer_id, "")]
         return self._admit(p.peer_id, self._unique_name(p.name, p.peer_id), p.public_key, remember=True)
 
@@ -308,7 +310,8 @@ class HostMachine(_Machine):
         if self.pending.pop(ev.peer_id, None) is None:
             return []
         self.changed = True
-        return [Send(ev.peer_id, cf.Denied(f"the host did not admit this device within {ev.timeout_s:g} s")),
+        return [Send(ev.peer_id, cf.Denied(f"the host did not admit this device within {ev.timeout_s:g} s",
+                                        code=ADMIT_TIMEOUT)),
                 CloseLink(ev.peer_id, "")]
 
     def _on_OwnCapability(self, ev: OwnCapability, row) -> list:
@@ -592,7 +595,7 @@ class HostMachine(_Machine):
         self._enter(HostState.FAILED, row)
         out = [FailRequests(reason, culprit), Trace("session_failed", {"reason": reason})]
         for p in list(self.pending):  # a device still waiting for `admit` is answered, not left hanging
-            out += [Send(p, cf.Denied(f"the session failed: {reason}")), CloseLink(p, "")]
+            out += [Send(p, cf.Denied(f"the session failed: {reason}", code=SESSION_FAILED)), CloseLink(p, "")]
         self.pending.clear()
         remote = [e for e in self.members.values() if not e.is_host]
         if tell:

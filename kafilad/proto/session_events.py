@@ -285,8 +285,11 @@ class EdgesChanged:
 
 @attrs.frozen
 class Refused:
-    """Member: the join ends before admission with this sentence."""
+    """Member: the join ends before admission with this sentence. ``code``: the host's `denied` code
+    (kafilad/errors.py JoinRefused) when the host refused it; "" when the join was cut (link or
+    rendezvous lost), which is worth trying again."""
     message: str
+    code: str = ""
 
 
 @attrs.frozen

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from kafilad.errors import DENIED
 from kafilad.proto import control as cf
 from kafilad.proto.session_events import (
     Abort, CapabilitySent, Close, CloseLink, FailRequests, ForgetSession, HostLinkLost, JoinAccepted, JoinFailed,
@@ -84,13 +85,13 @@ class MemberMachine(_Machine):
         return [JoinAccepted()]
 
     def _on_denied(self, ev: cf.Denied, row) -> list:
-        if ev.reason == DENIED_BY_HOST:  # `kafila-ctl deny`: it may try again, if the host agrees
+        if ev.code == DENIED:  # `kafila-ctl deny`: it may try again, if the host agrees
             self.error = (f"The host refused this device with `kafila-ctl deny`; to try again, run `kafila-ctl join` "
                           f"again and ask the host to run `kafila-ctl admit {self.name}`.")
         else:
             self.error = f"The host refused this device: {ev.reason.rstrip('.')}."
         self._enter(MemberState.FAILED, row)
-        return [Refused(self.error)]
+        return [Refused(self.error, ev.code)]
 
     def _on_JoinFailed(self, ev: JoinFailed, row) -> list:
         self.error = ev.message

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from functools import partial
-from types import SimpleNamespace
 
 import pytest
 import trio
@@ -30,6 +29,7 @@ from kafilad.errors import GenerationCancelled
 from kafilad.executor.tokenizer import load_tokenizer
 from kafilad.modelinfo import read_model_info
 from kafilad.proto.session_events import HostState
+from kafilad.control.node_view import SessionOnly
 
 from control.http_harness import exchange, http_request
 from node.healing_host import ready_host
@@ -37,7 +37,7 @@ from node.healing_host import ready_host
 STORY = [{"role": "user", "content": "Tell me a story."}]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"name": "get_weather", "description": "Weather for a city", "input_schema": CITY}
-IDLE = SimpleNamespace(session=None, snapshot=lambda: {"role": None, "state": "idle"})
+IDLE = SessionOnly(None, {"role": None, "state": "idle"})
 
 
 def refused(parse, body: dict) -> tuple[str, str]:
@@ -270,7 +270,7 @@ async def tokenizing_host(context: int):
 def test_count_tokens_and_prompts_past_the_context():
     async def main():
         h = await tokenizing_host(512)
-        node = SimpleNamespace(session=h)
+        node = SessionOnly(h)
         long = [{"role": "user", "content": "the cat sat on the mat. " * 200}]
         answers = [await exchange(post("/v1/messages/count_tokens", {"messages": STORY, "system": "Be brief."}), node),
                    await exchange(post("/v1/messages", {"messages": long, "max_tokens": 5}), node),

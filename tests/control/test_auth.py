@@ -8,7 +8,6 @@ import json
 import socket
 import sys
 from functools import partial
-from types import SimpleNamespace
 
 import pytest
 import trio
@@ -18,12 +17,13 @@ from kafilad.control import openai_api
 from kafilad.control.auth import ApiKeys, check_binding, is_loopback, keys_from, presented_key
 from kafilad.control.http_server import HttpServer
 from kafilad.errors import KafilaError
+from kafilad.control.node_view import SessionOnly
 
 from control.http_harness import http_request
 
 KEY = "k3y-0123456789abcdef-XYZ"
 OTHER = "another-key-0123456789"
-IDLE = SimpleNamespace(session=None, snapshot=lambda: {"role": None, "state": "idle", "name": "anvil"})
+IDLE = SessionOnly(None, {"role": None, "state": "idle", "name": "anvil"})
 
 
 async def exchange(raw: bytes, keys: ApiKeys) -> tuple[int, dict, bytes]:

@@ -19,9 +19,10 @@ from control.http_harness import exchange, http_request
 from node.healing_host import ready_host
 
 from kafilad.control.api_common import generation_error
-from kafilad.errors import ContextTooLongError, GenerationError, SessionNotReadyError
+from kafilad.errors import INVALID_LOGIT_BIAS, ContextTooLongError, GenerationError, SessionNotReadyError
 from kafilad.node.host import HostSession
 from kafilad.proto.session import HostState
+from kafilad.control.node_view import SessionOnly
 
 
 def session_in(state: HostState) -> HostSession:
@@ -68,7 +69,7 @@ async def answer(path: str, body: dict) -> tuple[int, dict]:
     h.info = read_model_info(h.model_dir)
     h.context = 512
     h._chat_tokenizer = None
-    status, _, out = await exchange(http_request("POST", path, body=json.dumps(body).encode()), SimpleNamespace(session=h))
+    status, _, out = await exchange(http_request("POST", path, body=json.dumps(body).encode()), SessionOnly(h))
     return status, json.loads(out)
 
 
@@ -94,3 +95,19 @@ def test_the_default_max_tokens_note_needs_the_numbers():
     assert (err.status, err.param, err.message) == (
         400, "prompt", "The prompt (600 tokens) leaves no room to generate in the session's context of 512 tokens; "
                        "shorten the prompt.")
+
+
+def test_a_head_refusing_the_sampling_is_a_400_by_its_code_not_its_words():
+    """Issue 25 item 3: `generation_error` decides on the error's type and code (the head's `gen_error`
+    carries INVALID_LOGIT_BIAS), never on its text: the same words without the code are a 500."""
+    said = "The head mb cannot sample this request: 'logit_bias' names token 99999, outside the vocabulary."
+    err = generation_error(GenerationError(said, INVALID_LOGIT_BIAS), session_in(HostState.READY))
+    assert (err.status, err.param) == (400, "logit_bias")
+    assert generation_error(GenerationError(said), session_in(HostState.READY)).status == 500
+
+
+def test_words_about_the_admitted_context_are_not_a_context_refusal():
+    e = GenerationError("member mb failed: the session's admitted context was changed under it")
+    assert generation_error(e, session_in(HostState.READY)).status == 500
+    too_long = ContextTooLongError("x", prompt_tokens=9, max_tokens=8, context=16)
+    assert generation_error(too_long, session_in(HostState.READY)).code == "context_length_exceeded"

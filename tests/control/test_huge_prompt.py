@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import threading
-from types import SimpleNamespace
 
 import attrs
 import pytest
@@ -24,6 +23,7 @@ import trio
 from kafila_ctl.demo import packaged_model_dir
 from kafilad.executor.tokenizer import Tokenizer, load_tokenizer
 from kafilad.modelinfo import read_model_info
+from kafilad.control.node_view import SessionOnly
 
 from control.http_harness import exchange, http_request
 from node.healing_host import ready_host
@@ -92,7 +92,7 @@ async def post(h, path: str, body: dict) -> tuple[int, dict]:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ticker)
         status, _, out = await exchange(http_request("POST", path, body=json.dumps(body).encode()),
-                                        SimpleNamespace(session=h))
+                                        SessionOnly(h))
         nursery.cancel_scope.cancel()
     return status, json.loads(out)
 

@@ -11,13 +11,13 @@ stories260K's tokenizer; its `generate` refuses the request before the ring is u
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import trio
 
 from kafila_ctl.demo import packaged_model_dir
 from kafilad.modelinfo import read_model_info
+from kafilad.control.node_view import SessionOnly
 
 from control.http_harness import exchange, http_request
 from node.healing_host import ready_host
@@ -31,7 +31,7 @@ async def answer(path: str, body: dict) -> tuple[int, bytes]:
     h.info = read_model_info(h.model_dir)
     h.context = 512
     h._chat_tokenizer = None  # loaded from model_dir on first use, as before a session runs
-    status, _, out = await exchange(http_request("POST", path, body=json.dumps(body).encode()), SimpleNamespace(session=h))
+    status, _, out = await exchange(http_request("POST", path, body=json.dumps(body).encode()), SessionOnly(h))
     return status, out
 
 

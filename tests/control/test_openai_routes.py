@@ -15,10 +15,11 @@ from kafilad.control.api_common import HttpError, json_object
 from kafilad.control.cors import origin_allowed
 from kafilad.control.ollama_api import ChatRequest, GenerateRequest, _parse
 from kafilad.control.openai_schema import parse_chat, parse_completion
+from kafilad.control.node_view import SessionOnly
 
 from control.http_harness import exchange, http_request
 
-IDLE = SimpleNamespace(session=None, snapshot=lambda: {"role": None, "state": "idle"})
+IDLE = SessionOnly(None, {"role": None, "state": "idle"})
 
 
 def request(method: str, path: str, headers: dict | None = None, body: bytes = b"") -> bytes:

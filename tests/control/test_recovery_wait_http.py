@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from functools import partial
-from types import SimpleNamespace
 
 import pytest
 import trio
@@ -21,6 +20,7 @@ import trio.testing
 from kafilad.control import openai_api
 from kafilad.control.http_server import HttpServer
 from kafilad.proto import session as sm
+from kafilad.control.node_view import SessionOnly
 
 from control.http_harness import exchange, http_request
 from node.healing_host import lose_beta, ready_host
@@ -35,7 +35,7 @@ def run(fn) -> None:
 
 async def answer_while(h, route: tuple[str, bytes], then=None, after_s: float = 0.0) -> tuple[int, dict, dict, float]:
     """POST `route` to an API serving `h`; at `after_s` s, `await then()`. (status, headers, body, when)."""
-    node = SimpleNamespace(session=h)
+    node = SessionOnly(h)
     out: dict = {}
 
     async def client() -> None:
@@ -81,7 +81,7 @@ def test_a_client_that_hangs_up_while_its_request_waits_leaves_nothing_behind():
     async def main():
         h = await ready_host()
         await lose_beta(h)
-        server = HttpServer(partial(openai_api.handle, SimpleNamespace(session=h)))
+        server = HttpServer(partial(openai_api.handle, SessionOnly(h)))
         client, srv = trio.testing.memory_stream_pair()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.serve_stream, srv)

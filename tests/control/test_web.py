@@ -12,11 +12,11 @@ import json
 import re
 import tomllib
 from pathlib import Path
-from types import SimpleNamespace
 
 import trio
 
 from kafilad.control import web
+from kafilad.control.node_view import SessionOnly
 
 from control.http_harness import exchange, http_request as request
 
@@ -81,7 +81,7 @@ def test_public_status_of_an_idle_daemon_and_of_a_member():
 
 async def get(raw: bytes) -> tuple[int, dict, bytes]:
     """One request to the API's handler over memory streams; (status, headers, body)."""
-    return await exchange(raw, SimpleNamespace(snapshot=lambda: HOST_SNAPSHOT, session=None))
+    return await exchange(raw, SessionOnly(None, HOST_SNAPSHOT))
 
 
 def test_routes_serve_the_page_its_files_and_the_status_document():

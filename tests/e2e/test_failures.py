@@ -64,6 +64,7 @@ def test_admission_deny_timeout_admit(tmp_path, synth_llama):
         j = Background(lambda: c.call(1, "join", code=code)).join()
         assert isinstance(j.error, KafilaError)
         assert "did not admit this device within 1.5 s" in str(j.error)
+        assert j.error.code == "admit_timeout"  # the host's `denied` code, through the member's control socket
         assert c.call(0, "status")["state"] == "forming"
         c.call(0, "leave")
         code = c.call(0, "host", model_dir=str(synth_llama), members=2, open=False, admit_timeout_s=60)["code"]
@@ -74,6 +75,7 @@ def test_admission_deny_timeout_admit(tmp_path, synth_llama):
         c.call(0, "deny", peer="m1")
         j.join()
         assert isinstance(j.error, KafilaError) and "The host refused this device with `kafila-ctl deny`" in str(j.error)
+        assert j.error.code == "denied"
         # admitted: the session forms; the key is now on the host's roster
         j = Background(lambda: c.call(2, "join", code=code))
         c.call(0, "admit", peer=wait_pending(c)[0]["peer_id"])

@@ -77,6 +77,16 @@ class SimNode:
         self.changes += 1
         self.world.poke()
 
+    # ---- as the HTTP API sees a daemon (kafilad/control/node_view.py NodeView) ----------------
+    def snapshot(self):
+        return None  # no status document: /metrics shows the API's own
+
+    def restoring_sentence(self):
+        return None  # a simulated node never restarts
+
+    async def session_back(self, gone=None) -> None:
+        return None
+
     @property
     def rdv_url(self) -> str:
         return WebSocketRendezvous.url(self.name)

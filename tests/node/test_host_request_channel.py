@@ -97,6 +97,6 @@ async def test_fail_requests_puts_the_typed_gen_error_on_every_channel():
     for req, (_, recv) in channels.items():
         f = recv.receive_nowait()
         assert isinstance(f, RequestFailed) and isinstance(f, cf.GenError)
-        assert f.to_wire() == {"t": "gen_error", "req": req, "message": "the ring broke"}
+        assert f.to_wire() == {"t": "gen_error", "req": req, "message": "the ring broke", "code": ""}
         with pytest.raises(trio.WouldBlock):
             recv.receive_nowait()

@@ -18,8 +18,9 @@ import pytest
 import trio
 from trio.testing import trio_test
 
-from kafilad.errors import KafilaError
+from kafilad.errors import DENIED, JoinRefused, KafilaError
 from kafilad.node.daemon import _ignore
+from kafilad.proto.lifecycle import Phase
 from node.session_harness import session_world
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -91,8 +92,14 @@ async def test_a_denied_device_hears_what_to_do_and_can_join_again(tmp_path, mod
         await w.wait(lambda: first["done"].is_set(), HANG_GUARD_S, "the join refused")
         assert str(first["error"]) == ("The host refused this device with `kafila-ctl deny`; to try again, run "
                                        "`kafila-ctl join` again and ask the host to run `kafila-ctl admit e`."), first
+        # the host's `denied` frame carried its code to the join's error (issue 25 item 3: decided on it)
+        assert isinstance(first["error"], JoinRefused) and first["error"].code == DENIED
+        assert e.lifecycle.phase == Phase.IDLE and e.snapshot()["lifecycle"] == "idle"
         await w.wait(lambda: not h.pending and e.peer_id not in h.links, HANG_GUARD_S, "the host freed the place")
 
         again = await _join_again_admitted(w, h, e)
         assert "result" in again, again.get("error")
+        assert e.lifecycle.phase == Phase.MEMBER and e.snapshot()["lifecycle"] == "member"
+        await e.op_leave({}, _ignore)
+        assert e.lifecycle.phase == Phase.IDLE
         w.nursery.cancel_scope.cancel()

@@ -16,6 +16,7 @@ from trio.testing import trio_test
 
 from kafilad.errors import KafilaError
 from kafilad.node.daemon import _ignore
+from kafilad.proto.lifecycle import Phase
 from node.session_harness import session_world
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -48,6 +49,7 @@ async def test_a_member_says_it_is_reconnecting_while_the_rendezvous_is_down_the
                      "a second rejoin attempt")
         snap = m1.snapshot()
         assert snap["state"] == "reconnecting" and snap["error"] is None, snap
+        assert m1.lifecycle.phase == Phase.RECONNECTING and snap["lifecycle"] == "reconnecting"
         assert snap["code"] == h.code and snap["session"] == h.session_id
         about = snap["reconnecting"]
         assert about["attempt"] >= 2 and 0 <= about["next_in_s"] <= 6, about
@@ -60,6 +62,7 @@ async def test_a_member_says_it_is_reconnecting_while_the_rendezvous_is_down_the
         await w.wait(lambda: m1.snapshot()["state"] == "ready" and h.state == "ready", 30, "the member ready again")
         snap = m1.snapshot()
         assert snap["rendezvous"] == "connected" and snap["code"] == h.code and "reconnecting" not in snap, snap
+        assert m1.lifecycle.phase == Phase.MEMBER
         lost_at = next(i for i, s in enumerate(states) if s != "ready")
         assert "failed" not in states[lost_at:], states[lost_at:]
         w.nursery.cancel_scope.cancel()
@@ -131,6 +134,7 @@ async def test_a_restarted_host_says_it_is_restoring_its_session_until_it_is_reg
         await w.wait(lambda: again.snapshot()["state"] == "ready", 20, "the session hosted again")
         snap = again.snapshot()
         assert snap["code"] == code and "restoring" not in snap and snap["rendezvous"] == "connected", snap
+        assert again.lifecycle.phase == Phase.HOSTING and snap["lifecycle"] == "hosting"
         w.nursery.cancel_scope.cancel()
 
 

@@ -14,6 +14,7 @@ import collections
 import hashlib
 from typing import Callable, NamedTuple
 
+from kafilad.errors import DENIED
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
 from kafilad.proto.frames import FrameDecoder, encode_frame
@@ -323,7 +324,7 @@ def sample_frames() -> dict:
                           decode_tokens_per_s=8.0, circuit_s_median=0.125,
                           stats=[[HOST, 3, 0.5, 0.1, 4096], [A, 3, 0.25, 0.05, 2048]])
     frames = [
-        cf.Pending(), cf.Denied("the host denied this device"), admitted_frame("alpha-2"),
+        cf.Pending(), cf.Denied("the host denied this device", code=DENIED), admitted_frame("alpha-2"),
         cf.Capability(memory_bytes=16 << 30, bandwidth_Bps=1.5e10, step_overhead_s=0.002, rendezvous_rtt_ms=30,
                       nat_class="S", dtype="float16", bandwidth_source="probe"),
         plan_frame(start=0, end=2, head=True, epoch=3),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from kafilad.errors import LocalProtocolError
+from kafilad.errors import ADMIT_TIMEOUT, ALREADY_IN_SESSION, SESSION_COMPLETE, SESSION_FAILED, LocalProtocolError
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
 from kafilad.proto.session import HOST_TABLE, MAX_REFORMS, MEMBER_TABLE
@@ -118,7 +118,7 @@ def test_a_lost_member_returns_and_the_ring_re_forms_with_it():
 def test_a_pending_member_times_out_in_every_live_state(state):
     h = walk_host(state, pending=(C,))
     assert h.handle(sm.PendingTimedOut(C, 30.0)) == [
-        sm.Send(C, cf.Denied("the host did not admit this device within 30 s")), sm.CloseLink(C, "")]
+        sm.Send(C, cf.Denied("the host did not admit this device within 30 s", code=ADMIT_TIMEOUT)), sm.CloseLink(C, "")]
     assert not h.pending and h.state == state
     assert h.handle(sm.PendingTimedOut(C, 30.0)) == []  # decided already
     assert h.handle(sm.Decision(C, True)) == []
@@ -128,7 +128,7 @@ def test_a_pending_member_is_admitted_only_while_a_seat_is_free():
     h = walk_host(H.FORMING, members=(A,), pending=(C,))
     h.handle(sm.MemberJoined(B, "beta", key(B), trusted=True))  # the session is full now
     assert h.handle(sm.Decision(C, True)) == [
-        sm.Send(C, cf.Denied("the session became complete while this device waited")), sm.CloseLink(C, "")]
+        sm.Send(C, cf.Denied("the session became complete while this device waited", code=SESSION_COMPLETE)), sm.CloseLink(C, "")]
     # below the declared size after a loss (healing), a pending device is admitted
     h = walk_host(H.READY, pending=(C,))
     h.handle(sm.MemberLost(B, "gone"))
@@ -145,7 +145,7 @@ def test_a_device_already_in_the_session_is_refused():
     h = walk_host(H.FORMING, members=(A,), pending=(C,))
     for pid in (A, C):
         assert h.handle(sm.MemberJoined(pid, "again", key(pid), True)) == [
-            sm.Send(pid, cf.Denied("this device is already in the session")), sm.CloseLink(pid, "")]
+            sm.Send(pid, cf.Denied("this device is already in the session", code=ALREADY_IN_SESSION)), sm.CloseLink(pid, "")]
     assert h.members[A].name == "alpha" and h.pending[C].name == "gamma"
 
 
@@ -274,7 +274,7 @@ def test_a_stale_ring_failure_does_not_stop_a_member_serving_on():
 def test_a_pending_member_is_denied_when_the_session_fails():
     h = walk_host(H.READY, pending=(C,))
     out = h.handle(sm.Abort("boom"))
-    assert sm.Send(C, cf.Denied("the session failed: internal error: boom")) in out and sm.CloseLink(C, "") in out
+    assert sm.Send(C, cf.Denied("the session failed: internal error: boom", code=SESSION_FAILED)) in out and sm.CloseLink(C, "") in out
     assert not h.pending and C not in sends(out, cf.SessionFailed)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from kafilad.errors import ADMIT_TIMEOUT, DENIED, SESSION_COMPLETE
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
 from kafilad.proto.session import HOST_TABLE, MAX_REFORMS, MEMBER_TABLE
@@ -73,14 +74,14 @@ def admit_a_pending_member(h, fire):
 @host_case(H.FORMING, sm.Decision, H.FORMING, members=(A,), pending=(C,))
 def deny_a_pending_member(h, fire):
     out = fire(sm.Decision(C, admit=False, reason="not on my list"))
-    assert out == [sm.Send(C, cf.Denied("not on my list")), sm.CloseLink(C, "")]
+    assert out == [sm.Send(C, cf.Denied("not on my list", code=DENIED)), sm.CloseLink(C, "")]
     assert C not in h.members and not h.pending
 
 
 @host_case(H.FORMING, sm.PendingTimedOut, H.FORMING, members=(A,), pending=(C,))
 def pending_member_times_out(h, fire):
     out = fire(sm.PendingTimedOut(C, 120.0))
-    assert out == [sm.Send(C, cf.Denied("the host did not admit this device within 120 s")), sm.CloseLink(C, "")]
+    assert out == [sm.Send(C, cf.Denied("the host did not admit this device within 120 s", code=ADMIT_TIMEOUT)), sm.CloseLink(C, "")]
     assert not h.pending
 
 
@@ -174,14 +175,14 @@ def daemon_stops_while_forming(h, fire):
 @host_case(H.PLANNING, sm.MemberJoined, H.PLANNING)
 def join_while_planning_a_full_session_is_denied(h, fire):
     out = fire(sm.MemberJoined(C, "gamma", key(C), trusted=True))
-    assert out == [sm.Send(C, cf.Denied("the session is already complete")), sm.CloseLink(C, "")]
+    assert out == [sm.Send(C, cf.Denied("the session is already complete", code=SESSION_COMPLETE)), sm.CloseLink(C, "")]
     assert C not in h.members
 
 
 @host_case(H.PLANNING, sm.Decision, H.PLANNING, pending=(C,))
 def admit_after_the_session_filled(h, fire):
     out = fire(sm.Decision(C, admit=True))
-    assert out == [sm.Send(C, cf.Denied("the session became complete while this device waited")),
+    assert out == [sm.Send(C, cf.Denied("the session became complete while this device waited", code=SESSION_COMPLETE)),
                    sm.CloseLink(C, "")]
     assert C not in h.members and not h.pending
 
@@ -189,7 +190,7 @@ def admit_after_the_session_filled(h, fire):
 @host_case(H.PLANNING, sm.PendingTimedOut, H.PLANNING, pending=(C,))
 def pending_times_out_while_planning(h, fire):
     out = fire(sm.PendingTimedOut(C, 2.5))
-    assert out == [sm.Send(C, cf.Denied("the host did not admit this device within 2.5 s")), sm.CloseLink(C, "")]
+    assert out == [sm.Send(C, cf.Denied("the host did not admit this device within 2.5 s", code=ADMIT_TIMEOUT)), sm.CloseLink(C, "")]
 
 
 @host_case(H.PLANNING, sm.Planned, H.LOADING)
@@ -290,12 +291,12 @@ def close_while_planning(h, fire):
 # ---- host: loading ------------------------------------------------------------------------------
 @host_case(H.LOADING, sm.MemberJoined, H.LOADING)
 def join_while_loading_a_full_session_is_denied(h, fire):
-    assert fire(sm.MemberJoined(C, "gamma", key(C), True))[0] == sm.Send(C, cf.Denied("the session is already complete"))
+    assert fire(sm.MemberJoined(C, "gamma", key(C), True))[0] == sm.Send(C, cf.Denied("the session is already complete", code=SESSION_COMPLETE))
 
 
 @host_case(H.LOADING, sm.Decision, H.LOADING, pending=(C,))
 def deny_while_loading(h, fire):
-    assert fire(sm.Decision(C, admit=False)) == [sm.Send(C, cf.Denied("the host denied this device")),
+    assert fire(sm.Decision(C, admit=False)) == [sm.Send(C, cf.Denied("the host denied this device", code=DENIED)),
                                                  sm.CloseLink(C, "")]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from kafilad.errors import DENIED, SESSION_COMPLETE
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
 from kafilad.proto.session import MEMBER_TABLE
@@ -37,8 +38,8 @@ for _s in BEFORE_ADMISSION:
 
     @member_case(_s, cf.Denied, M.FAILED)
     def denied(m, fire):
-        assert fire(cf.Denied("the session is already complete")) == [
-            sm.Refused("The host refused this device: the session is already complete.")]
+        assert fire(cf.Denied("the session is already complete", code=SESSION_COMPLETE)) == [
+            sm.Refused("The host refused this device: the session is already complete.", SESSION_COMPLETE)]
         assert m.error == "The host refused this device: the session is already complete."
 
     @member_case(_s, cf.Denied, M.FAILED)
@@ -46,8 +47,7 @@ for _s in BEFORE_ADMISSION:
         """Trial 2026-12-02: "The host refused this device: the host denied this device." said nothing to do."""
         said = ("The host refused this device with `kafila-ctl deny`; to try again, run `kafila-ctl join` again and "
                 "ask the host to run `kafila-ctl admit NAME`.")
-        assert fire(cf.Denied(sm.DENIED_BY_HOST)) == [sm.Refused(said)] and m.error == said
-        assert "refused this device" in said  # what the daemon's rejoin loop stops on (kafilad/node/daemon.py _rejoin)
+        assert fire(cf.Denied(sm.DENIED_BY_HOST, code=DENIED)) == [sm.Refused(said, DENIED)] and m.error == said
 
     @member_case(_s, sm.Close, M.CLOSED)
     def leave_before_admission(m, fire):
@@ -313,3 +313,13 @@ def test_every_allowed_transition_is_reached_by_a_case():
     cases, table = MEMBER_ROWS.triples()
     assert MEMBER_UNREACHABLE <= table and not MEMBER_UNREACHABLE & cases
     assert cases == table - MEMBER_UNREACHABLE
+
+
+def test_a_denial_is_read_by_its_code_not_its_reason():
+    """Issue 25 item 3: the member decides on the `denied` frame's code. A reason that reads like
+    `kafila-ctl deny` but carries another code is not taken for it, and a frame from an older host
+    (no code) decodes as DENIED."""
+    m = walk_member(M.PENDING)
+    out = m.handle(cf.Denied(sm.DENIED_BY_HOST, code=SESSION_COMPLETE))
+    assert out == [sm.Refused(f"The host refused this device: {sm.DENIED_BY_HOST}.", SESSION_COMPLETE)]
+    assert cf.decode_control({"t": "denied", "reason": "no"}) == cf.Denied("no", code=DENIED)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from kafilad.errors import ADMIT_TIMEOUT, ALREADY_IN_SESSION, DENIED, SESSION_COMPLETE, SESSION_FAILED
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
 from kafilad.proto.session import FAILED_DENIAL, HOST_TABLE
@@ -28,7 +29,7 @@ host_case = HOST_ROWS.case
 @host_case(H.READY, sm.MemberJoined, H.READY)
 def join_while_ready_and_full_is_denied(h, fire):
     assert fire(sm.MemberJoined(C, "gamma", key(C), False)) == [
-        sm.Send(C, cf.Denied("the session is already complete")), sm.CloseLink(C, "")]
+        sm.Send(C, cf.Denied("the session is already complete", code=SESSION_COMPLETE)), sm.CloseLink(C, "")]
     assert not h.pending
 
 
@@ -42,7 +43,7 @@ def join_below_the_declared_size_is_admitted(h, fire):
 
 @host_case(H.READY, sm.Decision, H.READY, pending=(C,))
 def admit_while_ready_and_full(h, fire):
-    assert fire(sm.Decision(C, True))[0] == sm.Send(C, cf.Denied("the session became complete while this device waited"))
+    assert fire(sm.Decision(C, True))[0] == sm.Send(C, cf.Denied("the session became complete while this device waited", code=SESSION_COMPLETE))
 
 
 @host_case(H.READY, sm.PendingTimedOut, H.READY, pending=(C,))
@@ -251,7 +252,7 @@ def member_back_after_serving_through_the_outage(h, fire):
 def member_back_with_another_key_is_refused(h, fire):
     through_an_outage(h)
     assert fire(sm.MemberJoined(A, "alpha", key("someone else"), True)) == [
-        sm.Send(A, cf.Denied("this device is already in the session")), sm.CloseLink(A, "")]
+        sm.Send(A, cf.Denied("this device is already in the session", code=ALREADY_IN_SESSION)), sm.CloseLink(A, "")]
     assert h.members[A].control_down and not h.lost  # the old entry stays
 
 
@@ -286,17 +287,17 @@ def close_while_serving_through_the_outage_tells_nobody(h, fire):
 # ---- host: recovering (ready, then the host's own stage broke naming beta) -----------------------
 @host_case(H.RECOVERING, sm.MemberJoined, H.RECOVERING)
 def join_while_recovering_a_full_session(h, fire):
-    assert fire(sm.MemberJoined(C, "gamma", key(C), True))[0] == sm.Send(C, cf.Denied("the session is already complete"))
+    assert fire(sm.MemberJoined(C, "gamma", key(C), True))[0] == sm.Send(C, cf.Denied("the session is already complete", code=SESSION_COMPLETE))
 
 
 @host_case(H.RECOVERING, sm.Decision, H.RECOVERING, pending=(C,))
 def deny_while_recovering(h, fire):
-    assert fire(sm.Decision(C, False, "no")) == [sm.Send(C, cf.Denied("no")), sm.CloseLink(C, "")]
+    assert fire(sm.Decision(C, False, "no")) == [sm.Send(C, cf.Denied("no", code=DENIED)), sm.CloseLink(C, "")]
 
 
 @host_case(H.RECOVERING, sm.PendingTimedOut, H.RECOVERING, pending=(C,))
 def pending_times_out_while_recovering(h, fire):
-    assert fire(sm.PendingTimedOut(C, 9))[0] == sm.Send(C, cf.Denied("the host did not admit this device within 9 s"))
+    assert fire(sm.PendingTimedOut(C, 9))[0] == sm.Send(C, cf.Denied("the host did not admit this device within 9 s", code=ADMIT_TIMEOUT))
 
 
 @host_case(H.RECOVERING, sm.Planned, H.LOADING)
@@ -469,7 +470,7 @@ def close_while_recovering(h, fire):
 # ---- host: degraded (recovering, then no plan fits the members left) -----------------------------
 @host_case(H.DEGRADED, sm.MemberJoined, H.DEGRADED)
 def join_while_degraded_and_full(h, fire):
-    assert fire(sm.MemberJoined(C, "gamma", key(C), True))[0] == sm.Send(C, cf.Denied("the session is already complete"))
+    assert fire(sm.MemberJoined(C, "gamma", key(C), True))[0] == sm.Send(C, cf.Denied("the session is already complete", code=SESSION_COMPLETE))
 
 
 @host_case(H.DEGRADED, sm.Decision, H.DEGRADED, pending=(C,))
@@ -583,7 +584,7 @@ def a_device_joining_a_failed_session_is_told_what_to_do(h, fire):
     members' daemons kept rejoining ("The host closed the link before admitting this device")."""
     err = h.error
     out = fire(sm.MemberJoined(C, "gamma", key(C), True))
-    assert out == [sm.Send(C, cf.Denied(FAILED_DENIAL)), sm.CloseLink(C, "")]
+    assert out == [sm.Send(C, cf.Denied(FAILED_DENIAL, code=SESSION_FAILED)), sm.CloseLink(C, "")]
     assert FAILED_DENIAL == ("its session failed and admits no device; the host must run `kafila-ctl leave` and "
                              "host the model again, then share the new session code")
     assert h.error == err and C not in h.members and C not in h.pending

@@ -8,6 +8,7 @@ after a loss (a restarted member rejoins). A key in the roster, or admitted with
 
 from __future__ import annotations
 
+from kafilad.errors import DENIED
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
 
@@ -56,7 +57,7 @@ def test_a_closed_session_without_the_key_holds_an_unknown_key_for_approval():
     h.handle(sm.Registered(SESSION_ID))
     assert joined(h, A, "alpha", trusted=False) == [sm.Send(A, cf.Pending())]
     out = h.handle(sm.Decision(A, admit=False, reason="not on my list"))
-    assert out == [sm.Send(A, cf.Denied("not on my list")), sm.CloseLink(A, "")]
+    assert out == [sm.Send(A, cf.Denied("not on my list", code=DENIED)), sm.CloseLink(A, "")]
     assert A not in h.session_keys
     # another key with the same peer id is not this session's key
     assert h.handle(sm.MemberJoined(A, "alpha", key(B), trusted=False)) == [sm.Send(A, cf.Pending())]
