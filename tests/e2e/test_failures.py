@@ -4,9 +4,12 @@ Real processes on loopback; the model is one the project synthesises."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import trio
@@ -138,8 +141,28 @@ def test_killed_member_pauses_the_stream_which_goes_on_identical(tmp_path, synth
         short = c.generate("again", 4)["token_ids"]
         out: dict = {}
 
+        base = c.call(0, "status")["http"]
+        by_http = c.call(0, "generate", prompt="again", max_tokens=4)  # the undisturbed HTTP text
+
+        def http_completion() -> tuple[int, dict]:
+            req = urllib.request.Request(base + "/completions", method="POST",
+                                         data=json.dumps({"prompt": "again", "max_tokens": 4}).encode(),
+                                         headers={"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
         async def after_kill():
-            out["after"] = await c.client(0).call("generate", prompt="again", max_tokens=4)
+            async with trio.open_nursery() as both:
+                async def by_control():
+                    out["after"] = await c.client(0).call("generate", prompt="again", max_tokens=4)
+
+                async def over_http():
+                    out["http"] = await trio.to_thread.run_sync(http_completion)
+                both.start_soon(by_control)
+                both.start_soon(over_http)
 
         async def run():
             events, result = [], None
@@ -158,6 +181,7 @@ def test_killed_member_pauses_the_stream_which_goes_on_identical(tmp_path, synth
         assert result["token_ids"] == undisturbed and [t for t in events if t is not None] == undisturbed
         assert result.get("retried_after") and victim in result["retried_after"][0], result.get("retried_after")
         assert out["after"]["token_ids"] == short
+        assert out["http"][0] == 200 and out["http"][1]["choices"][0]["text"] == by_http["text"], out["http"]
         c.daemons[vi].wait(10)
         all_alive(c, skip={vi})
         # the host replanned over the two survivors by itself (issue 8); the lost member is named
