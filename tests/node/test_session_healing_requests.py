@@ -132,7 +132,7 @@ async def test_a_member_frozen_mid_stream_pauses_the_stream_which_goes_on_identi
                 out["stream"] = await generate(h, PROMPT, n_tokens, on_token=on_token)
         result = out["stream"]
         assert result["token_ids"] == ref
-        assert [ev["token_id"] for ev in result["events"]] == ref  # the client was handed each token once
+        assert [ev["token_id"] for ev in result["events"] if ev["token_id"] is not None] == ref  # the client was handed each token once
         assert "".join(ev["text"] for ev in result["events"]) == result["text"]
         assert len(result["retried_after"]) == 1 and "m2" in result["retried_after"][0], result.get("retried_after")
         assert out["after"]["token_ids"] == reference_tokens(model_dir, PROMPT, N_TOKENS)
