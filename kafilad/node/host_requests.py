@@ -327,7 +327,7 @@ class HostRequests:
                            sampling: Optional[Sampling], n_prompt: int, emit, gone: Optional[trio.Event],
                            stopper: Optional[StopFilter], tokens_seen: list, emitted: list) -> dict:
         """One run of a request on the current ring (local head) or through the remote head; counts
-        the events handed to the client in ``emitted[0]`` (a loss before any is retried by `generate`).
+        the events it handed on in ``emitted[0]`` (a loss ends the run; `generate` runs it again).
 
         Raises:
             GenerationError: the ring broke, a member was lost, or the head failed the request.
