@@ -12,7 +12,9 @@ One thread sends greedy requests back to back; the main thread injects a fault e
 After each fault it waits for the session to be `ready` with every member planned again and
 records that recovery time (fault to full recovery). Every request must either return the
 reference tokens or fail with a sentence (a KafilaError without "Internal error"); no daemon
-may exit except those the script killed. Prints a JSON report; exit status 1 on any violation.
+may exit except those the script killed. A request a loss paused runs again and its stream goes on
+(issue 25 item 4): it counts as ok once its tokens are the reference's (`requests_resumed` counts
+those); failures are counted by the fault injected last (`failed_after_fault`). Prints a JSON report; exit status 1 on any violation.
 
     python scripts/chaos.py --minutes 5               # the full run (docs/healing.md)
     python scripts/chaos.py --seconds 45 --faults kill,rendezvous   # a short run (tests/scripts)
@@ -68,8 +70,18 @@ class Requests(threading.Thread):
         self.cluster, self.ref = cluster, ref
         self.stop = threading.Event()
         self.ok = self.failed = 0
+        #: requests that a loss paused and that went on to the reference tokens (a `retried_after` record)
+        self.resumed = 0
+        #: the fault injected last (failures are counted by it, `failed_after`)
+        self.fault = "none"
+        self.failed_after: dict[str, int] = {}
         self.violations: list[str] = []
         self.errors: dict[str, int] = {}
+
+    def _failed(self, key: str) -> None:
+        self.failed += 1
+        self.errors[key] = self.errors.get(key, 0) + 1
+        self.failed_after[self.fault] = self.failed_after.get(self.fault, 0) + 1
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -77,22 +89,20 @@ class Requests(threading.Thread):
                 result = self.cluster.generate(PROMPT, MAX_TOKENS)
             except KafilaError as e:
                 msg = str(e)
-                self.failed += 1
                 if not msg or "Internal error" in msg or "internal error" in msg:
                     self.violations.append(f"a request failed without a sentence: {msg!r}")
-                key = msg.split(":")[0][:80]
-                self.errors[key] = self.errors.get(key, 0) + 1
+                self._failed(msg.split(":")[0][:80])
                 time.sleep(0.3)
                 continue
             except Exception as e:  # noqa: BLE001 - the host daemon itself may be restarting
-                self.failed += 1
-                self.errors[type(e).__name__] = self.errors.get(type(e).__name__, 0) + 1
+                self._failed(type(e).__name__)
                 time.sleep(0.3)
                 continue
             if result["token_ids"] != self.ref:
                 self.violations.append(f"tokens differ from the reference: {result['token_ids']}")
             else:
                 self.ok += 1
+                self.resumed += bool(result.get("retried_after"))
 
 
 def full(cluster: LoopbackCluster) -> bool:
@@ -166,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             fault = rng.choice(faults)
             t0 = time.monotonic()
+            requests.fault = fault
             inject(cluster, fault, rng)
             recovered = wait_full(cluster, t0, RECOVERY_LIMIT_S + 15)
             report["faults"].append({"fault": fault, "recovery_s": recovered})
@@ -179,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["violations"].append(f"daemon {cluster.names[i]} exited with {p.returncode}")
     times = [f["recovery_s"] for f in report["faults"] if f["recovery_s"] is not None]
     report.update(requests_ok=requests.ok, requests_failed=requests.failed, failure_kinds=requests.errors,
+                  requests_resumed=requests.resumed, failed_after_fault=requests.failed_after,
                   recovery_median_s=statistics.median(times) if times else None,
                   recovery_max_s=max(times) if times else None)
     report["violations"] += requests.violations

@@ -10,10 +10,14 @@ A request that arrives while the session heals (a member lost or the ring broken
 then `loading` the new plan, usually 0.2 s to a few seconds, DESIGN §3) waits for it to serve
 again, at most RECOVERY_WAIT_S, instead of being refused at once (`HostRequests.wait_serving`);
 past that, or once the session fails, closes or is `degraded` (waiting for a member to join), it
-gets SessionNotReadyError naming the state. A request in flight when a member was lost fails,
-naming it, once it has handed output to its client; one that had handed nothing (it arrived a
-moment before the loss was noticed) runs again once the session serves, at most MAX_LOSS_RETRIES
-times, and its `generation` record lists why (`retried_after`). A session that has never been
+gets SessionNotReadyError naming the state. A request in flight when a member was lost (the
+head among them, or the ring broken) runs again once the session serves, at most MAX_LOSS_RETRIES
+times, and its `generation` record lists why (`retried_after`): the host holds its prompt, its
+sampling (seed, penalties) and what its client was handed, and the stream goes on where it paused
+(`StreamReplay`: the new run's events up to there are checked against those sent and dropped), so
+the client sees a pause, not an error (issue 25 item 4). That holds for greedy requests and seeded
+ones (`resumable`); a sampled request without a seed that already streamed output fails naming the
+loss, as its new run would draw other tokens. A session that has never been
 ready (still forming) is not waited for, unless a restarted host daemon re-hosts it (`rehosted`:
 it served before the restart, and its members are rejoining).
 
@@ -61,9 +65,9 @@ RECOVERY_WAIT_S = 30.0
 #: seconds a new plan that replaces the serving ring (a member joined or returned) waits for the
 #: requests on it to finish; less than RECOVERY_WAIT_S, so the requests that wait meanwhile are served
 DRAIN_WAIT_S = 20.0
-#: times a request that failed on a member loss before any output was handed to its client runs
-#: again once the session serves (the client then never sees the loss); with output, it fails
-MAX_LOSS_RETRIES = 2
+#: times a request that failed on a member loss runs again once the session serves (its stream
+#: goes on where it paused, `StreamReplay`; the client sees no error)
+MAX_LOSS_RETRIES = 3
 #: seconds, after a request failed, for the loss behind it to reach the session machine (`_healing_since`)
 LOSS_SETTLE_S = 1.0
 #: the states a session that has served passes through on its way back to `ready` (DESIGN §3)
@@ -245,8 +249,9 @@ class HostRequests:
                 `prompt_tokens` is a lower bound, the prompt was not tokenized).
             HostBusyError: `concurrency` requests run and the queue is full.
             GenerationCancelled: the client went away (or read too slowly); the request was ended.
-            GenerationError: a member was lost (named in the message) after the request handed
-                output to `emit`, or it failed MAX_LOSS_RETRIES + 1 times; the head failed it.
+            GenerationError: a member was lost (named in the message) after an unseeded sampled
+                request handed output to `emit`, or it failed MAX_LOSS_RETRIES + 1 times, or its
+                new run's output differed from what was sent; the head failed it.
         """
         await self.wait_serving(gone)
         n_prompt, exact = await self.prompt_tokens(prompt, self.context)  # exact unless alone past the context
@@ -260,7 +265,8 @@ class HostRequests:
             raise GenerationCancelled("The client went away while its request waited for its turn.")
         self.node.changed()
         req = uuid.uuid4().hex[:12]
-        retried: list[str] = []  # why each earlier attempt failed (a loss before any output: retried)
+        retried: list[str] = []  # why each earlier attempt failed (a loss: the request runs again)
+        stream = StreamReplay(emit)  # what the client was handed, across attempts
         try:
             t0 = time.perf_counter()
             if sampling is not None:
@@ -271,15 +277,19 @@ class HostRequests:
                 self.on_ring.add(req)  # a new plan waits for it before replacing the ring (drain_for)
                 stopper = StopFilter(stop) if stop else None
                 tokens_seen, emitted = [0], [0]
+                stream.rewind()
                 try:
                     result = await self._run_attempt(req, prompt, max_tokens, temperature, sampling, n_prompt,
-                                                     emit, gone, stopper, tokens_seen, emitted)
+                                                     stream.emit, gone, stopper, tokens_seen, emitted)
+                    if stream.diverged is not None:
+                        raise GenerationError(stream.diverged)
                     break
                 except GenerationError as e:
-                    if emitted[0] or len(retried) >= MAX_LOSS_RETRIES or not await self._healing_since(epoch):
+                    if (stream.diverged is not None or (stream.sent and not resumable(temperature, sampling))
+                            or len(retried) >= MAX_LOSS_RETRIES or not await self._healing_since(epoch)):
                         raise
-                    log.info("request %s failed before any output (%s); it runs again once the session serves",
-                             req, e)
+                    log.info("request %s failed after %d event(s) handed to its client (%s); it runs again once "
+                             "the session serves, and its stream goes on where it paused", req, len(stream.sent), e)
                     retried.append(str(e))
                     self.on_ring.discard(req)
                     req = uuid.uuid4().hex[:12]
@@ -317,7 +327,7 @@ class HostRequests:
                            sampling: Optional[Sampling], n_prompt: int, emit, gone: Optional[trio.Event],
                            stopper: Optional[StopFilter], tokens_seen: list, emitted: list) -> dict:
         """One run of a request on the current ring (local head) or through the remote head; counts
-        the events handed to the client in ``emitted[0]`` (a loss before any is retried by `generate`).
+        the events it handed on in ``emitted[0]`` (a loss ends the run; `generate` runs it again).
 
         Raises:
             GenerationError: the ring broke, a member was lost, or the head failed the request.
@@ -527,6 +537,52 @@ class HostRequests:
         if self._chat_tokenizer is None:  # only before run(): tests and tools that never started it
             self._chat_tokenizer = stagehost.executor().synth.load_tokenizer(self.model_dir)
         return self._chat_tokenizer
+
+
+def resumable(temperature: float, sampling: Optional[Sampling]) -> bool:
+    """Whether a request that already streamed output may run again after a loss and go on with
+    the same stream: its tokens are a function of its prompt alone (greedy, temperature 0, or drawn
+    with its own `seed`, kafilad/proto/sampling.py; penalties depend only on the tokens before), so
+    the new run produces what the client was handed, then the rest."""
+    t = sampling.temperature if sampling is not None else temperature
+    return t <= 0 or (sampling is not None and sampling.seed is not None)
+
+
+class StreamReplay:
+    """A request's stream to its client across runs (a member lost mid-stream: the request runs
+    again on the healed ring, issue 25 item 4): the first run's events go to the client; a later
+    run's events up to where the client's stream paused are compared with what it was handed and
+    dropped, the rest go on to the client. So the client sees a pause, not an error nor a repeat.
+
+    `sent` lists (token_id, text) of each event handed to the client; `diverged` is a sentence once a
+    later run produced an event other than the one handed (then nothing more is handed).
+    """
+
+    def __init__(self, emit: Callable):
+        self._emit = emit
+        self.sent: list[tuple] = []
+        self._pos = 0
+        self.diverged: Optional[str] = None
+
+    def rewind(self) -> None:
+        """A new run starts: its events are compared with `sent` from the first."""
+        self._pos = 0
+
+    async def emit(self, ev: dict) -> None:
+        """Hand `ev` ({"t": "token", "token_id", "text", ...}) to the client unless it was handed before.
+
+        Raises what the client's `emit` raises (the request is then ended as for a client gone)."""
+        key = (ev.get("token_id"), ev.get("text"))
+        i, self._pos = self._pos, self._pos + 1
+        if self.diverged is not None:
+            return
+        if i < len(self.sent):
+            if self.sent[i] != key:
+                self.diverged = (f"The request ran again after a member was lost, but its output differed from "
+                                 f"what was already sent at event {i + 1} ({self.sent[i]!r}, then {key!r}).")
+            return
+        self.sent.append(key)
+        await self._emit(ev)
 
 
 def result_of(st) -> dict:

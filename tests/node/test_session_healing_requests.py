@@ -102,3 +102,38 @@ async def test_a_request_sent_just_before_a_loss_is_noticed_runs_again_and_is_se
         assert ready_over(h, {"h", "m1"}) and h.snapshot()["requests"]["running"] == 0
         records = [json.loads(line) for line in h.node.state.trace_path(h.session_id).read_text().splitlines()]
         assert [r["retried_after"] for r in records if r["event"] == "generation"] == [result["retried_after"]]
+
+
+@trio_test
+async def test_a_member_frozen_mid_stream_pauses_the_stream_which_goes_on_identical(tmp_path, model_dir,
+                                                                                    monkeypatch):
+    """Issue 25 item 4: a member lost while a request streams (output already handed to its client)
+    no longer fails it: the host runs it again on the healed ring, drops the events its client was
+    already handed, and the stream goes on; the client's events are the undisturbed greedy run's,
+    each once. A request sent right after the loss waits for the healing and is served."""
+    from node.session_harness import shrink_liveness
+    shrink_liveness(monkeypatch, interval_s=0.2, deadline_s=1.5)
+    n_tokens = 24
+    ref = reference_tokens(model_dir, PROMPT, n_tokens)
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        h, (m1, m2) = await w.form(2)
+        out: dict = {}
+
+        async def after_loss() -> None:
+            await w.wait(lambda: h.state != HostState.READY, 10, "the host noticing the loss")
+            out["after"] = await generate(h, PROMPT, N_TOKENS)
+
+        async def on_token(n: int) -> None:
+            if n == 3:
+                w.freeze("m2")  # as a frozen process: the ring stalls, the host notices after the deadline
+                nursery.start_soon(after_loss)
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                out["stream"] = await generate(h, PROMPT, n_tokens, on_token=on_token)
+        result = out["stream"]
+        assert result["token_ids"] == ref
+        assert [ev["token_id"] for ev in result["events"] if ev["token_id"] is not None] == ref  # the client was handed each token once
+        assert "".join(ev["text"] for ev in result["events"]) == result["text"]
+        assert len(result["retried_after"]) == 1 and "m2" in result["retried_after"][0], result.get("retried_after")
+        assert out["after"]["token_ids"] == reference_tokens(model_dir, PROMPT, N_TOKENS)
+        assert ready_over(h, {"h", "m1"}) and h.snapshot()["requests"]["running"] == 0
