@@ -34,6 +34,7 @@ from kafilad.node.ring import run_on_mlx_thread
 from kafilad.planner import DEFAULT_STRATEGY, plan as make_plan
 from kafilad.planner.moe import moe_spec
 from kafilad.planner.records import Device
+from kafilad.planner.trust import RATIO_HIGH, RATIO_LOW, MemberChecks
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
 from kafilad.proto.identity import compose_session_code, peer_id as peer_id_of
@@ -84,6 +85,8 @@ class HostSession(HostRequests, SessionDriver):
         self.generations: dict[str, trio.MemorySendChannel] = {}
         self.formed_s: Optional[float] = None
         self.measured_stage_s: dict[str, float] = {}
+        #: every member's report against its measured stage (kafilad/planner/trust.py, issue 22 item 5)
+        self.checks = MemberChecks()
         #: {sender name: ring frame bytes sent for the finished requests} (stagehost.generation_edges)
         self.edge_bytes_sent: dict[str, int] = {}
         self.last_generation: dict = {}
@@ -445,19 +448,22 @@ class HostSession(HostRequests, SessionDriver):
 
     async def _make_plan(self, order: tuple, seq: int) -> None:
         self._replan_t0 = time.perf_counter()
-        self.fleet_devices = [Device(name=e.name, memory_bytes=int(e.capability["memory_bytes"]),
-                                     bandwidth_Bps=e.capability.get("bandwidth_Bps"),
-                                     step_overhead_s=float(e.capability.get("step_overhead_s") or 0.0),
-                                     nat_class=e.capability.get("nat_class"),
-                                     rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"), batch_row_cost=e.capability.get("batch_row_cost"),
-                                     dtype=e.capability.get("dtype"),
-                                     fallback_dtype=self._fallback_dtype(e.capability))
-                              for e in order]
+        self.checks.exempt = frozenset(e.name for e in order if e.is_host)  # its own probe ran here
+        # each member counted by its report scaled by what its stage measured (kafilad/planner/trust.py)
+        self.fleet_devices = [self.checks.device(Device(
+            name=e.name, memory_bytes=int(e.capability["memory_bytes"]), bandwidth_Bps=e.capability.get("bandwidth_Bps"),
+            step_overhead_s=float(e.capability.get("step_overhead_s") or 0.0), nat_class=e.capability.get("nat_class"),
+            rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"), batch_row_cost=e.capability.get("batch_row_cost"),
+            dtype=e.capability.get("dtype"), fallback_dtype=self._fallback_dtype(e.capability))) for e in order]
         devices = list(self.fleet_devices)
+        # no member is the head on its word alone: only the host and members whose reports measurement
+        # confirmed may head (docs/planner.md "Who may be the head")
+        heads = self.checks.head_allowed(d.name for d in devices)
 
         def planned():  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
             return make_plan(devices, stagehost.plan_profiles(self.info, devices), context=self.context,
-                             concurrency=self.concurrency, strategy=self.strategy, head_self=self.head_self)
+                             concurrency=self.concurrency, strategy=self.strategy, head_self=self.head_self,
+                             heads=heads)
 
         try:  # on a worker thread: a large search once held the event loop 36 s (issue 25 item 6); the
             # planner is pure, so a plan abandoned when the session ends costs nothing
@@ -561,6 +567,52 @@ class HostSession(HostRequests, SessionDriver):
         if lost is not None and self.rendezvous_lost is None:
             await self._rendezvous_gone(lost)
 
+    # ---- members checked against what they do (issue 22 item 5) -------------------------------
+    def _check_stages(self, result: dict, epoch: Optional[int]) -> None:
+        """Judge each member's report by one finished request's stage times (kafilad/planner/trust.py):
+        a report off by more than the bound is replaced by figures derived from measurement and the
+        session plans again; a member confirmed that the plan held back from heading gets a plan in
+        which it may head. Requests of an earlier plan count for nothing."""
+        plan = self.plan
+        if plan is None or self.machine.planned is None or (epoch is not None and epoch != self.machine.epoch):
+            return
+        self.checks.new_plan(self.machine.epoch, plan.stage_s)
+        names = {e.peer_id: e.name for e in self.members.values()}
+        rows = [(names[r[0]], r[1], r[3]) for r in result.get("stats", []) if len(r) >= 4 and r[0] in names]
+        for v in self.checks.observe(self.machine.epoch, rows, result.get("batch_rows_median")):
+            self._write_trace("report_checked", member=v.name, outcome=v.outcome, ratio=v.ratio,
+                              measured_s=v.measured_s, predicted_s=v.predicted_s, steps=v.steps, scale=v.scale)
+            if v.outcome == "off":
+                reason = (f"member {v.name}'s stage measured {v.measured_s * 1000:.2f} ms per token over {v.steps} "
+                          f"steps against {v.predicted_s * 1000:.2f} ms predicted from its report (x{v.ratio:.2f}, "
+                          f"outside [{RATIO_LOW:g}, {RATIO_HIGH:g}]); planning again with its figures scaled by "
+                          f"{v.scale:.2f}")
+                log.warning("%s.", reason)
+            elif v.name == plan.held_back:
+                reason = (f"member {v.name}'s report is confirmed by its stage (x{v.ratio:.2f} over {v.steps} "
+                          f"steps); planning again with it allowed to head")
+                log.info("%s.", reason)
+            else:
+                log.info("member %s's report is confirmed by its stage (x%.2f over %d steps)", v.name, v.ratio,
+                         v.steps)
+                continue
+            if self.state == sm.HostState.READY:
+                self.nursery.start_soon(self._handle, sm.Reassess(v.name, reason))
+
+    def _member_report(self, r) -> dict:
+        """What `status` shows of member `r`'s report against its measured stage: `reported` (its
+        capability's time figures), `planned_with` (those the planner used: scaled when its report
+        was judged off) and `check` (MemberChecks.status: ratio, outcome, confirmed), and whether
+        it may head (`head_allowed`)."""
+        cap = r.capability or {}
+        reported = {k: cap.get(k) for k in ("bandwidth_Bps", "step_overhead_s", "memory_bytes")}
+        used = next((d for d in self.fleet_devices if d.name == r.name), None)
+        return {"reported": reported,
+                "planned_with": None if used is None else {"bandwidth_Bps": used.bandwidth_Bps,
+                                                           "step_overhead_s": used.step_overhead_s},
+                "check": self.checks.status(r.name),
+                "head_allowed": r.is_host or r.name in self.checks.confirmed}
+
     # ---- reporting ----------------------------------------------------------------------------
     def fleet_json(self) -> dict:
         from kafilad.planner import fleet_to_json
@@ -588,7 +640,7 @@ class HostSession(HostRequests, SessionDriver):
                             "standby": bool(plan and r.name in plan.standby),
                             "control": None if r.is_host else ("down" if r.control_down or r.lost else "up"),
                             "progress": "loading" if self.state == "loading" and not r.ready else None,
-                            "capability": r.capability,
+                            "capability": r.capability, **self._member_report(r),
                             "nat_class": (r.capability or {}).get("nat_class")})
         for r in self.machine.lost.values():
             if r.peer_id not in self.members:

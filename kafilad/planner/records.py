@@ -150,6 +150,10 @@ class Plan:
             every member holding blocks (None when that cannot fit); else None.
         dtype: name -> the float dtype the device holds its stage in (kafilad.planner.precision);
             empty when the model was given as one profile for every device.
+        held_back: the device the planner would have made head had `plan(heads=...)` allowed it
+            (more than μ faster), or None (kafilad/planner/trust.py; issue 22 item 5).
+        head_unconfirmed: no device allowed to head could hold the head's share, so the head is
+            one `heads` did not allow (the planner's choice on reported figures).
     """
 
     order: tuple[str, ...]
@@ -176,6 +180,8 @@ class Plan:
     throughput: tuple = ()
     full_fleet_tokens_per_s: Optional[float] = None
     dtype: dict = attrs.field(factory=dict)
+    held_back: Optional[str] = None
+    head_unconfirmed: bool = False
 
     def counts(self) -> dict:
         """name -> number of blocks held."""
@@ -219,4 +225,6 @@ class Plan:
             "throughput": [t.to_json() for t in self.throughput],
             "full_fleet_tokens_per_s": self.full_fleet_tokens_per_s,
             **({"dtype": dict(self.dtype)} if self.dtype else {}),
+            **({"held_back": self.held_back} if self.held_back else {}),
+            **({"head_unconfirmed": True} if self.head_unconfirmed else {}),
         }
