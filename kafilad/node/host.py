@@ -34,7 +34,7 @@ from kafilad.node.ring import run_on_mlx_thread
 from kafilad.planner import DEFAULT_STRATEGY, plan as make_plan
 from kafilad.planner.moe import moe_spec
 from kafilad.planner.records import Device
-from kafilad.planner.trust import RATIO_HIGH, RATIO_LOW, MemberChecks
+from kafilad.planner.trust import RATIO_HIGH, RATIO_LOW, REHEAD_GAIN, MemberChecks
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
 from kafilad.proto.identity import compose_session_code, peer_id as peer_id_of
@@ -53,11 +53,15 @@ class HostSession(HostRequests, SessionDriver):
 
     def __init__(self, node, *, model_dir: str, members: int, context: Optional[int], concurrency: int,
                  rendezvous: str, open_: bool, admit_timeout_s: float, queue_limit: Optional[int] = None,
-                 strategy: str = DEFAULT_STRATEGY, head_self: bool = False):
+                 strategy: str = DEFAULT_STRATEGY, head_self: bool = False, head_any: bool = False):
         super().__init__(node)
         self.strategy = strategy  # the planner's division (DESIGN §5.3, §5.5; `host --strategy`)
         #: `host --head self`: this host is the head of every plan (it alone sees prompts and samples)
         self.head_self = head_self
+        #: `host --head any`: members' reports are trusted (a group whose machines are all its own): any
+        #: may head on its report alone, and a report measurement finds off is shown, not replanned around;
+        #: by default only the host and members whose reports measurement confirmed may head (issue 22 item 5)
+        self.head_any = head_any
         self.model_dir = str(Path(model_dir).resolve())
         self.expected = members
         self.context = context
@@ -275,7 +279,8 @@ class HostSession(HostRequests, SessionDriver):
         return {"role": "host", "code": self.code, "session_id": self.session_id, "rendezvous": self.rdv_url,
                 "model_dir": self.model_dir, "members": self.expected, "context": self.context,
                 "concurrency": self.concurrency, "open": self.machine.open, "admit_timeout_s": self.admit_timeout_s,
-                "strategy": self.strategy, "queue": self.admission.queue.queue_limit, "head_self": self.head_self}
+                "strategy": self.strategy, "queue": self.admission.queue.queue_limit, "head_self": self.head_self,
+                "head_any": self.head_any}
 
     async def _measure_self(self) -> None:
         cap = await run_on_mlx_thread(stagehost.measure_capability, self.model_dir, self.node.state.path)
@@ -450,7 +455,8 @@ class HostSession(HostRequests, SessionDriver):
         self._replan_t0 = time.perf_counter()
         self.checks.exempt = frozenset(e.name for e in order if e.is_host)  # its own probe ran here
         # each member counted by its report scaled by what its stage measured (kafilad/planner/trust.py)
-        self.fleet_devices = [self.checks.device(Device(
+        scaled = (lambda d: d) if self.head_any else self.checks.device  # `--head any`: reports trusted
+        self.fleet_devices = [scaled(Device(
             name=e.name, memory_bytes=int(e.capability["memory_bytes"]), bandwidth_Bps=e.capability.get("bandwidth_Bps"),
             step_overhead_s=float(e.capability.get("step_overhead_s") or 0.0), nat_class=e.capability.get("nat_class"),
             rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"), batch_row_cost=e.capability.get("batch_row_cost"),
@@ -458,7 +464,7 @@ class HostSession(HostRequests, SessionDriver):
         devices = list(self.fleet_devices)
         # no member is the head on its word alone: only the host and members whose reports measurement
         # confirmed may head (docs/planner.md "Who may be the head")
-        heads = self.checks.head_allowed(d.name for d in devices)
+        heads = None if self.head_any else self.checks.head_allowed(d.name for d in devices)
 
         def planned():  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
             return make_plan(devices, stagehost.plan_profiles(self.info, devices), context=self.context,
@@ -588,15 +594,17 @@ class HostSession(HostRequests, SessionDriver):
                           f"outside [{RATIO_LOW:g}, {RATIO_HIGH:g}]); planning again with its figures scaled by "
                           f"{v.scale:.2f}")
                 log.warning("%s.", reason)
-            elif v.name == plan.held_back:
+            elif v.name == plan.held_back and plan.held_back_gain >= REHEAD_GAIN:
                 reason = (f"member {v.name}'s report is confirmed by its stage (x{v.ratio:.2f} over {v.steps} "
-                          f"steps); planning again with it allowed to head")
+                          f"steps); planning again with it allowed to head ({plan.held_back_gain:.0%} faster)")
                 log.info("%s.", reason)
             else:
                 log.info("member %s's report is confirmed by its stage (x%.2f over %d steps)", v.name, v.ratio,
                          v.steps)
                 continue
-            if self.state == sm.HostState.READY:
+            if self.head_any:  # `host --head any`: the group trusts its members' reports; shown, not acted on
+                log.info("members' reports are trusted (`host --head any`): no replan for %s", v.name)
+            elif self.state == sm.HostState.READY:
                 self.nursery.start_soon(self._handle, sm.Reassess(v.name, reason))
 
     def _member_report(self, r) -> dict:
@@ -611,7 +619,7 @@ class HostSession(HostRequests, SessionDriver):
                 "planned_with": None if used is None else {"bandwidth_Bps": used.bandwidth_Bps,
                                                            "step_overhead_s": used.step_overhead_s},
                 "check": self.checks.status(r.name),
-                "head_allowed": r.is_host or r.name in self.checks.confirmed}
+                "head_allowed": r.is_host or self.head_any or r.name in self.checks.confirmed}
 
     # ---- reporting ----------------------------------------------------------------------------
     def fleet_json(self) -> dict:

@@ -231,16 +231,16 @@ def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: s
                                           ring_hop_s(chain), concurrency)
         assert sol is not None
         best = (sol[0], list(chain), sol[1], {d.name for d in chain})
-    held_back = None
+    held_back, gain = None, 0.0
     if best_any is not None and best_any[1][0].name != best[1][0].name and best[0] > 0 \
             and (best[0] - best_any[0]) / best[0] > mu:
-        held_back = best_any[1][0].name
+        held_back, gain = best_any[1][0].name, (best[0] - best_any[0]) / best[0]
     _, chain, bounds, active_names = best
     standby = [d for d in order if d.name not in active_names]
     full_rate = None if full_v is None or full_v <= 0 else 1.0 / full_v
     return attrs.evolve(build_plan(chain, model, bounds, strategy="load", standby=standby,
                                    full_fleet_tokens_per_s=full_rate, **kw),
-                        held_back=held_back, head_unconfirmed=unconfirmed)
+                        held_back=held_back, held_back_gain=gain, head_unconfirmed=unconfirmed)
 
 
 def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
@@ -311,7 +311,7 @@ def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
     if r is None:
         raise _refuse(order, model, **kw)
     chain, sol = sols[r]
-    held_back = sols[r_any][0][0].name if r_any is not None and r_any != r and every[r] and \
-        (every[r] - every[r_any]) / every[r] > mu else None
+    gain = (every[r] - every[r_any]) / every[r] if r_any is not None and r_any != r and every[r] else 0.0
+    held_back = sols[r_any][0][0].name if gain > mu else None
     return attrs.evolve(build_plan(chain, model, sol[1], strategy=strategy, rotation_bottleneck_s=rot_b, **kw),
-                        held_back=held_back, head_unconfirmed=unconfirmed)
+                        held_back=held_back, held_back_gain=gain, head_unconfirmed=unconfirmed)

@@ -13,7 +13,9 @@ the figures the plan used, and decides:
   (`derived_device`), so the cost model predicts what was measured.
 * **confirmed**: the same number of steps lie within the bound. Only the host and confirmed members
   may be the head under `host --head auto` (`head_allowed`): the head sees every prompt and samples
-  every token, so no member becomes it on its word alone.
+  every token, so no member becomes it on its word alone. A confirmed member the plan held back
+  from heading gets a new plan when it would save at least REHEAD_GAIN (25%) per token; otherwise
+  it may head from the session's next plan (a member joined, returned or was lost).
 
 Why [1/2, 2]: the cost model predicts a stage's step time within ~6% median error and 21% at worst
 per run on an emulated fleet (docs/cost-model.md), and a loaded machine's stage times vary by
@@ -24,6 +26,9 @@ slow steps (a garbage collection, a page fault); SLACK_S (2 ms) ignores differen
 would notice and that timer and scheduler noise of a loaded machine reach on sub-millisecond
 stages. Only requests that decoded alone (batch rows 1) are counted: a batched step's time depends
 on the rows and on `batch_row_cost`, itself a report.
+
+`host --head any` trusts the reports instead (a group whose machines are all its own, a fleet
+emulated by reported figures): the verdicts are recorded and shown, nothing is acted on.
 
 Stage times in `hops` are reported by each stage itself, so a member that lies about its step times
 too is not caught by this check; its circuit time (measured by the head) still shows it. Pure: no
@@ -45,6 +50,10 @@ RATIO_HIGH = 2.0
 MIN_STEPS = 16
 #: seconds: a measured and predicted step time closer than this are never "off"
 SLACK_S = 0.002
+#: a member held back from heading (Plan.held_back) that is then confirmed gets a new plan only when
+#: it would save at least this fraction per token: a new head reloads every stage (seconds) and lets
+#: the running requests drain first, which a few percent do not repay
+REHEAD_GAIN = 0.25
 
 
 @attrs.frozen

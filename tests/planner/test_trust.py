@@ -67,7 +67,7 @@ def test_no_member_heads_on_its_word_alone(strategy):
     assert unchecked.head == "m1"  # what the report alone earns (the QA finding)
     p = plan(FLEET, MODEL, context=8, strategy=strategy, heads=frozenset({"host"}))
     assert p.head == "host" and p.held_back == "m1" and not p.head_unconfirmed
-    assert p.to_json()["held_back"] == "m1"
+    assert p.to_json()["held_back"] == "m1" and p.to_json()["held_back_gain"] == p.held_back_gain > 0.25
     # confirmed by measurement, it may head; with its figures derived from measurement it no longer earns it
     assert plan(FLEET, MODEL, context=8, strategy=strategy, heads=frozenset({"host", "m1"})).head == "m1"
     c = MemberChecks(exempt=frozenset({"host"}), scale={"m1": 100.0}, confirmed={"m1"})
