@@ -86,6 +86,8 @@ class HostSession(HostRequests, SessionDriver):
         #: the planner's answers by MakePlan sequence number, until the machine accepted that one or a later one
         self._plans: dict = {}
         self.fleet_devices: list[Device] = []
+        #: the names the last plan allowed to head (None: any), reported in the live `fleet`
+        self.fleet_heads = None
         self.generations: dict[str, trio.MemorySendChannel] = {}
         self.formed_s: Optional[float] = None
         self.measured_stage_s: dict[str, float] = {}
@@ -465,6 +467,9 @@ class HostSession(HostRequests, SessionDriver):
         # no member is the head on its word alone: only the host and members whose reports measurement
         # confirmed may head (docs/planner.md "Who may be the head")
         heads = None if self.head_any else self.checks.head_allowed(d.name for d in devices)
+        # who may head, as the live `fleet` reports it (proto_spec/06-fleet.md §1: `kafila-ctl plan` on it
+        # reproduces this plan)
+        self.fleet_heads = (frozenset({devices[0].name}) if self.head_self and devices else heads)
 
         def planned():  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
             return make_plan(devices, stagehost.plan_profiles(self.info, devices), context=self.context,
@@ -624,7 +629,7 @@ class HostSession(HostRequests, SessionDriver):
     # ---- reporting ----------------------------------------------------------------------------
     def fleet_json(self) -> dict:
         from kafilad.planner import fleet_to_json
-        return fleet_to_json(self.fleet_devices, self.context, self.concurrency)
+        return fleet_to_json(self.fleet_devices, self.context, self.concurrency, heads=self.fleet_heads)
 
     def _rdv_client(self):
         """The rendezvous client of the moment (None while it is away)."""

@@ -81,3 +81,16 @@ def test_when_no_allowed_head_fits_the_planner_says_so(strategy):
     small_host = [Device("host", 30_000_000, 1e9), Device("m1", 10**9, 1e9), Device("m2", 10**9, 1e9)]
     p = plan(small_host, MODEL, context=8, strategy=strategy, heads=frozenset({"host"}))
     assert p.head != "host" and p.head_unconfirmed and p.to_json()["head_unconfirmed"] is True
+
+
+def test_the_fleet_file_carries_who_may_head_and_the_offline_plan_honours_it():
+    from kafilad.planner import fleet_to_json, load_fleet
+    from kafilad.planner.fleet import FleetFormatError
+    obj = fleet_to_json(FLEET, 8, 1, heads=frozenset({"host"}))
+    assert obj["heads"] == ["host"]
+    fleet = load_fleet(obj)
+    assert fleet.heads == ("host",) and load_fleet(fleet_to_json(FLEET)).heads is None
+    assert plan(list(fleet.devices), MODEL, context=8, strategy="load", heads=frozenset(fleet.heads)).head == "host"
+    for bad in ([], ["nobody"], "host", [1]):
+        with pytest.raises(FleetFormatError, match="'heads'"):
+            load_fleet({**obj, "heads": bad})
