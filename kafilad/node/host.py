@@ -587,10 +587,13 @@ class HostSession(HostRequests, SessionDriver):
         plan = self.plan
         if plan is None or self.machine.planned is None or (epoch is not None and epoch != self.machine.epoch):
             return
-        self.checks.new_plan(self.machine.epoch, plan.stage_s)
+        # a plan kept without reloading (the same division, other figures: a report scaled) keeps its epoch
+        # but predicts anew, so the plan's key is its epoch and its MakePlan sequence number
+        key = (self.machine.epoch, self.machine.planned.seq)
+        self.checks.new_plan(key, plan.stage_s)
         names = {e.peer_id: e.name for e in self.members.values()}
         rows = [(names[r[0]], r[1], r[3]) for r in result.get("stats", []) if len(r) >= 4 and r[0] in names]
-        for v in self.checks.observe(self.machine.epoch, rows, result.get("batch_rows_median")):
+        for v in self.checks.observe(key, rows, result.get("batch_rows_median")):
             self._write_trace("report_checked", member=v.name, outcome=v.outcome, ratio=v.ratio,
                               measured_s=v.measured_s, predicted_s=v.predicted_s, steps=v.steps, scale=v.scale)
             if v.outcome == "off":

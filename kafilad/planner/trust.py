@@ -117,7 +117,8 @@ class MemberChecks:
     Attributes:
         exempt: names never judged (the host: its own probe ran on this machine).
         predicted_s: name -> predicted step time of the current plan, seconds (Plan.stage_s).
-        epoch: the plan epoch `predicted_s` and the samples belong to.
+        epoch: the plan `predicted_s` and the samples belong to (any hashable key: the host uses its
+            epoch and MakePlan sequence number, since a plan kept without reloading predicts anew).
         samples: name -> [(decode steps, median step s)] of the current plan's unbatched requests.
         scale: name -> cumulative correction applied to the member's report (absent: 1.0).
         confirmed: names whose stage ran within the bound under some plan (kept until judged off).
@@ -126,7 +127,7 @@ class MemberChecks:
 
     exempt: frozenset = frozenset()
     predicted_s: dict = attrs.field(factory=dict)
-    epoch: Optional[int] = None
+    epoch: object = None
     samples: dict = attrs.field(factory=dict)
     scale: dict = attrs.field(factory=dict)
     confirmed: set = attrs.field(factory=set)
@@ -134,12 +135,12 @@ class MemberChecks:
     #: name -> the plan epoch of its latest verdict
     judged_in: dict = attrs.field(factory=dict)
 
-    def new_plan(self, epoch: int, predicted_s: dict) -> None:
+    def new_plan(self, epoch, predicted_s: dict) -> None:
         """Plan `epoch` serves with these predicted stage times (name -> s): samples start afresh."""
         if epoch != self.epoch:
             self.epoch, self.predicted_s, self.samples = epoch, dict(predicted_s), {}
 
-    def observe(self, epoch: int, stats: Iterable[tuple[str, int, float]], batch_rows: Optional[float] = None
+    def observe(self, epoch, stats: Iterable[tuple[str, int, float]], batch_rows: Optional[float] = None
                 ) -> list[Verdict]:
         """One finished request's stage times under plan `epoch`: (name, decode steps, median step s)
         per stage. Returns the verdicts it newly reaches: a member's first "confirmed" under this
