@@ -538,9 +538,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="division to serve with (as `plan` has): load (most tokens/s at --concurrency; members "
                         "may stand by), kafila (the paper's exact partition, least bottleneck, every member "
                         f"holds blocks), uniform or memory (the baselines of DESIGN §5.5; default {DEFAULT_STRATEGY})")
-    s.add_argument("--head", choices=("auto", "self"), default="auto",
+    s.add_argument("--head", choices=("auto", "self", "any"), default="auto",
                    help="self: this host is the head of every plan, so only it sees prompts and samples tokens "
-                        "(a faster member never takes the head); auto: the planner chooses (default)")
+                        "(a faster member never takes the head); auto: the planner chooses among this host and "
+                        "the members whose reported speed their measured stage times confirmed, and replans around a "
+                        "report they find off (default); any: trusts the members' reports (a group whose machines "
+                        "are all its own): any member may head, a report found off is shown, not acted on")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_host)
 

@@ -145,19 +145,20 @@ class LoopbackCluster:
 
     def form(self, model_dir: str, *, members: Optional[int] = None, context: int = DEMO_CONTEXT, concurrency: int = 1,
              timeout_s: float = 120.0, rendezvous: Optional[str] = None,
-             strategy: Optional[str] = RING_STRATEGY) -> dict:
+             strategy: Optional[str] = RING_STRATEGY, head: Optional[str] = None) -> dict:
         """Host on daemon 0 (open session), join with the others, wait until ready; return timings.
 
         Args:
             rendezvous: URL for host and joins instead of the daemons' default (e.g. a test proxy).
             strategy: the host's division strategy (kafila-ctl host --strategy); default RING_STRATEGY,
                 None for the host's own default (kafilad.planner.DEFAULT_STRATEGY).
+            head: `host --head` ("auto", "self", "any"); None: the host's default ("auto").
         """
         members = members or self.n
         t0 = time.perf_counter()
         code = self.call(0, "host", model_dir=model_ref(str(model_dir)), members=members, context=context,
                          concurrency=concurrency, open=True, rendezvous=rendezvous,
-                         **({"strategy": strategy} if strategy else {}))["code"]
+                         **({"strategy": strategy} if strategy else {}), **({"head": head} if head else {}))["code"]
 
         async def join_all():
             async with trio.open_nursery() as nursery:

@@ -80,12 +80,14 @@ def error_json(e: KafilaError) -> dict:
     return {"error": err}
 
 
-def plan_all(devices, profile, *, context: int, concurrency: int, mu: float) -> dict[str, Outcome]:
-    """strategy -> Plan or the PlanError it raised, for every strategy."""
+def plan_all(devices, profile, *, context: int, concurrency: int, mu: float, heads=None) -> dict[str, Outcome]:
+    """strategy -> Plan or the PlanError it raised, for every strategy; `heads`: the fleet's names that
+    may be the head (proto_spec/06-fleet.md §1), None: any."""
     out: dict[str, Outcome] = {}
     for s in STRATEGIES:
         try:
-            out[s] = plan(devices, profile, context=context, concurrency=concurrency, strategy=s, mu=mu)
+            out[s] = plan(devices, profile, context=context, concurrency=concurrency, strategy=s, mu=mu,
+                          heads=None if heads is None else frozenset(heads))
         except PlanError as e:
             out[s] = e
     return out
@@ -276,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"kafila-ctl: {e}", file=sys.stderr)
         return 1
-    outcomes = plan_all(fleet.devices, profile, context=context, concurrency=concurrency, mu=args.mu)
+    outcomes = plan_all(fleet.devices, profile, context=context, concurrency=concurrency, mu=args.mu,
+                        heads=fleet.heads)
     chosen = outcomes[args.strategy]
     if args.json:
         if isinstance(chosen, PlanError):

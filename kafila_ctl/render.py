@@ -19,16 +19,32 @@ def _ms(x) -> str:
     return "—" if x is None else f"{x * 1000:.2f}"
 
 
+def _gbps(x) -> str:
+    return "—" if not x else f"{x / 1e9:.3g}"
+
+
+def _checked(m: dict) -> str:
+    """A member's report against its measured stage (kafilad/planner/trust.py): measured/predicted and verdict."""
+    c = m.get("check")
+    if not c or c.get("ratio") is None:
+        return "—"
+    return f"x{c['ratio']:.2f} {c.get('outcome', '')}".strip()
+
+
 def members_table(snap: dict) -> Table:
     t = Table(title="members (ring order, head first)", expand=False)
-    for col in ("name", "peer id", "blocks", "head", "pred. ms", "meas. ms", "nat", "state"):
+    for col in ("name", "peer id", "blocks", "head", "pred. ms", "meas. ms", "reported GB/s", "planned GB/s",
+                "meas./pred.", "nat", "state"):
         t.add_column(col)
     for m in snap.get("members") or []:
         b = m.get("blocks")
         state = ("left" if m.get("left") else "lost") if m.get("lost") else ("ready" if m.get("ready") else
                                               ("standby" if m.get("standby") else (m.get("progress") or "")))
         t.add_row(m["name"], m["peer_id"], f"[{b[0]}, {b[1]})" if b else "—", "●" if m.get("head") else "",
-                  _ms(m.get("predicted_stage_s")), _ms(m.get("measured_stage_s")), m.get("nat_class") or "—", state)
+                  _ms(m.get("predicted_stage_s")), _ms(m.get("measured_stage_s")),
+                  _gbps((m.get("reported") or {}).get("bandwidth_Bps")),
+                  _gbps((m.get("planned_with") or {}).get("bandwidth_Bps")), _checked(m),
+                  m.get("nat_class") or "—", state)
     return t
 
 

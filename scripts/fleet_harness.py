@@ -244,10 +244,14 @@ def _cluster_class():
 
 
 def form(c, model_dir: Path, *, strategy: str, concurrency: int, context: int, timeout_s: float = 600.0) -> dict:
-    """Host on daemon 0 with `strategy`, join with the others, wait until ready; the ready snapshot."""
+    """Host on daemon 0 with `strategy`, join with the others, wait until ready; the ready snapshot.
+
+    The host trusts the members' reports (`host --head any`, issue 22 item 5): the benchmark measures
+    the planner's division of the fleet as reported, which a check of the reports against measured
+    stage times would otherwise replan in the middle of a measurement."""
     import trio
     code = c.call(0, "host", model_dir=str(model_dir), members=c.n, context=context, concurrency=concurrency,
-                  open=True, strategy=strategy)["code"]
+                  open=True, strategy=strategy, head="any")["code"]
 
     async def join_all():
         async with trio.open_nursery() as nursery:

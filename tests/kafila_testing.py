@@ -47,3 +47,27 @@ def reference_tokens(model_dir: Path, prompt: str, max_tokens: int) -> list[int]
             break
         out.append(t)
     return out
+
+
+def head_after_reports_checked(cluster, *, tokens: int = 24, timeout_s: float = 90.0) -> str:
+    """Run one request of `tokens` greedy tokens on daemon 0's session, so that its members' reports
+    are checked against their stages (kafilad/planner/trust.py, issue 22 item 5), then wait while a
+    member the planner held back from heading (`plan.held_back`) is confirmed and the session replans
+    with it as head. Returns the head's name once the session is ready with no head held back."""
+    import time
+
+    import trio
+
+    async def one() -> None:
+        async for _kind, _body in cluster.client(0).stream("generate", prompt=STORIES_PROMPT, max_tokens=tokens):
+            pass
+
+    trio.run(one)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = cluster.call(0, "status")
+        plan = st.get("plan") or {}
+        if st["state"] == "ready" and not plan.get("held_back"):
+            return plan["head"]
+        assert time.monotonic() < deadline, f"the head is still held back: {st['state']}, {plan.get('held_back')}"
+        time.sleep(0.2)

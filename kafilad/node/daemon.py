@@ -246,7 +246,8 @@ class Node:
                               context=_arg(args, "context", int, None), concurrency=_arg(args, "concurrency", int, 1),
                               rendezvous=self._rdv(args), open_=_arg(args, "open", bool, False),
                               admit_timeout_s=_arg(args, "admit_timeout_s", float, DEFAULT_ADMIT_TIMEOUT_S),
-                              queue_limit=_queue_limit(args), strategy=strategy, head_self=_head_self(args))
+                              queue_limit=_queue_limit(args), strategy=strategy, head_self=_head_self(args),
+                              head_any=args.get("head") == "any")
         code = await self.nursery.start(self._run_session, session)
         self.session = session
         self._lifecycle(lc.Hosted())
@@ -274,6 +275,7 @@ class Node:
                                                                 or DEFAULT_ADMIT_TIMEOUT_S),
                                           strategy=str(record.get("strategy") or DEFAULT_STRATEGY),
                                           head_self=bool(record.get("head_self")),
+                                          head_any=bool(record.get("head_any")),
                                           queue_limit=_queue_limit(record))  # none in records before issue 25
                     session.session_id = str(record["session_id"])
                     session.rehosted = True  # requests wait while its members rejoin (host_requests.returning)
@@ -627,14 +629,16 @@ class Node:
 
 
 def _head_self(args: dict) -> bool:
-    """`host --head`: "self" pins the head on the host; "auto" (or absent) lets the planner choose.
+    """`host --head`: "self" pins the head on the host; "auto" (or absent) lets the planner choose among
+    the host and the members whose reports measurement confirmed; "any" trusts the members' reports
+    (issue 22 item 5; docs/planner.md "Who may be the head").
 
     Raises:
         KafilaError: another value.
     """
     head = args.get("head", "auto")
-    if head not in ("auto", "self"):
-        raise KafilaError(f"'head' must be \"auto\" or \"self\" (got {str(head)[:20]!r}).")
+    if head not in ("auto", "self", "any"):
+        raise KafilaError(f"'head' must be \"auto\", \"self\" or \"any\" (got {str(head)[:20]!r}).")
     return head == "self"
 
 

@@ -34,6 +34,7 @@ from kafilad.node.ring import run_on_mlx_thread
 from kafilad.planner import DEFAULT_STRATEGY, plan as make_plan
 from kafilad.planner.moe import moe_spec
 from kafilad.planner.records import Device
+from kafilad.planner.trust import RATIO_HIGH, RATIO_LOW, REHEAD_GAIN, MemberChecks
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
 from kafilad.proto.identity import compose_session_code, peer_id as peer_id_of
@@ -52,11 +53,15 @@ class HostSession(HostRequests, SessionDriver):
 
     def __init__(self, node, *, model_dir: str, members: int, context: Optional[int], concurrency: int,
                  rendezvous: str, open_: bool, admit_timeout_s: float, queue_limit: Optional[int] = None,
-                 strategy: str = DEFAULT_STRATEGY, head_self: bool = False):
+                 strategy: str = DEFAULT_STRATEGY, head_self: bool = False, head_any: bool = False):
         super().__init__(node)
         self.strategy = strategy  # the planner's division (DESIGN §5.3, §5.5; `host --strategy`)
         #: `host --head self`: this host is the head of every plan (it alone sees prompts and samples)
         self.head_self = head_self
+        #: `host --head any`: members' reports are trusted (a group whose machines are all its own): any
+        #: may head on its report alone, and a report measurement finds off is shown, not replanned around;
+        #: by default only the host and members whose reports measurement confirmed may head (issue 22 item 5)
+        self.head_any = head_any
         self.model_dir = str(Path(model_dir).resolve())
         self.expected = members
         self.context = context
@@ -81,9 +86,13 @@ class HostSession(HostRequests, SessionDriver):
         #: the planner's answers by MakePlan sequence number, until the machine accepted that one or a later one
         self._plans: dict = {}
         self.fleet_devices: list[Device] = []
+        #: the names the last plan allowed to head (None: any), reported in the live `fleet`
+        self.fleet_heads = None
         self.generations: dict[str, trio.MemorySendChannel] = {}
         self.formed_s: Optional[float] = None
         self.measured_stage_s: dict[str, float] = {}
+        #: every member's report against its measured stage (kafilad/planner/trust.py, issue 22 item 5)
+        self.checks = MemberChecks()
         #: {sender name: ring frame bytes sent for the finished requests} (stagehost.generation_edges)
         self.edge_bytes_sent: dict[str, int] = {}
         self.last_generation: dict = {}
@@ -272,7 +281,8 @@ class HostSession(HostRequests, SessionDriver):
         return {"role": "host", "code": self.code, "session_id": self.session_id, "rendezvous": self.rdv_url,
                 "model_dir": self.model_dir, "members": self.expected, "context": self.context,
                 "concurrency": self.concurrency, "open": self.machine.open, "admit_timeout_s": self.admit_timeout_s,
-                "strategy": self.strategy, "queue": self.admission.queue.queue_limit, "head_self": self.head_self}
+                "strategy": self.strategy, "queue": self.admission.queue.queue_limit, "head_self": self.head_self,
+                "head_any": self.head_any}
 
     async def _measure_self(self) -> None:
         cap = await run_on_mlx_thread(stagehost.measure_capability, self.model_dir, self.node.state.path)
@@ -445,19 +455,26 @@ class HostSession(HostRequests, SessionDriver):
 
     async def _make_plan(self, order: tuple, seq: int) -> None:
         self._replan_t0 = time.perf_counter()
-        self.fleet_devices = [Device(name=e.name, memory_bytes=int(e.capability["memory_bytes"]),
-                                     bandwidth_Bps=e.capability.get("bandwidth_Bps"),
-                                     step_overhead_s=float(e.capability.get("step_overhead_s") or 0.0),
-                                     nat_class=e.capability.get("nat_class"),
-                                     rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"), batch_row_cost=e.capability.get("batch_row_cost"),
-                                     dtype=e.capability.get("dtype"),
-                                     fallback_dtype=self._fallback_dtype(e.capability))
-                              for e in order]
+        self.checks.exempt = frozenset(e.name for e in order if e.is_host)  # its own probe ran here
+        # each member counted by its report scaled by what its stage measured (kafilad/planner/trust.py)
+        scaled = (lambda d: d) if self.head_any else self.checks.device  # `--head any`: reports trusted
+        self.fleet_devices = [scaled(Device(
+            name=e.name, memory_bytes=int(e.capability["memory_bytes"]), bandwidth_Bps=e.capability.get("bandwidth_Bps"),
+            step_overhead_s=float(e.capability.get("step_overhead_s") or 0.0), nat_class=e.capability.get("nat_class"),
+            rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"), batch_row_cost=e.capability.get("batch_row_cost"),
+            dtype=e.capability.get("dtype"), fallback_dtype=self._fallback_dtype(e.capability))) for e in order]
         devices = list(self.fleet_devices)
+        # no member is the head on its word alone: only the host and members whose reports measurement
+        # confirmed may head (docs/planner.md "Who may be the head")
+        heads = None if self.head_any else self.checks.head_allowed(d.name for d in devices)
+        # who may head, as the live `fleet` reports it (proto_spec/06-fleet.md §1: `kafila-ctl plan` on it
+        # reproduces this plan)
+        self.fleet_heads = (frozenset({devices[0].name}) if self.head_self and devices else heads)
 
         def planned():  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
             return make_plan(devices, stagehost.plan_profiles(self.info, devices), context=self.context,
-                             concurrency=self.concurrency, strategy=self.strategy, head_self=self.head_self)
+                             concurrency=self.concurrency, strategy=self.strategy, head_self=self.head_self,
+                             heads=heads)
 
         try:  # on a worker thread: a large search once held the event loop 36 s (issue 25 item 6); the
             # planner is pure, so a plan abandoned when the session ends costs nothing
@@ -561,10 +578,61 @@ class HostSession(HostRequests, SessionDriver):
         if lost is not None and self.rendezvous_lost is None:
             await self._rendezvous_gone(lost)
 
+    # ---- members checked against what they do (issue 22 item 5) -------------------------------
+    def _check_stages(self, result: dict, epoch: Optional[int]) -> None:
+        """Judge each member's report by one finished request's stage times (kafilad/planner/trust.py):
+        a report off by more than the bound is replaced by figures derived from measurement and the
+        session plans again; a member confirmed that the plan held back from heading gets a plan in
+        which it may head. Requests of an earlier plan count for nothing."""
+        plan = self.plan
+        if plan is None or self.machine.planned is None or (epoch is not None and epoch != self.machine.epoch):
+            return
+        # a plan kept without reloading (the same division, other figures: a report scaled) keeps its epoch
+        # but predicts anew, so the plan's key is its epoch and its MakePlan sequence number
+        key = (self.machine.epoch, self.machine.planned.seq)
+        self.checks.new_plan(key, plan.stage_s)
+        names = {e.peer_id: e.name for e in self.members.values()}
+        rows = [(names[r[0]], r[1], r[3]) for r in result.get("stats", []) if len(r) >= 4 and r[0] in names]
+        for v in self.checks.observe(key, rows, result.get("batch_rows_median")):
+            self._write_trace("report_checked", member=v.name, outcome=v.outcome, ratio=v.ratio,
+                              measured_s=v.measured_s, predicted_s=v.predicted_s, steps=v.steps, scale=v.scale)
+            if v.outcome == "off":
+                reason = (f"member {v.name}'s stage measured {v.measured_s * 1000:.2f} ms per token over {v.steps} "
+                          f"steps against {v.predicted_s * 1000:.2f} ms predicted from its report (x{v.ratio:.2f}, "
+                          f"outside [{RATIO_LOW:g}, {RATIO_HIGH:g}]); planning again with its figures scaled by "
+                          f"{v.scale:.2f}")
+                log.warning("%s.", reason)
+            elif v.name == plan.held_back and plan.held_back_gain >= REHEAD_GAIN:
+                reason = (f"member {v.name}'s report is confirmed by its stage (x{v.ratio:.2f} over {v.steps} "
+                          f"steps); planning again with it allowed to head ({plan.held_back_gain:.0%} faster)")
+                log.info("%s.", reason)
+            else:
+                log.info("member %s's report is confirmed by its stage (x%.2f over %d steps)", v.name, v.ratio,
+                         v.steps)
+                continue
+            if self.head_any:  # `host --head any`: the group trusts its members' reports; shown, not acted on
+                log.info("members' reports are trusted (`host --head any`): no replan for %s", v.name)
+            elif self.state == sm.HostState.READY:
+                self.nursery.start_soon(self._handle, sm.Reassess(v.name, reason))
+
+    def _member_report(self, r) -> dict:
+        """What `status` shows of member `r`'s report against its measured stage: `reported` (its
+        capability's time figures), `planned_with` (those the planner used: scaled when its report
+        was judged off) and `check` (MemberChecks.status: ratio, outcome, confirmed), and whether
+        it may head (`head_allowed`)."""
+        cap = r.capability or {}
+        reported = {k: cap.get(k) for k in ("bandwidth_Bps", "step_overhead_s", "memory_bytes")}
+        used = next((d for d in self.fleet_devices if d.name == r.name), None)
+        return {"reported": reported,
+                "planned_with": None if used is None else {"bandwidth_Bps": used.bandwidth_Bps,
+                                                           "step_overhead_s": used.step_overhead_s},
+                "check": self.checks.status(r.name),
+                "head_allowed": r.is_host or self.head_any or r.name in self.checks.confirmed}
+
     # ---- reporting ----------------------------------------------------------------------------
     def fleet_json(self) -> dict:
         from kafilad.planner import fleet_to_json
-        return fleet_to_json(self.fleet_devices, self.context, self.concurrency)
+        return fleet_to_json(self.fleet_devices, self.context, self.concurrency, heads=self.fleet_heads)
 
     def _rdv_client(self):
         """The rendezvous client of the moment (None while it is away)."""
@@ -588,7 +656,7 @@ class HostSession(HostRequests, SessionDriver):
                             "standby": bool(plan and r.name in plan.standby),
                             "control": None if r.is_host else ("down" if r.control_down or r.lost else "up"),
                             "progress": "loading" if self.state == "loading" and not r.ready else None,
-                            "capability": r.capability,
+                            "capability": r.capability, **self._member_report(r),
                             "nat_class": (r.capability or {}).get("nat_class")})
         for r in self.machine.lost.values():
             if r.peer_id not in self.members:

@@ -487,6 +487,7 @@ class HostRequests:
             for pid, steps, total_s, median_s, nbytes in result.get("stats", []):
                 if pid in names:
                     self.measured_stage_s[names[pid]] = median_s
+            self._check_stages(result, epoch)  # reports against measurement (issue 22 item 5)
         self.last_generation = {k: v for k, v in result.items() if k not in ("text", "token_ids")}
         self._write_trace("generation", **{k: v for k, v in result.items() if k != "text"},
                           stages={names.get(s[0], s[0]): {"steps": s[1], "compute_s": s[2], "decode_stage_s": s[3],

@@ -10,7 +10,8 @@
      "rendezvous_rtt_ms": 12.5, "batch_row_cost": 0.3,
      "dtype": "float32", "fallback_dtype": "bfloat16", ...}   unknown keys ignored
   ],
-  "context": 4096, "concurrency": 1                           optional (flags win)
+  "context": 4096, "concurrency": 1,                          optional (flags win)
+  "heads": ["studio"]                                          optional: who may be the head (absent: any)
 }
 ```
 Pure: `load_fleet` reads a file only when given a path.
@@ -45,12 +46,15 @@ class Fleet:
         context: top-level context (tokens) or None when absent.
         concurrency: top-level concurrency or None when absent.
         name: optional display name of the fleet ("" when absent).
+        heads: names of the devices that may be the head (a live session's host and the members
+            whose reports measurement confirmed, issue 22 item 5), or None: any.
     """
 
     devices: tuple
     context: Optional[int] = None
     concurrency: Optional[int] = None
     name: str = ""
+    heads: Optional[tuple] = None
 
 
 def _num(d: dict, key: str, where: str, *, integer: bool = False, positive: bool = True,
@@ -137,12 +141,18 @@ def load_fleet(obj_or_path: Any) -> Fleet:
     ctx = _num(obj, "context", "The fleet", integer=True)
     conc = _num(obj, "concurrency", "The fleet", integer=True)
     name = obj.get("name") if isinstance(obj.get("name"), str) else ""
-    return Fleet(devices=devices, context=ctx, concurrency=conc, name=name)
+    heads = obj.get("heads")
+    if heads is not None:
+        if not isinstance(heads, list) or not heads or not all(isinstance(h, str) and h in names for h in heads):
+            raise FleetFormatError("The fleet's 'heads' must be a non-empty list of its device names.")
+        heads = tuple(heads)
+    return Fleet(devices=devices, context=ctx, concurrency=conc, name=name, heads=heads)
 
 
 def fleet_to_json(devices: Sequence[Device], context: Optional[int] = None,
-                  concurrency: Optional[int] = None) -> dict:
-    """The fleet object of proto_spec/06-fleet.md §1 for `devices` (anchor first).
+                  concurrency: Optional[int] = None, heads: Optional[Sequence[str]] = None) -> dict:
+    """The fleet object of proto_spec/06-fleet.md §1 for `devices` (anchor first); `heads`: the
+    names that may be the head (None: any, omitted).
 
     Optional fields that are unknown (None) are omitted, and step_overhead_s when 0, so that
     load_fleet(fleet_to_json(ds)) == ds. Used by `status --json` for the live session.
@@ -171,4 +181,6 @@ def fleet_to_json(devices: Sequence[Device], context: Optional[int] = None,
         out["context"] = int(context)
     if concurrency is not None:
         out["concurrency"] = int(concurrency)
+    if heads is not None:
+        out["heads"] = [d.name for d in devices if d.name in set(heads)]
     return out

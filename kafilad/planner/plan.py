@@ -30,6 +30,8 @@ from __future__ import annotations
 import itertools
 from typing import Optional, Sequence
 
+import attrs
+
 from kafilad.errors import AdmissionError, PlanError
 from kafilad.planner import baselines, partition, precision, ring, throughput
 from kafilad.planner.costmodel import ChainCost, check_devices, select_tier, summarize
@@ -161,7 +163,7 @@ def _refuse(order: list[Device], model: Profiles, *, tier: str, context: int,
 
 
 def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: str, context: int,
-               concurrency: int, head_self: bool = False) -> Plan:
+               concurrency: int, head_self: bool = False, heads: Optional[frozenset] = None) -> Plan:
     """Strategy "load": the plan with the most predicted tokens/s at `concurrency` users.
 
     Candidates, in preference order: active subsets that keep the anchor, largest first (then in
@@ -170,6 +172,10 @@ def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: s
     head is kept unless the best candidate's seconds per token are more than μ lower; otherwise
     the best wins (ties: the earliest in preference order). Candidates that cannot beat the best
     so far are pruned by a lower bound, never by a heuristic.
+
+    `heads` (see `plan`): only candidates headed by one of them compete; the best candidate headed
+    by another is named in `held_back` when it is more than μ faster, and taken (`head_unconfirmed`)
+    when no allowed head fits.
 
     Raises:
         AdmissionError: no subset fits (named for the full fleet, as strategy "kafila" would).
@@ -185,7 +191,8 @@ def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: s
             j = 0 if head else 1
             rows[d.name, head] = throughput.cost_rows(n, lambda a, b: cc.stage_s(j, a, b),
                                                       lambda a, b: cc.fits(j, a, b))
-    best = None  # (seconds per token, chain, bounds, active set)
+    best = None  # (seconds per token, chain, bounds, active set), among the rotations whose head may head
+    best_any = None  # ... among every rotation: the head the `heads` restriction holds back, if any
     default_v = full_v = None
     for size in range(min(m, n), 0, -1):
         for combo in itertools.combinations(range(1, m), size - 1):
@@ -193,38 +200,52 @@ def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: s
             hop = ring_hop_s(active)
             for r in range(1 if head_self else size):  # head_self: only the anchor heads
                 chain = partition.rotate(active, r)
+                allowed = heads is None or chain[0].name in heads
                 cc = ChainCost(chain, model, **kw)
                 is_default = size == m and r == 0
-                cutoff = throughput.INF if (is_default or best is None) else best[0]
+                mine = best if allowed else best_any
+                cutoff = throughput.INF if (is_default or mine is None) else mine[0]
                 sol = throughput.solve_chain_load(n, size, cc.stage_s, cc.fits, throughput.row_costs(chain),
                                                   hop, concurrency, cutoff,
                                                   [rows[d.name, j == 0] for j, d in enumerate(chain)])
                 if sol is None:
                     continue
-                if is_default:
+                if is_default and allowed:
                     default_v = sol[0]
-                if best is None or sol[0] < best[0]:
-                    best = (sol[0], chain, sol[1], {d.name for d in active})
+                cand = (sol[0], chain, sol[1], {d.name for d in active})
+                if best_any is None or sol[0] < best_any[0]:
+                    best_any = cand
+                if allowed and (best is None or sol[0] < best[0]):
+                    best = cand
         if size == m and best is not None:
             full_v = best[0]
+    unconfirmed = False
+    if best is None and best_any is not None:  # no head allowed by `heads` fits: the planner's choice
+        best, unconfirmed = best_any, True
     if best is None:
         raise _refuse(order, model, **kw)
-    if default_v is not None and default_v > 0 and (default_v - best[0]) / default_v <= mu:
+    if not unconfirmed and default_v is not None and default_v > 0 and (default_v - best[0]) / default_v <= mu:
         chain = order
         cc = ChainCost(chain, model, **kw)
         sol = throughput.solve_chain_load(n, m, cc.stage_s, cc.fits, throughput.row_costs(chain),
                                           ring_hop_s(chain), concurrency)
         assert sol is not None
         best = (sol[0], list(chain), sol[1], {d.name for d in chain})
+    held_back, gain = None, 0.0
+    if best_any is not None and best_any[1][0].name != best[1][0].name and best[0] > 0 \
+            and (best[0] - best_any[0]) / best[0] > mu:
+        held_back, gain = best_any[1][0].name, (best[0] - best_any[0]) / best[0]
     _, chain, bounds, active_names = best
     standby = [d for d in order if d.name not in active_names]
     full_rate = None if full_v is None or full_v <= 0 else 1.0 / full_v
-    return build_plan(chain, model, bounds, strategy="load", standby=standby,
-                      full_fleet_tokens_per_s=full_rate, **kw)
+    return attrs.evolve(build_plan(chain, model, bounds, strategy="load", standby=standby,
+                                   full_fleet_tokens_per_s=full_rate, **kw),
+                        held_back=held_back, held_back_gain=gain, head_unconfirmed=unconfirmed)
 
 
 def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
-         concurrency: int = 1, strategy: str = "kafila", mu: float = DEFAULT_MU, head_self: bool = False) -> Plan:
+         concurrency: int = 1, strategy: str = "kafila", mu: float = DEFAULT_MU, head_self: bool = False,
+         heads: Optional[frozenset] = None) -> Plan:
     """Divide `model` over `devices` (DESIGN §5).
 
     Args:
@@ -241,6 +262,12 @@ def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
         head_self: the anchor (the host) is the head whatever the other rotations would gain
             (`host --head self`, issue 22 item 5: the head sees every prompt and samples every
             token, so a group may want that machine to be its own).
+        heads: names that may be the head (None: any). The host passes itself and the members whose
+            reports measurement confirmed (kafilad/planner/trust.py; docs/planner.md "Who may be
+            the head"). Strategies "kafila" and "load" choose the head among them; when a device
+            outside them would be more than μ faster as head, `Plan.held_back` names it; when none of
+            them can hold the head's share, the unrestricted choice is taken and `Plan.head_unconfirmed`
+            is set. "uniform" and "memory" keep the anchor as head, as before.
     Returns:
         the Plan; `order` is the ring from the head.
     Raises:
@@ -262,7 +289,7 @@ def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
     order = ring.order_ring(devices)
     kw = dict(tier=tier, context=context, concurrency=concurrency)
     if strategy == "load":
-        return _plan_load(devices, model, mu, head_self=head_self, **kw)
+        return _plan_load(devices, model, mu, head_self=head_self, heads=heads, **kw)
     if strategy == "uniform":
         counts = baselines.uniform_counts(n, m)
         return admit(build_plan(order, model, baselines.bounds_of(counts), strategy=strategy, **kw))
@@ -275,8 +302,16 @@ def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
         cc = ChainCost(chain, model, **kw)
         sols.append((chain, partition.solve_chain(n, m, cc.stage_s, cc.fits)))
     rot_b = {chain[0].name: (sol[0] if sol else None) for chain, sol in sols}
-    r = partition.choose_rotation([sol[0] if sol else None for _, sol in sols], mu)
+    every = [sol[0] if sol else None for _, sol in sols]
+    r_any = partition.choose_rotation(every, mu)
+    r = partition.choose_rotation([b if heads is None or chain[0].name in heads else None
+                                   for (chain, _), b in zip(sols, every)], mu)
+    unconfirmed = r is None and r_any is not None  # no allowed head fits: the planner's choice
+    r = r_any if unconfirmed else r
     if r is None:
         raise _refuse(order, model, **kw)
     chain, sol = sols[r]
-    return build_plan(chain, model, sol[1], strategy=strategy, rotation_bottleneck_s=rot_b, **kw)
+    gain = (every[r] - every[r_any]) / every[r] if r_any is not None and r_any != r and every[r] else 0.0
+    held_back = sols[r_any][0][0].name if gain > mu else None
+    return attrs.evolve(build_plan(chain, model, sol[1], strategy=strategy, rotation_bottleneck_s=rot_b, **kw),
+                        held_back=held_back, held_back_gain=gain, head_unconfirmed=unconfirmed)

@@ -150,6 +150,12 @@ class Plan:
             every member holding blocks (None when that cannot fit); else None.
         dtype: name -> the float dtype the device holds its stage in (kafilad.planner.precision);
             empty when the model was given as one profile for every device.
+        held_back: the device the planner would have made head had `plan(heads=...)` allowed it
+            (more than μ faster), or None (kafilad/planner/trust.py; issue 22 item 5).
+        held_back_gain: the fraction of the bottleneck (strategy "kafila") or of the seconds per
+            token (strategy "load") that head would save; 0.0 when none is held back.
+        head_unconfirmed: no device allowed to head could hold the head's share, so the head is
+            one `heads` did not allow (the planner's choice on reported figures).
     """
 
     order: tuple[str, ...]
@@ -176,6 +182,9 @@ class Plan:
     throughput: tuple = ()
     full_fleet_tokens_per_s: Optional[float] = None
     dtype: dict = attrs.field(factory=dict)
+    held_back: Optional[str] = None
+    held_back_gain: float = 0.0
+    head_unconfirmed: bool = False
 
     def counts(self) -> dict:
         """name -> number of blocks held."""
@@ -219,4 +228,6 @@ class Plan:
             "throughput": [t.to_json() for t in self.throughput],
             "full_fleet_tokens_per_s": self.full_fleet_tokens_per_s,
             **({"dtype": dict(self.dtype)} if self.dtype else {}),
+            **({"held_back": self.held_back, "held_back_gain": self.held_back_gain} if self.held_back else {}),
+            **({"head_unconfirmed": True} if self.head_unconfirmed else {}),
         }

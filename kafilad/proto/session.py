@@ -14,6 +14,7 @@ Host states::
     planning --PlanFailed--> failed
     planning/loading/ready --MemberLost | Leaving | Failed | RingFailed--> recovering (MakePlan over the live)
     ready --(a member joined or returned)--> recovering (the ring serves on; the same division is kept: ready)
+    ready --Reassess (a report judged against measurement)--> recovering (likewise)
     recovering --Planned--> loading | ready (plan kept) | recovering (a member of it lost meanwhile)
     recovering --PlanFailed--> degraded --(a member joins: Capability)--> recovering
     loading/ready --RingFailed (more than MAX_REFORMS in a row)--> failed
@@ -52,7 +53,7 @@ from kafilad.proto.session_events import (  # noqa: F401 - re-exported: the mach
     HostLinkLost, SessionEnded, Send, CloseLink, Remember, MakePlan,
     DistributePlan, StartLoad, StandBy, FailRequests, Trace, Formed, EdgesChanged,
     Refused, JoinAccepted, MemberEntry, PendingEntry, HostState, MemberState, RendezvousBack, ForgetSession,
-    OwnStageFailed, stage_build_failed,
+    OwnStageFailed, Reassess, stage_build_failed,
 )
 
 
@@ -93,6 +94,7 @@ __all__ = [
     "PendingTimedOut",
     "PlanFailed",
     "Planned",
+    "Reassess",
     "Refused",
     "Remember",
     "RendezvousBack",
@@ -119,7 +121,7 @@ def _row(state, **rows) -> dict:
     out = {ev: {state} for ev in _ADMISSION}
     if state in (H.PLANNING, H.LOADING, H.READY, H.RECOVERING):
         out[MemberJoined] = {state, H.RECOVERING}  # a member back after an outage replaces its old entry
-    out.update({Abort: {H.FAILED}, Close: {H.CLOSED}, RendezvousBack: {state}})
+    out.update({Abort: {H.FAILED}, Close: {H.CLOSED}, RendezvousBack: {state}, Reassess: {state}})
     for ev, targets in rows.items():
         out[_EVENTS[ev]] = set(targets)
     return out
@@ -127,7 +129,7 @@ def _row(state, **rows) -> dict:
 
 _EVENTS = {"Registered": Registered, "OwnCapability": OwnCapability, "Capability": cf.Capability,
            "MemberLost": MemberLost, "Leaving": cf.Leaving, "Failed": cf.Failed, "RendezvousLost": RendezvousLost,
-           "Planned": Planned, "PlanFailed": PlanFailed, "Ready": cf.Ready, "OwnStageLoaded": OwnStageLoaded,
+           "Planned": Planned, "PlanFailed": PlanFailed, "Reassess": Reassess, "Ready": cf.Ready, "OwnStageLoaded": OwnStageLoaded,
            "OwnStageFailed": OwnStageFailed,
            "Edges": cf.Edges, "RingBroken": cf.RingBroken, "RingFailed": RingFailed}
 
@@ -143,7 +145,7 @@ HOST_TABLE: dict = {
                     Edges={H.LOADING}, Capability={H.LOADING}, Failed={H.LOADING, H.RECOVERING, H.FAILED},
                     Leaving={H.LOADING, H.RECOVERING}, MemberLost={H.LOADING, H.RECOVERING}, RingBroken={H.LOADING, H.RECOVERING, H.FAILED},
                     RingFailed={H.LOADING, H.RECOVERING, H.FAILED}, RendezvousLost={H.LOADING, H.RECOVERING}),
-    H.READY: _row(H.READY, Edges={H.READY}, OwnStageFailed={H.READY}, Capability={H.RECOVERING}, Failed={H.READY, H.RECOVERING, H.FAILED},
+    H.READY: _row(H.READY, Reassess={H.RECOVERING}, Edges={H.READY}, OwnStageFailed={H.READY}, Capability={H.RECOVERING}, Failed={H.READY, H.RECOVERING, H.FAILED},
                   Leaving={H.READY, H.RECOVERING}, MemberLost={H.READY, H.RECOVERING},
                   RingBroken={H.READY, H.RECOVERING, H.FAILED}, RingFailed={H.READY, H.RECOVERING, H.FAILED},
                   RendezvousLost={H.READY, H.RECOVERING}),
@@ -330,6 +332,13 @@ class HostMachine(_Machine):
             return [Trace("member_returned" if peer_id in self.lost else "member_joined", {"name": entry.name})] + \
                 self._replan(row, intact=self.state == HostState.READY)
         return []  # planning, loading or recovering: planned in once the session is ready (_maybe_ready)
+
+    def _on_Reassess(self, ev: Reassess, row) -> list:
+        """A member's report was judged against its measured stage (issue 22 item 5): a ready session
+        plans again, the ring serving on until the new plan differs (`_replan(intact=True)`)."""
+        if self.state != HostState.READY:
+            return []
+        return [Trace("reassessed", {"name": ev.name, "reason": ev.reason})] + self._replan(row, intact=True)
 
     def _make_plan(self, entries) -> MakePlan:
         self.plan_seq += 1

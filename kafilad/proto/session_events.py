@@ -87,6 +87,16 @@ class OwnCapability:
 
 
 @attrs.frozen
+class Reassess:
+    """The driver judged member `name`'s report against its measured stage times
+    (kafilad/planner/trust.py, issue 22 item 5): a ready session plans again over its live members,
+    keeping the serving ring when the division does not change; any other state ignores it (a plan
+    under way already counts the member as the driver now does)."""
+    name: str
+    reason: str
+
+
+@attrs.frozen
 class FrameFrom:
     """A control frame (kafilad/proto/control.py) from member ``peer_id``."""
     peer_id: str

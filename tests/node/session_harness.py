@@ -187,14 +187,16 @@ class World:
 
     # ---- sessions ----------------------------------------------------------------------------
     async def host(self, name: str = "h", *, members: int = 3, open_: bool = True, admit_timeout_s: float = 30.0,
-                   context: Optional[int] = 256, concurrency: int = 1, strategy: str = "kafila") -> HostSession:
+                   context: Optional[int] = 256, concurrency: int = 1, strategy: str = "kafila",
+                   head_any: bool = False) -> HostSession:
         """A HostSession on node ``name``, registered (its ``code`` set). ``strategy``: the paper's
         division by default, so every member holds blocks (equal in-process members would
-        otherwise may stand by under the host's default, "load")."""
+        otherwise may stand by under the host's default, "load"). ``head_any``: `host --head any`
+        (the members' reports are trusted; any may head from the first plan, issue 22 item 5)."""
         node = self.node(name)
         s = HostSession(node, model_dir=str(self.model_dir), members=members, context=context,
                         concurrency=concurrency, rendezvous=node.rdv_url, open_=open_, admit_timeout_s=admit_timeout_s,
-                        strategy=strategy)
+                        strategy=strategy, head_any=head_any)
         node.session = s
         await self.nursery.start(functools.partial(_run, s))
         return s

@@ -32,7 +32,7 @@ LOCAL_EVENTS = {type(e): e for e in [
     sm.OwnStageLoaded(dict(LOAD), 1), sm.OwnStageFailed("Member boss could not build its stage.", 1), sm.MemberLost(A, "gone"), sm.RingFailed(None, "broke", None),
     sm.RendezvousLost("eof"), sm.JoinFailed("Cannot join."), sm.Abort("boom"), sm.Close("bye"),
     sm.CapabilitySent(dict(CAPABILITY)), sm.StageLoaded(dict(LOAD), 1), sm.LoadFailed("oom"),
-    sm.HostLinkLost("eof"), sm.SessionEnded("ended"), sm.RendezvousBack(2),
+    sm.HostLinkLost("eof"), sm.SessionEnded("ended"), sm.RendezvousBack(2), sm.Reassess("alpha", "x"),
 ]}
 FRAMES = sample_frames()
 HOST_LIVE = [s for s in sm.HostState if s not in (H.FAILED, H.CLOSED)]

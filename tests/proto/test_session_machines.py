@@ -548,3 +548,21 @@ def test_the_tables_name_every_state_and_the_rows_are_split_between_two_modules(
     assert all(to in sm.MemberState for row in MEMBER_TABLE.values() for tos in row.values() for to in tos)
     assert set(HOST_FORMATION_STATES) | set(HOST_SERVING_STATES) == set(sm.HostState)
     assert not set(HOST_FORMATION_STATES) & set(HOST_SERVING_STATES)
+
+
+# ---- Reassess (issue 22 item 5): ignored while the session forms; the plan under way counts it --------
+@host_case(H.FORMING, sm.Reassess, H.FORMING)
+def reassess_while_forming_is_ignored(h, fire):
+    assert fire(sm.Reassess("alpha", "x")) == [] and h.plan_seq == 0
+
+
+@host_case(H.PLANNING, sm.Reassess, H.PLANNING)
+def reassess_while_planning_is_ignored(h, fire):
+    seq = h.plan_seq
+    assert fire(sm.Reassess("alpha", "x")) == [] and h.plan_seq == seq
+
+
+@host_case(H.LOADING, sm.Reassess, H.LOADING)
+def reassess_while_loading_is_ignored(h, fire):
+    epoch = h.epoch
+    assert fire(sm.Reassess("alpha", "x")) == [] and h.epoch == epoch

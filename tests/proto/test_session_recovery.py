@@ -611,3 +611,28 @@ def test_every_allowed_transition_is_reached_by_a_case():
     cases, table = HOST_ROWS.triples()
     assert HOST_UNREACHABLE <= table and not HOST_UNREACHABLE & cases
     assert cases == table - HOST_UNREACHABLE
+
+
+# ---- Reassess (issue 22 item 5): a member's report judged against its measured stage ---------------
+@host_case(H.READY, sm.Reassess, H.RECOVERING)
+def reassess_while_ready_replans_keeping_the_serving_ring(h, fire):
+    seq = h.plan_seq
+    out = fire(sm.Reassess("alpha", "member alpha's stage measured x20"))
+    assert out == [sm.Trace("reassessed", {"name": "alpha", "reason": "member alpha's stage measured x20"}),
+                   sm.MakePlan(tuple(h.live()), seq + 1)]
+    # the same division comes back: kept without reloading; another one replaces the ring
+    assert traces(replan(h), "plan_kept") and h.state == H.READY and h.epoch == 1
+    fire.again(sm.Reassess("alpha", "again"))
+    out = replan(h, head="alpha")
+    assert h.state == H.LOADING and h.epoch == 2 and traces(out, "replanned")
+
+
+@host_case(H.RECOVERING, sm.Reassess, H.RECOVERING)
+def reassess_while_recovering_is_ignored(h, fire):
+    seq = h.plan_seq
+    assert fire(sm.Reassess("alpha", "x")) == [] and h.plan_seq == seq
+
+
+@host_case(H.DEGRADED, sm.Reassess, H.DEGRADED)
+def reassess_while_degraded_is_ignored(h, fire):
+    assert fire(sm.Reassess("alpha", "x")) == [] and h.state == H.DEGRADED
