@@ -230,7 +230,8 @@ class SpeculationCounters:
     Attributes:
         passes: decode passes that carried drafts; drafted: drafts sent; accepted: drafts taken;
         tokens: tokens those passes yielded (accepted + one each); plain_passes: decode passes
-        of requests that could speculate but sent none.
+        of requests that could speculate but sent none; drafted_s, plain_s: the cycles (s, from
+        the request's previous return to this one) of each kind.
     """
 
     passes: int = 0
@@ -238,15 +239,20 @@ class SpeculationCounters:
     accepted: int = 0
     tokens: int = 0
     plain_passes: int = 0
+    drafted_s: float = 0.0
+    plain_s: float = 0.0
 
-    def note(self, k: int, accepted: int) -> None:
+    def note(self, k: int, accepted: int, cycle_s: float = 0.0) -> None:
+        """One pass of k drafts (0: plain), `accepted` taken, `cycle_s` long."""
         if k == 0:
             self.plain_passes += 1
+            self.plain_s += cycle_s
             return
         self.passes += 1
         self.drafted += k
         self.accepted += accepted
         self.tokens += accepted + 1
+        self.drafted_s += cycle_s
 
     @property
     def acceptance(self) -> float:
@@ -259,7 +265,16 @@ class SpeculationCounters:
         n = self.passes + self.plain_passes
         return (self.tokens + self.plain_passes) / n if n else 1.0
 
+    @property
+    def gain(self) -> Optional[float]:
+        """Tokens per second of drafted passes ÷ that of plain passes (None until both were timed)."""
+        if not (self.drafted_s > 0 and self.plain_s > 0 and self.plain_passes):
+            return None
+        return (self.tokens / self.drafted_s) / (self.plain_passes / self.plain_s)
+
     def snapshot(self) -> dict:
+        gain = self.gain
         return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted, "tokens": self.tokens,
                 "plain_passes": self.plain_passes, "acceptance": round(self.acceptance, 4),
-                "tokens_per_pass": round(self.tokens_per_pass, 4)}
+                "tokens_per_pass": round(self.tokens_per_pass, 4),
+                "gain": None if gain is None else round(gain, 3)}
