@@ -41,7 +41,7 @@ import attrs
 K_MAX = 8
 #: n-gram lengths the lookup tries, longest first
 MAX_NGRAM = 3
-MIN_NGRAM = 1
+MIN_NGRAM = 2
 #: the moving averages' weight of a new observation
 EMA = 0.2
 #: the back-off (passes) before the first re-probe, and its cap
