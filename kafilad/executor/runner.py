@@ -315,7 +315,7 @@ class StageRunner:
         position draws from p_i without d_i, and a pass whose drafts were all accepted draws one
         more from p_k. The head's caches are trimmed back to the accepted tokens (the pass's first
         token and the n accepted drafts; the returned last token is not in them, as after any
-        sampling); the other stages trim by the next act's `trim` (proto_spec 05 §3.3).
+        sampling); the other stages trim by the next act's `trim` (proto_spec 05 §3.1).
 
         Returns:
             The n accepted drafts and the next token (1 to k+1 tokens).
@@ -349,7 +349,7 @@ class StageRunner:
 
     def trim(self, request_id: str, n_tokens: int) -> None:
         """Take the last `n_tokens` positions back out of the request's caches (a speculative pass's
-        rejected drafts, proto_spec 05 §3.3), taking it out of a batch first when it is in one.
+        rejected drafts, proto_spec 05 §3.1), taking it out of a batch first when it is in one.
 
         Raises:
             RemoteProtocolError: the request has no caches here, fewer positions, or caches mlx-lm

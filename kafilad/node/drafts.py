@@ -1,4 +1,4 @@
-"""The head's speculative decoding state (issue 24 item 1; proto_spec 05 §3.3).
+"""The head's speculative decoding state (issue 24 item 1; proto_spec 05 §3.1).
 
 `Drafter` is what the ring driver (kafilad/node/ring.py) asks, per request decoding alone in the
 single form, whether its next pass drafts, which drafts it carries, and how many positions the

@@ -7,6 +7,7 @@ the head for sampling. Frames on a ring edge (all inside Noise, proto_spec 05 §
 {"t": "act", "req": str, "sample": bool, "h": array | null, "hops": [[peer_id, compute_s], ...],
  "from"?: str, "reuse"?: int, "evict"?: [str]}           a request's first chunk: its prompt-cache start
 {"t": "act", "reqs": [str, ...], "sample": true, "h": array (B, 1, D), "hops": [[peer_id, compute_s], ...]}
+ "trim"?: int / "trims"?: [int]                          positions to take back first (speculation, proto_spec 05 §3.1)
 {"t": "end", "req": str, "stats": [[peer_id, steps, compute_s_total, decode_compute_s_median, bytes_sent], ...],
  "keep"?: int, "evict"?: [str]}                          keep its caches as a prompt-cache entry
 ```
@@ -288,7 +289,7 @@ class RingMember(StageCalls, RingViews):
         fwd = {"t": "act", "req": req, "sample": sample, "h": out, "hops": hops + [[self.peer_id, dt]]}
         if entry is not None:  # the prompt cache's start goes round to every member
             fwd["from"], fwd["reuse"] = entry, reuse
-        if trim:  # every member takes the rejected drafts back (proto_spec 05 §3.3)
+        if trim:  # every member takes the rejected drafts back (proto_spec 05 §3.1)
             fwd["trim"] = trim
         if evict:
             fwd["evict"] = evict
@@ -446,7 +447,7 @@ class RingMember(StageCalls, RingViews):
 
     def _with_trims(self, frame: dict, rids: list[str]) -> dict:
         """`frame` with the positions each row's stages take back first: `trim` (single form) or
-        `trims` (batched), only when any is due (proto_spec 05 §3.3)."""
+        `trims` (batched), only when any is due (proto_spec 05 §3.1)."""
         if self.drafter is None:
             return frame
         trims = [self.drafter.take_trim(r) for r in rids]
@@ -484,7 +485,7 @@ class RingMember(StageCalls, RingViews):
     async def _sample(self, a: SampleTokens, h_wire: Optional[dict], batched: bool) -> None:
         if not batched and len(a.reqs) == 1 and self.drafter is not None:
             sent = self.drafter.returned(a.reqs[0], time.perf_counter())
-            if sent:  # a speculative pass (proto_spec 05 §3.3)
+            if sent:  # a speculative pass (proto_spec 05 §3.1)
                 await self._verify(a, h_wire, sent)
                 return
         recs = [self.scheduler.requests.get(r) for r in a.reqs]
@@ -718,7 +719,7 @@ def _prompt_cache_fields(frame: dict) -> tuple[Optional[str], int, list[str]]:
 
 
 def _trims_field(frame: dict, rows: int) -> tuple[int, ...]:
-    """An act's positions to take back per row before it runs (proto_spec 05 §3.3): `trim` (single
+    """An act's positions to take back per row before it runs (proto_spec 05 §3.1): `trim` (single
     form) or `trims` (batched); zeros when absent.
 
     Raises:

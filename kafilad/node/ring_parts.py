@@ -246,7 +246,7 @@ class StageCalls:
 
     def _run_blocks_wire(self, req: str, h_wire: dict, trim: int = 0) -> dict:
         h = self.ex.array_from_wire(h_wire)
-        self.runner.trim(req, trim)  # a speculative pass's rejected drafts first (proto_spec 05 §3.3)
+        self.runner.trim(req, trim)  # a speculative pass's rejected drafts first (proto_spec 05 §3.1)
         return self.ex.array_to_wire(self.runner.run(req, h))
 
     def _run_batch_wire(self, rids: list[str], h_wire: dict, group: int = 0, trims: tuple = ()) -> dict:

@@ -76,7 +76,7 @@ class TokensSampled:
     tokens: tuple[int, ...]
     now_s: float
     logprobs: tuple = ()
-    #: per row, the drafts a speculative pass accepted before tokens[i] (proto_spec 05 §3.3); () for none
+    #: per row, the drafts a speculative pass accepted before tokens[i] (proto_spec 05 §3.1); () for none
     accepted: tuple = ()
 
 

@@ -2,7 +2,7 @@
 
 Pure: no MLX, trio or sockets. The head's driver (kafilad/node/drafts.py) asks `lookup_drafts`
 for up to k draft tokens, sends the last sampled token plus the drafts round the ring as one pass
-(proto_spec 05 §3.3), and the head's runner (kafilad/executor/runner.py `head_verify`) accepts
+(proto_spec 05 §3.1), and the head's runner (kafilad/executor/runner.py `head_verify`) accepts
 them by the rules below, with the model's own logits at every position of that pass.
 
 Drafting by prompt lookup (n-gram lookup, no extra model; as mlx-lm's and vLLM's "prompt lookup

@@ -1,5 +1,5 @@
 """Speculative passes through a chain of stages (issue 24 item 1; kafilad/executor/runner.py
-`head_verify`, `trim`; proto_spec 05 §3.3).
+`head_verify`, `trim`; proto_spec 05 §3.1).
 
 Greedy speculation over prompt-lookup drafts gives the ring's plain greedy tokens (and mlx-lm's)
 while taking drafts; the other stages' caches end each pass at the head's length; a model whose

@@ -1,5 +1,5 @@
 """Speculative decoding on a ring of RingMembers (issue 24 item 1; kafilad/node/drafts.py, ring.py;
-proto_spec 05 §3.3).
+proto_spec 05 §3.1).
 
 Real stages on three members in one trio process, the real frame codec on every hop. A lone
 greedy request gets the same tokens with speculation on (`KAFILA_SPECULATE` unset: adaptive k, or
