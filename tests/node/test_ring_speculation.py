@@ -17,6 +17,7 @@ from trio.testing import trio_test
 
 from kafila_testing import STORIES_PROMPT
 from kafilad.node.drafts import SPECULATE_ENV, speculation_setting
+from kafilad.node.ring_parts import StageCalls
 from tests.node.test_ring_batch import _ignore, generate_all, ring_of
 
 BOUNDS = [(0, 2), (2, 4), (4, 5)]
@@ -82,10 +83,18 @@ async def test_requests_that_speculated_alone_keep_their_tokens_in_a_batch(stori
             ref = {r: (await ring[0].generate(r, p, max_tokens=n, temperature=0.0, on_event=_ignore)).generated
                    for r, (p, n, _) in jobs.items()}
         monkeypatch.setenv(SPECULATE_ENV, "k=4")
+        trims = []
+        real = StageCalls._run_batch_wire
+
+        def recording(self, rids, h_wire, group=0, trims_=()):
+            trims.append(tuple(trims_))
+            return real(self, rids, h_wire, group, trims_)
+        monkeypatch.setattr(StageCalls, "_run_batch_wire", recording)
         async with ring_of(stories260k, BOUNDS) as ring:
             states = await generate_all(ring[0], jobs)
             status = ring[0].drafter.status()
     assert {r: st.generated for r, st in states.items()} == ref
+    assert trims  # batched acts ran (whether one carried a trim depends on timing: see the test below)
     assert status["accepted"] > 0  # "a" speculated alone before the others joined
     assert max(states["b"].batch_rows, default=1) > 1  # and they did decode together
 
@@ -105,3 +114,31 @@ def test_setting_parses_and_refuses_bad_values():
     for bad in ("k=0", "fast", "k=x", "-1"):
         with pytest.raises(ValueError, match=SPECULATE_ENV):
             speculation_setting({SPECULATE_ENV: bad})
+
+
+@trio_test
+async def test_a_member_trims_rows_before_a_batched_act_and_forwards_the_field(stories260k):
+    import mlx.core as mx
+
+    from kafilad.executor import runner as runner_mod
+    from tests.node.test_ring_batch import make_members
+    head, member = make_members(stories260k, [(0, 2), (2, 5)], batching=True)
+    from kafilad.node.ring import run_on_mlx_thread
+
+    def setup():  # on the MLX thread, where the member's calls run
+        for rid, n in (("a", 9), ("b", 6)):
+            member.runner.run(rid, head.runner.head_embed_and_run(rid, list(range(1, n + 1))))
+        return runner_mod.array_to_wire(mx.zeros((2, 1, 64))), runner_mod.array_to_wire(mx.zeros((1, 1, 64)))
+    h, h1 = await run_on_mlx_thread(setup)
+    await member._on_act({"t": "act", "reqs": ["a", "b"], "mb": 0, "sample": True, "h": h, "hops": [],
+                          "trims": [3, 0]})
+    fwd = member._inbox_recv.receive_nowait()
+    assert fwd["trims"] == [3, 0] and fwd["reqs"] == ["a", "b"]
+    lengths = await run_on_mlx_thread(lambda: [member.runner.cache_length(r) for r in ("a", "b")])
+    assert lengths == [9 - 3 + 1, 6 + 1]  # (cache_length takes a row out of its batch: on the MLX thread)
+    await member._on_act({"t": "act", "req": "a", "sample": True, "h": h1, "hops": [], "trim": 2})
+    assert member._inbox_recv.receive_nowait()["trim"] == 2
+    assert await run_on_mlx_thread(member.runner.cache_length, "a") == 7 - 2 + 1
+    member.prev_name = "m0"
+    await member._on_frame({"t": "act", "req": "b", "sample": True, "h": h, "hops": [], "trim": -1})
+    assert member.broken is not None and "malformed" in member.broken and "m0" in member.broken
