@@ -461,12 +461,15 @@ class RingMember(StageCalls, RingViews):
     def _plan_next(self, req: str) -> int:
         """Decide k for a lone request's next pass (0: no drafts; `Drafter.plan`): only a request
         sampled by temperature alone, decoding in the single form."""
-        if self.drafter is None or not self.drafter.on:
-            return 0
-        rec = self.scheduler.requests.get(req)
-        if rec is None or not (rec.sampling is None or rec.sampling.plain) or not self._same_rows_next((req,)):
+        if self.drafter is None or not self.drafter.on or not self._may_speculate(req) \
+                or not self._same_rows_next((req,)):
             return 0
         return self.drafter.plan(req)
+
+    def _may_speculate(self, req: str) -> bool:
+        """Whether `req` is sampled by temperature alone (speculation's rules cover only that)."""
+        rec = self.scheduler.requests.get(req)
+        return rec is not None and (rec.sampling is None or rec.sampling.plain)
 
     async def _verify(self, a: SampleTokens, h_wire: Optional[dict], sent: tuple) -> None:
         """A speculative pass returned: accept its drafts (runner `head_verify`), stream the tokens."""
@@ -483,7 +486,7 @@ class RingMember(StageCalls, RingViews):
                                                                 accepted=(tuple(tokens[:-1]),))))
 
     async def _sample(self, a: SampleTokens, h_wire: Optional[dict], batched: bool) -> None:
-        if not batched and len(a.reqs) == 1 and self.drafter is not None:
+        if not batched and len(a.reqs) == 1 and self.drafter is not None and self._may_speculate(a.reqs[0]):
             sent = self.drafter.returned(a.reqs[0], time.perf_counter())
             if sent:  # a speculative pass (proto_spec 05 §3.1)
                 await self._verify(a, h_wire, sent)
