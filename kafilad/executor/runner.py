@@ -594,7 +594,7 @@ def generate_local(runners: list[StageRunner], prompt_ids: list[int], max_tokens
     are drawn by `head_sample_rows` (its `temperature` then replaces `temperature`).
 
     With `draft_k` > 0 (and no `sampling`), decoding speculates as the ring does (proto_spec 05
-    §3.3): each pass carries the last token and up to `draft_k` prompt-lookup drafts
+    §3.1): each pass carries the last token and up to `draft_k` prompt-lookup drafts
     (kafilad/proto/speculation.py `lookup_drafts`), the head accepts them (`head_verify`), and the
     other stages trim the rejected positions before their next pass (`trim`). `counts`, when
     given, gets "passes", "drafted" and "accepted" added up.
