@@ -39,6 +39,13 @@ the member's busy time and the link's bytes (`scheduler.StageStats`). A request'
 for a decode step runs from the sampling of its previous token to the return of the step, so it
 includes any wait for the step in flight (the token interval the client sees).
 
+Speculative decoding (issue 24 item 1; proto_spec 05 §3.1; kafilad/node/drafts.py): for a lone
+request sampled by temperature alone, the head decides at each sampling how many drafts its next
+pass carries (`_plan_next`; 0 leaves the fused sample-and-run path, `FusedStep`, to run it), sends
+the token and the drafts as one single-form act, and on its return accepts them (`_verify`,
+runner `head_verify`), streaming every accepted token; the positions it rejected go out as the
+request's next act's `trim` (or `trims`, batched), which every member applies before running it.
+
 Streaming: the ring loop never waits for a client. Each request's events go into its own bounded
 memory channel (`stream_events`, default STREAM_EVENTS) that `generate()` drains into the caller's
 `on_event` in the caller's task. A request whose channel is full ends alone ("The client did not
