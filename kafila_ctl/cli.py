@@ -391,6 +391,14 @@ def cmd_schedule(args) -> int:
     return 0
 
 
+def cmd_speculate(args) -> int:
+    r = _call(args, "speculate", mode=args.mode)
+    why = f" ({r['why']})" if r.get("why") else ""
+    print(f"speculative decoding: {'on' if r.get('on') else 'off'}{why}, k {r.get('k')}; "
+          f"{r.get('accepted', 0)} of {r.get('drafted', 0)} drafts accepted in {r.get('passes', 0)} passes")
+    return 0
+
+
 def cmd_stop(args) -> int:
     _call(args, "stop")
     print("kafilad is stopping")
@@ -609,6 +617,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (micro-batches from measured stage times, the default), lockstep, per-request, "
                         "or a number of micro-batches in flight")
     s.set_defaults(func=cmd_schedule)
+    s = sub.add_parser("speculate", help="show or set the head's speculative decoding (host as head)")
+    s.add_argument("mode", nargs="?", default=None,
+                   help="auto (drafts per pass from measured acceptance and pass cost, the default), off, or k=N")
+    s.set_defaults(func=cmd_speculate)
 
     s = sub.add_parser("demo", help="rendezvous + daemons on loopback: form a session, generate, stop")
     which = s.add_mutually_exclusive_group()

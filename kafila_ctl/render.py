@@ -117,6 +117,12 @@ def status_renderable(snap: dict):
                     f"{'es' if sched.get('micro_batches', 1) > 1 else ''} in flight"
                     f"{' (pinned)' if sched.get('pinned') else ''}, {sched['decode_steps']} steps, "
                     f"up to {sched.get('max_batch_rows', 0)} rows")
+    spec = snap.get("speculation") or {}
+    if spec.get("passes") or (spec and not spec.get("on")):
+        gain = f", gain {spec['gain']:.2f}x" if isinstance(spec.get("gain"), (int, float)) else ""
+        head.append(f"\nspeculation: {spec.get('accepted', 0)} of {spec.get('drafted', 0)} drafts accepted "
+                    f"({100 * spec.get('acceptance', 0):.0f}%), {spec.get('tokens_per_pass', 1):.2f} tokens per pass"
+                    f"{gain}" if spec.get("on") else f"\nspeculation: off ({spec.get('why', '')})")
     for stall in (sched.get("stalls") or [])[-3:]:
         head.append(f"\nring stalled {time.strftime('%H:%M:%S', time.localtime(stall.get('at', 0)))}: "
                     f"{stall.get('kind')} of {', '.join(stall.get('reqs') or [])} not back after "

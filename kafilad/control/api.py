@@ -44,6 +44,7 @@ OPS = {
     "watch": "stream status snapshots on every change",
     "trace": "the session trace records",
     "schedule": "the head's decode schedule: mode auto | lockstep | per-request | M (micro-batches); none: show it",
+    "speculate": "the head's speculative decoding: mode auto | off | k=N (drafts per pass); none: show it",
     "leave": "leave or close the current session",
     "stop": "stop the daemon",
 }
@@ -66,6 +67,7 @@ OP_ARGS = {
     "watch": frozenset(),
     "trace": frozenset(),
     "schedule": frozenset({"mode"}),
+    "speculate": frozenset({"mode"}),
     "leave": frozenset(),
     "stop": frozenset(),
 }

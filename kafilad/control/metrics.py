@@ -31,6 +31,8 @@ kafila_prompt_cached_tokens_total{route}               prompt tokens finished ge
 kafila_prompt_cache_enabled, _hits_total, _saved_tokens_total, _entries, _tokens, _budget_tokens
                                                        the head's prompt cache (status "prompt_cache"; hits and
                                                        tokens saved count from the session's start)
+kafila_speculation_enabled, _passes_total, _drafted_tokens_total, _accepted_tokens_total, _plain_passes_total,
+kafila_speculation_acceptance_ratio, _gain_ratio  the head's speculative decoding (status "speculation")
 ```
 Counters of the API start at zero with the daemon (Prometheus handles the reset of a restart);
 `route` is a route template, never a client's path, so label sets stay bounded. Requests the
@@ -197,6 +199,7 @@ class SnapshotCollector:
         yield from self._members(snap.get("members") or [])
         yield from self._edges(snap.get("edges") or [])
         yield from self._prompt_cache(snap.get("prompt_cache"))
+        yield from self._speculation(snap.get("speculation"))
         last = snap.get("last_generation") or {}
         if isinstance(last.get("decode_tokens_per_s"), (int, float)):
             yield GaugeMetricFamily("kafila_last_generation_tokens_per_second",
@@ -220,6 +223,29 @@ class SnapshotCollector:
                                                              "Tokens the plan admitted for the cache."))):
             if isinstance(cache.get(key), (int, float)):
                 fam.add_metric([], float(cache[key]))
+                yield fam
+
+    @staticmethod
+    def _speculation(spec: Optional[dict]) -> Iterable:
+        """The head's speculative decoding (kafilad/node/drafts.py `Drafter.status`) when the host is the head."""
+        if not isinstance(spec, dict):
+            return
+        yield GaugeMetricFamily("kafila_speculation_enabled", "1 while the head speculates (drafts decode tokens).",
+                                value=1.0 if spec.get("on") else 0.0)
+        for key, fam in (("passes", CounterMetricFamily("kafila_speculation_passes", "Decode passes that carried "
+                                                        "drafts (this session).")),
+                         ("drafted", CounterMetricFamily("kafila_speculation_drafted_tokens", "Draft tokens sent round "
+                                                         "the ring (this session).")),
+                         ("accepted", CounterMetricFamily("kafila_speculation_accepted_tokens", "Draft tokens the head "
+                                                          "accepted (this session).")),
+                         ("plain_passes", CounterMetricFamily("kafila_speculation_plain_passes", "Decode passes of "
+                                                              "speculating requests that carried no drafts.")),
+                         ("acceptance", GaugeMetricFamily("kafila_speculation_acceptance_ratio", "Drafts accepted "
+                                                          "/ drafts sent.")),
+                         ("gain", GaugeMetricFamily("kafila_speculation_gain_ratio", "Tokens/s of drafted passes ÷ "
+                                                    "of plain ones (when both were timed)."))):
+            if isinstance(spec.get(key), (int, float)):
+                fam.add_metric([], float(spec[key]))
                 yield fam
 
     @staticmethod

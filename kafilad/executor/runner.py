@@ -58,7 +58,7 @@ from typing import Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, categorical_sampling,
                                  make_logits_processors, make_sampler)
 
@@ -68,6 +68,7 @@ from kafilad.executor.prefix import PrefixIndex, PrefixStore
 from kafilad.executor.stage import Stage
 from kafilad.proto.frames import decode_activation, encode_activation
 from kafilad.proto.sampling import Sampling
+from kafilad.proto.speculation import accept_greedy, accept_point_drafts
 
 #: what a sampled row reports besides its token: (chosen token's logprob, ((token_id, logprob), ...) best
 #: first), or None when its request asked for no log-probabilities
@@ -303,6 +304,68 @@ class StageRunner:
             for c in self._caches.get(request_id) or ():
                 c.trim(1)
 
+    def head_verify(self, request_id: str, h: mx.array, drafts: list[int], temperature: float = 0.0) -> list[int]:
+        """Head: accept a speculative pass's drafts (kafilad/proto/speculation.py, issue 24 item 1).
+
+        The pass ran the last sampled token and `drafts` (k tokens) as one chunk, so h (1, k+1, D)
+        holds a position for each. Greedy (temperature 0): the longest prefix of drafts equal to
+        the model's argmax, plus the argmax after it (`accept_greedy`). Sampling: speculative
+        sampling's rule for point-mass drafts (`accept_point_drafts`): draft i is accepted with
+        probability p_i(d_i) under mlx-lm's `make_sampler(temperature)` distribution, a rejected
+        position draws from p_i without d_i, and a pass whose drafts were all accepted draws one
+        more from p_k. The head's caches are trimmed back to the accepted tokens (the pass's first
+        token and the n accepted drafts; the returned last token is not in them, as after any
+        sampling); the other stages trim by the next act's `trim` (proto_spec 05 §3.1).
+
+        Returns:
+            The n accepted drafts and the next token (1 to k+1 tokens).
+        Raises:
+            RemoteProtocolError: h does not hold k+1 positions of one row.
+        """
+        k = len(drafts)
+        if h.ndim != 3 or h.shape[0] != 1 or h.shape[1] != k + 1:
+            raise RemoteProtocolError(f"A speculative pass of {k} drafts returned activations of shape "
+                                      f"{tuple(h.shape)}, not (1, {k + 1}, D).")
+        with self._lock:
+            logits = self.stage.logits(h, all_positions=True)[0]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            if temperature == 0:
+                out = accept_greedy(drafts, [int(x) for x in mx.argmax(logprobs, axis=-1).tolist()])
+            else:
+                probs = mx.softmax(logprobs * (1.0 / temperature), axis=-1)
+                idx = mx.array(drafts, dtype=mx.int32)
+                p_d = probs[mx.arange(k), idx].tolist() if k else []
+                n = accept_point_drafts(p_d, mx.random.uniform(shape=(k,)).tolist() if k else [])
+                if n < k:  # the residual: p_n without the rejected draft, renormalised
+                    row = mx.where(mx.arange(probs.shape[-1]) == drafts[n], 0.0, probs[n])
+                    nxt = mx.random.categorical(mx.log(row))
+                else:
+                    nxt = categorical_sampling(logprobs[k:k + 1], temperature)
+                out = list(drafts[:n]) + [int(nxt.item())]
+            rejected = k + 1 - len(out)
+            if rejected:
+                trim_prompt_cache(self._cache(request_id), rejected)
+            return out
+
+    def trim(self, request_id: str, n_tokens: int) -> None:
+        """Take the last `n_tokens` positions back out of the request's caches (a speculative pass's
+        rejected drafts, proto_spec 05 §3.1), taking it out of a batch first when it is in one.
+
+        Raises:
+            RemoteProtocolError: the request has no caches here, fewer positions, or caches mlx-lm
+                cannot trim (the head speculates only where `Stage.speculation_refusal` is None).
+        """
+        if n_tokens <= 0:
+            return
+        with self._lock:
+            self._take_out_of_batch([request_id])
+            cache = self._caches.get(request_id)
+            held = next((int(c.offset) for c in cache or () if isinstance(getattr(c, "offset", None), int)), 0)
+            if not cache or held < n_tokens or not can_trim_prompt_cache(cache):
+                raise RemoteProtocolError(f"Stage [{self.stage.start}, {self.stage.end}) cannot take {n_tokens} "
+                                          f"positions back out of request {request_id}'s caches ({held} held).")
+            trim_prompt_cache(cache, n_tokens)
+
     def head_sample_batch_and_run(self, request_ids: list[str], h: mx.array, group: int = 0) -> tuple[list[int], Optional[mx.array]]:
         """Head, batched greedy decode: `head_sample_batch` at temperature 0 and, in the same MLX graph,
         the next step's `head_embed_and_run_batch(request_ids, tokens, group)`; `trim_last_group`
@@ -521,22 +584,60 @@ GREEDY_SAMPLING = Sampling()
 def generate_local(runners: list[StageRunner], prompt_ids: list[int], max_tokens: int, *,
                    temperature: float = 0.0, eos_token_ids: Optional[set[int]] = None,
                    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-                   request_id: str = "local", wire: bool = True, sampling: Optional[Sampling] = None) -> list[int]:
+                   request_id: str = "local", wire: bool = True, sampling: Optional[Sampling] = None,
+                   draft_k: int = 0, counts: Optional[dict] = None) -> list[int]:
     """Drive a ring of runners in one process (head first), following the module's call sequence.
 
     A reference for the node's pipeline and the tests: with `wire=True` every hop goes through
     `array_to_wire`/`array_from_wire`, as it does between machines. Returns the generated ids
     (not the prompt), stopping after an EOS id (included) or `max_tokens`. With `sampling`, tokens
     are drawn by `head_sample_rows` (its `temperature` then replaces `temperature`).
+
+    With `draft_k` > 0 (and no `sampling`), decoding speculates as the ring does (proto_spec 05
+    §3.1): each pass carries the last token and up to `draft_k` prompt-lookup drafts
+    (kafilad/proto/speculation.py `lookup_drafts`), the head accepts them (`head_verify`), and the
+    other stages trim the rejected positions before their next pass (`trim`). `counts`, when
+    given, gets "passes", "drafted" and "accepted" added up.
     """
     head = runners[0]
     hop = (lambda a: array_from_wire(array_to_wire(a))) if wire else (lambda a: a)
+    due = [0]  # positions the other stages take back before the next pass
 
     def around(chunk: list[int]) -> mx.array:
         h = head.head_embed_and_run(request_id, chunk)
         for r in runners[1:]:
+            r.trim(request_id, due[0])
             h = r.run(request_id, hop(h))
+        due[0] = 0
         return hop(h)
+
+    if draft_k > 0 and sampling is None:
+        from kafilad.proto.speculation import lookup_drafts
+        out: list[int] = []
+        try:
+            chunks = prefill_chunks(prompt_ids, prefill_step_size)
+            for chunk in chunks[:-1]:
+                around(chunk)
+            pending = [head.head_sample(request_id, around(chunks[-1]), temperature)]
+            while True:
+                for tok in pending:
+                    if len(out) >= max_tokens:
+                        break
+                    out.append(tok)
+                    if eos_token_ids and tok in eos_token_ids:
+                        return out
+                if len(out) >= max_tokens:
+                    return out
+                drafts = lookup_drafts(list(prompt_ids) + out, min(draft_k, max_tokens - len(out) - 1))
+                h = around([out[-1]] + drafts)
+                pending = head.head_verify(request_id, h, drafts, temperature)
+                due[0] = len(drafts) + 1 - len(pending)
+                if counts is not None:
+                    for key, v in (("passes", 1), ("drafted", len(drafts)), ("accepted", len(pending) - 1)):
+                        counts[key] = counts.get(key, 0) + v
+        finally:
+            for r in runners:
+                r.drop(request_id)
 
     out: list[int] = []
     try:

@@ -464,16 +464,30 @@ class Stage:
         dummy = mx.zeros(h.shape[:2], dtype=mx.int32)
         return _first_array(self._forward(dummy, cache, self._calls(h)))
 
-    def logits(self, h: mx.array) -> mx.array:
+    def logits(self, h: mx.array, *, all_positions: bool = False) -> mx.array:
         """What the model does after its blocks (final norm, output projection with its
         multipliers, soft-caps or tied embedding), on the last position of h (B, L, D), cast to
-        the stage's dtype first. Returns (B, V). Head only."""
+        the stage's dtype first. Returns (B, V); with `all_positions`, every position's: (B, L, V)
+        (a speculative pass's verification, kafilad/proto/speculation.py). Head only."""
         self._need_head("compute logits")
-        last = self.cast_in(h[:, -1:, :])
+        last = self.cast_in(h if all_positions else h[:, -1:, :])
         calls = list(self._skips)
         calls[-1] = self._skips[-1].fed(last)
         out = self._forward(mx.zeros(last.shape[:2], dtype=mx.int32), None, calls)
-        return out[:, -1, :]
+        return out if all_positions else out[:, -1, :]
+
+    @property
+    def speculation_refusal(self) -> Optional[str]:
+        """Why a speculative pass cannot run on this model, or None: its extra positions must be
+        trimmed back out of every cache the model makes (mlx-lm's `can_trim_prompt_cache`), and a
+        RotatingKVCache stops being trimmable once past its window. The same answer on every stage."""
+        from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache
+        bad = sorted({type(c).__name__ for c in self._templates
+                      if isinstance(c, RotatingKVCache) or not can_trim_prompt_cache([c])})
+        if bad:
+            return (f"this model's {', '.join(bad)} caches cannot be trimmed back after a rejected draft, "
+                    "so it decodes one token per pass")
+        return None
 
     def _need_head(self, what: str) -> None:
         if not self.head:

@@ -589,6 +589,28 @@ class Node:
                                                                    sched.policy.pinned),
                 **sched.policy.snapshot()}
 
+    async def op_speculate(self, args: dict, emit) -> dict:
+        """Show or set the head's speculative decoding (kafilad/node/drafts.py): "auto", "off" or
+        "k=N"; it applies to requests that start afterwards and lasts for the session, replans
+        included. The host must be the ring's head."""
+        from kafilad.node.drafts import SPECULATE_ENV, speculation_setting
+        s = self._host_session()
+        mode, setting = args.get("mode"), None
+        if mode is not None:
+            try:
+                setting = speculation_setting({SPECULATE_ENV: str(mode)})
+            except ValueError as e:
+                raise KafilaError(str(e).replace(f"{SPECULATE_ENV} must", "The speculation mode must")) from None
+        drafter = getattr(s.ring, "drafter", None) if s.ring is not None else None
+        if drafter is None:
+            raise KafilaError("This host is not running the ring's head now; set KAFILA_SPECULATE in the head "
+                              "daemon's environment instead.")
+        if mode is not None:
+            drafter.setting = setting
+            s.speculate_setting = ("set", setting)
+            self.changed()
+        return drafter.status()
+
     async def op_trace(self, args: dict, emit) -> list:
         """The session trace (DESIGN §8), which only the host writes.
 

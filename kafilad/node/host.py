@@ -675,7 +675,12 @@ class HostSession(HostRequests, SessionDriver):
                 "plan": plan.to_json() if plan else None, "epoch": self.machine.epoch,
                 "edges": stagehost.session_edges(self),
                 "schedule": self._schedule_status(), "plan_waits": self.plan_waits,
-                "prompt_cache": self._prompt_cache_status()}
+                "prompt_cache": self._prompt_cache_status(), "speculation": self._speculation_status()}
+
+    def _speculation_status(self) -> Optional[dict]:
+        """The head's speculative decoding (kafilad/node/drafts.py `Drafter.status`) when this host is the head."""
+        drafter = getattr(self.ring, "drafter", None)
+        return drafter.status() if drafter is not None else None
 
     def _prompt_cache_status(self) -> Optional[dict]:
         """The prompt cache (kafilad/executor/prefix.py) as this host's stage sees it: on or off and

@@ -589,12 +589,17 @@ class StreamReplay:
 def result_of(st) -> dict:
     """The result record of a finished RequestState (kafilad/node/ring.py)."""
     decode = st.circuit_s[len(st.circuit_s) - len(st.generated) + 1:] if len(st.generated) > 1 else []
+    passes, accepted = getattr(st, "decode_passes", 0), getattr(st, "accepted", 0)
+    if accepted and isinstance(passes, int):  # speculative passes yield several tokens each
+        decode = st.circuit_s[len(st.circuit_s) - passes:] if passes else []
     ttft = (st.first_token_s - st.started_s) if st.first_token_s else None
     decode_s = sum(decode)
+    n_decode = max(0, len(st.generated) - 1) if accepted else len(decode)
     return {"text": st.text, "token_ids": list(st.generated), "prompt_tokens": len(st.prompt_ids),
             "cached_tokens": int(getattr(st, "reused_tokens", 0) or 0),  # from the prompt cache (kafilad/executor/prefix.py)
-            "ttft_s": ttft, "decode_tokens": len(decode),
-            "decode_tokens_per_s": (len(decode) / decode_s) if decode_s > 0 else None,
+            "ttft_s": ttft, "decode_tokens": n_decode,
+            "decode_tokens_per_s": (n_decode / decode_s) if decode_s > 0 else None,
+            "drafted": int(getattr(st, "drafted", 0) or 0), "accepted": int(accepted or 0),
             "circuit_s_median": _median(decode),
             "batch_rows_median": _median(list(getattr(st, "batch_rows", None) or [])),
             "stats": getattr(st, "end_stats", [])}

@@ -9,6 +9,7 @@ the ring loop takes them from its inbox (a malformed one breaks the ring naming 
 {"t": "act", "req": str, "sample": bool, "h": array | null, "hops": [[peer_id, compute_s], ...],
  "from"?: str, "reuse"?: int, "evict"?: [str]}           a request's first chunk: its prompt-cache start
 {"t": "act", "reqs": [str, ...], "sample": true, "h": array (B, 1, D), "hops": [[peer_id, compute_s], ...]}
+ "trim"?: int / "trims"?: [int]                          positions to take back first (speculation, proto_spec 05 §3.1)
 {"t": "end", "req": str, "stats": [[peer_id, steps, compute_s_total, decode_compute_s_median, bytes_sent], ...],
  "keep"?: int, "evict"?: [str]}                          keep its caches as a prompt-cache entry
 ```
@@ -40,6 +41,13 @@ the member's busy time and the link's bytes (`scheduler.StageStats`). A request'
 for a decode step runs from the sampling of its previous token to the return of the step, so it
 includes any wait for the step in flight (the token interval the client sees).
 
+Speculative decoding (issue 24 item 1; proto_spec 05 §3.1; kafilad/node/drafts.py): for a lone
+request sampled by temperature alone, the head decides at each sampling how many drafts its next
+pass carries (`_plan_next`; 0 leaves the fused sample-and-run path, `FusedStep`, to run it), sends
+the token and the drafts as one single-form act, and on its return accepts them (`_verify`,
+runner `head_verify`), streaming every accepted token; the positions it rejected go out as the
+request's next act's `trim` (or `trims`, batched), which every member applies before running it.
+
 Streaming: the ring loop never waits for a client. Each request's events go into its own bounded
 memory channel (`stream_events`, default STREAM_EVENTS) that `generate()` drains into the caller's
 `on_event` in the caller's task. A request whose channel is full ends alone ("The client did not
@@ -64,6 +72,7 @@ import attrs
 import trio
 
 from kafilad.errors import INVALID_LOGIT_BIAS, GenerationCancelled, GenerationError, MalformedFrame, RemoteProtocolError
+from kafilad.node.drafts import Drafter, speculation_setting
 from kafilad.node.link import Link, LinkClosed
 from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, Phase, PROGRESS_FACTOR, PROGRESS_FLOOR_S, EmitToken, EndRequest,
                                     EndReturned, FinishRequest, HeadScheduler, PassFailed, PassReturned,
@@ -72,7 +81,7 @@ from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, Phase, PROGRESS_FACTOR,
                                     StageStats, TokensSampled)
 from kafilad.node.step_policy import StepPolicy
 from kafilad.node.step_timeline import TIMELINE
-from kafilad.node.ring_parts import (BATCH_ENV, MICRO_BATCHES_ENV, RequestState, RingViews, Speculation,  # noqa: F401
+from kafilad.node.ring_parts import (BATCH_ENV, MICRO_BATCHES_ENV, RequestState, RingViews, FusedStep,  # noqa: F401
                                      StageCalls,
                                      _plain, _recent, batching_enabled, pinned_micro_batches,
                                      run_on_mlx_thread)
@@ -134,6 +143,12 @@ class RingMember(StageCalls, RingViews):
             self.scheduler = HeadScheduler(eos_token_ids=eos, batching=self.batching,
                                            policy=StepPolicy(stages=1, pinned=pinned_micro_batches()))
         self.stats = self.scheduler.stats if self.scheduler is not None else StageStats()
+        #: head: speculative decoding's state (kafilad/node/drafts.py); None on other members
+        self.drafter: Optional[Drafter] = None
+        if head:
+            stage = getattr(runner, "stage", None)
+            self.drafter = Drafter(speculation_setting(), getattr(stage, "speculation_refusal", None)
+                                   if stage is not None else "this member's runner holds no stage")
         self._streams: dict[str, RequestState] = {}  # head: requests not yet finished
         self.broken: Optional[str] = None
         self.broken_member: Optional[str] = None
@@ -143,8 +158,8 @@ class RingMember(StageCalls, RingViews):
         self._cancels: dict[str, str] = {}  # head: req -> reason, for the ring loop (`cancel`)
         self._early_cancels: dict[str, str] = {}  # head: cancelled before `generate` started (bounded)
         #: head: a next decode step run with its sampling (`_sample`), sent by `_send_decode_step`
-        #: or taken back (`_unspeculate`)
-        self._spec: Optional[Speculation] = None
+        #: or taken back (`_take_back_fused`)
+        self._fused: Optional[FusedStep] = None
         self._returned_group = 0  # head: the micro-batch group of the batched act being sampled
 
     # ---- plumbing -----------------------------------------------------------------------
@@ -268,25 +283,27 @@ class RingMember(StageCalls, RingViews):
         if isinstance(frame, BatchAct):
             rids = list(frame.reqs)
             group = frame.mb
-            out, dt = await self._compute(self._run_batch_wire, rids, h_wire, group)
+            trims = frame.row_trims()
+            out, dt = await self._compute(self._run_batch_wire, rids, h_wire, group, trims)
             self.stats.note_step(rids, dt)
-            await self._send_next(BatchAct(reqs=frame.reqs, mb=group, sample=True, h=out,
-                                           hops=hops + ((self.peer_id, dt),)))
+            # the rows' trims go round to every member with the act (proto_spec 05 §3.1)
+            await self._send_next(attrs.evolve(frame, sample=True, h=out, hops=hops + ((self.peer_id, dt),)))
             return
         req = frame.req
         if h_wire is None:
             raise RemoteProtocolError(f"An act of request {req} for this member's blocks carries no activation.")
         entry, reuse, evict = frame.from_entry, frame.reuse, list(frame.evict)
+        trim = frame.trim
         if evict:
             await self._compute(self.runner.prefix_evict, evict)
         if entry is not None:
             await self._compute(self.runner.prefix_start, req, entry, reuse)
-        out, dt = await self._compute(self._run_blocks_wire, req, h_wire)
+        out, dt = await self._compute(self._run_blocks_wire, req, h_wire, trim)
         self.stats.note_step([req], dt)
         sample = frame.sample
         if self.next_is_head and not sample:
             out = None  # an unsampled prefill chunk only fills caches: its output is not needed
-        # the prompt cache's start (from, reuse, evict) goes round to every member with the act
+        # the prompt cache's start (from, reuse, evict) and the trim go round to every member with the act
         await self._send_next(attrs.evolve(frame, h=out, hops=hops + ((self.peer_id, dt),)))
 
     async def _on_end(self, frame: End) -> None:
@@ -402,25 +419,77 @@ class RingMember(StageCalls, RingViews):
                 raise AssertionError(f"unknown scheduler action {a!r}")
 
     async def _send_decode_step(self, rids: list[str], tokens: list[int], group: int = 0) -> None:
-        spec, self._spec = self._spec, None
-        if spec is not None and spec.matches(rids, tokens, group):
-            self.stats.note_step(rids, spec.dt_s)  # run with its sampling (`_sample`)
-            hops = ((self.peer_id, spec.dt_s),)
-            await self._send_next(Act(req=rids[0], sample=True, h=spec.out, hops=hops) if spec.group is None
-                                  else BatchAct(reqs=tuple(rids), mb=group, sample=True, h=spec.out, hops=hops))
+        fused, self._fused = self._fused, None
+        if fused is not None and fused.matches(rids, tokens, group):
+            self.stats.note_step(rids, fused.dt_s)  # run with its sampling (`_sample`)
+            hops = ((self.peer_id, fused.dt_s),)
+            await self._send_next(self._with_trims(
+                Act(req=rids[0], sample=True, h=fused.out, hops=hops) if fused.group is None
+                else BatchAct(reqs=tuple(rids), mb=group, sample=True, h=fused.out, hops=hops)))
             return
-        if spec is not None:
-            await self._unspeculate(spec)
+        if fused is not None:
+            await self._take_back_fused(fused)
         if len(rids) == 1:  # the single form: a lone request decodes exactly as generate_step
-            out, dt = await self._compute(self._head_embed_wire, rids[0], tokens)
+            drafts = self._drafts_for(rids[0], tokens[0])  # speculative decoding (kafilad/node/drafts.py)
+            out, dt = await self._compute(self._head_embed_wire, rids[0], tokens + drafts)
             frame = Act(req=rids[0], sample=True, h=out, hops=((self.peer_id, dt),))
         else:
             out, dt = await self._compute(self._head_embed_batch_wire, rids, tokens, group)
             frame = BatchAct(reqs=tuple(rids), mb=group, sample=True, h=out, hops=((self.peer_id, dt),))
         self.stats.note_step(rids, dt)
-        await self._send_next(frame)
+        await self._send_next(self._with_trims(frame))
+
+    def _drafts_for(self, req: str, token: int) -> list[int]:
+        """The drafts the request's next pass carries after `token` (kafilad/node/drafts.py; [] for none)."""
+        rec = self.scheduler.requests.get(req) if self.drafter is not None else None
+        if rec is None or not rec.generated or rec.generated[-1] != token:
+            return []
+        return self.drafter.drafts(req, tuple(rec.prompt_ids) + tuple(rec.generated),
+                                   rec.max_tokens - len(rec.generated) - 1)
+
+    def _with_trims(self, frame: Union[Act, BatchAct]) -> Union[Act, BatchAct]:
+        """`frame` with the positions each row's stages take back first: `trim` (single form) or
+        `trims` (batched), only when any is due (proto_spec 05 §3.1)."""
+        if self.drafter is None:
+            return frame
+        trims = tuple(self.drafter.take_trim(r) for r in frame.reqs)
+        if not any(trims):
+            return frame
+        return attrs.evolve(frame, trims=trims) if isinstance(frame, BatchAct) else attrs.evolve(frame, trim=trims[0])
+
+    def _plan_next(self, req: str) -> int:
+        """Decide k for a lone request's next pass (0: no drafts; `Drafter.plan`): only a request
+        sampled by temperature alone, decoding in the single form."""
+        if self.drafter is None or not self.drafter.on or not self._may_speculate(req) \
+                or not self._same_rows_next((req,)):
+            return 0
+        return self.drafter.plan(req)
+
+    def _may_speculate(self, req: str) -> bool:
+        """Whether `req` is sampled by temperature alone (speculation's rules cover only that)."""
+        rec = self.scheduler.requests.get(req)
+        return rec is not None and (rec.sampling is None or rec.sampling.plain)
+
+    async def _verify(self, a: SampleTokens, h_wire: Optional[dict], sent: tuple) -> None:
+        """A speculative pass returned: accept its drafts (runner `head_verify`), stream the tokens."""
+        req = a.reqs[0]
+        tokens, _ = await self._compute(self._head_verify_wire, req, h_wire, list(sent), a.temperatures[0])
+        now = time.perf_counter()
+        self.drafter.verified(req, len(tokens) - 1, now)
+        rec = self.scheduler.requests.get(req)
+        if rec is not None:
+            rec.drafted += len(sent)
+            rec.accepted += len(tokens) - 1
+        self._plan_next(req)
+        await self._execute(self.scheduler.handle(TokensSampled(a.reqs, (tokens[-1],), now_s=now,
+                                                                accepted=(tuple(tokens[:-1]),))))
 
     async def _sample(self, a: SampleTokens, h_wire: Optional[dict], batched: bool) -> None:
+        if not batched and len(a.reqs) == 1 and self.drafter is not None and self._may_speculate(a.reqs[0]):
+            sent = self.drafter.returned(a.reqs[0], time.perf_counter())
+            if sent:  # a speculative pass (proto_spec 05 §3.1)
+                await self._verify(a, h_wire, sent)
+                return
         recs = [self.scheduler.requests.get(r) for r in a.reqs]
         samplings = [rec.sampling if rec is not None else None for rec in recs]
         logprobs: tuple = ()
@@ -430,17 +499,17 @@ class RingMember(StageCalls, RingViews):
                 (tokens, out), dt = await self._compute(self._head_sample_batch_and_run_wire, list(a.reqs), h_wire,
                                                         group)
                 if out is not None:
-                    self._spec = Speculation(tuple(a.reqs), tuple(tokens), out, dt, group)
+                    self._fused = FusedStep(tuple(a.reqs), tuple(tokens), out, dt, group)
             elif batched:
                 tokens, _ = await self._compute(self._head_sample_batch_wire, list(a.reqs), h_wire,
                                                 list(a.temperatures))
-            elif self._may_run_next(a.reqs):  # sample and run the next step in one MLX call
+            elif self._may_run_next(a.reqs) and self._plan_next(a.reqs[0]) == 0:  # sample and run the next step in one MLX call
                 (token, out), dt = await self._compute(self._head_sample_and_run_wire, a.reqs[0], h_wire,
                                                        a.temperatures[0])
                 tokens = [token]
                 if out is not None:
-                    self._spec = Speculation((a.reqs[0],), (token,), out, dt, None)
-            else:
+                    self._fused = FusedStep((a.reqs[0],), (token,), out, dt, None)
+            else:  # k drafts planned for the next pass (`_plan_next`), or it may not run now
                 token, _ = await self._compute(self._head_sample_wire, a.reqs[0], h_wire, a.temperatures[0])
                 tokens = [token]
         else:  # each row with its own Sampling (kafilad/proto/sampling.py)
@@ -455,13 +524,13 @@ class RingMember(StageCalls, RingViews):
             logprobs = tuple(lp for _, lp in rows)
         actions = self.scheduler.handle(TokensSampled(a.reqs, tuple(tokens), now_s=time.perf_counter(),
                                                       logprobs=logprobs))
-        if self._spec is not None:  # a step run with its sampling goes out before its token is streamed
-            ready = [x for x in actions if isinstance(x, SendDecodeStep) and x.reqs == self._spec.reqs]
+        if self._fused is not None:  # a step run with its sampling goes out before its token is streamed
+            ready = [x for x in actions if isinstance(x, SendDecodeStep) and x.reqs == self._fused.reqs]
             actions = ready + [x for x in actions if x not in ready]
         await self._execute(actions)
-        if self._spec is not None:  # its step was not sent (it waits, or goes out otherwise): take it back
-            spec, self._spec = self._spec, None
-            await self._unspeculate(spec)
+        if self._fused is not None:  # its step was not sent (it waits, or goes out otherwise): take it back
+            fused, self._fused = self._fused, None
+            await self._take_back_fused(fused)
 
     def _may_run_next(self, reqs) -> bool:
         """Whether the head runs the next decode step of these rows with their sampling (`_sample`):
@@ -477,12 +546,12 @@ class RingMember(StageCalls, RingViews):
             return not self.scheduler.batching or len(self.scheduler.requests) == 1
         return len(self.scheduler.requests) == len(reqs) and self.scheduler.policy.current == 1
 
-    async def _unspeculate(self, spec: Speculation) -> None:
+    async def _take_back_fused(self, fused: FusedStep) -> None:
         """Take a next step run by `_sample` but not sent back out of the caches here."""
-        if spec.group is None:
-            await self._compute(self.runner.trim_last, spec.reqs[0])
+        if fused.group is None:
+            await self._compute(self.runner.trim_last, fused.reqs[0])
         else:
-            await self._compute(self.runner.trim_last_group, spec.group)
+            await self._compute(self.runner.trim_last_group, fused.group)
 
     async def _head_on_return(self, frame: Union[Act, BatchAct]) -> None:
         batched = isinstance(frame, BatchAct)
@@ -540,8 +609,10 @@ class RingMember(StageCalls, RingViews):
 
     async def _end_request(self, req: str) -> None:
         """Flush the request's last text, drop its KV rows here, send its `end` with our stats row."""
-        if self._spec is not None and self._spec.holds_only(req):
-            self._spec = None  # its caches are dropped below
+        if self._fused is not None and self._fused.holds_only(req):
+            self._fused = None  # its caches are dropped below
+        if self.drafter is not None:
+            self.drafter.forget(req)
         st = self._streams.get(req)
         if st is not None:
             st.detok.finalize()
@@ -603,7 +674,9 @@ class RingMember(StageCalls, RingViews):
         """Drop every request's KV rows (single and batched) from the runner, on the MLX thread, and
         forget their statistics."""
         self.stats.clear()
-        self._spec = None
+        self._fused = None
+        if self.drafter is not None:
+            self.drafter.forget_all()
         await self._compute(self._drop_every_request)
         self._wake_idle()
 

@@ -124,8 +124,9 @@ def _record_view(name: str) -> property:
 
 
 @attrs.frozen
-class Speculation:
-    """A next decode step the head ran with its sampling (one MLX call), not yet sent.
+class FusedStep:
+    """A next decode step the head ran with its sampling (one MLX call), not yet sent: the fused
+    "sample and run the next step" (not speculative decoding, which is kafilad/node/drafts.py).
 
     Attributes:
         reqs: the step's rows (request ids), in row order. tokens: the token sampled for each row.
@@ -182,6 +183,9 @@ class RequestState:
     hop_compute_s = _record_view("hop_compute_s")
     batch_rows = _record_view("batch_rows")
     end_stats = _record_view("end_stats")
+    decode_passes = _record_view("decode_passes")
+    drafted = _record_view("drafted")
+    accepted = _record_view("accepted")
     error = _record_view("error")
 
 
@@ -233,13 +237,19 @@ class StageCalls:
     the wire form (`self.ex`: kafilad.executor.runner's array_to_wire / array_from_wire); each runs
     whole on the MLX thread (`RingMember._compute`)."""
 
-    def _run_blocks_wire(self, req: str, h_wire: dict) -> dict:
+    def _run_blocks_wire(self, req: str, h_wire: dict, trim: int = 0) -> dict:
         h = self.ex.array_from_wire(h_wire)
+        self.runner.trim(req, trim)  # a speculative pass's rejected drafts first (proto_spec 05 §3.1)
         return self.ex.array_to_wire(self.runner.run(req, h))
 
-    def _run_batch_wire(self, rids: list[str], h_wire: dict, group: int = 0) -> dict:
+    def _run_batch_wire(self, rids: list[str], h_wire: dict, group: int = 0, trims: tuple = ()) -> dict:
         h = self.ex.array_from_wire(h_wire)
+        for r, n in zip(rids, trims):
+            self.runner.trim(r, n)
         return self.ex.array_to_wire(self.runner.run_batch(rids, h, group))
+
+    def _head_verify_wire(self, req: str, h_wire: dict, drafts: list, temperature: float) -> list:
+        return self.runner.head_verify(req, self.ex.array_from_wire(h_wire), list(drafts), temperature)
 
     def _head_sample_batch_and_run_wire(self, rids: list[str], h_wire: dict, group: int) -> tuple:
         tokens, out = self.runner.head_sample_batch_and_run(rids, self.ex.array_from_wire(h_wire), group)

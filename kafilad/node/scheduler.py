@@ -225,6 +225,7 @@ class HeadScheduler:
             rec.circuit_s.append(ev.now_s - rec.pass_started_s)
             self._note_circuit(rec, ev.now_s, group)
             if rec.generated:  # decode passes only: a prefill pass carries more tokens
+                rec.decode_passes += 1
                 for pid, dt in ev.hops:
                     rec.hop_compute_s.setdefault(pid, []).append(dt)
             live.append(rec)
@@ -244,6 +245,8 @@ class HeadScheduler:
             raise LocalProtocolError(f"{len(ev.tokens)} tokens were sampled for {len(ev.reqs)} rows.")
         if ev.logprobs and len(ev.logprobs) != len(ev.reqs):
             raise LocalProtocolError(f"{len(ev.logprobs)} log-probability reports came for {len(ev.reqs)} rows.")
+        if ev.accepted and len(ev.accepted) != len(ev.reqs):
+            raise LocalProtocolError(f"{len(ev.accepted)} accepted-draft lists came for {len(ev.reqs)} rows.")
         actions: list[Action] = []
         for i, (r, token) in enumerate(zip(ev.reqs, ev.tokens)):
             rec = self.requests.get(r)
@@ -252,6 +255,14 @@ class HeadScheduler:
             if rec.error is not None:  # cancelled while it was being sampled: its token is not streamed
                 actions.append(self._end(rec))
             else:
+                for early in (ev.accepted[i] if ev.accepted else ()):  # a speculative pass's accepted drafts
+                    if early in self.eos_token_ids or len(rec.generated) + 1 >= rec.max_tokens:
+                        token = early  # it ends the request: the later tokens are not taken
+                        break
+                    rec.generated.append(int(early))
+                    actions.append(EmitToken(rec.req, int(early), None))
+                    if rec.first_token_s is None:
+                        rec.first_token_s = ev.now_s
                 actions += self._take_token(rec, int(token), ev.now_s, ev.logprobs[i] if ev.logprobs else None)
         group = self._group_by_rows(ev.reqs)
         if group is not None:

@@ -76,6 +76,8 @@ class TokensSampled:
     tokens: tuple[int, ...]
     now_s: float
     logprobs: tuple = ()
+    #: per row, the drafts a speculative pass accepted before tokens[i] (proto_spec 05 §3.1); () for none
+    accepted: tuple = ()
 
 
 @attrs.frozen
@@ -218,6 +220,9 @@ class Request:
     error: Optional[str] = None
     end_stats: list = attrs.field(factory=list)  # the `end` frame's rows, head first
     reused_tokens: int = 0  # prompt tokens taken from the prompt cache, not prefilled
+    decode_passes: int = 0  # decode passes returned (fewer than its tokens when drafts were accepted)
+    drafted: int = 0  # drafts its speculative passes carried (kafilad/proto/speculation.py)
+    accepted: int = 0  # of which accepted
 
 
 @attrs.define

@@ -179,6 +179,8 @@ class SessionDriver:
         self.ring.epoch = epoch
         if self.ring.scheduler is not None and getattr(self, "schedule_mode", None) is not None:
             apply_schedule(self.ring.scheduler, self.schedule_mode)  # `kafila-ctl schedule` outlives a replan
+        if getattr(self.ring, "drafter", None) is not None and getattr(self, "speculate_setting", None) is not None:
+            self.ring.drafter.setting = self.speculate_setting[1]  # so does `kafila-ctl speculate`
         nxt, prv = await stagehost.connect_ring(paths=self.paths, session_id=self.session_id,
                                                 ring=self.ring_order, roster=roster, incoming=self._ring_incoming,
                                                 member=self.ring, on_edges=on_edges, epoch=epoch)

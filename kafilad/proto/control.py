@@ -275,6 +275,8 @@ class GenResult:
     stats: list
     batch_rows_median: Optional[float] = None  # median rows of the request's decode steps (proto_spec 05 §3)
     cached_tokens: int = 0  # prompt tokens the head took from its prompt cache (kafilad/executor/prefix.py)
+    drafted: int = 0  # drafts its speculative passes carried (kafilad/proto/speculation.py)
+    accepted: int = 0  # of which the head accepted
 
     @classmethod
     def from_wire(cls, d: Any) -> "GenResult":
@@ -303,7 +305,8 @@ class GenResult:
                    decode_tokens_per_s=need("decode_tokens_per_s", _NUM, True),
                    circuit_s_median=need("circuit_s_median", _NUM, True), stats=[list(r) for r in stats],
                    batch_rows_median=need("batch_rows_median", _NUM, True),
-                   cached_tokens=need("cached_tokens", int, True) or 0)
+                   cached_tokens=need("cached_tokens", int, True) or 0,
+                   drafted=need("drafted", int, True) or 0, accepted=need("accepted", int, True) or 0)
 
     def to_wire(self) -> dict:
         return attrs.asdict(self)

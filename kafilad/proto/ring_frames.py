@@ -147,6 +147,10 @@ class _Reader:
         return v
 
 
+#: the most positions one act may take back from a request's caches (its rejected drafts)
+MAX_TRIM = 1 << 16
+
+
 class RingFrame:
     """Base of every ring and edge frame: ``T`` is the wire type, :meth:`to_wire` the map to send."""
 
@@ -166,6 +170,8 @@ class Act(RingFrame):
             way back to the head. hops: (peer_id, compute_s) of each stage so far, in ring order.
         from_entry, reuse: the prompt-cache entry (wire "from") its caches start from and how many
             of its tokens (None, 0: none). evict: prompt-cache entries to forget first.
+        trim: positions every stage takes back from the request's caches before it runs this pass:
+            the drafts the head rejected last pass (speculative decoding, proto_spec 05 §3.1).
     """
 
     T: ClassVar[str] = "act"
@@ -176,6 +182,7 @@ class Act(RingFrame):
     from_entry: Optional[str] = None
     reuse: int = 0
     evict: tuple = ()
+    trim: int = 0
 
     @property
     def reqs(self) -> tuple[str, ...]:
@@ -188,7 +195,13 @@ class Act(RingFrame):
             out["from"], out["reuse"] = self.from_entry, self.reuse
         if self.evict:
             out["evict"] = list(self.evict)
+        if self.trim:
+            out["trim"] = self.trim
         return out
+
+    def row_trims(self) -> tuple[int, ...]:
+        """The positions to take back for each row: its one row's."""
+        return (self.trim,)
 
 
 @attrs.frozen
@@ -198,6 +211,7 @@ class BatchAct(RingFrame):
     Attributes:
         reqs: distinct request ids, in row order. mb: the micro-batch group, 0..MAX_GROUPS-1.
         sample: always true on the wire today. h: the activation map. hops: as :class:`Act`.
+        trims: per row, positions to take back first (as :attr:`Act.trim`); () for none.
     """
 
     T: ClassVar[str] = "act"
@@ -206,10 +220,18 @@ class BatchAct(RingFrame):
     mb: int = 0
     sample: bool = True
     hops: tuple = ()
+    trims: tuple = ()
 
     def to_wire(self) -> dict:
-        return {"t": "act", "reqs": list(self.reqs), "mb": self.mb, "sample": self.sample, "h": self.h,
-                "hops": [list(x) for x in self.hops]}
+        out = {"t": "act", "reqs": list(self.reqs), "mb": self.mb, "sample": self.sample, "h": self.h,
+               "hops": [list(x) for x in self.hops]}
+        if any(self.trims):
+            out["trims"] = list(self.trims)
+        return out
+
+    def row_trims(self) -> tuple[int, ...]:
+        """The positions to take back for each row, zeros when none are due."""
+        return tuple(self.trims) if self.trims else (0,) * len(self.reqs)
 
 
 @attrs.frozen
@@ -308,10 +330,15 @@ def _act(r: _Reader) -> Union[Act, BatchAct]:
         reqs = r.strs("reqs", required=True)
         if not reqs or len(set(reqs)) != len(reqs):
             raise r.fail("range", "reqs", f"'reqs' is {_short(list(reqs))}, not one or more distinct ids")
+        trims = r.d.get("trims")
+        if trims is not None and (not isinstance(trims, list) or len(trims) != len(reqs) or not all(
+                _int(n) and 0 <= n <= MAX_TRIM for n in trims)):
+            raise r.fail("type", "trims", f"'trims' is {_short(trims)}, not one integer 0..{MAX_TRIM} per row")
         return BatchAct(reqs=reqs, h=r.activation(nullable=False), mb=r.int_("mb", default=0, maximum=MAX_GROUPS - 1),
-                        sample=r.bool_("sample", True), hops=r.hops())
+                        sample=r.bool_("sample", True), hops=r.hops(), trims=tuple(trims or ()))
     return Act(req=r.str_("req"), sample=r.bool_("sample", False), h=r.activation(nullable=True), hops=r.hops(),
-               from_entry=r.str_("from", optional=True), reuse=r.int_("reuse", default=0), evict=r.strs("evict"))
+               from_entry=r.str_("from", optional=True), reuse=r.int_("reuse", default=0), evict=r.strs("evict"),
+               trim=r.int_("trim", default=0, maximum=MAX_TRIM))
 
 
 def _end(r: _Reader) -> End:

