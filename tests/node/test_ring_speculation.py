@@ -130,13 +130,13 @@ async def test_a_member_trims_rows_before_a_batched_act_and_forwards_the_field(s
             member.runner.run(rid, head.runner.head_embed_and_run(rid, list(range(1, n + 1))))
         return runner_mod.array_to_wire(mx.zeros((2, 1, 64))), runner_mod.array_to_wire(mx.zeros((1, 1, 64)))
     h, h1 = await run_on_mlx_thread(setup)
-    await member._on_act({"t": "act", "reqs": ["a", "b"], "mb": 0, "sample": True, "h": h, "hops": [],
-                          "trims": [3, 0]})
+    await member._on_frame({"t": "act", "reqs": ["a", "b"], "mb": 0, "sample": True, "h": h, "hops": [],
+                            "trims": [3, 0]})
     fwd = member._inbox_recv.receive_nowait()
     assert fwd["trims"] == [3, 0] and fwd["reqs"] == ["a", "b"]
     lengths = await run_on_mlx_thread(lambda: [member.runner.cache_length(r) for r in ("a", "b")])
     assert lengths == [9 - 3 + 1, 6 + 1]  # (cache_length takes a row out of its batch: on the MLX thread)
-    await member._on_act({"t": "act", "req": "a", "sample": True, "h": h1, "hops": [], "trim": 2})
+    await member._on_frame({"t": "act", "req": "a", "sample": True, "h": h1, "hops": [], "trim": 2})
     assert member._inbox_recv.receive_nowait()["trim"] == 2
     assert await run_on_mlx_thread(member.runner.cache_length, "a") == 7 - 2 + 1
     member.prev_name = "m0"
