@@ -1,4 +1,4 @@
-"""The host's refusals of `--members`, `--context` and `--concurrency` (kafilad/node/admission.py
+"""The host's refusals of `--members`, `--context` and `--concurrency` (kafilad/node/serving/admission.py
 `check_session_arguments`, DESIGN §5.4), made by kafila-ctl before anything starts: `kafila-ctl demo` before
 its daemons, `kafila-ctl plan` offline. The host's own check runs on the values, so the sentence is
 the one `kafila-ctl host` would print and the two cannot drift apart (a copied sentence did, within
@@ -21,7 +21,7 @@ def host_refusal(info, *, members: int = 1, context: Optional[int] = None, concu
         context: --context, or None for the host's default (capped at max_position_embeddings).
         concurrency: --concurrency.
     """
-    from kafilad.node.admission import check_session_arguments
+    from kafilad.node.serving.admission import check_session_arguments
     try:
         check_session_arguments(info, members=members, context=context, concurrency=concurrency)
     except KafilaError as e:

@@ -18,7 +18,7 @@ from kafila_ctl.client import ControlClient, DaemonShutDown
 
 
 def _client(args) -> ControlClient:
-    from kafilad.node.statedir import StateDir
+    from kafilad.node.session.statedir import StateDir
     return ControlClient(StateDir(args.state_dir).socket_path)
 
 
@@ -379,7 +379,7 @@ def schedule_line(result: dict, typed: str | None = None) -> str:
     now = result.get("micro_batches")
     in_flight = f" ({now} micro-batch{'es' if now != 1 else ''} in flight now)" if now is not None else ""
     if mode == 1 and typed is None:
-        mode = "lockstep"  # the daemon's pinned 1 (kafilad/node/ring_parts.py apply_schedule)
+        mode = "lockstep"  # the daemon's pinned 1 (kafilad/node/serving/ring_parts.py apply_schedule)
     if isinstance(mode, int):
         return f"decode schedule: {mode} micro-batch{'es' if mode != 1 else ''} pinned{in_flight}"
     return f"decode schedule: {mode}{in_flight}"
@@ -477,9 +477,9 @@ def _daemon_checked(check):
     return parse
 
 
-#: every state `wait --state` accepts (kafilad/node/daemon.py WAIT_STATES)
+#: every state `wait --state` accepts (kafilad/daemon.py WAIT_STATES)
 WAIT_STATES = sorted({s.value for s in sm.HostState} | {s.value for s in sm.MemberState}
-                     | {"idle", "reconnecting", "restoring"})  # the last two: kafilad/node/comeback.py
+                     | {"idle", "reconnecting", "restoring"})  # the last two: kafilad/node/session/comeback.py
 
 
 #: the largest --max-tokens the control API carries (a 32-bit count; a session's context is far smaller)

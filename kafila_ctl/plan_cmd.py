@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kafilad.errors import AdmissionError, KafilaError, PlanError
-from kafilad.node.admission import DEFAULT_CONTEXT, default_context  # the host's own default
+from kafilad.node.serving.admission import DEFAULT_CONTEXT, default_context  # the host's own default
 from kafilad.planner import DEFAULT_STRATEGY, STRATEGIES, Plan, load_fleet, plan
 
 HOLD_DTYPE_BYTES = {"stored": None, "f32": 4, "f16": 2, "bf16": 2}

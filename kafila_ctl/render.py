@@ -238,7 +238,7 @@ def join_phase(snap: dict) -> str:
         return "ready"
     if state in ("failed", "closed"):
         return state
-    if state == "reconnecting":  # the daemon rejoins its session (kafilad/node/daemon.py `_reconnecting_snapshot`)
+    if state == "reconnecting":  # the daemon rejoins its session (kafilad/daemon.py `_reconnecting_snapshot`)
         about = snap.get("reconnecting") or {}
         return (f"reconnecting (attempt {about.get('attempt', '?')}, next try in {about.get('next_in_s', 0):.0f} s)"
                 f"{': ' + about['reason'] if about.get('reason') else ''}")

@@ -182,7 +182,7 @@ class RendezvousRefused(SessionError):
 
 
 class RingEdgeError(SessionError):
-    """A ring edge to or from one member could not be made (kafilad/node/edge.py `form_ring`).
+    """A ring edge to or from one member could not be made (kafilad/node/paths/edge.py `form_ring`).
 
     Attributes:
         peer_id: the member at the other end of that edge: the one found unreachable (it left the
@@ -252,7 +252,7 @@ class SessionNotReadyError(GenerationError):
 
 class HostBusyError(GenerationError):
     """The host already serves as many requests as its plan holds memory for, and its queue is full
-    (kafilad/node/admission.py). The HTTP API answers 429 with ``Retry-After``.
+    (kafilad/node/serving/admission.py). The HTTP API answers 429 with ``Retry-After``.
 
     Attributes:
         running, queued: requests being served and waiting when this one was refused.

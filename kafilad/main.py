@@ -106,7 +106,7 @@ def http_address(s: str) -> tuple[str, int] | None:
 
 def rendezvous_url(s: str) -> str:
     """`--rendezvous` (and KAFILA_RENDEZVOUS): a WebSocket URL, ws://HOST[:PORT] or wss://HOST[:PORT], as
-    the daemon's rendezvous client connects to it (trio_websocket's URL rules, kafilad/node/rdv_client.py;
+    the daemon's rendezvous client connects to it (trio_websocket's URL rules, kafilad/node/session/rdv_client.py;
     without a port: 80 for ws, 443 for wss). Checked at startup, as --http is, rather than at `host`;
     also the check of `kafila-ctl service install --rendezvous`.
 
@@ -142,7 +142,7 @@ MAX_UNIX_SOCKET_PATH_BYTES = 107 if sys.platform.startswith("linux") else 103
 
 
 def prepare_state_dir(state_dir: str | None):
-    """The daemon's state directory, created (kafilad/node/statedir.py StateDir.ensure), after checking
+    """The daemon's state directory, created (kafilad/node/session/statedir.py StateDir.ensure), after checking
     that its control socket path fits a Unix socket address.
 
     Args:
@@ -154,7 +154,7 @@ def prepare_state_dir(state_dir: str | None):
             should be, or the directory cannot be created; each a sentence naming what to change.
     """
     from kafilad.errors import KafilaError
-    from kafilad.node.statedir import STATE_DIR_ENV, StateDir
+    from kafilad.node.session.statedir import STATE_DIR_ENV, StateDir
     state = StateDir(state_dir)
     path = state.path
     origin = "" if state_dir is not None or not os.environ.get(STATE_DIR_ENV, "").strip() else f" (from {STATE_DIR_ENV})"
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 def _exit_now(code: int) -> None:
     """End the process with `code` without running C++ static destructors.
 
-    MLX used from a worker thread (kafilad/node/ring.py run_on_mlx_thread) can abort at process
+    MLX used from a worker thread (kafilad/node/serving/ring.py run_on_mlx_thread) can abort at process
     teardown with "terminate called without an active exception" (exit 134; cf. ml-explore/mlx
     issue #3126), turning a clean stop into a crash. By the time this runs, the trio run is over:
     sessions told their peers, sockets closed, the MLX thread drained; logs and stdio are flushed
@@ -296,7 +296,7 @@ def _main(argv: list[str] | None = None) -> int:
         except KafilaError as e:
             print(f"kafilad: {e}", file=sys.stderr)
             return 2
-        from kafilad.node.ring_parts import daemon_switch_interval_s, pinned_micro_batches
+        from kafilad.node.serving.ring_parts import daemon_switch_interval_s, pinned_micro_batches
         try:  # every switch is checked before the state directory is made: a bad one leaves nothing behind
             pinned_micro_batches()
             switch_s = daemon_switch_interval_s()
@@ -372,7 +372,7 @@ def _log_to_file(path, max_bytes: int = LOG_FILE_BYTES, backups: int = LOG_FILE_
     (stderr logging stays as it is); the file is created private to the user (mode 0600).
 
     Args:
-        path: the log file, STATE_DIR/kafilad.log (kafilad/node/statedir.py).
+        path: the log file, STATE_DIR/kafilad.log (kafilad/node/session/statedir.py).
         max_bytes: size at which the file is rotated to path.1.
         backups: how many rotated files are kept.
 
@@ -408,8 +408,8 @@ async def _default_http_or_none(http: tuple[str, int]) -> list | None:
 
 
 async def _daemon(args) -> None:
-    from kafilad.node.daemon import Node
-    from kafilad.node.statedir import StateDir, default_name
+    from kafilad.daemon import Node
+    from kafilad.node.session.statedir import StateDir, default_name
     _raise_open_files_limit()
     state = getattr(args, "state", None) or StateDir(args.state_dir).ensure()
     _log_to_file(state.log_path)

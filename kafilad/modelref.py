@@ -168,7 +168,7 @@ def converted_gguf(path: Path, models_dir: Path) -> Path:
         st = path.stat()
     except OSError as e:
         raise KafilaError(f"The GGUF file {path} cannot be read ({e.strerror or e}).") from None
-    from kafilad.node.stagehost import executor  # only kafilad.executor imports mlx
+    from kafilad.node.serving.stagehost import executor  # only kafilad.executor imports mlx
 
     ident = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0"
                            f"{executor().gguf.CONVERSION_VERSION}".encode()).hexdigest()[:16]

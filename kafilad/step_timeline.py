@@ -7,7 +7,7 @@ clears it. `time.perf_counter` is CLOCK_MONOTONIC on Linux, one clock for every 
 machine, so the files of the daemons of a loopback ring merge into one timeline
 (scripts/bench_ring.py `--timeline`). Disabled, `mark` costs one attribute test.
 
-Kinds written by the ring (kafilad/node/ring.py) and the HTTP layer (kafilad/control/api_common.py):
+Kinds written by the ring (kafilad/node/serving/ring.py) and the HTTP layer (kafilad/control/api_common.py):
 `rx` a frame was read from a link (before the inbox), `on_act` the ring loop took it, `c0`/`c1`
 an MLX call began/ended on the MLX thread, `back` trio resumed after it, `sent` the next link's
 send returned, `emit` the head queued a token event, `sse` the HTTP layer wrote its payload.

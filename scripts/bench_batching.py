@@ -14,7 +14,7 @@ rounds. Prints the ratios between modes
 and K / 1 within each.
 
 Modes (--modes, the first is compared with the others): `auto` (the default schedule: decode
-micro-batches chosen by kafilad/node/step_policy.py), `lockstep` (M = 1), `per-request` (every
+micro-batches chosen by kafilad/proto/step_policy.py), `lockstep` (M = 1), `per-request` (every
 request its own passes, pipelined, as KAFILA_BATCH=0), `micro2`, `micro3` (M pinned).
 Results: docs/performance.md "Serving schedule".
 

@@ -10,7 +10,7 @@ Stages of an 8 KiB activation hop (each timed alone, median over ``--pings`` rep
 - quic:   the QUIC library alone, sans-IO: one 8 KiB stream message from client to server through
           two connections pumped in one process (no sockets), qh3 and, when installed, aioquic
 - hop:    the whole thing, one way (half the median 8 KiB ping-pong round trip between two Links:
-          frame + Noise + QUIC + UDP on loopback + trio hand-offs, kafilad/node/link.py over
+          frame + Noise + QUIC + UDP on loopback + trio hand-offs, kafilad/node/paths/link.py over
           kafilad/net/quic_transport.py), at 1,350-byte datagrams and at the same-host size
 
 Bulk: ``--mib`` MiB on one stream, (a) sans-IO pumped pair per library at 1,350-byte datagrams,

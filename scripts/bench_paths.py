@@ -3,7 +3,7 @@
 
     python scripts/bench_paths.py [--pings 200] [--mib 16]
 
-- direct:  Noise (kafilad/node/link.py) inside a QUIC stream on two UDP endpoints (kafilad.net.quic_transport),
+- direct:  Noise (kafilad/node/paths/link.py) inside a QUIC stream on two UDP endpoints (kafilad.net.quic_transport),
            with the datagram size QUIC picks for a same-host path (SAME_HOST_DATAGRAM_BYTES)
 - direct-1350: the same with Internet-sized datagrams (MAX_DATAGRAM_BYTES), as on a punched path
 - relayed: Noise over a relayed circuit through a rendezvous on 127.0.0.1 (kafilad.rendezvous)
@@ -27,8 +27,8 @@ import trio
 from kafilad.net.quic_open import quic_accept, quic_connect
 from kafilad.net.quic_transport import MAX_DATAGRAM_BYTES
 from kafilad.net.udp_endpoint import UdpEndpoint
-from kafilad.node.link import secure_link
-from kafilad.node.rdv_client import open_rendezvous
+from kafilad.node.paths.link import secure_link
+from kafilad.node.session.rdv_client import open_rendezvous
 from kafilad.proto.identity import fingerprint
 from kafilad.proto.noise import generate_keypair
 from kafilad.proto.rendezvous_proof import public_key

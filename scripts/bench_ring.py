@@ -8,7 +8,7 @@ the rendezvous relayed per generated token.
 With `--api`, the ring's rate is taken as a client sees it: one streamed `/v1/completions`
 request at a time, (completion tokens - 1) / (last chunk - first chunk). `--synth H,L` serves a
 synthesised Llama of hidden size H and L blocks (f32; 512,8 is the 100 MB model of issue 12).
-`--timeline` (with --api) runs the daemons with KAFILA_STEP_TIMELINE (kafilad/node/step_timeline.py)
+`--timeline` (with --api) runs the daemons with KAFILA_STEP_TIMELINE (kafilad/step_timeline.py)
 and prints where one decode step's milliseconds go: the median over the decode steps of every
 measured request of each segment between consecutive marks of the head (h), the members in ring
 order (m1, m2, ...) and the client (cl).
@@ -129,7 +129,7 @@ def timeline_breakdown(marks: list[tuple[float, str, str]]) -> list[tuple[str, f
 def ring_timeline(tl_dir: Path, client: list[float]) -> list[tuple[str, float]]:
     """Merge the daemons' timeline files and the client's chunk times; name each process (the head
     is the one that emits tokens; the others by the order in which a decode step reaches them)."""
-    from kafilad.node.step_timeline import read_timeline
+    from kafilad.step_timeline import read_timeline
     raw = read_timeline(tl_dir)
     head = next(pid for _, k, pid in raw if k == "emit")
     t_emit = next(t for t, k, pid in raw if k == "emit")

@@ -56,9 +56,9 @@ async def run(model: str, hop_s: float, kinds: list[str], runs: int, tokens: int
     from kafilad.executor import runner as runner_mod
     from kafilad.executor.stage import load_stage_from_dir
     from kafilad.executor.synth import load_tokenizer
-    from kafilad.node.drafts import SPECULATE_ENV, speculation_setting
-    from kafilad.node.link import Link
-    from kafilad.node.ring import RingMember
+    from kafilad.node.serving.drafts import SPECULATE_ENV, speculation_setting
+    from kafilad.node.paths.link import Link
+    from kafilad.node.serving.ring import RingMember
     tok = load_tokenizer(model)
     import json
     n = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]

@@ -4,7 +4,7 @@ stages (no network, no daemons), to tell the compute a split costs from what the
 
 Each step runs the head's `head_sample_and_run` (sample + embed + its blocks) and then every later
 stage's `run` on the activations taken through the wire format (`array_to_wire` /
-`array_from_wire`), as kafilad/node/ring.py does; it prints the median of `--steps` steps per
+`array_from_wire`), as kafilad/node/serving/ring.py does; it prints the median of `--steps` steps per
 stage and in all, whole then split, twice (the second pair is the figure; the first warms up).
 
     python scripts/bench_stage_split.py MODEL_DIR [--split 0:3,3:6,6:8] [--steps 40]

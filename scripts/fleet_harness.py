@@ -202,7 +202,7 @@ def capability_env(base_cap: Optional[dict], member: Member) -> dict:
     probes itself) nothing."""
     if base_cap is None:
         return {}
-    from kafilad.node.stagehost import TEST_CAPABILITY_ENV
+    from kafilad.node.serving.stagehost import TEST_CAPABILITY_ENV
     return {TEST_CAPABILITY_ENV: json.dumps(scaled_capability(base_cap, member.quota_pct))}
 
 

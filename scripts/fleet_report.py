@@ -31,7 +31,7 @@ def stage_rows(status: dict) -> list[dict]:
     """Per ring member: predicted stage s, measured window mean and median from the last generation.
 
     `status` is the host's status snapshot; its `last_generation.stats` rows are the `end` frame's
-    [peer_id, steps, compute_s_total, decode_stage_s_median, bytes_sent] (kafilad/node/scheduler.py
+    [peer_id, steps, compute_s_total, decode_stage_s_median, bytes_sent] (kafilad/proto/scheduler.py
     StageStats.take_row). The window mean is compute_s_total / steps (prefill pass included).
     Returns rows in ring order: {name, blocks, predicted_s, mean_s, median_s, steps, mean_ratio, median_ratio}.
     """

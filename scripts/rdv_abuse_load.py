@@ -4,7 +4,7 @@ A real rendezvous (kafilad.rendezvous.server, default limits unless flags change
 127.0.0.1. The abuser connects from 127.0.0.2 (raw WebSockets bound to that source address):
 it tries to register --sessions sessions, one per connection, as fast as it can, and floods relay
 data on a circuit of one of its own sessions. Meanwhile, from 127.0.0.1, a legitimate group (the
-daemon's own client, kafilad.node.rdv_client) forms --rounds sessions one after another: host
+daemon's own client, kafilad.node.session.rdv_client) forms --rounds sessions one after another: host
 registers, a member joins with the whole code, a circuit opens and carries --mib MiB. The script
 prints what the abuser got (sessions, refusals by code, relay MiB/s) and each group round (form
 time, relay MiB/s), and exits 1 if a round failed. Bounded: --seconds of abuse at most.
@@ -23,7 +23,7 @@ import time
 import trio
 import trio_websocket
 
-from kafilad.node.rdv_client import open_rendezvous
+from kafilad.node.session.rdv_client import open_rendezvous
 from kafilad.proto.identity import fingerprint, peer_id
 from kafilad.proto.rendezvous import RendezvousLimits, decode_message, encode_control, encode_relay
 from kafilad.proto.rendezvous_proof import Challenge, make_proof, public_key

@@ -354,7 +354,7 @@ class WebSocketRendezvous:
     """The real rendezvous (kafilad/rendezvous/server.py ``RendezvousServer``, its sans-IO state and
     relay) serving real WebSockets (trio-websocket, wsproto) over memory streams.
 
-    Daemons reach it through the real client (kafilad/node/rdv_client.py ``open_rendezvous``) once
+    Daemons reach it through the real client (kafilad/node/session/rdv_client.py ``open_rendezvous``) once
     ``trio_websocket.open_websocket_url`` is replaced by :meth:`open_websocket_url` (a test's
     monkeypatch): a URL's path names the connecting daemon (``ws://192.0.2.10:7400/m1``), so a
     test can pause (freeze) or cut that daemon's connections. Run :meth:`run` in a nursery.

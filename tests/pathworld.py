@@ -12,8 +12,8 @@ from typing import Optional
 
 import trio
 
-from kafilad.node.edge import RingEdge
-from kafilad.node.paths import PathManager, open_session_paths
+from kafilad.node.paths.edge import RingEdge
+from kafilad.node.paths.manager import PathManager, open_session_paths
 from kafilad.proto.identity import peer_id as peer_id_of
 from kafilad.proto.rendezvous_proof import public_key
 from netsim import MemoryRendezvous, MemoryRendezvousClient, SimEndpoint, SimNet

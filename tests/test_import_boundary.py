@@ -34,14 +34,19 @@ def test_pure_packages_import_no_io(sub):
         assert not bad, f"{path.relative_to(PKG.parent)} imports {sorted(bad)}"
 
 
-#: pure modules outside proto/ and planner/ (sans-IO machines driven by trio code next to them)
-PURE_MODULES = ["node/scheduler.py"]
+def test_the_composition_root_is_imported_by_nothing_in_node_or_control():
+    """kafilad/daemon.py (the daemon's ``Node``) wires node/ and control/ together (issue 25 item 1):
+    imports run one way, from it to them, so neither node/ nor control/ imports it."""
+    for sub in ("node", "control", "proto", "planner", "net", "executor"):
+        for path in sorted((PKG / sub).rglob("*.py")):
+            bad = {m for m in imported_modules(path) if m in ("kafilad.daemon", "kafilad.main")}
+            assert not bad, f"{path.relative_to(PKG.parent)} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("module", PURE_MODULES)
-def test_pure_modules_import_no_io(module):
-    bad = imported_roots(PKG / module) & {"trio", "socket", "mlx", "mlx_lm", "asyncio", "trio_websocket"}
-    assert not bad, f"kafilad/{module} imports {sorted(bad)}"
+def test_node_is_grouped_by_owner():
+    """node/ holds its owners' folders only (session, serving, paths, shards), no loose modules."""
+    loose = sorted(p.name for p in (PKG / "node").glob("*.py") if p.name != "__init__.py")
+    assert loose == [], loose
 
 
 def test_aioice_only_pure_modules():

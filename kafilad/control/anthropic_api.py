@@ -356,7 +356,7 @@ def parse_count_tokens(body: dict) -> CountTokensRequest:
 
 # ---- answers ------------------------------------------------------------------------------------
 def stop_reason(result: dict, called: bool = False) -> tuple[str, Optional[str]]:
-    """(stop_reason, stop_sequence) of a finished generation (kafilad/node/host_requests.py result);
+    """(stop_reason, stop_sequence) of a finished generation (kafilad/node/serving/host_requests.py result);
     `called`: the reply holds tool calls ("tool_use" unless max_tokens cut it)."""
     if result.get("stop_sequence") is not None:
         return "stop_sequence", result["stop_sequence"]

@@ -8,7 +8,7 @@ template that refuses the messages, and for a prompt too long for the session's 
 Sentences name API fields, never command-line flags (`api_text`), and the field as the client's
 API spells it (Ollama's `options.num_predict`, not OpenAI's `max_tokens`: `fields`). A generation request that
 arrives while the session heals from a member loss waits for it to serve again, at most
-`RECOVERY_WAIT_S` (kafilad/node/host_requests.py; `serving_session`), before that 503.
+`RECOVERY_WAIT_S` (kafilad/node/serving/host_requests.py; `serving_session`), before that 503.
 Browser clients (CORS): kafilad/control/cors.py.
 """
 
@@ -68,7 +68,7 @@ def not_restoring(node) -> None:
     """Pass unless `node` (a restarted daemon) is registering its remembered session again.
 
     Raises:
-        HttpError: 503 + Retry-After saying so (kafilad/node/daemon.py `restoring_sentence`).
+        HttpError: 503 + Retry-After saying so (kafilad/daemon.py `restoring_sentence`).
     """
     said = node.restoring_sentence()
     if said is not None:
@@ -79,7 +79,7 @@ def not_restoring(node) -> None:
 async def serving_session(node, gone: trio.Event):
     """The hosted session of `node` once it is ready to generate: a session healing from a member
     loss, or one a restarted host daemon is restoring, is waited for, at most RECOVERY_WAIT_S each
-    (kafilad/node/daemon.py `Node.session_back`, kafilad/node/host_requests.py `wait_serving`).
+    (kafilad/daemon.py `Node.session_back`, kafilad/node/serving/host_requests.py `wait_serving`).
 
     Args:
         gone: set when the request's client went away (`Responder.client_gone`).
@@ -114,7 +114,7 @@ def ready(s):
     if s is None:
         raise HttpError(503, NOT_HOSTING, "service_unavailable")
     state = state_of(s)
-    if s.role != "host":  # a member session (kafilad/node/member.py MemberSession)
+    if s.role != "host":  # a member session (kafilad/node/session/member.py MemberSession)
         if state in ("failed", "closed"):
             raise HttpError(503, NOT_HOSTING, "service_unavailable")
         raise HttpError(503, "This daemon is a member of a session, not its host; send requests to the host's API.",
@@ -183,7 +183,7 @@ def vocab_size(session) -> Optional[int]:
 async def prompt_tokens(session, prompt: str, limit: Optional[int] = None) -> tuple[int, bool]:
     """(the prompt's tokens, True), counted in a worker thread so the event loop serves on; or (a
     lower bound, False) when that alone exceeds `limit`, found without tokenizing a prompt that
-    certainly does not fit (kafilad/node/host_requests.py `prompt_tokens`)."""
+    certainly does not fit (kafilad/node/serving/host_requests.py `prompt_tokens`)."""
     return await session.prompt_tokens(prompt, limit)
 
 
@@ -277,7 +277,7 @@ def api_text(message: str, fields: Optional[dict[str, str]] = None) -> str:
 async def chat_prompt(session, messages: list[dict], tools: Optional[list[dict]] = None) -> str:
     """The prompt for checked `messages` ([{"role": str, "content": str, ...}]) by the model's chat
     template, with `tools` when the template takes them (kafilad/control/tools.py), applied in a
-    worker thread (kafilad/node/host_requests.py `off_loop`).
+    worker thread (kafilad/node/serving/host_requests.py `off_loop`).
 
     Raises:
         HttpError: 400 when the template refuses the messages or makes an empty prompt.

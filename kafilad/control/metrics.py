@@ -227,7 +227,7 @@ class SnapshotCollector:
 
     @staticmethod
     def _speculation(spec: Optional[dict]) -> Iterable:
-        """The head's speculative decoding (kafilad/node/drafts.py `Drafter.status`) when the host is the head."""
+        """The head's speculative decoding (kafilad/node/serving/drafts.py `Drafter.status`) when the host is the head."""
         if not isinstance(spec, dict):
             return
         yield GaugeMetricFamily("kafila_speculation_enabled", "1 while the head speculates (drafts decode tokens).",

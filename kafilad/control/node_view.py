@@ -1,7 +1,7 @@
 """What control/ sees of the daemon (issue 25 item 1): the one narrow interface the HTTP API's routes
 are handed, so that control/ never imports node/ (tests/test_import_boundary.py).
 
-kafilad/node/daemon.py ``Node`` is a NodeView; :class:`SessionOnly` is one for a session served
+kafilad/daemon.py ``Node`` is a NodeView; :class:`SessionOnly` is one for a session served
 without a daemon around it (an embedding, the tests' HTTP servers): it never restores a session.
 """
 
@@ -17,7 +17,7 @@ class NodeView(Protocol):
     """The daemon as the HTTP API sees it.
 
     Attributes:
-        session: the hosted or joined session (kafilad/node/host.py HostSession, member.py
+        session: the hosted or joined session (kafilad/node/session/host.py HostSession, member.py
             MemberSession: ``role`` "host" / "member", ``state``, ``generate``, ...), or None.
     """
 

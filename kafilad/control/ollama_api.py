@@ -19,7 +19,7 @@ messages) answers `done_reason: "load"` at once, as Ollama does to load a model.
 `{"error": sentence}` (404 "model 'x' not found", 400 for a bad field, 503 while no session is
 ready, 429 when the host is busy); an error after streaming began is one more `{"error"}` line.
 A generation that arrives while the session heals from a member loss waits for it to serve again,
-at most RECOVERY_WAIT_S (kafilad/node/host_requests.py), as the OpenAI routes do.
+at most RECOVERY_WAIT_S (kafilad/node/serving/host_requests.py), as the OpenAI routes do.
 
 The model is named by its id or `id:latest`. `options` honoured: temperature (default 0,
 greedy: this server's default, not Ollama's 0.8), top_p, top_k, min_p, seed, num_predict (-1 and

@@ -42,16 +42,16 @@ the chat template and calls come back as `message.tool_calls` with `finish_reaso
 whole or streamed as `delta.tool_calls` (a forced call's arguments match the function's schema by
 construction; kafilad/control/tools.py); `stop` ends the
 request before its first stop string, which is never emitted, not even partly in a stream
-(kafilad/node/stops.py). With `"stream": true` the reply is Server-Sent Events: chat chunks
+(kafilad/node/session/stops.py). With `"stream": true` the reply is Server-Sent Events: chat chunks
 carry `role` in the first delta only, then `content`; the last chunk has `finish_reason`;
 `stream_options.include_usage` adds every chunk's `"usage": null` and one more chunk with
 `"choices": []` and the usage; then `data: [DONE]`. Errors are `{"error": {"message", "type",
 "param", "code"}}` with a 4xx/5xx status, in sentences that name API fields, never command-line
 flags. A completion that arrives while the session heals from a member loss (`recovering`, then
 `loading` its new plan) waits for it to serve again, at most `RECOVERY_WAIT_S` (30 s,
-kafilad/node/host_requests.py); while the session is forming, degraded or failed, or past that
+kafilad/node/serving/host_requests.py); while the session is forming, degraded or failed, or past that
 wait, the 503 says which state (with `Retry-After` while it is still coming up). At most the session's concurrency of requests run at once, a
-bounded number more wait (kafilad/node/admission.py); past the queue the answer is 429 with
+bounded number more wait (kafilad/node/serving/admission.py); past the queue the answer is 429 with
 `Retry-After`. A client that disconnects, streaming or not, queued or running, ends its request
 on the ring within one decode step; one that reads slower than tokens come gets
 `SSE_BUFFER_EVENTS` events of slack (kafilad/control/api_common.py `stream_generation`).

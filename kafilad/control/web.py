@@ -14,7 +14,7 @@ The page polls the status document every `POLL_MS` (1 s) and streams chat replie
 OpenAI-compatible API (`"stream": true`, Server-Sent Events, kafilad/control/openai_api.py).
 
 The status document is a whitelist of the daemon's snapshot (`Node.snapshot`,
-kafilad/node/daemon.py), never the snapshot itself: the session code lets anyone who knows it
+kafilad/daemon.py), never the snapshot itself: the session code lets anyone who knows it
 join (and, with `--open`, be admitted), so it and every key (peer ids, fingerprints) stay off HTTP,
 and so do network addresses (edge `remote`, capability details) and the rendezvous URL. What it
 holds: member names, block ranges [start, end), the head, states, NAT classes, predicted and
@@ -87,7 +87,7 @@ def public_status(snap: dict) -> dict:
     """The web page's view of a daemon snapshot: a whitelist of `snap` (module docstring).
 
     Args:
-        snap: ``Node.snapshot()`` (kafilad/node/daemon.py): the `status --json` document.
+        snap: ``Node.snapshot()`` (kafilad/daemon.py): the `status --json` document.
     Returns:
         {"node": this daemon's name, "members": [...], "edges": [...], "requests", "plan",
         "last_generation", "pending": [names], "load", plus TOP_KEYS that `snap` has}; never the

@@ -4,7 +4,7 @@ A `StageRunner` holds one KV cache list per request id. Its methods are synchron
 runs off the trio thread (DESIGN §6), and a lock serialises MLX work inside one runner. Batched
 caches leave lazily evaluated arrays behind after `drop`/extract, and MLX binds those to the
 thread that built them, so the node calls every runner of a process on one dedicated MLX worker
-thread (kafilad/node/ring.py `run_on_mlx_thread`), not on trio's thread pool.
+thread (kafilad/node/serving/ring.py `run_on_mlx_thread`), not on trio's thread pool.
 
 How the ring replays `mlx_lm.generate.generate_step` exactly (the token-identity rule):
 
@@ -28,7 +28,7 @@ token), a request may decode in a batch: the head sends the ordered request ids 
 and every stage calls `run_batch(ids, h)` (head: `head_embed_and_run_batch(ids, tokens)` and
 `head_sample_batch(ids, h, temperatures)`). Each stage keeps one persistent mlx-lm
 `BatchKVCache` per block *per micro-batch group* (the `group` of the step, proto_spec 05 §3: the
-head may keep several decode micro-batches in flight, kafilad/node/step_policy.py) and reconciles
+head may keep several decode micro-batches in flight, kafilad/proto/step_policy.py) and reconciles
 it with the ids of each step: new ids are merged in from their single caches or taken from
 another group (`merge`/`extend`), absent ids are taken out (`extract`, `filter`) back into single
 caches, and the order is permuted to match. Batched steps run (B, 1, D) matmuls, so
@@ -138,7 +138,7 @@ class StageRunner:
 
     See the module docstring for the call sequence that reproduces mlx-lm's generate_step.
     Methods are synchronous and evaluate their result (they block for the compute); call them
-    all from one thread, off the trio thread (kafilad/node/ring.py `run_on_mlx_thread`).
+    all from one thread, off the trio thread (kafilad/node/serving/ring.py `run_on_mlx_thread`).
     """
 
     def __init__(self, stage: Stage):

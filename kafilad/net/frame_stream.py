@@ -3,7 +3,7 @@
 Thin driver of the sans-IO ``kafilad.proto.frames`` codec. Every place that exchanges frames
 uses it:
 
-    FrameStream(NoiseStream)        a secure link between members (kafilad/node/link.py ``Link``
+    FrameStream(NoiseStream)        a secure link between members (kafilad/node/paths/link.py ``Link``
                                     adds the peer's identity and the LinkClosed errors)
     FrameStream(SocketStream)       the local control socket (kafilad/control/api.py
                                     ``FramedStream``, the same class), no Noise

@@ -115,7 +115,7 @@ def configuration(*, is_client: bool, datagram_bytes: int = START_DATAGRAM_BYTES
         is_client: the edge's sender (client) or receiver (server).
         datagram_bytes: the largest UDP payload this side sends (1200 .. 16,383). qh3's own path
             MTU probing stays off: it would send datagrams above this size, and the edge's
-            search (kafilad/node/paths.py, proto_spec 07 §4a) decides the size.
+            search (kafilad/node/paths/manager.py, proto_spec 07 §4a) decides the size.
     Returns:
         A QuicConfiguration; a server's carries the process's self-signed certificate and sends
         at most CLIENT_ANNOUNCED_UDP_PAYLOAD_BYTES (mostly acknowledgements: the client sends the data).

@@ -3,7 +3,7 @@
 One QUIC connection per direct ring edge. The edge's sender is the QUIC client, its receiver the
 server (fixed roles, never both clients). The connection carries one bidirectional stream (id 0,
 opened by the client) framed as proto_spec 01 §5.1 (u16 big-endian length + message), so it is a
-:class:`kafilad.net.transport.MessageTransport` and the Noise channel of kafilad/node/link.py runs
+:class:`kafilad.net.transport.MessageTransport` and the Noise channel of kafilad/node/paths/link.py runs
 inside it unchanged. TLS certificates are self-signed, generated per process and not checked:
 Noise authenticates the peer (DESIGN §4 "QUIC"). Settings and qh3 specifics: kafilad/net/quic_config.py.
 

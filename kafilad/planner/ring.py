@@ -16,7 +16,7 @@ STUN server; "unknown": classified, but the mapping was not measured, proto_spec
 prediction, so such an edge is never predicted relayed: ``predict_path`` returns "direct" (the
 edge's checks run at formation) and ordering counts it as not relayed. A wrong guess costs one
 check timeout and a fallback at formation, while guessing relay could split a ring needlessly and
-skip a path that works. Status says which classes were unknown and why (kafilad/node/paths.py).
+skip a path that works. Status says which classes were unknown and why (kafilad/node/paths/manager.py).
 
 Edge RTT estimates from the members' rendezvous RTTs rA, rB (ms): a direct edge ≈ |rA − rB|
 (a lower bound), a relayed one = rA + rB. Unknown when either RTT is unknown.

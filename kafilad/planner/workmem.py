@@ -8,7 +8,7 @@ resident bytes, the working bytes below (formula and its measurement in docs/pla
 
 Shapes (`ArchShape`, from config.json): D hidden, Hq/Hkv query/KV heads, hd head dim, F MLP
 width, V vocabulary, a bytes per activation element. Declared context C, concurrency K, prefill
-chunk P_c (the head splits prompts in chunks of 2048 tokens, kafilad/node/scheduler.py).
+chunk P_c (the head splits prompts in chunks of 2048 tokens, kafilad/proto/scheduler.py).
 
 ```
  steps (T, N): T tokens in one step attending to N keys; a prompt of up to C tokens is split as

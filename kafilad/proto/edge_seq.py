@@ -1,6 +1,6 @@
 """A ring edge's numbering, acknowledgements and resends, as two pure machines (proto_spec 07 §7).
 
-The edge's driver (kafilad/node/edgelink.py ``EdgeSender`` / ``EdgeReceiver``) moves frames
+The edge's driver (kafilad/node/paths/edgelink.py ``EdgeSender`` / ``EdgeReceiver``) moves frames
 between paths; these machines decide what each frame's number is, what the sender keeps, what it
 sends again after a switch, what the receiver hands to the ring and when it acknowledges::
 

@@ -1,6 +1,6 @@
 """The daemon's own lifecycle (issue 25 item 3): which kind of session, if any, a kafilad runs.
 
-A pure machine (no I/O, no clock): kafilad/node/daemon.py ``Node`` feeds it what happened and reads
+A pure machine (no I/O, no clock): kafilad/daemon.py ``Node`` feeds it what happened and reads
 ``phase``; the sessions themselves have their own machines (kafilad/proto/session.py). Phases:
 
 - ``idle``: no session (never had one, left it, or gave up bringing it back);
@@ -74,7 +74,7 @@ class Left:
 
 @attrs.frozen
 class GaveUp:
-    """Bringing the remembered session back was refused for good (kafilad/node/comeback.py
+    """Bringing the remembered session back was refused for good (kafilad/node/session/comeback.py
     ``rejoin_gives_up`` / ``rehost_gives_up``): the daemon forgets it."""
 
 

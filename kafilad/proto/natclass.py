@@ -36,7 +36,7 @@ Honest classes (proto_spec §4.6): whenever the mapping could not be measured (n
 a mapping test unanswered, a server that cannot test it, the run cut short) the class is
 "unknown", never a guessed S, and ``NatReport.reason`` says why in a sentence. The session then
 verifies such edges by checks (DESIGN §3 step 5) and retries the classification with backoff
-(kafilad/node/paths.py).
+(kafilad/node/paths/manager.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The HTTP APIs (kafilad/control/openai_api.py, ollama_api.py) turn a request's fields into one
 :class:`Sampling`; the host hands it to the head, in its own process
-(kafilad/node/ring.py `RingMember.generate`) or in the `gen` control frame's optional `sampling`
+(kafilad/node/serving/ring.py `RingMember.generate`) or in the `gen` control frame's optional `sampling`
 map to a remote head (kafilad/proto/control.py `Gen`), where :meth:`Sampling.from_wire` checks it
 on receipt. The head's runner (kafilad/executor/runner.py `StageRunner.head_sample_rows`) applies
 it exactly as mlx-lm's `generate_step` applies `make_logits_processors` and `make_sampler`:

@@ -2,7 +2,7 @@
 
 In the style of h11's ``_state.py``: each machine has an enum of states and a transition table,
 ``TABLE[state][event type] -> the states it may enter``; :meth:`handle` takes one typed event and
-returns the actions the driver (kafilad/node/host.py, member.py) performs: frames to send, links
+returns the actions the driver (kafilad/node/session/host.py, member.py) performs: frames to send, links
 to close, requests to fail, trace records to write. A machine enters a state in one place
 (``_enter``), which records the change for watchers (``changed``). No trio, no sockets, no mlx:
 every transition is tested without processes (tests/proto/test_session_machines.py).
@@ -168,7 +168,7 @@ MAX_REFORMS = 3
 FAILED_DENIAL = ("its session failed and admits no device; the host must run `kafila-ctl leave` and host the model "
                  "again, then share the new session code")
 #: why a request still running when a new plan replaces a serving ring (a member joined or returned)
-#: ends: the host waited for the ring to drain first (kafilad/node/host_requests.py `drain_for`)
+#: ends: the host waited for the ring to drain first (kafilad/node/serving/host_requests.py `drain_for`)
 PLAN_SWITCHED = ("The session switched to a new plan to take in a member that joined or returned, and this request "
                  "was still running when the wait for running requests ran out; send it again.")
 
@@ -373,7 +373,7 @@ class HostMachine(_Machine):
 
     def replaces_serving_ring(self, ev: Planned) -> bool:
         """Whether plan `ev`, once handled, replaces a ring that still serves (its requests then end
-        with PLAN_SWITCHED; the driver lets them finish first, kafilad/node/host_requests.py)."""
+        with PLAN_SWITCHED; the driver lets them finish first, kafilad/node/serving/host_requests.py)."""
         return self._serving_ring_planned() and not self._same_division(ev)
 
     def _on_Planned(self, ev: Planned, row) -> list:

@@ -1,7 +1,7 @@
 """Events, actions and records of the session machines (kafilad/proto/session.py; proto_spec 05).
 
 Events go into :meth:`HostMachine.handle` / :meth:`MemberMachine.handle`; actions come out for the
-drivers (kafilad/node/host.py, member.py) to perform. All frozen attrs classes; pure.
+drivers (kafilad/node/session/host.py, member.py) to perform. All frozen attrs classes; pure.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ class StageLoaded:
 @attrs.frozen
 class LoadFailed:
     """Member: its stage of the current plan did not load. ``code``: cf.FAILED_STAGE_BUILD when the
-    stage could not be built (``reason`` is then kafilad/node/stagehost.py's sentence), else None."""
+    stage could not be built (``reason`` is then kafilad/node/serving/stagehost.py's sentence), else None."""
     reason: str
     code: Optional[str] = None
 

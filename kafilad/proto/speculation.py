@@ -1,6 +1,6 @@
 """Speculative decoding across the ring: drafting, acceptance and the choice of k (issue 24 item 1).
 
-Pure: no MLX, trio or sockets. The head's driver (kafilad/node/drafts.py) asks `lookup_drafts`
+Pure: no MLX, trio or sockets. The head's driver (kafilad/node/serving/drafts.py) asks `lookup_drafts`
 for up to k draft tokens, sends the last sampled token plus the drafts round the ring as one pass
 (proto_spec 05 §3.1), and the head's runner (kafilad/executor/runner.py `head_verify`) accepts
 them by the rules below, with the model's own logits at every position of that pass.

@@ -23,7 +23,7 @@ async def exchange(raw: bytes, node) -> tuple[int, dict, bytes]:
 
     Args:
         raw: the request's bytes, as :func:`http_request` builds them.
-        node: what the handler reads of kafilad/node/daemon.py's ``Node`` (``snapshot()``,
+        node: what the handler reads of kafilad/daemon.py's ``Node`` (``snapshot()``,
             ``session``).
     Returns:
         (status, headers with lower-case names, body bytes).

@@ -20,7 +20,7 @@ from node.healing_host import ready_host
 
 from kafilad.control.api_common import generation_error
 from kafilad.errors import INVALID_LOGIT_BIAS, ContextTooLongError, GenerationError, SessionNotReadyError
-from kafilad.node.host import HostSession
+from kafilad.node.session.host import HostSession
 from kafilad.proto.session import HostState
 from kafilad.control.node_view import SessionOnly
 

@@ -7,7 +7,7 @@ subclass that records, for each call that reads the prompt, how much text it rea
 on the trio thread, and how often the event loop ran a ticker task meanwhile. A prompt past the
 context is refused by the tokenizer's lower bound without being encoded
 (kafilad/executor/tokenizer.py `min_tokens`); one the bound lets through is encoded in a worker
-thread while the loop keeps ticking (kafilad/node/host_requests.py `off_loop`). The tests count
+thread while the loop keeps ticking (kafilad/node/serving/host_requests.py `off_loop`). The tests count
 what ran where, never how long it took: a loaded machine makes everything slower, not different.
 """
 

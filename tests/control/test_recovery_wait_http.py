@@ -1,5 +1,5 @@
 """The HTTP API's generation routes while the session heals (kafilad/control/api_common.py
-`serving_session`; the wait itself: kafilad/node/host_requests.py `wait_serving`).
+`serving_session`; the wait itself: kafilad/node/serving/host_requests.py `wait_serving`).
 
 A completion (OpenAI or Ollama) that arrives while the host recovers from a member loss waits
 for the session to serve again; when it fails or closes meanwhile, or the wait (RECOVERY_WAIT_S)

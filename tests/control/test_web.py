@@ -23,7 +23,7 @@ from control.http_harness import exchange, http_request as request
 WEB_DIR = Path(web.__file__).parent / "web"
 CODE = "kfl-7QX2-M9PA-4TRC-secretpart"
 
-#: the shape of `Node.snapshot()` for a host of three (kafilad/node/daemon.py, host.py)
+#: the shape of `Node.snapshot()` for a host of three (kafilad/daemon.py, host.py)
 HOST_SNAPSHOT = {
     "name": "anvil", "peer_id": "p-anvil", "fingerprint": "ab:cd:ef", "rendezvous": "ws://10.0.0.9:8443",
     "http": "http://127.0.0.1:8400/v1", "session": "s-1234", "role": "host", "session_id": "s-1234",

@@ -1,12 +1,12 @@
 """kafila-ctl's own argument checks: `wait --state` accepts every state the daemon's `wait` does
-(kafilad/node/daemon.py WAIT_STATES, including `reconnecting` and `restoring` of
-kafilad/node/comeback.py), and `--max-tokens` is refused with a sentence outside 1..2^31-1 (a new
+(kafilad/daemon.py WAIT_STATES, including `reconnecting` and `restoring` of
+kafilad/node/session/comeback.py), and `--max-tokens` is refused with a sentence outside 1..2^31-1 (a new
 user's trial: a huge value printed "Frame 'request' holds a value msgpack cannot encode")."""
 
 import pytest
 
 from kafila_ctl.cli import WAIT_STATES as CLI_STATES, build_parser
-from kafilad.node.daemon import WAIT_STATES as DAEMON_STATES
+from kafilad.daemon import WAIT_STATES as DAEMON_STATES
 
 
 def test_the_cli_offers_exactly_the_daemons_wait_states():

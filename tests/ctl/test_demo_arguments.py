@@ -13,7 +13,7 @@ import sys
 import pytest
 
 CTL = [sys.executable, "-m", "kafila_ctl.cli"]
-#: the host's refusal (kafilad/node/admission.py check_session_arguments; its exact words are compared with a daemon's in
+#: the host's refusal (kafilad/node/serving/admission.py check_session_arguments; its exact words are compared with a daemon's in
 #: tests/daemon/test_daemon_cli.py): its start and its end
 MEMBERS = ("kafila-ctl: --members counts every machine, the host included, ",
            "it must be between 1 and 5 for stories260K (got {}).\n")

@@ -18,7 +18,7 @@ from kafila_ctl.render import (STANDBY_SENTENCE, RateMeter, join_outcome, join_p
 
 
 def _snap(state, load=None, **kw):
-    """A member's snapshot as Node.snapshot / MemberSession.snapshot give it (kafilad/node/member.py)."""
+    """A member's snapshot as Node.snapshot / MemberSession.snapshot give it (kafilad/node/session/member.py)."""
     return {"name": "bravo", "peer_id": "abcd1234", "session": "k3v9q2xa", "role": "member", "state": state,
             "error": None, "host": "alpha", "members": [], "blocks": None, "head": False, "load": load or {}, **kw}
 

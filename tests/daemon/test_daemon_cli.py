@@ -322,7 +322,7 @@ def test_rendezvous_urls_the_daemon_takes():
 
 def test_plan_and_demo_refuse_members_and_context_in_the_hosts_own_words(daemon, tmp_path):
     """kafila-ctl's early checks (kafila_ctl/checks.py: `demo` before its daemons, `plan` offline) give
-    the sentence the host gives (kafilad/node/admission.py check_session_arguments), word for word; and `plan` takes a
+    the sentence the host gives (kafilad/node/serving/admission.py check_session_arguments), word for word; and `plan` takes a
     shipped model's bare name as `host` and `demo` do (a new user's trial: "stories260K is not a
     directory")."""
     _, state = daemon

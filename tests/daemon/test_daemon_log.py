@@ -11,7 +11,7 @@ import sys
 import time
 
 from kafilad.main import LOG_FILE_BACKUPS, LOG_FILE_BYTES, _log_to_file
-from kafilad.node.statedir import StateDir
+from kafilad.node.session.statedir import StateDir
 
 DAEMON = [sys.executable, "-m", "kafilad.main"]
 

@@ -6,9 +6,9 @@ import pytest
 import trio
 
 from kafilad.errors import KafilaError
-from kafilad.node.daemon import Node
-from kafilad.node.member import MemberSession
-from kafilad.node.statedir import StateDir
+from kafilad.daemon import Node
+from kafilad.node.session.member import MemberSession
+from kafilad.node.session.statedir import StateDir
 from kafilad.proto.identity import compose_session_code
 from kafilad.proto.noise import generate_keypair
 

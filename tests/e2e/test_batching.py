@@ -1,4 +1,4 @@
-"""Batched decode round a real ring (DESIGN §6 "Batched decode", §9 item 4; kafilad/node/ring.py).
+"""Batched decode round a real ring (DESIGN §6 "Batched decode", §9 item 4; kafilad/node/serving/ring.py).
 
 Real daemons on loopback: concurrent requests decode in lockstep batches and each gets exactly
 the tokens it gets alone (greedy), requests of different lengths join and leave the batch, and a

@@ -13,7 +13,7 @@ import pytest
 
 from kafila_ctl.demo import LoopbackCluster
 from kafila_testing import STORIES_PROMPT, reference_tokens
-from kafilad.node.stagehost import TEST_CAPABILITY_ENV
+from kafilad.node.serving.stagehost import TEST_CAPABILITY_ENV
 from kafilad.planner import DEFAULT_STRATEGY
 
 pytestmark = pytest.mark.slow

@@ -161,7 +161,7 @@ msgpack_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12)
 
-#: argument checks missing in kafilad/node/daemon.py handlers, found by this fuzzing and reported to
+#: argument checks missing in kafilad/daemon.py handlers, found by this fuzzing and reported to
 #: its owner; the control server turns them into error replies (the daemon stays up). Any other
 #: internal error fails the test; remove these once daemon.py checks its arguments.
 

@@ -3,7 +3,7 @@ refused (a new user's trial: the 3.9 MB prompt was tokenized on the host's event
 stream stalled 9.5 s and died, the ring's links were declared silent and the ring broke). Three
 real daemons on loopback serving stories260K; the refusal comes from the tokenizer's lower bound
 (kafilad/executor/tokenizer.py `min_tokens`), any tokenizing from a worker thread
-(kafilad/node/host_requests.py `off_loop`). Where the prompt is read (off the event loop) is
+(kafilad/node/serving/host_requests.py `off_loop`). Where the prompt is read (off the event loop) is
 counted in tests/control/test_huge_prompt.py; this test asserts what the clients and the ring saw
 (the stream whole, the refusal, the session still ready), not how fast.
 """

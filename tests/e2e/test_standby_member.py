@@ -13,7 +13,7 @@ from rich.console import Console
 
 from kafila_ctl.demo import LoopbackCluster
 from kafila_ctl.render import status_renderable
-from kafilad.node.stagehost import TEST_CAPABILITY_ENV
+from kafilad.node.serving.stagehost import TEST_CAPABILITY_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -85,7 +85,7 @@ def test_unsplittable_gemma4_runs_whole_and_is_refused_divided(tmp_path, variant
     info = read_model_info(d)
     reason = unsplittable_reason(info.config)
     assert reason and "gemma4_text" in reason
-    from kafilad.node.admission import check_session_arguments
+    from kafilad.node.serving.admission import check_session_arguments
 
     assert check_session_arguments(info, members=1, context=None, concurrency=1) > 0
     with pytest.raises(KafilaError, match="cannot be divided among machines.*--members 1"):

@@ -1,6 +1,6 @@
 """Stages in the dtype the plan gave them, and rings that mix dtypes (issue 12 item 4).
 
-A member told bfloat16 builds a bf16 stage from the fetched bytes (as kafilad/node/member.py
+A member told bfloat16 builds a bf16 stage from the fetched bytes (as kafilad/node/session/member.py
 does), holding exactly the bytes the planner counted for it (ModelInfo.profiles); a ring whose
 stages hold different dtypes produces tokens, each stage casting what arrives to its own dtype;
 an all-bf16 ring of a bf16 checkpoint is token-identical to single-process mlx-lm, as the all-f32

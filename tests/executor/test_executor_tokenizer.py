@@ -22,7 +22,7 @@ from kafilad.executor.stage import load_stage_from_dir
 from kafilad.executor.synth import EOS_ID, load_tokenizer, synthesize_model
 from kafilad.executor.tokenizer import (COMMIT_TOKENS, CONTEXT_TOKENS, ContinuationDetokenizer,
                                         declared_eos_token_ids)
-from kafilad.node.ring import RingMember
+from kafilad.node.serving.ring import RingMember
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 Run inside a member namespace; two of them (``host`` on one member, ``join`` on the other) meet
 through the real rendezvous in kf-rdv, classify their NATs against its STUN grid, and then make
 ``ROUNDS`` direct attempts on one edge (``try`` = 1, 2, ...; the host is the edge's sender) with
-the real :class:`kafilad.node.paths.PathManager` on the daemon-style UDP socket: each C–S or S–S
+the real :class:`kafilad.node.paths.manager.PathManager` on the daemon-style UDP socket: each C–S or S–S
 attempt is a birthday search on extra sockets, then ICE and a QUIC handshake over the pair
 found. Each attempt prints one JSON line: {"try", "ok", "took_s" (attempt start to QUIC up),
 "birthday" (the search's trace event), "reason", "nat_class"}; the path is released after it.
@@ -25,9 +25,9 @@ from types import SimpleNamespace
 import trio
 
 from kafilad.net.udp_endpoint import UdpEndpoint
-from kafilad.node.link import secure_link
-from kafilad.node.paths import open_session_paths
-from kafilad.node.rdv_client import Signal, open_rendezvous
+from kafilad.node.paths.link import secure_link
+from kafilad.node.paths.manager import open_session_paths
+from kafilad.node.session.rdv_client import Signal, open_rendezvous
 from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
 from kafilad.proto.rendezvous_proof import public_key
 

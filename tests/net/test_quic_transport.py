@@ -13,7 +13,7 @@ from kafilad.net.quic_open import quic_accept, quic_connect
 from kafilad.net.quic_transport import (MAX_DATAGRAM_BYTES, SAME_HOST_DATAGRAM_BYTES, START_DATAGRAM_BYTES,
                                         QuicTransport, path_datagram_bytes)
 from kafilad.net.udp_endpoint import UdpEndpoint
-from kafilad.node.link import secure_link
+from kafilad.node.paths.link import secure_link
 from kafilad.proto.noise import generate_keypair
 
 

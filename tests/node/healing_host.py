@@ -1,8 +1,8 @@
 """A HostSession's request side over a real HostMachine, for tests of what a request meets while
-the session heals (kafilad/node/host_requests.py `wait_serving`, `measured_stage_s` per plan).
+the session heals (kafilad/node/serving/host_requests.py `wait_serving`, `measured_stage_s` per plan).
 
 The test feeds the session's events through the driver's one entry point, ``_handle``
-(kafilad/node/session_driver.py), so ``_handled`` runs after each as in a daemon; the machine's
+(kafilad/node/session/driver.py), so ``_handled`` runs after each as in a daemon; the machine's
 actions (frames to send, plans to make, links to close) are recorded in ``actions`` instead of
 performed, since these tests drive the plan and the members' readiness themselves. The machine is
 walked to ``loading`` by tests/proto/session_helpers.py (host "host", members alpha and beta) and
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kafilad.node.host import HostSession
-from kafilad.node.session_driver import SessionDriver
+from kafilad.node.session.host import HostSession
+from kafilad.node.session.driver import SessionDriver
 from kafilad.proto import session as sm
 
 from proto.session_helpers import B, HOST, LOAD, planned, ready_frame, walk_host

@@ -1,14 +1,14 @@
 """A whole session in one trio run: a real HostSession and real MemberSessions, no processes, no sockets.
 
-Real parts: the drivers (kafilad/node/host.py, host_requests.py, member.py) and their machines,
-the rendezvous server and client (kafilad/rendezvous/server.py, kafilad/node/rdv_client.py)
+Real parts: the drivers (kafilad/node/session/host.py, host_requests.py, member.py) and their machines,
+the rendezvous server and client (kafilad/rendezvous/server.py, kafilad/node/session/rdv_client.py)
 speaking real WebSockets, Noise ctl and ring links, the session's PathManager with the RFC 5780
-classifier, ICE and QUIC (kafilad/node/paths.py, edge.py), the planner, the fetcher, and MLX
+classifier, ICE and QUIC (kafilad/node/paths/manager.py, edge.py), the planner, the fetcher, and MLX
 stages on the process's one MLX worker thread. Simulated (tests/netsim.py): the wire. The
 rendezvous WebSockets run over memory streams (:class:`netsim.WebSocketRendezvous`, reached by
 replacing ``trio_websocket.open_websocket_url``); UDP runs on a :class:`netsim.SimNet` (each node's
 ``udp_endpoint``, taken by ``paths.endpoint_of``). Each node is a :class:`SimNode`: what the drivers
-use of kafilad/node/daemon.py's ``Node``, with a real StateDir.
+use of kafilad/daemon.py's ``Node``, with a real StateDir.
 
 Time is trio's real clock: MLX steps run on a worker thread, and ``MockClock(autojump_threshold=0)``
 would jump the clock whenever every trio task waits for that thread, firing keepalive deadlines
@@ -27,11 +27,13 @@ import trio
 import trio_websocket
 
 from kafilad.errors import collapse_groups
-from kafilad.node import host as host_mod, member as member_mod, stagehost
-from kafilad.node.host import HostSession
-from kafilad.node.liveness import Liveness
-from kafilad.node.member import MemberSession
-from kafilad.node.statedir import StateDir
+from kafilad.node.session import host as host_mod
+from kafilad.node.session import member as member_mod
+from kafilad.node.serving import stagehost
+from kafilad.node.session.host import HostSession
+from kafilad.node.session.liveness import Liveness
+from kafilad.node.session.member import MemberSession
+from kafilad.node.session.statedir import StateDir
 from kafilad.proto.identity import peer_id as peer_id_of
 from netsim import STUN_GRID, SimNet, WebSocketRendezvous
 
@@ -52,7 +54,7 @@ def shrink_liveness(monkeypatch, *, interval_s: float, deadline_s: float) -> Non
 
 
 class SimNode:
-    """What the session drivers use of a daemon (kafilad/node/daemon.py ``Node``).
+    """What the session drivers use of a daemon (kafilad/daemon.py ``Node``).
 
     Attributes:
         state: a real StateDir (key, roster, cache, traces, remembered session).
@@ -125,10 +127,10 @@ class World:
         return self.nodes[name]
 
     def daemon(self, name: str):
-        """A real daemon (kafilad/node/daemon.py ``Node``) called ``name`` on this world's network, its
+        """A real daemon (kafilad/daemon.py ``Node``) called ``name`` on this world's network, its
         sessions in the world's nursery; its ``rendezvous`` is the world's. Its control socket is not
         served (tests call its ``op_*`` handlers and ``snapshot``)."""
-        from kafilad.node.daemon import Node
+        from kafilad.daemon import Node
         ep = self.node(name).udp_endpoint  # the network host and state dir of a SimNode of that name
         d = Node(StateDir(self.root / name), name=name, rendezvous=WebSocketRendezvous.url(name))
         d.udp_endpoint, d.nursery = ep, self.nursery
@@ -241,7 +243,7 @@ class World:
 
 
 async def _run(session, *, task_status=trio.TASK_STATUS_IGNORED, **kw) -> None:
-    """A session task, as kafilad/node/daemon.py runs one (an error is the session's own, not a group)."""
+    """A session task, as kafilad/daemon.py runs one (an error is the session's own, not a group)."""
     with collapse_groups():
         await session.run(task_status=task_status, **kw)
 

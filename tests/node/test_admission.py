@@ -1,4 +1,4 @@
-"""Run-time admission at the host (kafilad/node/admission.py; issue 9 "Admission at run time").
+"""Run-time admission at the host (kafilad/node/serving/admission.py; issue 9 "Admission at run time").
 
 The policy (`AdmissionQueue`) is tested without trio: exact verdicts, FIFO hand-over, Retry-After,
 and a hypothesis property over random arrivals and departures. Its trio driver (`Limiter`) is
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kafilad.errors import GenerationError, HostBusyError
-from kafilad.node.admission import AdmissionQueue, Limiter, Verdict
+from kafilad.node.serving.admission import AdmissionQueue, Limiter, Verdict
 
 
 # ---- the policy ----------------------------------------------------------------------------

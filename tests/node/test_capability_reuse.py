@@ -1,4 +1,4 @@
-"""A capability measured for the same model is reused for CAPABILITY_REUSE_S (kafilad/node/stagehost.py):
+"""A capability measured for the same model is reused for CAPABILITY_REUSE_S (kafilad/node/serving/stagehost.py):
 a member daemon restarted into its session rejoins without the 1-3 s timing probe (chaos runs:
 the probe was most of a killed member's recovery after its restart)."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kafilad.node import stagehost
+from kafilad.node.serving import stagehost
 from kafilad.proto import control as cf
 
 

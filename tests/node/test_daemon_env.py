@@ -1,4 +1,4 @@
-"""The daemon's environment switches (kafilad/node/ring_parts.py): parsed once, bad values refused at start."""
+"""The daemon's environment switches (kafilad/node/serving/ring_parts.py): parsed once, bad values refused at start."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kafilad.node.ring_parts import (DAEMON_SWITCH_INTERVAL_S, SWITCH_INTERVAL_ENV, daemon_switch_interval_s,
+from kafilad.node.serving.ring_parts import (DAEMON_SWITCH_INTERVAL_S, SWITCH_INTERVAL_ENV, daemon_switch_interval_s,
                                      pinned_micro_batches)
 
 

@@ -13,11 +13,11 @@ import trio
 from trio.testing import MockClock, trio_test
 
 from kafilad.errors import HandshakeRefused, RingEdgeError, SessionError
-from kafilad.node import stagehost
-from kafilad.node.edge import RingEdge, form_ring
-from kafilad.node.link import LinkClosed
-from kafilad.node.paths import PathKind
-from kafilad.node.ring import RingMember
+from kafilad.node.serving import stagehost
+from kafilad.node.paths.edge import RingEdge, form_ring
+from kafilad.node.paths.link import LinkClosed
+from kafilad.node.paths.manager import PathKind
+from kafilad.node.serving.ring import RingMember
 from kafilad.proto.rendezvous_proof import public_key
 from netsim import STUN_GRID, SimNet
 from pathworld import edge_pair as _edge_pair, form_edges as _form, world as _world
@@ -323,7 +323,7 @@ async def test_closing_an_edge_ends_a_send_parked_on_its_full_window(clock, monk
     """Issue 25 item 6: `RingEdge.aclose` marked its sender closed without waking it, so a send waiting
     for acknowledgements (a full window) or for a repair slept on after the ring re-formed."""
     from kafilad.errors import LinkEnded
-    from kafilad.node import edgelink
+    from kafilad.node.paths import edgelink
     monkeypatch.setattr(edgelink, "KEEP_FRAMES", 2)
     async with trio.open_nursery() as nursery:
         net, hub, p, roster = await _world(nursery, {"a": "O", "b": "O"})

@@ -13,9 +13,9 @@ import trio
 from trio.testing import MockClock, trio_test
 
 from kafilad.errors import LinkBroken, SessionError
-from kafilad.node import edge as edge_mod
-from kafilad.node.paths import PathKind
-from kafilad.node.ring import RingMember
+from kafilad.node.paths import edge as edge_mod
+from kafilad.node.paths.manager import PathKind
+from kafilad.node.serving.ring import RingMember
 from netsim import STUN_GRID
 from pathworld import edge_pair as _edge_pair, form_edges as _form, world as _world
 

@@ -11,8 +11,8 @@ import pytest
 import trio
 from trio.testing import MockClock, trio_test
 
-from kafilad.node.paths import PathKind
-from kafilad.node.ring import RingMember
+from kafilad.node.paths.manager import PathKind
+from kafilad.node.serving.ring import RingMember
 from kafilad.proto import pmtu
 from netsim import STUN_GRID
 from pathworld import edge_pair, form_edges, world

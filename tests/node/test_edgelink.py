@@ -1,4 +1,4 @@
-"""EdgeSender / EdgeReceiver (kafilad/node/edgelink.py; proto_spec 07 §7, §7a) over in-memory Links.
+"""EdgeSender / EdgeReceiver (kafilad/node/paths/edgelink.py; proto_spec 07 §7, §7a) over in-memory Links.
 
 No network: each path is a Link over a trio memory stream pair, so the frame codec runs; the
 tests move the edge between paths by hand, as RingEdge does, and check that the ring sees
@@ -13,9 +13,9 @@ import trio
 from trio.testing import MockClock, memory_stream_pair, trio_test
 
 from kafilad.errors import LinkBroken, LinkEnded
-from kafilad.node import edgelink
-from kafilad.node.edgelink import EdgeReceiver, EdgeSender
-from kafilad.node.link import Link
+from kafilad.node.paths import edgelink
+from kafilad.node.paths.edgelink import EdgeReceiver, EdgeSender
+from kafilad.node.paths.link import Link
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ import trio
 from trio.testing import trio_test
 
 from kafilad.errors import SessionError, collapse_groups
-from kafilad.node import fetcher as fetcher_mod
-from kafilad.node.fetcher import FETCH_WINDOW, Fetcher
+from kafilad.node.shards import fetcher as fetcher_mod
+from kafilad.node.shards.fetcher import FETCH_WINDOW, Fetcher
 from kafilad.proto import control as cf
 from kafilad.proto.session import HostState, MemberState
 from node.session_harness import generate, session_world

@@ -13,8 +13,8 @@ import trio
 from kafilad.errors import RemoteProtocolError
 from kafilad.executor.synth import synthesize_model
 from kafilad.modelinfo import read_model_info
-from kafilad.node.fetcher import FROM_CACHE, FROM_HF_CACHE, FROM_HOST, Fetcher
-from kafilad.node.modelfiles import FILE_SHA256_CACHE, FileHashes, ModelFiles
+from kafilad.node.shards.fetcher import FROM_CACHE, FROM_HF_CACHE, FROM_HOST, Fetcher
+from kafilad.node.shards.modelfiles import FILE_SHA256_CACHE, FileHashes, ModelFiles
 from kafilad.proto import control as cf
 
 WEIGHTS = "model.safetensors"

@@ -1,7 +1,7 @@
 """Issue 12: each member's measured batch row cost rho reaches the host's Devices and its plan.
 
 A member reports rho in its capability frame (kafilad/executor/probe.py, proto_spec 05 §2.6); the
-host builds each Device with it (kafilad/node/host.py) and the plan's predictions for K users
+host builds each Device with it (kafilad/node/session/host.py) and the plan's predictions for K users
 follow it (kafilad/planner/throughput.py). ``KAFILA_TEST_CAPABILITY`` overrides it like any other
 capability field.
 """
@@ -14,7 +14,7 @@ import pytest
 from trio.testing import trio_test
 
 from kafilad.executor.synth import synth_config
-from kafilad.node import stagehost
+from kafilad.node.serving import stagehost
 from kafilad.planner.throughput import predict
 from kafilad.proto import control as cf
 import node.session_harness as harness

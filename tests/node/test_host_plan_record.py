@@ -51,7 +51,7 @@ async def test_the_planner_runs_on_a_worker_thread_not_the_event_loop(tmp_path, 
     loop for 36 s (no ping, no request, no status meanwhile). The real planner runs; the test notes
     the thread each call ran on."""
     import threading
-    from kafilad.node import host as host_module
+    from kafilad.node.session import host as host_module
     threads = []
     real = host_module.make_plan
 

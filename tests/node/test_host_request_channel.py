@@ -1,10 +1,10 @@
-"""A request through a remote head, and the typed frames on its channel (kafilad/node/host_requests.py).
+"""A request through a remote head, and the typed frames on its channel (kafilad/node/serving/host_requests.py).
 
 ``HostRequests._generate_remote`` reads one channel per request: the head's ``GenEvent`` /
 ``GenDone`` / ``GenError`` (forwarded by the host's member loop), ``Cancel`` from ``generate`` when
 the client goes away, and ``RequestFailed`` from ``HostSession._fail_requests`` when the session
 fails the request (a member lost, the ring broken). The head here is the test, at the far end of a
-real :class:`~kafilad.node.link.Link` over trio's memory streams; it reads the frames the host
+real :class:`~kafilad.node.paths.link.Link` over trio's memory streams; it reads the frames the host
 sends (proto_spec 05 §2 `gen`, §2.4 `cancel`).
 """
 
@@ -16,9 +16,9 @@ import trio.testing
 from trio.testing import trio_test
 
 from kafilad.errors import GenerationError
-from kafilad.node.host import HostSession
-from kafilad.node.host_requests import HostRequests, RequestFailed
-from kafilad.node.link import Link
+from kafilad.node.session.host import HostSession
+from kafilad.node.serving.host_requests import HostRequests, RequestFailed
+from kafilad.node.paths.link import Link
 from kafilad.proto import control as cf
 from kafilad.proto.session_events import MemberEntry
 

@@ -1,7 +1,7 @@
 """A code with another key's fingerprint is refused in one plain sentence (a new user's report,
 2026-12-01: "refusing to join" came twice in it) that does not show the host's key; since issue 22
 the rendezvous itself finds no session for it (it holds sessions under their whole code), and the
-member's own check of the host key in the Noise handshake stays behind it (kafilad/node/member.py) (a later report: a user could "fix" a man-in-the-middle by copying it into the code). A real HostSession and
+member's own check of the host key in the Noise handshake stays behind it (kafilad/node/session/member.py) (a later report: a user could "fix" a man-in-the-middle by copying it into the code). A real HostSession and
 MemberSession over the in-process world (tests/node/session_harness.py)."""
 
 from __future__ import annotations

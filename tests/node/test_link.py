@@ -1,4 +1,4 @@
-"""Secure links (kafilad/node/link.py): LinkEnded vs LinkBroken, HandshakeTimeout vs HandshakeRefused.
+"""Secure links (kafilad/node/paths/link.py): LinkEnded vs LinkBroken, HandshakeTimeout vs HandshakeRefused.
 
 In-memory transports only; the handshake timeout runs under trio's MockClock.
 """
@@ -25,8 +25,8 @@ from kafilad.errors import (
 )
 from kafilad.net.frame_stream import FrameStream
 from kafilad.net.transport import StreamMessageTransport, memory_message_transport_pair
-from kafilad.node import link as link_mod
-from kafilad.node.link import Link, secure_link
+from kafilad.node.paths import link as link_mod
+from kafilad.node.paths.link import Link, secure_link
 from kafilad.proto import identity
 from kafilad.proto.frames import encode_frame
 from kafilad.proto.noise import generate_keypair

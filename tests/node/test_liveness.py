@@ -1,12 +1,12 @@
-"""Keepalives with a deadline on a ctl link (kafilad/node/liveness.py), under a mock clock."""
+"""Keepalives with a deadline on a ctl link (kafilad/node/session/liveness.py), under a mock clock."""
 
 import pytest
 import trio
 import trio.testing
 
 from kafilad.errors import LinkBroken
-from kafilad.node.link import Link
-from kafilad.node.liveness import Liveness
+from kafilad.node.paths.link import Link
+from kafilad.node.session.liveness import Liveness
 from kafilad.proto import control as cf
 
 

@@ -9,7 +9,7 @@ import pytest
 from kafilad.modelinfo import read_model_info
 from kafilad.errors import RemoteProtocolError
 from kafilad.proto.control import decode_control
-from kafilad.node.modelfiles import FETCH_MAX_BYTES, ModelFiles
+from kafilad.node.shards.modelfiles import FETCH_MAX_BYTES, ModelFiles
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from kafilad.executor import archs
-from kafilad.node.host import HostSession
+from kafilad.node.session.host import HostSession
 from kafilad.planner.precision import stage_dtype
 
 

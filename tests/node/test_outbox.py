@@ -1,4 +1,4 @@
-"""The host's per-member outbox (kafilad/node/outbox.py) over real Links on in-memory streams.
+"""The host's per-member outbox (kafilad/node/serving/outbox.py) over real Links on in-memory streams.
 
 A lockstep stream pair has no buffer: a send completes only while the other end reads, so a peer
 that does not read is a member that stopped reading its ctl link.
@@ -11,8 +11,8 @@ import trio
 from trio.testing import MockClock, lockstep_stream_pair, memory_stream_pair, trio_test
 
 from kafilad.errors import LinkBroken, LinkEnded
-from kafilad.node.link import Link
-from kafilad.node.outbox import Outbox
+from kafilad.node.paths.link import Link
+from kafilad.node.serving.outbox import Outbox
 
 
 def _links(pair=memory_stream_pair):

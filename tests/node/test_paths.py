@@ -1,4 +1,4 @@
-"""PathManager (kafilad.node.paths): offers over a real rendezvous, checks and QUIC on loopback sockets."""
+"""PathManager (kafilad.node.paths.manager): offers over a real rendezvous, checks and QUIC on loopback sockets."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import trio
 from trio.testing import trio_test
 
 from kafilad.net.udp_endpoint import UdpEndpoint
-from kafilad.node.paths import OfferInbox, PathManager
+from kafilad.node.paths.manager import OfferInbox, PathManager
 from kafilad.proto.ring_frames import IceOffer
-from kafilad.node.rdv_client import Signal, open_rendezvous
+from kafilad.node.session.rdv_client import Signal, open_rendezvous
 from kafilad.proto.identity import fingerprint, peer_id as peer_id_of  # [rdv-proof]
 from kafilad.proto.rendezvous_proof import public_key  # [rdv-proof]
 from kafilad.rendezvous.server import serve_rendezvous
@@ -79,7 +79,7 @@ async def test_an_edge_goes_direct_over_quic_and_is_recorded():
 
 @trio_test
 async def test_disabled_direct_paths_and_a_silent_peer_fall_back_to_relay(monkeypatch):
-    import kafilad.node.paths as paths_mod
+    import kafilad.node.paths.manager as paths_mod
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             url, _ = await _session(nursery, stun=False)

@@ -1,5 +1,5 @@
 """The birthday driver's extra sockets on loopback: bounded, all but one closed after a search,
-all closed when it fails (kafilad/node/birthday.py; proto_spec 07 §7b). The search itself runs
+all closed when it fails (kafilad/node/paths/birthday.py; proto_spec 07 §7b). The search itself runs
 end to end in tests/natlab/test_birthday_lab.py; the pure machine in tests/proto/test_birthday.py."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import trio.testing
 from trio.testing import trio_test
 
 from kafilad.net.udp_endpoint import UdpEndpoint
-from kafilad.node import birthday
-from kafilad.node.paths import open_session_paths
+from kafilad.node.paths import birthday
+from kafilad.node.paths.manager import open_session_paths
 from kafilad.proto import birthday as bd
 from kafilad.proto import ice
 

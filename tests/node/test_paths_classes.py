@@ -14,8 +14,8 @@ import trio
 from trio.testing import MockClock, trio_test
 
 from kafilad.net import udp_endpoint
-from kafilad.node.edge import RingEdge
-from kafilad.node.paths import CLASSIFY_RETRY_S, PathKind, open_session_paths
+from kafilad.node.paths.edge import RingEdge
+from kafilad.node.paths.manager import CLASSIFY_RETRY_S, PathKind, open_session_paths
 from kafilad.proto import ice
 from kafilad.proto.identity import peer_id as peer_id_of
 from kafilad.proto.rendezvous_proof import public_key

@@ -16,11 +16,11 @@ import trio
 from trio.testing import trio_test
 
 from kafilad.net.udp_endpoint import UdpEndpoint
-from kafilad.node import stagehost
-from kafilad.node.edge import RingEdge
-from kafilad.node.paths import bind_address, dropped_check_attempts, open_session_paths, reprobe_initial_s
-from kafilad.node.rdv_client import Signal, open_rendezvous
-from kafilad.node.ring import RingMember
+from kafilad.node.serving import stagehost
+from kafilad.node.paths.edge import RingEdge
+from kafilad.node.paths.manager import bind_address, dropped_check_attempts, open_session_paths, reprobe_initial_s
+from kafilad.node.session.rdv_client import Signal, open_rendezvous
+from kafilad.node.serving.ring import RingMember
 from kafilad.proto.identity import fingerprint, peer_id as peer_id_of  # [rdv-proof]
 from kafilad.proto.rendezvous_proof import public_key  # [rdv-proof]
 from kafilad.rendezvous.server import serve_rendezvous

@@ -4,11 +4,11 @@ A new user's trial (2026-12-02): a device that ran `kafila-ctl leave` while it w
 was told "The host ended the session before admitting this device." (it had left), and for the
 whole admit timeout (120 s) every new `join` of it was refused: "this device is already in the
 session". The host kept the waiting device's link without watching it. Now it watches the link
-while the device waits (kafilad/node/host.py `_admitted_member`): a `leaving` frame or the link's
+while the device waits (kafilad/node/session/host.py `_admitted_member`): a `leaving` frame or the link's
 end drops the pending entry and the link at once, and the device can join again.
 
 Each test asserts what freed the place (the leave or the denial; the admit timeout is an hour away),
-not how fast it went. A real HostSession (not --open) and a real member daemon (kafilad/node/daemon.py ``Node``) over the
+not how fast it went. A real HostSession (not --open) and a real member daemon (kafilad/daemon.py ``Node``) over the
 in-process world (tests/node/session_harness.py).
 """
 
@@ -19,7 +19,7 @@ import trio
 from trio.testing import trio_test
 
 from kafilad.errors import DENIED, JoinRefused, KafilaError
-from kafilad.node.daemon import _ignore
+from kafilad.daemon import _ignore
 from kafilad.proto.lifecycle import Phase
 from node.session_harness import session_world
 

@@ -1,4 +1,4 @@
-"""The prompt cache across requests (issue 23 item 3; kafilad/executor/prefix.py, kafilad/node/ring.py):
+"""The prompt cache across requests (issue 23 item 3; kafilad/executor/prefix.py, kafilad/node/serving/ring.py):
 real stages on a ring of RingMembers in one trio process (in-memory links, the real frame codec).
 
 A conversation's next turn starts from the previous turn's kept caches and prefills only its new

@@ -1,4 +1,4 @@
-"""What a request meets while the session heals (kafilad/node/host_requests.py `wait_serving`).
+"""What a request meets while the session heals (kafilad/node/serving/host_requests.py `wait_serving`).
 
 A new user's report (2026-12-01): a request that arrived during a 0.2 s recovery (a member lost,
 the host replanning and re-forming the ring) failed at once with 503 + Retry-After. It now waits
@@ -16,8 +16,8 @@ import trio
 import trio.testing
 
 from kafilad.errors import GenerationCancelled, SessionNotReadyError
-from kafilad.node import host_requests
-from kafilad.node.host_requests import RECOVERY_WAIT_S
+from kafilad.node.serving import host_requests
+from kafilad.node.serving.host_requests import RECOVERY_WAIT_S
 from kafilad.proto import session as sm
 
 from node.healing_host import HealingHost, lose_beta, ready_host

@@ -1,5 +1,5 @@
 """A restarted host daemon hosts its remembered session again with the settings it was hosted with
-(kafilad/node/daemon.py ``_rehost``, issue 8 §4): `host --queue 1` was lost on a restart (issue 25
+(kafilad/daemon.py ``_rehost``, issue 8 §4): `host --queue 1` was lost on a restart (issue 25
 item 6: session.json had no queue), so the session admitted 4 x concurrency waiting requests."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import pytest
 from trio.testing import trio_test
 
-from kafilad.node.daemon import _ignore
+from kafilad.daemon import _ignore
 from node.session_harness import session_world
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

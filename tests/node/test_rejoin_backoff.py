@@ -1,5 +1,5 @@
-"""The member daemon's rejoin backoff (kafilad/node/daemon.py `rejoin_delay_s`, issue 8 §2) and the
-rendezvous reconnect's (kafilad/node/session_driver.py `reconnect_delay_s`, issue 8 §3).
+"""The member daemon's rejoin backoff (kafilad/daemon.py `rejoin_delay_s`, issue 8 §2) and the
+rendezvous reconnect's (kafilad/node/session/driver.py `reconnect_delay_s`, issue 8 §3).
 
 After a rendezvous restart the members' rejoins reach it before their host re-registered (the
 host's own reconnect waits from 1 s): the rendezvous answers "unknown_session". Doubling the wait
@@ -16,9 +16,9 @@ import trio
 from trio.testing import trio_test
 
 from kafilad.errors import RendezvousRefused, SessionError
-from kafilad.node.comeback import rejoin_first_wait_s
-from kafilad.node.daemon import REJOIN_FIRST_S, REJOIN_MAX_S, REJOIN_UNKNOWN_SESSION_TRIES, rejoin_delay_s
-from kafilad.node.session_driver import RECONNECT_MAX_S, reconnect_delay_s
+from kafilad.node.session.comeback import rejoin_first_wait_s
+from kafilad.daemon import REJOIN_FIRST_S, REJOIN_MAX_S, REJOIN_UNKNOWN_SESSION_TRIES, rejoin_delay_s
+from kafilad.node.session.driver import RECONNECT_MAX_S, reconnect_delay_s
 from kafilad.proto.identity import compose_session_code
 from node.session_harness import session_world
 
@@ -72,7 +72,7 @@ def test_the_next_try_after_the_rendezvous_returns_comes_within_6_s_however_long
     member_after, host_after = [], []
     for _ in range(200):
         delay_s, tries, waits = REJOIN_FIRST_S, 0, []
-        while sum(waits) < outage_s:  # as kafilad/node/daemon.py `_rejoin` jitters each wait
+        while sum(waits) < outage_s:  # as kafilad/daemon.py `_rejoin` jitters each wait
             wait_s, delay_s, tries = rejoin_delay_s(SessionError("Cannot reach the rendezvous"), delay_s, tries)
             waits.append(wait_s * rng.uniform(0.8, 1.2))
         member_after.append(_next_try_after(waits, outage_s))

@@ -1,4 +1,4 @@
-"""The progress a member shows while it loads (kafilad/node/member.py ``load``, rendered by
+"""The progress a member shows while it loads (kafilad/node/session/member.py ``load``, rendered by
 kafila_ctl/render.py for `kafila-ctl join` and `status`) says where the weights come from.
 
 A new user's member rejoined with every tensor already in its cache and read "fetching 100%" and

@@ -2,7 +2,7 @@
 docs/healing.md): a new user's trial killed the rendezvous and saw the member's `kafila-ctl status`
 say `failed` for the whole outage, while its daemon was in fact retrying to rejoin.
 
-A real HostSession and a real member daemon (kafilad/node/daemon.py ``Node``: its rejoin loop and
+A real HostSession and a real member daemon (kafilad/daemon.py ``Node``: its rejoin loop and
 snapshot) over the in-process rendezvous (tests/node/session_harness.py), whose "process" is killed
 and started again on the same address. Every ring edge is relayed (``KAFILA_DIRECT=0``), so the
 member's stage cannot serve on without the rendezvous: its session ends and the daemon rejoins.
@@ -15,7 +15,7 @@ import trio
 from trio.testing import trio_test
 
 from kafilad.errors import KafilaError
-from kafilad.node.daemon import _ignore
+from kafilad.daemon import _ignore
 from kafilad.proto.lifecycle import Phase
 from node.session_harness import session_world
 
@@ -83,7 +83,7 @@ async def test_a_restarted_host_says_it_is_restoring_its_session_until_it_is_reg
         h._session_scope.cancel()  # its process stops (the rendezvous is down: it comes back to none)
         await w.wait(lambda: h.session.state in ("failed", "closed"), 10, "the old session ended")
 
-        again = w.daemon("h")  # the restarted daemon, same state dir: kafilad/node/daemon.py Node.run
+        again = w.daemon("h")  # the restarted daemon, same state dir: kafilad/daemon.py Node.run
         w.nursery.start_soon(again._rehost, again.state.remembered_session())
         await w.wait(lambda: (again.snapshot().get("restoring") or {}).get("attempt", 0) >= 2, 10,
                      "a second registration attempt")
@@ -94,7 +94,7 @@ async def test_a_restarted_host_says_it_is_restoring_its_session_until_it_is_reg
         assert about["reason"].startswith("Cannot reach the rendezvous at ") and 0 <= about["next_in_s"] <= 6, about
         assert snap["rendezvous"].startswith(f"re-registering the session (attempt {about['attempt']}, next in "), snap
         said = f"This daemon is restoring its session {code} after a restart: it is re-registering it at the rendezvous"
-        from kafilad.node import host_requests
+        from kafilad.node.serving import host_requests
         monkeypatch.setattr(host_requests, "RECOVERY_WAIT_S", 0.5)  # a request waits that long for it, then hears why
         with pytest.raises(KafilaError) as refused:
             await again.op_generate({"prompt": "Once upon a time", "max_tokens": 4}, _ignore)
@@ -105,7 +105,7 @@ async def test_a_restarted_host_says_it_is_restoring_its_session_until_it_is_reg
         assert ("retry-after", str(RETRY_FORMING_S)) in http.value.headers
         with pytest.raises(KafilaError, match=r"\(state: restoring\)"):
             await again.op_wait({"states": ["ready"], "timeout_s": 0.2}, _ignore)
-        from kafilad.node.comeback import session_back
+        from kafilad.node.session.comeback import session_back
         monkeypatch.setattr(host_requests, "RECOVERY_WAIT_S", 3600)  # far beyond the hang guard below
         # A waiting request's client goes away: its wait ends then, not at RECOVERY_WAIT_S nor at the
         # daemon's next change of state (a registration attempt every few seconds here). A try in
@@ -154,7 +154,7 @@ async def test_a_restarted_host_says_restoring_from_its_first_status_on(tmp_path
 
         again = w.daemon("h")  # the restarted daemon, same state dir
         again.http = None
-        from kafilad.node import daemon as daemon_mod
+        from kafilad import daemon as daemon_mod
         serve_control, seen = daemon_mod.serve_control, []
 
         async def serve_control_seen(*a, **kw):  # the first request could come at once

@@ -1,4 +1,4 @@
-"""RingMember's batched decode (DESIGN §6 "Batched decode"; kafilad/node/ring.py; proto_spec 05 §3).
+"""RingMember's batched decode (DESIGN §6 "Batched decode"; kafilad/node/serving/ring.py; proto_spec 05 §3).
 
 Real stages (MLX) on a ring of RingMembers in one trio process; the ring edges are Links over
 trio's in-memory streams, so the real frame codec runs on every hop. Concurrent requests decode
@@ -20,8 +20,8 @@ from kafilad.errors import GenerationError
 from kafilad.executor import runner as runner_mod
 from kafilad.executor.stage import load_stage_from_dir
 from kafilad.executor.synth import load_tokenizer, synthesize_model
-from kafilad.node.link import Link
-from kafilad.node.ring import STREAM_EVENTS, RingMember, batching_enabled
+from kafilad.node.paths.link import Link
+from kafilad.node.serving.ring import STREAM_EVENTS, RingMember, batching_enabled
 
 
 @pytest.fixture(scope="module")

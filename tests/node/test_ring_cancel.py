@@ -1,4 +1,4 @@
-"""Cancelling a request on the ring (kafilad/node/ring.py `RingMember.cancel`; issue 9 "Cancellation").
+"""Cancelling a request on the ring (kafilad/node/serving/ring.py `RingMember.cancel`; issue 9 "Cancellation").
 
 Real stages (MLX) on a ring of RingMembers in one trio process, wired by Links over in-memory
 streams (the harness of test_ring_batch.py). A request cancelled mid-decode ends within 2 decode

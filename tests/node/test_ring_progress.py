@@ -1,4 +1,4 @@
-"""The head's progress deadline on a real ring (issue 11; kafilad/node/ring.py, scheduler.py `overdue`).
+"""The head's progress deadline on a real ring (issue 11; kafilad/node/serving/ring.py, scheduler.py `overdue`).
 
 Three RingMembers with real stages in one trio process; the edge m1 → m2 is a stream that, once
 frozen, takes every byte and delivers none (a path that went silent without closing: no error,
@@ -15,8 +15,8 @@ import pytest
 import trio
 from trio.testing import memory_stream_pair, trio_test
 
-from kafilad.node import scheduler as scheduler_mod
-from kafilad.node.link import Link
+from kafilad.proto import scheduler as scheduler_mod
+from kafilad.node.paths.link import Link
 from tests.node.test_ring_batch import make_members, synth_model  # noqa: F401 - fixture
 
 #: seconds after which a generation that never ends is a hung test (the deadline's floor is 1.5 s)

@@ -1,4 +1,4 @@
-"""Sampling parameters on the ring (kafilad/node/ring.py `generate(sampling=)`; kafilad/proto/sampling.py).
+"""Sampling parameters on the ring (kafilad/node/serving/ring.py `generate(sampling=)`; kafilad/proto/sampling.py).
 
 Real stages of the packaged stories260K on a 3-member ring of RingMembers over in-memory links.
 Requests with different parameters decode in one lockstep batch, each row with its own: the

@@ -1,4 +1,4 @@
-"""Speculative decoding on a ring of RingMembers (issue 24 item 1; kafilad/node/drafts.py, ring.py;
+"""Speculative decoding on a ring of RingMembers (issue 24 item 1; kafilad/node/serving/drafts.py, ring.py;
 proto_spec 05 §3.1).
 
 Real stages on three members in one trio process, the real frame codec on every hop. A lone
@@ -16,8 +16,8 @@ import trio
 from trio.testing import trio_test
 
 from kafila_testing import STORIES_PROMPT
-from kafilad.node.drafts import SPECULATE_ENV, speculation_setting
-from kafilad.node.ring_parts import StageCalls
+from kafilad.node.serving.drafts import SPECULATE_ENV, speculation_setting
+from kafilad.node.serving.ring_parts import StageCalls
 from tests.node.test_ring_batch import _ignore, generate_all, ring_of
 
 BOUNDS = [(0, 2), (2, 4), (4, 5)]
@@ -123,7 +123,7 @@ async def test_a_member_trims_rows_before_a_batched_act_and_forwards_the_field(s
     from kafilad.executor import runner as runner_mod
     from tests.node.test_ring_batch import make_members
     head, member = make_members(stories260k, [(0, 2), (2, 5)], batching=True)
-    from kafilad.node.ring import run_on_mlx_thread
+    from kafilad.node.serving.ring import run_on_mlx_thread
 
     def setup():  # on the MLX thread, where the member's calls run
         for rid, n in (("a", 9), ("b", 6)):

@@ -1,4 +1,4 @@
-"""`kafila-ctl schedule` refusals (kafilad/node/daemon.py `op_schedule`), on a real daemon hosting a
+"""`kafila-ctl schedule` refusals (kafilad/daemon.py `op_schedule`), on a real daemon hosting a
 session alone in the in-process world (tests/node/session_harness.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from trio.testing import trio_test
 
 from kafilad.errors import KafilaError
-from kafilad.node.daemon import _ignore
+from kafilad.daemon import _ignore
 from node.session_harness import session_world
 
 

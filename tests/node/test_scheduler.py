@@ -1,4 +1,4 @@
-"""The head's scheduler without MLX or sockets (kafilad/node/scheduler.py; DESIGN §6; proto_spec 05 §3).
+"""The head's scheduler without MLX or sockets (kafilad/proto/scheduler.py; DESIGN §6; proto_spec 05 §3).
 
 `Ring` stands where the driver (RingMember) and the other members stand: it executes the
 scheduler's actions, keeps the acts and `end` frames it sent in ring order (a FIFO, as the ring
@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kafilad.errors import LocalProtocolError, RemoteProtocolError
-from kafilad.node.step_policy import StepPolicy
-from kafilad.node.scheduler import (PREFILL_STEP_TOKENS, EmitToken, EndRequest, EndReturned, FinishRequest,
+from kafilad.proto.step_policy import StepPolicy
+from kafilad.proto.scheduler import (PREFILL_STEP_TOKENS, EmitToken, EndRequest, EndReturned, FinishRequest,
                                     HeadScheduler, PassFailed, PassReturned, Phase, RequestArrived,
                                     RequestCancelled, RingBroken, SampleTokens, SendDecodeStep, SendPrefillChunk,
                                     StageStats, TokensSampled, prefill_chunks)
@@ -480,7 +480,7 @@ def check_invariants(ring: Ring) -> None:
 
 # ---- progress deadline ------------------------------------------------------------------------
 def test_a_step_that_does_not_return_within_its_deadline_fails_its_rows_and_the_others_go_on():
-    from kafilad.node.scheduler import PROGRESS_FACTOR, PROGRESS_FLOOR_S, PassTimedOut
+    from kafilad.proto.scheduler import PROGRESS_FACTOR, PROGRESS_FLOOR_S, PassTimedOut
 
     ring = Ring(HeadScheduler(batching=True, policy=StepPolicy(stages=3, pinned=2)))
     for r in "abc":
@@ -507,7 +507,7 @@ def test_a_step_that_does_not_return_within_its_deadline_fails_its_rows_and_the_
 
 
 def test_a_prefill_chunk_is_bounded_by_its_tokens_before_and_after_measurement():
-    from kafilad.node.scheduler import PROGRESS_COLD_S_PER_TOKEN, PROGRESS_FLOOR_S
+    from kafilad.proto.scheduler import PROGRESS_COLD_S_PER_TOKEN, PROGRESS_FLOOR_S
 
     s = HeadScheduler(batching=True, prefill_step_tokens=1000)
     s.handle(arrive("p", list(range(1, 2502)), now_s=0.0))  # chunks of 1000, 1000, 500, then 1

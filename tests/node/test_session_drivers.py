@@ -1,6 +1,6 @@
 """Issue 7 "Session tests at the right level": the session drivers, whole, in one trio run.
 
-A real HostSession and real MemberSessions (kafilad/node/host.py, host_requests.py, member.py)
+A real HostSession and real MemberSessions (kafilad/node/session/host.py, host_requests.py, member.py)
 with the real rendezvous over in-memory WebSockets and ring edges over the in-memory NAT
 network (tests/node/session_harness.py); a synthesised 3-block model on MLX. Each test forms a
 session and drives one story: formation and generation (head on the host, and on a member),
@@ -329,7 +329,7 @@ async def test_a_request_in_flight_when_a_member_returns_completes_and_frees_its
 @trio_test
 async def test_a_request_still_running_when_the_wait_runs_out_runs_again_on_the_new_plan_and_goes_on(
         tmp_path, model_dir, reference, monkeypatch):
-    from kafilad.node import host_requests
+    from kafilad.node.serving import host_requests
     from kafilad.proto import session as sm
     monkeypatch.setattr(host_requests, "DRAIN_WAIT_S", 0.3)
     async with session_world(tmp_path, model_dir, monkeypatch) as w:

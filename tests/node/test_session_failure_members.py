@@ -6,7 +6,7 @@ the link before admitting this device"), and the host's log blamed them for goin
 is told the session failed and why (`session_failed`, proto_spec 05 §2), forgets it (it is in no
 session any more: no rejoin), and says so in its status; the host closes their links itself.
 
-A real HostSession and real member daemons (kafilad/node/daemon.py ``Node``: its rejoin loop and
+A real HostSession and real member daemons (kafilad/daemon.py ``Node``: its rejoin loop and
 snapshot) over the in-process world (tests/node/session_harness.py).
 """
 
@@ -19,7 +19,7 @@ import trio
 from trio.testing import trio_test
 
 from kafilad.errors import KafilaError, SessionError
-from kafilad.node.daemon import _ignore
+from kafilad.daemon import _ignore
 from node.session_harness import session_world
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -81,8 +81,8 @@ def test_host_refuses_arguments_no_session_could_serve_in_a_sentence_about_them(
     """`host --concurrency 0` quoted a context the user had not passed; `--context 1` became ready and
     failed every request; `--members` claimed every member holds a block (not so for strategy load)."""
     from types import SimpleNamespace
-    from kafilad.node.host import HostSession
-    from kafilad.node.statedir import StateDir
+    from kafilad.node.session.host import HostSession
+    from kafilad.node.session.statedir import StateDir
     node = SimpleNamespace(state=StateDir(tmp_path / "h").ensure())  # refused before it uses anything else
     args = {"members": 2, "context": 256, "concurrency": 1, **kw}
     with pytest.raises(KafilaError) as refused:

@@ -6,7 +6,7 @@ plan before the loss. Here a real HostSession and MemberSessions, real ring and 
 simulated network, a synthesised 3-block model on MLX: after a loss, `status` shows no measured
 stage time until the new plan has served a request, and a request through the control API's
 `generate` and one through the OpenAI HTTP route, both arriving while the host heals, wait and are
-served (kafilad/node/host_requests.py `wait_serving`).
+served (kafilad/node/serving/host_requests.py `wait_serving`).
 """
 
 from __future__ import annotations

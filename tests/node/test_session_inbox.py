@@ -1,4 +1,4 @@
-"""The session's one inbox (kafilad/node/session_driver.py ``SessionDriver._handle``; issue 25 item 3).
+"""The session's one inbox (kafilad/node/session/driver.py ``SessionDriver._handle``; issue 25 item 3).
 
 `_handle` is entered from many tasks (the rendezvous loop, every member's ctl loop, the stage, plan
 and liveness tasks) and an action may await (a link's close, a stage's end). Events are handled one
@@ -13,7 +13,7 @@ import attrs
 import trio
 from trio.testing import trio_test
 
-from kafilad.node.session_driver import SessionDriver
+from kafilad.node.session.driver import SessionDriver
 
 
 @attrs.define

@@ -1,4 +1,4 @@
-"""What a stage that could not be built says (kafilad/node/stagehost.py `build_failure`, issue 21 item 3):
+"""What a stage that could not be built says (kafilad/node/serving/stagehost.py `build_failure`, issue 21 item 3):
 one sentence naming the member, the architecture, its share and the reason; never the bare repr of
 the exception mlx-lm's code raised (a trial's member said "could not load its stage: KeyError('lm_head')")."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kafilad.errors import ModelFormatError, StageBuildError
-from kafilad.node.stagehost import build_failure
+from kafilad.node.serving.stagehost import build_failure
 
 GEMMA = {"model_type": "gemma3_text", "num_hidden_layers": 6}
 

@@ -1,7 +1,7 @@
 """Ring circuits nobody reads do not hold up the host's other circuits (issue 25 item 6).
 
 At a3f8e79 every session's accept loop handed each incoming "ring" circuit to a channel of 8 that
-only a forming ring edge reads (kafilad/node/stagehost.py ``accept_circuits``), one at a time: ring
+only a forming ring edge reads (kafilad/node/serving/stagehost.py ``accept_circuits``), one at a time: ring
 circuits arriving between rings (stale ones of an earlier formation, a peer's retries) filled it, the
 loop then waited on it, and the host accepted no control circuit more: a member's join hung. Here a
 real host over the in-memory rendezvous and network (tests/node/session_harness.py)."""
@@ -12,7 +12,7 @@ import pytest
 import trio
 from trio.testing import trio_test
 
-from kafilad.node.rdv_client import open_rendezvous
+from kafilad.node.session.rdv_client import open_rendezvous
 from kafilad.proto.identity import parse_session_code
 from node.session_harness import session_world
 

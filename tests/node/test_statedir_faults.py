@@ -1,4 +1,4 @@
-"""State-directory faults (kafilad/node/statedir.py, fetcher.py, trace.py; issue 22 §6): a damaged
+"""State-directory faults (kafilad/node/session/statedir.py, fetcher.py, trace.py; issue 22 §6): a damaged
 roster or session file is moved aside with a warning naming it and what to do, the key is kept; a
 full disk fails a shard fetch with a sentence (a real ENOSPC from a small tmpfs); a shared or
 foreign state directory is refused, not chmodded. The same faults in a running daemon:
@@ -16,9 +16,9 @@ import pytest
 import trio
 
 from kafilad.errors import KafilaError, SessionError
-from kafilad.node.fetcher import Fetcher
-from kafilad.node.statedir import StateDir
-from kafilad.node.trace import Trace
+from kafilad.node.shards.fetcher import Fetcher
+from kafilad.node.session.statedir import StateDir
+from kafilad.node.session.trace import Trace
 from kafilad.proto import control as cf
 
 GOOD_KEY = "ab" * 32

@@ -1,4 +1,4 @@
-"""The decode micro-batch policy without MLX or sockets (kafilad/node/step_policy.py; DESIGN §6, §5.1)."""
+"""The decode micro-batch policy without MLX or sockets (kafilad/proto/step_policy.py; DESIGN §6, §5.1)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafilad.node import step_policy
-from kafilad.node.step_policy import BACKOFF_S, TRIAL_S, StepPolicy
+from kafilad.proto import step_policy
+from kafilad.proto.step_policy import BACKOFF_S, TRIAL_S, StepPolicy
 
 
 def fed(costs_ms, *, rows=(1, 2, 4), overhead_ms=1.0, sample_ms=0.0, stages=3) -> StepPolicy:
@@ -138,8 +138,8 @@ def test_the_chosen_m_is_the_best_predicted_within_hysteresis(lines, k, overhead
 
 
 def test_apply_schedule_sets_modes_only_between_requests():
-    from kafilad.node.ring_parts import apply_schedule, parse_schedule
-    from kafilad.node.scheduler import HeadScheduler, RequestArrived
+    from kafilad.node.serving.ring_parts import apply_schedule, parse_schedule
+    from kafilad.proto.scheduler import HeadScheduler, RequestArrived
 
     s = HeadScheduler(policy=StepPolicy(stages=3))
     apply_schedule(s, "per-request")

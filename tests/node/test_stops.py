@@ -1,4 +1,4 @@
-"""StopFilter (kafilad/node/stops.py): the stop text is never released, not even partly, whatever
+"""StopFilter (kafilad/node/session/stops.py): the stop text is never released, not even partly, whatever
 the segmentation; everything before it is, and once the stream ends without a stop, all of it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafilad.node.stops import StopFilter
+from kafilad.node.session.stops import StopFilter
 
 
 def test_docstring_example():

@@ -1,4 +1,4 @@
-"""The pure parts of a stream that survives a member's loss (kafilad/node/host_requests.py
+"""The pure parts of a stream that survives a member's loss (kafilad/node/serving/host_requests.py
 `StreamReplay`, `resumable`; issue 25 item 4)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 from trio.testing import trio_test
 
-from kafilad.node.host_requests import StreamReplay, resumable
+from kafilad.node.serving.host_requests import StreamReplay, resumable
 from kafilad.proto.sampling import Sampling
 
 

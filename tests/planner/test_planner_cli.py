@@ -220,7 +220,7 @@ def test_status_view_shows_predicted_rates_and_standby():
 def test_host_takes_a_strategy():
     from kafila_ctl.cli import build_parser
     from kafilad.errors import KafilaError
-    from kafilad.node.daemon import _strategy
+    from kafilad.daemon import _strategy
     a = build_parser().parse_args(["host", "--model", "m", "--members", "3", "--strategy", "uniform"])
     assert a.strategy == "uniform"
     assert build_parser().parse_args(["host", "--model", "m", "--members", "3"]).strategy == "load"

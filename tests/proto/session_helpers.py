@@ -4,7 +4,7 @@ No trio, no sockets: a :class:`SessionPair` holds one HostMachine and its Member
 delivers each ``Send`` action to the other side after a round trip through the wire
 (``to_wire`` -> proto_spec 02 frame -> ``FrameDecoder`` -> ``decode_control``), in the style of
 h11's ``tests/helpers.py`` ``ConnectionPair`` and aioquic's ``roundtrip``. Closing a ctl link on
-one side is the matching loss event on the other, as the drivers (kafilad/node/host.py,
+one side is the matching loss event on the other, as the drivers (kafilad/node/session/host.py,
 member.py) turn a ``LinkClosed`` into ``MemberLost`` / ``HostLinkLost``.
 """
 

@@ -61,7 +61,7 @@ def test_acks_are_coalesced():
 
 class EdgeWorld:
     """A sender and a receiver joined by FIFO paths; a switch loses what was in flight on the old path
-    (any part of it may still arrive first), as kafilad/node/edgelink.py sees it."""
+    (any part of it may still arrive first), as kafilad/node/paths/edgelink.py sees it."""
 
     def __init__(self, window: int):
         self.s, self.r = SendSequencer(window), ReceiveSequencer()

@@ -379,7 +379,7 @@ def member_failed_to_load(h, fire):
          [HOST, B])
 
 
-#: what kafilad/node/stagehost.py `build_failure` says (issue 21 item 3)
+#: what kafilad/node/serving/stagehost.py `build_failure` says (issue 21 item 3)
 ALPHA_CANNOT_BUILD = ("Member alpha could not build its stage (blocks [2, 4)) of this llama model: Weights for stage "
                       "[2, 4) head=False do not fit the model.")
 HOST_CANNOT_BUILD = f"Member {HOST_NAME} could not build its stage (blocks [0, 2) and the head) of this llama model: x."

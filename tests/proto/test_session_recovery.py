@@ -350,7 +350,7 @@ def member_failed_while_recovering(h, fire):
     lost(fire(sm.FrameFrom(B, cf.Failed("oom"))), h, B, "beta", "it failed to load its stage: oom", [HOST, A])
 
 
-#: what kafilad/node/stagehost.py `build_failure` says (issue 21 item 3)
+#: what kafilad/node/serving/stagehost.py `build_failure` says (issue 21 item 3)
 BETA_CANNOT_BUILD = "Member beta could not build its stage (blocks [4, 6)) of this llama model: x."
 HOST_CANNOT_BUILD = f"Member {HOST_NAME} could not build its stage (blocks [0, 2) and the head) of this llama model: x."
 

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from kafilad.errors import SessionError
-from kafilad.node.rdv_client import open_rendezvous
+from kafilad.node.session.rdv_client import open_rendezvous
 from kafilad.rendezvous.server import serve_rendezvous
 from rendezvous.test_server import HFP, A, H, key, rdv, run_with_server
 

@@ -16,7 +16,7 @@ import trio
 import trio_websocket
 
 from kafilad.errors import LocalProtocolError, SessionError
-from kafilad.node.rdv_client import (
+from kafilad.node.session.rdv_client import (
     Disconnected,
     MemberJoined,
     MemberLeft,

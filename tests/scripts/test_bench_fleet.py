@@ -87,7 +87,7 @@ def test_probe_calibration_starts_daemons_in_both_groups_scaled_in_the_memory_gr
 
 
 def test_capability_env_overrides_only_for_the_scaled_calibration():
-    from kafilad.node.stagehost import TEST_CAPABILITY_ENV
+    from kafilad.node.serving.stagehost import TEST_CAPABILITY_ENV
 
     member = fh.Member("slow", 20, 700)
     assert fh.capability_env(None, member) == {}  # the daemon reports its own probe
@@ -106,7 +106,7 @@ def test_reported_capabilities_read_the_sessions_fleet():
 
 
 def _status() -> dict:
-    """A host status snapshot as kafilad/node/host.py writes it, after one request."""
+    """A host status snapshot as kafilad/node/session/host.py writes it, after one request."""
     return {
         "plan": {"order": ["fast", "mid", "slow"], "blocks": {"fast": [0, 9], "mid": [9, 14], "slow": [14, 16]},
                  "stage_s": {"fast": 0.020, "mid": 0.025, "slow": 0.020},

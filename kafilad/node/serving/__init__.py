@@ -1,0 +1,1 @@
+"""kafilad.node.serving: requests, admission, the ring's stages and the head's scheduling."""

@@ -1,0 +1,168 @@
+"""The head's speculative decoding state (issue 24 item 1; proto_spec 05 §3.1).
+
+`Drafter` is what the ring driver (kafilad/node/serving/ring.py) asks, per request decoding alone in the
+single form, whether its next pass drafts, which drafts it carries, and how many positions the
+other stages take back before its next pass; it keeps each request's `KChooser` and the head's
+`SpeculationCounters`. The rules themselves (lookup, acceptance, k) are pure and live in
+kafilad/proto/speculation.py; the verification runs in the head's runner (`head_verify`).
+
+A pass's life at the head::
+
+    _sample(req)  ── plan(req) ──▶ k           (k = 0: the fused sample-and-run path may run the pass)
+    _send_decode_step ── drafts(req, history) ──▶ d_1..d_m (m <= k; [] sends a plain pass)
+                      ── take_trim(req) ──▶ positions the other stages trim first (the act's `trim`)
+    the pass returns ── returned(req, now) ──▶ the drafts it carried
+    head_verify ── verified(req, m, accepted) : the chooser and counters learn; trim due = m − accepted
+
+Switch: `KAFILA_SPECULATE` = "0"/"off" (never speculate), "auto" (default: k from measured
+acceptance and pass cost), or an integer N ≥ 1 (always up to N drafts: for benchmarks).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import attrs
+
+from kafilad.proto.speculation import K_MAX, KChooser, SpeculationCounters, lookup_drafts
+
+#: environment switch (module docstring)
+SPECULATE_ENV = "KAFILA_SPECULATE"
+
+
+def speculation_setting(environ=os.environ) -> Optional[int]:
+    """`KAFILA_SPECULATE` read: None for "auto" (the default), 0 for off, N for a fixed k.
+
+    Raises:
+        ValueError: any other value (the daemon refuses to start with it).
+    """
+    raw = environ.get(SPECULATE_ENV, "").strip().lower()
+    if raw in ("", "auto", "1", "on", "true", "yes"):
+        return None
+    if raw in ("0", "off", "false", "no"):
+        return 0
+    if raw.startswith("k=") and raw[2:].isdigit() and 1 <= int(raw[2:]) <= 64:
+        return int(raw[2:])
+    raise ValueError(f"{SPECULATE_ENV} must be auto, off, or k=N with 1 <= N <= 64, not {raw!r}.")
+
+
+@attrs.define
+class _Req:
+    chooser: KChooser
+    planned: int = 0  # k decided at its last sampling for its next pass
+    sent: tuple = ()  # the drafts its pass out carries
+    trim_due: int = 0  # positions the other stages hold beyond the head's
+    last_return_s: Optional[float] = None
+    drafted: int = 0
+    accepted: int = 0
+    passes: int = 0
+
+
+class Drafter:
+    """Speculation state of the head (module docstring).
+
+    Args:
+        setting: `speculation_setting()`: None adaptive, 0 off, N fixed k.
+        refusal: why the model cannot speculate (`Stage.speculation_refusal`), or None.
+    Attributes:
+        counters: the head's totals since the session started (status, /metrics).
+    """
+
+    def __init__(self, setting: Optional[int], refusal: Optional[str]):
+        self.setting = setting
+        self.refusal = refusal
+        self.counters = SpeculationCounters()
+        self._reqs: dict[str, _Req] = {}
+
+    @property
+    def on(self) -> bool:
+        return self.setting != 0 and self.refusal is None
+
+    def _state(self, req: str) -> _Req:
+        st = self._reqs.get(req)
+        if st is None:
+            k_max = K_MAX if self.setting is None else self.setting
+            st = self._reqs[req] = _Req(KChooser(k_max=k_max if self.on else 0))
+        return st
+
+    def plan(self, req: str) -> int:
+        """Decide k for the request's next pass (call once per pass, at its sampling)."""
+        if not self.on:
+            return 0
+        st = self._state(req)
+        st.planned = st.chooser.choose() if self.setting is None else self.setting
+        return st.planned
+
+    def drafts(self, req: str, history: Sequence[int], room: int) -> list[int]:
+        """The drafts the request's next pass carries: up to its planned k (at most `room`, the
+        tokens it may still produce minus one) looked up in `history` (prompt + output, the token
+        being sent last). Records them as sent; [] for a plain pass."""
+        st = self._reqs.get(req)
+        if st is None or not self.on:
+            return []
+        k, st.planned = min(st.planned, max(0, room)), 0
+        out = lookup_drafts(history, k) if k > 0 else []
+        if k > 0 and not out:
+            st.chooser.note_no_drafts()
+        st.sent = tuple(out)
+        return out
+
+    def take_trim(self, req: str) -> int:
+        """Positions the other stages take back from the request's caches before its next pass."""
+        st = self._reqs.get(req)
+        if st is None:
+            return 0
+        n, st.trim_due = st.trim_due, 0
+        return n
+
+    def returned(self, req: str, now_s: float) -> tuple:
+        """The request's pass came back: the drafts it carried (() for a plain pass). A plain pass
+        is measured here (its cycle since the previous return); a drafted one by `verified`."""
+        st = self._reqs.get(req)
+        if st is None:
+            st = self._state(req)
+        sent, st.sent = st.sent, ()
+        if not sent:
+            if st.last_return_s is not None and self.on:
+                cycle = max(0.0, now_s - st.last_return_s)
+                st.chooser.note_pass(0, 0, cycle)
+                self.counters.note(0, 0, cycle)
+            st.last_return_s = now_s
+        else:
+            st.sent = sent  # until verified
+        return sent
+
+    def verified(self, req: str, accepted: int, now_s: float) -> None:
+        """The head accepted `accepted` of the drafts the request's pass carried."""
+        st = self._state(req)
+        k, st.sent = len(st.sent), ()
+        st.trim_due += k - accepted
+        cycle = max(0.0, now_s - st.last_return_s) if st.last_return_s is not None else 0.0
+        if st.last_return_s is not None:
+            st.chooser.note_pass(k, accepted, cycle)
+        st.last_return_s = now_s
+        st.drafted += k
+        st.accepted += accepted
+        st.passes += 1
+        self.counters.note(k, accepted, cycle)
+
+    def forget(self, req: str) -> Optional[dict]:
+        """The request ended: its speculation record ({"passes", "drafted", "accepted"}), or None."""
+        st = self._reqs.pop(req, None)
+        if st is None or not st.passes:
+            return None
+        return {"passes": st.passes, "drafted": st.drafted, "accepted": st.accepted}
+
+    def forget_all(self) -> None:
+        """The ring broke: every request's state goes (the caches it described are dropped)."""
+        self._reqs.clear()
+
+    def status(self) -> dict:
+        """For `status`: on or why not, the setting, and the counters."""
+        out: dict = {"on": self.on, "k": "auto" if self.setting is None else self.setting}
+        if self.refusal is not None:
+            out["why"] = self.refusal
+        elif self.setting == 0:
+            out["why"] = f"{SPECULATE_ENV}=0"
+        return {**out, **self.counters.snapshot()}
