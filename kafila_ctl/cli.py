@@ -379,7 +379,7 @@ def schedule_line(result: dict, typed: str | None = None) -> str:
     now = result.get("micro_batches")
     in_flight = f" ({now} micro-batch{'es' if now != 1 else ''} in flight now)" if now is not None else ""
     if mode == 1 and typed is None:
-        mode = "lockstep"  # the daemon's pinned 1 (kafilad/node/serving/ring_parts.py apply_schedule)
+        mode = "lockstep"  # the daemon's pinned 1 (kafilad/node/serving/schedule_settings.py apply_schedule)
     if isinstance(mode, int):
         return f"decode schedule: {mode} micro-batch{'es' if mode != 1 else ''} pinned{in_flight}"
     return f"decode schedule: {mode}{in_flight}"

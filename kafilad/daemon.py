@@ -555,9 +555,9 @@ class Node:
                                 gone=getattr(emit, "client_gone", None))
 
     async def op_schedule(self, args: dict, emit) -> dict:
-        """Show or set the head's decode schedule (kafilad/node/serving/ring_parts.py `apply_schedule`); the
+        """Show or set the head's decode schedule (kafilad/node/serving/schedule_settings.py `apply_schedule`); the
         host must be the ring's head. A setting lasts for the session, replans included."""
-        from kafilad.node.serving.ring_parts import apply_schedule, parse_schedule
+        from kafilad.node.serving.schedule_settings import apply_schedule, parse_schedule
         s = self._host_session()
         mode, m = args.get("mode"), None
         if mode is not None:  # a bad setting is refused for what it is, wherever the head runs

@@ -296,7 +296,7 @@ def _main(argv: list[str] | None = None) -> int:
         except KafilaError as e:
             print(f"kafilad: {e}", file=sys.stderr)
             return 2
-        from kafilad.node.serving.ring_parts import daemon_switch_interval_s, pinned_micro_batches
+        from kafilad.node.serving.schedule_settings import daemon_switch_interval_s, pinned_micro_batches
         try:  # every switch is checked before the state directory is made: a bad one leaves nothing behind
             pinned_micro_batches()
             switch_s = daemon_switch_interval_s()

@@ -1,4 +1,4 @@
-"""The daemon's environment switches (kafilad/node/serving/ring_parts.py): parsed once, bad values refused at start."""
+"""The daemon's environment switches (kafilad/node/serving/schedule_settings.py): parsed once, bad values refused at start."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from kafilad.node.serving.ring_parts import (DAEMON_SWITCH_INTERVAL_S, SWITCH_INTERVAL_ENV, daemon_switch_interval_s,
-                                     pinned_micro_batches)
+from kafilad.node.serving.schedule_settings import (DAEMON_SWITCH_INTERVAL_S, SWITCH_INTERVAL_ENV,
+                                                   daemon_switch_interval_s, pinned_micro_batches)
 
 
 @pytest.mark.parametrize("raw, seconds", [("0.2", 0.0002), (" 5 ", 0.005), ("1000", 1.0)])

@@ -17,7 +17,7 @@ from trio.testing import trio_test
 
 from kafila_testing import STORIES_PROMPT
 from kafilad.node.serving.drafts import SPECULATE_ENV, speculation_setting
-from kafilad.node.serving.ring_parts import StageCalls
+from kafilad.node.serving.ring_state import WireStage
 from tests.node.test_ring_batch import _ignore, generate_all, ring_of
 
 BOUNDS = [(0, 2), (2, 4), (4, 5)]
@@ -84,12 +84,12 @@ async def test_requests_that_speculated_alone_keep_their_tokens_in_a_batch(stori
                    for r, (p, n, _) in jobs.items()}
         monkeypatch.setenv(SPECULATE_ENV, "k=4")
         trims = []
-        real = StageCalls._run_batch_wire
+        real = WireStage.run_batch
 
         def recording(self, rids, h_wire, group=0, trims_=()):
             trims.append(tuple(trims_))
             return real(self, rids, h_wire, group, trims_)
-        monkeypatch.setattr(StageCalls, "_run_batch_wire", recording)
+        monkeypatch.setattr(WireStage, "run_batch", recording)
         async with ring_of(stories260k, BOUNDS) as ring:
             states = await generate_all(ring[0], jobs)
             status = ring[0].drafter.status()
@@ -123,7 +123,7 @@ async def test_a_member_trims_rows_before_a_batched_act_and_forwards_the_field(s
     from kafilad.executor import runner as runner_mod
     from tests.node.test_ring_batch import make_members
     head, member = make_members(stories260k, [(0, 2), (2, 5)], batching=True)
-    from kafilad.node.serving.ring import run_on_mlx_thread
+    from kafilad.node.serving.ring_state import run_on_mlx_thread
 
     def setup():  # on the MLX thread, where the member's calls run
         for rid, n in (("a", 9), ("b", 6)):

@@ -138,7 +138,7 @@ def test_the_chosen_m_is_the_best_predicted_within_hysteresis(lines, k, overhead
 
 
 def test_apply_schedule_sets_modes_only_between_requests():
-    from kafilad.node.serving.ring_parts import apply_schedule, parse_schedule
+    from kafilad.node.serving.schedule_settings import apply_schedule, parse_schedule
     from kafilad.proto.scheduler import HeadScheduler, RequestArrived
 
     s = HeadScheduler(policy=StepPolicy(stages=3))

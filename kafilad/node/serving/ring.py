@@ -81,16 +81,13 @@ from kafilad.proto.scheduler import (PREFILL_STEP_TOKENS, Phase, PROGRESS_FACTOR
                                     StageStats, TokensSampled)
 from kafilad.proto.step_policy import StepPolicy
 from kafilad.step_timeline import TIMELINE
-from kafilad.node.serving.ring_parts import (BATCH_ENV, MICRO_BATCHES_ENV, RequestState, RingViews, FusedStep,  # noqa: F401
-                                     StageCalls,
-                                     _plain, _recent, batching_enabled, pinned_micro_batches,
-                                     run_on_mlx_thread)
+from kafilad.node.serving.ring_state import FusedStep, RequestState, WireStage, _plain, _recent, run_on_mlx_thread
+from kafilad.node.serving.schedule_settings import batching_enabled, pinned_micro_batches
 from kafilad.proto.ring_frames import Act, BatchAct, End, decode_ring_frame
 
 log = logging.getLogger("kafilad.ring")
 
-__all__ = ["BATCH_ENV", "MICRO_BATCHES_ENV", "PREFILL_STEP_TOKENS", "RequestState", "RingMember", "batching_enabled",
-           "pinned_micro_batches", "run_on_mlx_thread"]
+__all__ = ["PREFILL_STEP_TOKENS", "RingMember"]
 
 INBOX_FRAMES = 256
 #: events a request's stream holds for its client before the request is ended (backpressure).
@@ -103,7 +100,7 @@ PROGRESS_CHECK_S = 0.5
 _WAKE: dict = {"t": "wake"}
 
 
-class RingMember(StageCalls, RingViews):
+class RingMember:
     """Drives this member's stage on the ring (and, on the head, the HeadScheduler).
 
     Args:
@@ -128,6 +125,7 @@ class RingMember(StageCalls, RingViews):
         self.head = head
         self.tokenizer = tokenizer
         self.ex = executor
+        self.wire = WireStage(runner, executor)  # the stage's calls in the wire form
         self.batching = batching_enabled() if batching is None else batching
         self.stream_events = stream_events
         self.next_link: Optional[Link] = None  # None: the ring is this member alone
@@ -161,6 +159,39 @@ class RingMember(StageCalls, RingViews):
         #: or taken back (`_take_back_fused`)
         self._fused: Optional[FusedStep] = None
         self._returned_group = 0  # head: the micro-batch group of the batched act being sampled
+
+    # ---- read-only views for `status` and tests: the head scheduler's step counts (None off the head)
+    # and the per-request statistics --------------------------------------------------------------
+    @property
+    def decode_steps(self) -> int:
+        return self.scheduler.decode_steps if self.scheduler is not None else 0
+
+    @property
+    def decode_rows(self) -> int:
+        return self.scheduler.decode_rows if self.scheduler is not None else 0
+
+    @property
+    def max_batch_rows(self) -> int:
+        return self.scheduler.max_batch_rows if self.scheduler is not None else 0
+
+    @property
+    def steps_total(self) -> int:
+        return self.stats.steps_total
+
+    @property
+    def req_steps(self) -> dict:
+        """req -> step time (s) of every pass, on this member."""
+        return self.stats.steps_s
+
+    @property
+    def req_share_s(self) -> dict:
+        """req -> its share of this member's compute (s)."""
+        return self.stats.share_s
+
+    @property
+    def req_bytes(self) -> dict:
+        """req -> its share of the bytes sent to the next member."""
+        return self.stats.sent_bytes
 
     # ---- plumbing -----------------------------------------------------------------------
     async def feed_from(self, link: Link) -> None:
@@ -284,7 +315,7 @@ class RingMember(StageCalls, RingViews):
             rids = list(frame.reqs)
             group = frame.mb
             trims = frame.row_trims()
-            out, dt = await self._compute(self._run_batch_wire, rids, h_wire, group, trims)
+            out, dt = await self._compute(self.wire.run_batch, rids, h_wire, group, trims)
             self.stats.note_step(rids, dt)
             # the rows' trims go round to every member with the act (proto_spec 05 §3.1)
             await self._send_next(attrs.evolve(frame, sample=True, h=out, hops=hops + ((self.peer_id, dt),)))
@@ -298,7 +329,7 @@ class RingMember(StageCalls, RingViews):
             await self._compute(self.runner.prefix_evict, evict)
         if entry is not None:
             await self._compute(self.runner.prefix_start, req, entry, reuse)
-        out, dt = await self._compute(self._run_blocks_wire, req, h_wire, trim)
+        out, dt = await self._compute(self.wire.run_blocks, req, h_wire, trim)
         self.stats.note_step([req], dt)
         sample = frame.sample
         if self.next_is_head and not sample:
@@ -389,7 +420,7 @@ class RingMember(StageCalls, RingViews):
                 if not self.broken:
                     if a.from_entry is not None:
                         await self._compute(self.runner.prefix_start, a.req, a.from_entry, a.reuse_tokens)
-                    out, dt = await self._compute(self._head_embed_wire, a.req, list(a.ids))
+                    out, dt = await self._compute(self.wire.head_embed, a.req, list(a.ids))
                     self.stats.note_step([a.req], dt)
                     await self._send_next(Act(req=a.req, sample=a.sample, h=out, hops=((self.peer_id, dt),),
                                               from_entry=a.from_entry,
@@ -431,10 +462,10 @@ class RingMember(StageCalls, RingViews):
             await self._take_back_fused(fused)
         if len(rids) == 1:  # the single form: a lone request decodes exactly as generate_step
             drafts = self._drafts_for(rids[0], tokens[0])  # speculative decoding (kafilad/node/serving/drafts.py)
-            out, dt = await self._compute(self._head_embed_wire, rids[0], tokens + drafts)
+            out, dt = await self._compute(self.wire.head_embed, rids[0], tokens + drafts)
             frame = Act(req=rids[0], sample=True, h=out, hops=((self.peer_id, dt),))
         else:
-            out, dt = await self._compute(self._head_embed_batch_wire, rids, tokens, group)
+            out, dt = await self._compute(self.wire.head_embed_batch, rids, tokens, group)
             frame = BatchAct(reqs=tuple(rids), mb=group, sample=True, h=out, hops=((self.peer_id, dt),))
         self.stats.note_step(rids, dt)
         await self._send_next(self._with_trims(frame))
@@ -473,7 +504,7 @@ class RingMember(StageCalls, RingViews):
     async def _verify(self, a: SampleTokens, h_wire: Optional[dict], sent: tuple) -> None:
         """A speculative pass returned: accept its drafts (runner `head_verify`), stream the tokens."""
         req = a.reqs[0]
-        tokens, _ = await self._compute(self._head_verify_wire, req, h_wire, list(sent), a.temperatures[0])
+        tokens, _ = await self._compute(self.wire.head_verify, req, h_wire, list(sent), a.temperatures[0])
         now = time.perf_counter()
         self.drafter.verified(req, len(tokens) - 1, now)
         rec = self.scheduler.requests.get(req)
@@ -496,28 +527,28 @@ class RingMember(StageCalls, RingViews):
         if all(s is None or s.plain for s in samplings):  # temperature only: the token-identical path
             if batched and self._may_run_next(a.reqs) and not any(a.temperatures):  # one MLX call for both
                 group = self._returned_group
-                (tokens, out), dt = await self._compute(self._head_sample_batch_and_run_wire, list(a.reqs), h_wire,
+                (tokens, out), dt = await self._compute(self.wire.head_sample_batch_and_run, list(a.reqs), h_wire,
                                                         group)
                 if out is not None:
                     self._fused = FusedStep(tuple(a.reqs), tuple(tokens), out, dt, group)
             elif batched:
-                tokens, _ = await self._compute(self._head_sample_batch_wire, list(a.reqs), h_wire,
+                tokens, _ = await self._compute(self.wire.head_sample_batch, list(a.reqs), h_wire,
                                                 list(a.temperatures))
             elif self._may_run_next(a.reqs) and self._plan_next(a.reqs[0]) == 0:  # sample and run the next step in one MLX call
-                (token, out), dt = await self._compute(self._head_sample_and_run_wire, a.reqs[0], h_wire,
+                (token, out), dt = await self._compute(self.wire.head_sample_and_run, a.reqs[0], h_wire,
                                                        a.temperatures[0])
                 tokens = [token]
                 if out is not None:
                     self._fused = FusedStep((a.reqs[0],), (token,), out, dt, None)
             else:  # k drafts planned for the next pass (`_plan_next`), or it may not run now
-                token, _ = await self._compute(self._head_sample_wire, a.reqs[0], h_wire, a.temperatures[0])
+                token, _ = await self._compute(self.wire.head_sample, a.reqs[0], h_wire, a.temperatures[0])
                 tokens = [token]
         else:  # each row with its own Sampling (kafilad/proto/sampling.py)
             histories = [_recent(rec, s.penalty_context_tokens) if rec is not None and s is not None
                          and s.needs_history else None for rec, s in zip(recs, samplings)]
             samplings = [s if s is not None else _plain(rec) for rec, s in zip(recs, samplings)]
             try:
-                rows, _ = await self._compute(self._head_sample_rows_wire, list(a.reqs), h_wire, samplings, histories)
+                rows, _ = await self._compute(self.wire.head_sample_rows, list(a.reqs), h_wire, samplings, histories)
             except ValueError as e:  # a request's parameters the model cannot take (a logit_bias id)
                 raise GenerationError(str(e)) from None
             tokens = [t for t, _ in rows]

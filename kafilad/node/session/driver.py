@@ -23,7 +23,7 @@ import trio
 
 from kafilad.errors import KafilaError, collapse_groups
 from kafilad.node.serving import stagehost
-from kafilad.node.serving.ring_parts import apply_schedule
+from kafilad.node.serving.schedule_settings import apply_schedule
 
 
 #: rendezvous reconnect backoff: first delay and cap (s), each jittered by ±20 % (issue 8 §3).

@@ -31,7 +31,7 @@ from kafilad.node.shards.modelfiles import ModelFiles
 from kafilad.node.session.rdv_client import CurrentRendezvous
 from kafilad.node.session.driver import SessionDriver, reconnect_delay_s
 from kafilad.node.serving.outbox import Outbox
-from kafilad.node.serving.ring import run_on_mlx_thread
+from kafilad.node.serving.ring_state import run_on_mlx_thread
 from kafilad.planner import DEFAULT_STRATEGY, plan as make_plan
 from kafilad.planner.moe import moe_spec
 from kafilad.planner.records import Device

@@ -21,7 +21,7 @@ from kafilad.node.shards.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, 
 from kafilad.node.serving.host_requests import result_of
 from kafilad.node.paths.link import Link, secure_link
 from kafilad.node.session.liveness import Liveness
-from kafilad.node.serving.ring import run_on_mlx_thread
+from kafilad.node.serving.ring_state import run_on_mlx_thread
 from kafilad.node.session.driver import SessionDriver, reconnect_delay_s
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
