@@ -66,7 +66,7 @@ class SessionDriver:
         self.node = node
         self.ring = None
         self.rdv = None
-        self.schedule_mode = None  # the head's decode schedule set by `kafila-ctl schedule` (ring_parts.apply_schedule)
+        self.schedule_mode = None  # the head's decode schedule set by `kafila-ctl schedule` (schedule_settings.apply_schedule)
         self.paths = None
         self.reconnecting: Optional[dict] = None
         self._ring_incoming_send, self._ring_incoming = trio.open_memory_channel(8)
