@@ -91,7 +91,7 @@ def test_a_client_that_hangs_up_while_its_request_waits_leaves_nothing_behind():
             await client.aclose()  # the client hangs up
             await trio.sleep(0.01)
             assert server.open_connections == 0
-        changed = h._state_changed
+        changed = h.requests._state_changed
         assert changed is None or changed.statistics().tasks_waiting == 0
         await h.replan()
         await h.load_all()

@@ -17,6 +17,7 @@ from kafilad.node.session.host import HostSession
 from kafilad.node.session.driver import SessionDriver
 from kafilad.proto import session as sm
 
+from kafilad.node.serving.host_requests import HostRequests
 from proto.session_helpers import B, HOST, LOAD, planned, ready_frame, walk_host
 
 
@@ -33,6 +34,7 @@ class HealingHost(HostSession):
         self.measured_stage_s: dict[str, float] = {}
         self.generations: dict = {}
         self.actions: list = []
+        self.requests = HostRequests(self)
 
     async def _perform(self, action) -> None:
         self.actions.append(action)

@@ -26,13 +26,15 @@ HEAD = MemberEntry(peer_id="p-m2", name="m2", public_key=b"\x02" * 32)
 REQ = "r-1"
 
 
-class _Host(HostRequests):
-    """The state `_generate_remote` and `_fail_requests` use of a HostSession: its links and channels."""
+class _Host:
+    """The state `_generate_remote` and `_fail_requests` use of a HostSession: its links and channels,
+    and its requests part."""
 
     def __init__(self, link: Link):
         self.links = {HEAD.peer_id: link}
         self.generations: dict = {}
         self.ring = None
+        self.requests = HostRequests(self)
 
     fail_requests = HostSession._fail_requests
 
@@ -50,7 +52,7 @@ async def _request_cancelled_then(answer) -> dict | Exception:
 
     async def run() -> None:
         try:
-            out["result"] = await host._generate_remote(HEAD, REQ, "Once", 8, 0.0, emit)
+            out["result"] = await host.requests._generate_remote(HEAD, REQ, "Once", 8, 0.0, emit)
         except GenerationError as e:
             out["result"] = e
 

@@ -137,11 +137,11 @@ def test_a_client_that_goes_away_while_waiting_leaves_nothing_behind():
             gone.set()
         assert out["after_s"] == 1 and isinstance(out["outcome"], GenerationCancelled)
         assert "went away while its request waited" in str(out["outcome"])
-        changed = h._state_changed  # made for the waiter; nobody waits on it now
+        changed = h.requests._state_changed  # made for the waiter; nobody waits on it now
         assert changed is None or changed.statistics().tasks_waiting == 0
         await h.replan()
         await h.load_all()
-        assert h.state == H.READY and h._state_changed is None
+        assert h.state == H.READY and h.requests._state_changed is None
     run(main)
 
 

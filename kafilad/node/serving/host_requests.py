@@ -91,7 +91,17 @@ class RequestFailed(cf.GenError):
 
 
 class HostRequests:
-    """Generation on a :class:`~kafilad.node.session.host.HostSession` (its state, ring, links and trace)."""
+    """The requests of one :class:`~kafilad.node.session.host.HostSession`: waiting for a serving
+    ring, running each on the plan's head (here or a member), taking them through a member's loss
+    (:class:`StreamReplay`), recording what they measured. A part of the session, held in its
+    ``requests`` field; it reads the session's machine, plan, ring, links and trace.
+
+    Args:
+        session: the HostSession whose requests these are.
+    """
+
+    def __init__(self, session):
+        self.session = session
 
     #: the session has been `ready` at least once (set by `_handled`): only such a session is waited for
     has_served = False
@@ -110,14 +120,11 @@ class HostRequests:
     # ---- the session's changes (SessionDriver._handle calls `_handled` after each event) ----------
     def _handled(self) -> None:
         """After an event's actions: note a first `ready`, drop stage times of an earlier plan, wake waiters."""
-        parent = getattr(super(), "_handled", None)
-        if parent is not None:
-            parent()
-        if self.state == sm.HostState.READY or getattr(self, "formed_s", None) is not None:
+        if self.session.state == sm.HostState.READY or getattr(self.session, "formed_s", None) is not None:
             self.has_served = True  # formed_s: it was ready within this event (then replanned at once)
-        if self.machine.epoch != self._measured_epoch:  # a new plan: its stages are measured afresh
-            self.measured_stage_s.clear()
-            self._measured_epoch = self.machine.epoch
+        if self.session.machine.epoch != self._measured_epoch:  # a new plan: its stages are measured afresh
+            self.session.measured_stage_s.clear()
+            self._measured_epoch = self.session.machine.epoch
         self._wake_waiters()
 
     def _wake_waiters(self) -> None:
@@ -131,13 +138,13 @@ class HostRequests:
         a session that has served and is recovering or loading, or one a restarted host daemon
         re-hosts (`rehosted`) that has not served yet and is forming, planning or loading."""
         if self.has_served:
-            return self.state in RETURNING_STATES
-        return self.rehosted and self.state in REHOSTED_STATES
+            return self.session.state in RETURNING_STATES
+        return self.rehosted and self.session.state in REHOSTED_STATES
 
     def _not_ready(self, why: str = "") -> SessionNotReadyError:
-        detail = "; ".join(x.rstrip(".") for x in (self.error, why) if x)
-        return SessionNotReadyError(f"The session is not ready to generate (state: {self.state}"
-                                    + (f"; {detail}" if detail else "") + ").", state=str(self.state))
+        detail = "; ".join(x.rstrip(".") for x in (self.session.error, why) if x)
+        return SessionNotReadyError(f"The session is not ready to generate (state: {self.session.state}"
+                                    + (f"; {detail}" if detail else "") + ").", state=str(self.session.state))
 
     async def wait_serving(self, gone: Optional[trio.Event] = None) -> None:
         """Return once the session is ready to generate, waiting at most RECOVERY_WAIT_S while it heals.
@@ -150,20 +157,20 @@ class HostRequests:
                 RECOVERY_WAIT_S.
             GenerationCancelled: `gone` was set while the request waited.
         """
-        if self.state == sm.HostState.READY:
+        if self.session.state == sm.HostState.READY:
             return
         if not self.returning():
             raise self._not_ready()
         wait_s = RECOVERY_WAIT_S
         t0 = trio.current_time()
-        log.info("a request waits (at most %g s) for the session to serve again (state: %s)", wait_s, self.state)
+        log.info("a request waits (at most %g s) for the session to serve again (state: %s)", wait_s, self.session.state)
         with trio.move_on_after(wait_s):
             while self.returning():
                 if gone is not None and gone.is_set():
                     raise GenerationCancelled("The client went away while its request waited for the session "
                                               "to recover.")
                 await self._next_change(gone)
-            if self.state != sm.HostState.READY:
+            if self.session.state != sm.HostState.READY:
                 raise self._not_ready()
             log.info("the session serves again; the waiting request runs after %.2f s", trio.current_time() - t0)
             return
@@ -178,26 +185,26 @@ class HostRequests:
         then fail with proto.session.PLAN_SWITCHED. A plan that keeps the division, or one made
         after a loss (that ring is gone), or one superseded meanwhile, goes at once.
         """
-        m = self.machine
+        m = self.session.machine
         epoch = m.epoch
-        if not self.on_ring or not m.replaces_serving_ring(ev):
+        if not self.session.on_ring or not m.replaces_serving_ring(ev):
             return
         log.info("waiting (at most %g s) for %d request(s) on the ring before switching to the new plan",
-                 DRAIN_WAIT_S, len(self.on_ring))
-        self._write_trace("plan_waits", requests=len(self.on_ring), epoch=epoch)
-        self.plan_waits = {"requests": len(self.on_ring), "until": time.time() + DRAIN_WAIT_S}  # for `status`
-        self.node.changed()
+                 DRAIN_WAIT_S, len(self.session.on_ring))
+        self.session._write_trace("plan_waits", requests=len(self.session.on_ring), epoch=epoch)
+        self.plan_waits = {"requests": len(self.session.on_ring), "until": time.time() + DRAIN_WAIT_S}  # for `status`
+        self.session.node.changed()
         try:
             with trio.move_on_after(DRAIN_WAIT_S):
-                while self.on_ring and m.intact_epoch == epoch and m.plan_seq == ev.seq:
+                while self.session.on_ring and m.intact_epoch == epoch and m.plan_seq == ev.seq:
                     await self._next_change(None)
-                    self.plan_waits["requests"] = len(self.on_ring)
+                    self.plan_waits["requests"] = len(self.session.on_ring)
         finally:
             self.plan_waits = None
-            self.node.changed()
-        if self.on_ring:
+            self.session.node.changed()
+        if self.session.on_ring:
             log.warning("%d request(s) still ran when the wait for them ran out; the new plan ends them",
-                        len(self.on_ring))
+                        len(self.session.on_ring))
 
     async def _next_change(self, gone: Optional[trio.Event]) -> None:
         """Wait until the machine handled another event, or `gone` is set."""
@@ -254,16 +261,16 @@ class HostRequests:
                 new run's output differed from what was sent; the head failed it.
         """
         await self.wait_serving(gone)
-        n_prompt, exact = await self.prompt_tokens(prompt, self.context)  # exact unless alone past the context
-        if n_prompt + max_tokens > self.context:
+        n_prompt, exact = await self.prompt_tokens(prompt, self.session.context)  # exact unless alone past the context
+        if n_prompt + max_tokens > self.session.context:
             raise ContextTooLongError(f"The prompt ({'' if exact else 'at least '}{n_prompt} tokens) plus --max-tokens "
-                                      f"{max_tokens} exceeds the session's admitted context of {self.context} tokens.",
-                                      prompt_tokens=n_prompt, max_tokens=max_tokens, context=self.context,
+                                      f"{max_tokens} exceeds the session's admitted context of {self.session.context} tokens.",
+                                      prompt_tokens=n_prompt, max_tokens=max_tokens, context=self.session.context,
                                       at_least=not exact)
-        slot = await self.admission.acquire(abandoned=gone)
+        slot = await self.session.admission.acquire(abandoned=gone)
         if slot is None:
             raise GenerationCancelled("The client went away while its request waited for its turn.")
-        self.node.changed()
+        self.session.node.changed()
         req = uuid.uuid4().hex[:12]
         retried: list[str] = []  # why each earlier attempt failed (a loss: the request runs again)
         stream = StreamReplay(emit)  # what the client was handed, across attempts
@@ -273,8 +280,8 @@ class HostRequests:
                 temperature = sampling.temperature
             while True:
                 await self.wait_serving(gone)  # a member may have been lost while the request waited its turn
-                epoch = self.machine.epoch  # the plan it runs under (its stage times belong to it)
-                self.on_ring.add(req)  # a new plan waits for it before replacing the ring (drain_for)
+                epoch = self.session.machine.epoch  # the plan it runs under (its stage times belong to it)
+                self.session.on_ring.add(req)  # a new plan waits for it before replacing the ring (drain_for)
                 stopper = StopFilter(stop) if stop else None
                 tokens_seen, emitted = [0], [0]
                 stream.rewind()
@@ -291,7 +298,7 @@ class HostRequests:
                     log.info("request %s failed after %d event(s) handed to its client (%s); it runs again once "
                              "the session serves, and its stream goes on where it paused", req, len(stream.sent), e)
                     retried.append(str(e))
-                    self.on_ring.discard(req)
+                    self.session.on_ring.discard(req)
                     req = uuid.uuid4().hex[:12]
             if stopper is not None and stopper.stopped:
                 result = {k: v for k, v in result.items() if k not in ("cancel_reason", "cancelled_at_tokens")}
@@ -317,11 +324,11 @@ class HostRequests:
                                           f"{str(result.get('cancel_reason')).rstrip('.')}.", tokens=n_tokens)
             return result
         finally:
-            self.admission.release(slot)
-            if req in self.on_ring:
-                self.on_ring.discard(req)
+            self.session.admission.release(slot)
+            if req in self.session.on_ring:
+                self.session.on_ring.discard(req)
                 self._wake_waiters()
-            self.node.changed()
+            self.session.node.changed()
 
     async def _run_attempt(self, req: str, prompt: str, max_tokens: int, temperature: float,
                            sampling: Optional[Sampling], n_prompt: int, emit, gone: Optional[trio.Event],
@@ -332,16 +339,16 @@ class HostRequests:
         Raises:
             GenerationError: the ring broke, a member was lost, or the head failed the request.
         """
-        head = self.machine.head()
+        head = self.session.machine.head()
         local = head is None or head.is_host
-        ring = self.ring
+        ring = self.session.ring
 
         def cancel(reason: str) -> None:  # never waits: safe from any task (see `generate`)
             if local:
                 ring.cancel(req, reason)
-            elif req in self.generations:
+            elif req in self.session.generations:
                 try:
-                    self.generations[req].send_nowait(cf.Cancel(req=req, reason=reason))
+                    self.session.generations[req].send_nowait(cf.Cancel(req=req, reason=reason))
                 except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
 
@@ -396,9 +403,9 @@ class HostRequests:
         ring broken) that happened under plan `epoch`, waiting at most LOSS_SETTLE_S for the host to
         notice it (a ring can break a moment before the loss reaches the session machine)."""
         with trio.move_on_after(LOSS_SETTLE_S):
-            while self.state == sm.HostState.READY and self.machine.epoch == epoch:
+            while self.session.state == sm.HostState.READY and self.session.machine.epoch == epoch:
                 await self._next_change(None)
-        return self.returning() or (self.state == sm.HostState.READY and self.machine.epoch != epoch)
+        return self.returning() or (self.session.state == sm.HostState.READY and self.session.machine.epoch != epoch)
 
     async def _generate_remote(self, head, req: str, prompt: str, max_tokens: int, temperature: float,
                                emit, sampling: Optional[Sampling] = None) -> dict:
@@ -406,11 +413,11 @@ class HostRequests:
         (by `generate`), or `emit` raising, sends the head a `cancel` frame; the result then has
         `"finish_reason": "cancelled"` once the head answered (or CANCEL_WAIT_S passed). A
         `RequestFailed` on the channel (the session failed the request) raises GenerationError."""
-        link = self.links.get(head.peer_id)
+        link = self.session.links.get(head.peer_id)
         if link is None:
             raise GenerationError(f"member {head.name} is unreachable: its control link is down")
         send, recv = trio.open_memory_channel(GEN_BUFFER_EVENTS)
-        self.generations[req] = send
+        self.session.generations[req] = send
         token_ids: list[int] = []
         text: list[str] = []
         cancelled: dict = {}
@@ -477,24 +484,24 @@ class HostRequests:
                         pass
             raise
         finally:
-            self.generations.pop(req, None)
+            self.session.generations.pop(req, None)
 
     def _record_generation(self, result: dict, epoch: Optional[int] = None) -> None:
         """Trace a finished request; its stages' decode times become `measured_stage_s` when it ran
         under the current plan (`epoch`; None: the current one)."""
-        names = {e.peer_id: e.name for e in self.members.values()}
-        if epoch is None or epoch == self.machine.epoch:
+        names = {e.peer_id: e.name for e in self.session.members.values()}
+        if epoch is None or epoch == self.session.machine.epoch:
             for pid, steps, total_s, median_s, nbytes in result.get("stats", []):
                 if pid in names:
-                    self.measured_stage_s[names[pid]] = median_s
-            self._check_stages(result, epoch)  # reports against measurement (issue 22 item 5)
-        self.last_generation = {k: v for k, v in result.items() if k not in ("text", "token_ids")}
-        self._write_trace("generation", **{k: v for k, v in result.items() if k != "text"},
+                    self.session.measured_stage_s[names[pid]] = median_s
+            self.session._check_stages(result, epoch)  # reports against measurement (issue 22 item 5)
+        self.session.last_generation = {k: v for k, v in result.items() if k not in ("text", "token_ids")}
+        self.session._write_trace("generation", **{k: v for k, v in result.items() if k != "text"},
                           stages={names.get(s[0], s[0]): {"steps": s[1], "compute_s": s[2], "decode_stage_s": s[3],
                                                           "ring_bytes_sent": s[4]} for s in result.get("stats", [])},
-                          predicted_stage_s=self.plan.stage_s if self.plan else {},
-                          path=stagehost.edge_paths(self), edges=stagehost.generation_edges(self, result))
-        self.node.changed()
+                          predicted_stage_s=self.session.plan.stage_s if self.session.plan else {},
+                          path=stagehost.edge_paths(self.session), edges=stagehost.generation_edges(self.session, result))
+        self.session.node.changed()
 
     async def off_loop(self, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` (tokenizing, a chat template) in a worker thread, at most TOKENIZE_THREADS at
@@ -535,9 +542,9 @@ class HostRequests:
 
     def chat_tokenizer(self):
         """The model's tokenizer on the host, loaded off the trio thread when the session starts."""
-        if self._chat_tokenizer is None:  # only before run(): tests and tools that never started it
-            self._chat_tokenizer = stagehost.executor().synth.load_tokenizer(self.model_dir)
-        return self._chat_tokenizer
+        if self.session._chat_tokenizer is None:  # only before run(): tests and tools that never started it
+            self.session._chat_tokenizer = stagehost.executor().synth.load_tokenizer(self.session.model_dir)
+        return self.session._chat_tokenizer
 
 
 def resumable(temperature: float, sampling: Optional[Sampling]) -> bool:

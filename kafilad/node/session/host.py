@@ -43,11 +43,13 @@ from kafilad.proto.identity import compose_session_code, peer_id as peer_id_of
 log = logging.getLogger("kafilad.host")
 
 
-class HostSession(HostRequests, SessionDriver):
+class HostSession(SessionDriver):
     """One session hosted by this daemon. Runs inside the node's root nursery.
 
     Attributes:
         machine: the session's state (HostMachine); ``state``, ``error`` and ``members`` read it.
+        requests: its requests (kafilad/node/serving/host_requests.py HostRequests), a part that
+            generate, wait_serving, prompt_tokens, chat_prompt and the like below hand over to.
     """
 
     role = "host"
@@ -56,6 +58,7 @@ class HostSession(HostRequests, SessionDriver):
                  rendezvous: str, open_: bool, admit_timeout_s: float, queue_limit: Optional[int] = None,
                  strategy: str = DEFAULT_STRATEGY, head_self: bool = False, head_any: bool = False):
         super().__init__(node)
+        self.requests = HostRequests(self)
         self.strategy = strategy  # the planner's division (DESIGN §5.3, §5.5; `host --strategy`)
         #: `host --head self`: this host is the head of every plan (it alone sees prompts and samples)
         self.head_self = head_self
@@ -103,6 +106,55 @@ class HostSession(HostRequests, SessionDriver):
         self.on_ring: set[str] = set()  # requests running on the ring (host_requests.drain_for)
         self._t0 = self._replan_t0 = time.perf_counter()
 
+
+    # ---- requests: the session's API to its clients, served by its `requests` part ------------
+    async def generate(self, prompt: str, **kw) -> dict:
+        """Run one request (HostRequests.generate: arguments, result and errors as stated there)."""
+        return await self.requests.generate(prompt, **kw)
+
+    async def wait_serving(self, gone=None) -> None:
+        """Wait until the session serves (HostRequests.wait_serving)."""
+        await self.requests.wait_serving(gone)
+
+    def returning(self) -> bool:
+        """Whether the session heals and will serve again (HostRequests.returning)."""
+        return self.requests.returning()
+
+    async def prompt_tokens(self, prompt: str, limit=None) -> tuple[int, bool]:
+        """The prompt's token count (HostRequests.prompt_tokens)."""
+        return await self.requests.prompt_tokens(prompt, limit)
+
+    def chat_prompt(self, messages, tools=None) -> str:
+        """The chat template applied (HostRequests.chat_prompt)."""
+        return self.requests.chat_prompt(messages, tools)
+
+    def chat_tokenizer(self):
+        """The model's tokenizer for chat templates (HostRequests.chat_tokenizer)."""
+        return self.requests.chat_tokenizer()
+
+    async def off_loop(self, fn, *args):
+        """Run `fn(*args)` on a bounded worker thread (HostRequests.off_loop)."""
+        return await self.requests.off_loop(fn, *args)
+
+    @property
+    def rehosted(self) -> bool:
+        return self.requests.rehosted
+
+    @rehosted.setter
+    def rehosted(self, value: bool) -> None:
+        self.requests.rehosted = value
+
+    @property
+    def has_served(self) -> bool:
+        return self.requests.has_served
+
+    @property
+    def plan_waits(self):
+        return self.requests.plan_waits
+
+    def _handled(self) -> None:
+        """After each event (SessionDriver._handle): the requests part's bookkeeping and waking."""
+        self.requests._handled()
     # ---- the machine's view (state, error, rendezvous_lost: SessionDriver) ----------------
     @property
     def members(self) -> dict:
@@ -485,7 +537,7 @@ class HostSession(HostRequests, SessionDriver):
             return
         ev = sm.Planned(plan=plan.to_json(), blocks=dict(plan.blocks), head=plan.head, order=tuple(plan.order),
                         seq=seq, standby=tuple(plan.standby))
-        await self.drain_for(ev)  # a plan replacing the serving ring lets its requests finish first
+        await self.requests.drain_for(ev)  # a plan replacing the serving ring lets its requests finish first
         self._plans[seq] = plan  # shown (`plan`) once the machine takes it; a stale answer it drops never is
         await self._handle(ev)
         kept = self.machine.planned.seq if self.machine.planned is not None else seq
@@ -675,7 +727,7 @@ class HostSession(HostRequests, SessionDriver):
                 "fleet": self.fleet_json() if self.fleet_devices else None,
                 "plan": plan.to_json() if plan else None, "epoch": self.machine.epoch,
                 "edges": stagehost.session_edges(self),
-                "schedule": self._schedule_status(), "plan_waits": self.plan_waits,
+                "schedule": self._schedule_status(), "plan_waits": self.requests.plan_waits,
                 "prompt_cache": self._prompt_cache_status(), "speculation": self._speculation_status()}
 
     def _speculation_status(self) -> Optional[dict]:
