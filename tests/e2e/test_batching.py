@@ -84,34 +84,34 @@ def test_stories260k_four_concurrent_requests_batch_and_match_alone(tmp_path, st
         assert got[STORIES_PROMPT]["token_ids"] == STORIES_REFERENCE_IDS
 
 
-def test_member_killed_mid_batch_fails_every_request_with_its_name(tmp_path, synth_llama):
+def test_member_killed_mid_batch_pauses_every_request_which_goes_on_identical(tmp_path, synth_llama):
+    """Every request of a batch streams when a member is killed: each pauses while the ring heals
+    over the survivors, then goes on, its tokens those of the undisturbed greedy run (issue 25 item 4)."""
     with LoopbackCluster(3, root=str(tmp_path / "c")) as c:
         status = c.form(str(synth_llama), concurrency=4)["status"]
         victim = next(m["name"] for m in status["members"] if not m["head"] and m["name"] != "m0")
         vi = c.names.index(victim)
         prompts = [p for p, _ in JOBS]
-        streamed = {p: 0 for p in prompts}
-        errors: dict = {}
+        async def events_of(prompt):
+            return [(b.get("token_id"), b.get("text")) async for kind, b in
+                    c.client(0).stream("generate", prompt=prompt, max_tokens=120) if kind == "event"]
+        reference = {p: trio.run(events_of, p) for p in prompts}  # undisturbed, one at a time
+        streamed: dict = {p: [] for p in prompts}
 
         async def one(prompt):
-            try:
-                async for kind, body in c.client(0).stream("generate", prompt=prompt, max_tokens=200):
-                    if kind == "event":
-                        streamed[prompt] += 1
-                        if all(n >= 3 for n in streamed.values()) and c.daemons[vi].poll() is None:
-                            c.daemons[vi].send_signal(signal.SIGKILL)  # every request is in the batch
-            except KafilaError as e:
-                errors[prompt] = str(e)
+            async for kind, body in c.client(0).stream("generate", prompt=prompt, max_tokens=120):
+                if kind == "event":
+                    streamed[prompt].append((body.get("token_id"), body.get("text")))
+                    if all(len(n) >= 3 for n in streamed.values()) and c.daemons[vi].poll() is None:
+                        c.daemons[vi].send_signal(signal.SIGKILL)  # every request is in the batch
 
         async def main():
             async with trio.open_nursery() as nursery:
                 for p in prompts:
                     nursery.start_soon(one, p)
         trio.run(main)
-        assert set(errors) == set(prompts), streamed
-        assert all(victim in e for e in errors.values()), errors
-        assert all(3 <= n < 200 for n in streamed.values()), streamed
-        c.daemons[vi].wait(10)
+        assert c.daemons[vi].wait(10) is not None  # the kill happened mid-batch
+        assert streamed == reference  # each event once, in order: a pause, neither an error nor a repeat
         snap = c.call(0, "wait", states=["ready"], timeout_s=30)  # healed over the survivors (issue 8)
         assert [m for m in snap["members"] if m["name"] == victim][0]["lost"]
         for i, p in enumerate(c.daemons):
