@@ -20,7 +20,7 @@ TURN1 = "The lighthouse keeper counted the ships that passed the rocks at night.
                          ids=["host-head", "remote-head"])
 def test_the_next_turn_starts_from_the_last(tmp_path, synth_llama, capability):
     with HeadCluster(3, root=str(tmp_path / "c"), host_capability=capability) as c:
-        c.form(str(synth_llama), context=2048)
+        c.form(str(synth_llama), context=2048, head="auto")
         if capability["bandwidth_Bps"] < 1e9:  # a member heads once its report is confirmed (issue 22 item 5)
             assert head_after_reports_checked(c) != "m0"
         first = c.generate(TURN1, 24)

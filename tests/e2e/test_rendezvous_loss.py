@@ -50,7 +50,7 @@ def form_with_head(c: LoopbackCluster, model: str, want_host_head: bool) -> dict
         if attempt:
             for i in range(c.n):
                 c.call(i, "leave")
-        st = c.form(model)["status"]
+        st = c.form(model, head="auto")["status"]
         if (st["plan"]["head"] == c.names[0]) == want_host_head:
             break
     return st

@@ -43,7 +43,7 @@ def client(request, tmp_path_factory, synth_llama):
     c = HeadCluster(3, root=str(tmp_path_factory.mktemp("c")), host_capability=REMOTE_HEAD if remote else HOST_HEAD)
     c.__enter__()
     try:
-        c.form(str(synth_llama), context=4096)
+        c.form(str(synth_llama), context=4096, head="auto")
         # no member heads on its word alone (issue 22 item 5): the host heads until a member's report is confirmed
         head = head_after_reports_checked(c) if remote else \
             next(m["name"] for m in c.call(0, "status")["members"] if m["head"])
