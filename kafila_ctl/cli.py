@@ -612,7 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_leave)
     s = sub.add_parser("stop", help="stop the daemon")
     s.set_defaults(func=cmd_stop)
-    s = sub.add_parser("schedule", help="show or set the head's decode schedule (host as head)")
+    s = sub.add_parser("schedule", help="show or set the head's decode schedule (on the host or the member that heads the ring)")
     s.add_argument("mode", nargs="?", default=None,
                    help="auto (micro-batches from measured stage times, the default), lockstep, per-request, "
                         "or a number of micro-batches in flight")

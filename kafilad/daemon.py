@@ -12,6 +12,7 @@ import math
 import random
 import signal
 import time
+import uuid
 from functools import partial
 from typing import Optional
 
@@ -34,6 +35,8 @@ from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
 log = logging.getLogger("kafilad")
 
 DEFAULT_ADMIT_TIMEOUT_S = 120.0
+#: how long `kafila-ctl schedule` waits for a member head's answer (one ctl round trip and a decision)
+SCHEDULE_ANSWER_S = 10.0
 
 
 def _strategy(args: dict) -> str:
@@ -555,9 +558,10 @@ class Node:
                                 gone=getattr(emit, "client_gone", None))
 
     async def op_schedule(self, args: dict, emit) -> dict:
-        """Show or set the head's decode schedule (kafilad/node/serving/schedule_settings.py `apply_schedule`); the
-        host must be the ring's head. A setting lasts for the session, replans included."""
-        from kafilad.node.serving.schedule_settings import apply_schedule, parse_schedule
+        """Show or set the head's decode schedule (kafilad/node/serving/schedule_settings.py `apply_schedule`),
+        on the host or, when a member is the ring's head, on that member through its ctl link. A
+        setting lasts for the session, replans that keep the head included."""
+        from kafilad.node.serving.schedule_settings import apply_schedule, parse_schedule, schedule_result
         s = self._host_session()
         mode, m = args.get("mode"), None
         if mode is not None:  # a bad setting is refused for what it is, wherever the head runs
@@ -574,10 +578,12 @@ class Node:
             raise KafilaError(f"The session has no ring yet (it is {getattr(s.state, 'value', s.state)}); "
                               "set the schedule once it is ready.")
         sched = s.ring.scheduler
-        if sched is None:
-            head = (s.plan.head if s.plan is not None else None) or "not chosen yet"
-            raise KafilaError(f"This host is not the ring's head (the head is {head}); set KAFILA_MICRO_BATCHES "
-                              "or KAFILA_BATCH in the head daemon's environment instead.")
+        if sched is None:  # a member is the head: it applies the schedule (proto_spec 05 §2 `schedule`)
+            result = await self._schedule_on_member_head(s, None if mode is None else str(mode))
+            if mode is not None:
+                s.schedule_mode = mode
+                self.changed()
+            return result
         if mode is not None:
             try:
                 apply_schedule(sched, m)
@@ -585,9 +591,36 @@ class Node:
                 raise KafilaError(str(e)) from None
             s.schedule_mode = mode
             self.changed()
-        return {"mode": "per-request" if not sched.batching else ("auto" if sched.policy.pinned is None else
-                                                                   sched.policy.pinned),
-                **sched.policy.snapshot()}
+        return schedule_result(sched)
+
+    async def _schedule_on_member_head(self, s, mode: Optional[str]) -> dict:
+        """Ask the member that heads the ring to show or set its decode schedule (`schedule` /
+        `schedule_state` on its ctl link, proto_spec 05 §2); its answer within SCHEDULE_ANSWER_S.
+
+        Raises:
+            KafilaError: no head member reachable, no answer in time, or the head's refusal (a sentence).
+        """
+        from kafilad.proto import control as cf
+        order = list(s.ring_order)
+        link = s.links.get(order[0]) if order else None
+        head = s.members[order[0]].name if order and order[0] in s.members else "not chosen yet"
+        if link is None or link.closed_reason is not None:
+            raise KafilaError(f"The ring's head ({head}) cannot be reached now; set the schedule once the "
+                              "session is ready.")
+        req = f"schedule-{uuid.uuid4().hex[:12]}"
+        send, recv = trio.open_memory_channel(1)
+        s.generations[req] = send  # the host's ctl reader routes the answer by `req`
+        try:
+            await link.send(cf.Schedule(req=req, mode=mode).to_wire())
+            with trio.move_on_after(SCHEDULE_ANSWER_S):
+                answer = await recv.receive()
+                if answer.error is not None:
+                    raise KafilaError(answer.error)
+                return dict(answer.result or {})
+            raise KafilaError(f"The ring's head ({head}) did not answer the schedule within "
+                              f"{SCHEDULE_ANSWER_S:.0f} s; try again.")
+        finally:
+            s.generations.pop(req, None)
 
     async def op_speculate(self, args: dict, emit) -> dict:
         """Show or set the head's speculative decoding (kafilad/node/serving/drafts.py): "auto", "off" or

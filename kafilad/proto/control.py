@@ -336,6 +336,27 @@ class Cancel(ControlFrame):
     reason: Optional[str] = _field(str, optional=True)
 
 
+@_frame("schedule")
+class Schedule(ControlFrame):
+    """host -> head member: show (`mode` absent) or set the head's decode schedule for
+    `kafila-ctl schedule` when a member is the head (proto_spec 05 §2). `mode` as the user gave it:
+    auto | lockstep | per-request | M. Answered by `schedule_state` with the same `req`."""
+
+    req: str = _field(str)
+    mode: Optional[str] = _field(str, optional=True)
+
+
+@_frame("schedule_state")
+class ScheduleState(ControlFrame):
+    """head -> host: the answer to `schedule` (proto_spec 05 §2): `result` as the host's own
+    `schedule` op gives it ({"mode", "micro_batches", ...}), or `error`, a sentence (this member is
+    not the head now, or the mode cannot be applied)."""
+
+    req: str = _field(str)
+    result: Optional[dict] = _field(dict, optional=True)
+    error: Optional[str] = _field(str, optional=True)
+
+
 @_frame("ping")
 class Ping(ControlFrame):
     """Either side, every KEEPALIVE interval: proof of life on a ctl link (issue 8 §1; proto_spec 05 §2.3).

@@ -349,3 +349,26 @@ def test_a_member_killed_under_an_http_request_pauses_it_and_it_completes_identi
         assert len(c.generate("Kafila serves", 8)["token_ids"]) == 8
     finally:
         c.stop()
+
+
+# ---- `kafila-ctl schedule` with a member as the head (issue 25 item 6) ------------------------------
+def test_schedule_shows_and_sets_the_schedule_of_a_member_head(remote_head):
+    """`kafila-ctl schedule` answered "This host is not the ring's head ... set KAFILA_MICRO_BATCHES in
+    the head daemon's environment" when the default division made a member the head. The host asks
+    the head over its ctl link (proto_spec 05 §2 `schedule`): the schedule is shown and set there,
+    and the tokens stay the same."""
+    c = remote_head
+    expected = c.generate("Kafila serves", 12)["token_ids"]
+    shown = c.call(0, "schedule")
+    assert shown["mode"] == "auto" and shown["micro_batches"] >= 1
+    r = subprocess.run([sys.executable, "-m", "kafila_ctl.cli", "--state-dir", str(c.state_dir(0)), "schedule",
+                        "per-request"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "decode schedule: per-request (every request decodes in its own passes)"
+    assert c.call(0, "schedule")["mode"] == "per-request"  # read back from the head member
+    assert c.generate("Kafila serves", 12)["token_ids"] == expected
+    assert c.call(0, "schedule", mode=1)["pinned"] == 1
+    assert c.call(0, "schedule", mode="auto")["mode"] == "auto"
+    assert c.generate("Kafila serves", 12)["token_ids"] == expected
+    with pytest.raises(KafilaError, match="Unknown schedule 'fast'"):
+        c.call(0, "schedule", mode="fast")  # refused on the host, before the head is asked

@@ -340,6 +340,8 @@ def sample_frames() -> dict:
         cf.GenEvent(req="r1", event={"t": "token", "token_id": 5, "text": " upon"}),
         cf.GenDone(req="r1", result=result), cf.GenError(req="r1", message="member beta is unreachable"),
         cf.Cancel(req="r1", reason="The request's caller stopped waiting."), cf.Ping(n=3),
+        cf.Schedule(req="schedule-1", mode="per-request"),
+        cf.ScheduleState(req="schedule-1", result={"mode": "auto", "micro_batches": 1}, error="m2 is not the head now."),
         cf.Cancel(req="r1", reason="The client went away."),
         cf.SessionFailed("member beta (B) left the session: gone"),
         cf.SessionClosed("the host closed the session"),

@@ -107,3 +107,11 @@ def apply_schedule(scheduler, mode) -> None:
 def batching_enabled(environ=os.environ) -> bool:
     """Whether decode steps are batched (the default) or per request (`KAFILA_BATCH=0`)."""
     return environ.get(BATCH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def schedule_result(scheduler) -> dict:
+    """The `schedule` op's answer for a head's scheduler: {"mode": "auto" | "per-request" | M pinned,
+    plus the step policy's snapshot (micro_batches in flight, ...)}."""
+    mode = "per-request" if not scheduler.batching else ("auto" if scheduler.policy.pinned is None
+                                                         else scheduler.policy.pinned)
+    return {"mode": mode, **scheduler.policy.snapshot()}

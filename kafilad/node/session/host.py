@@ -478,7 +478,7 @@ class HostSession(SessionDriver):
                 pass
             elif isinstance(f, cf.Fetch):
                 await fetches.take(f)
-            elif isinstance(f, (cf.GenEvent, cf.GenDone, cf.GenError)):
+            elif isinstance(f, (cf.GenEvent, cf.GenDone, cf.GenError, cf.ScheduleState)):
                 ch = self.generations.get(f.req)
                 if ch is not None:
                     try:

@@ -317,6 +317,8 @@ class MemberSession(SessionDriver):
                 self.fetcher.deliver(f)
             elif isinstance(f, cf.Gen):
                 self.nursery.start_soon(self._serve_generation, f)
+            elif isinstance(f, cf.Schedule):  # `kafila-ctl schedule` on the host, this member the head
+                await self.send_ctl(self._answer_schedule(f).to_wire())
             elif isinstance(f, cf.Cancel):  # the request's client went away (proto_spec 05 §2.4)
                 if self.ring is not None and self.ring.head:
                     self.ring.cancel(f.req, f.reason or "The host cancelled the request.", before_start=True)
@@ -444,6 +446,22 @@ class MemberSession(SessionDriver):
         await ring.broken_event.wait()
         if self.state in (sm.MemberState.LOADING, sm.MemberState.READY):
             await self._handle(sm.RingFailed(ring.broken_member, ring.broken, getattr(ring, "epoch", None)))
+
+    def _answer_schedule(self, f: cf.Schedule) -> cf.ScheduleState:
+        """Show or set this head's decode schedule (proto_spec 05 §2 `schedule`); the setting outlives
+        a replan that keeps this member the head (SessionDriver applies `schedule_mode`)."""
+        from kafilad.node.serving.schedule_settings import apply_schedule, parse_schedule, schedule_result
+        sched = self.ring.scheduler if self.ring is not None else None
+        if sched is None:
+            return cf.ScheduleState(req=f.req, error=f"{self.node.name} is not the ring's head now; send the "
+                                                   "schedule again once the session is ready.")
+        if f.mode is not None:
+            try:
+                apply_schedule(sched, parse_schedule(f.mode))
+            except ValueError as e:
+                return cf.ScheduleState(req=f.req, error=str(e))
+            self.schedule_mode = f.mode
+        return cf.ScheduleState(req=f.req, result=schedule_result(sched))
 
     async def _serve_generation(self, f: cf.Gen) -> None:
         from kafilad.errors import INVALID_LOGIT_BIAS, GenerationError
