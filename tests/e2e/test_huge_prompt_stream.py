@@ -5,7 +5,7 @@ real daemons on loopback serving stories260K; the refusal comes from the tokeniz
 (kafilad/executor/tokenizer.py `min_tokens`), any tokenizing from a worker thread
 (kafilad/node/serving/host_requests.py `off_loop`). Where the prompt is read (off the event loop) is
 counted in tests/control/test_huge_prompt.py; this test asserts what the clients and the ring saw
-(the stream whole, the refusal, the session still ready), not how fast.
+(the stream whole, the refusal, the ring never broken), not how fast.
 """
 
 from __future__ import annotations
@@ -55,6 +55,14 @@ def test_a_stream_runs_on_while_a_huge_prompt_is_refused(tmp_path):
             "The prompt (at least 560000 tokens) plus 'max_tokens' 1 exceeds the session's context of 512 tokens.")
         assert streamed.endswith(b"data: [DONE]\n\n") and b'"error"' not in streamed, bytes(streamed[-400:])
         assert big["answered_s"] < chunk_s[-1]  # refused while the stream ran
-        status = c.call(0, "status")
-        assert status["state"] == "ready" and not any(m["lost"] for m in status["members"]), status["members"]
+        # The ring stayed whole: no member lost, no ring broken. Once the stream ends the host checks
+        # members' reports against their stages (issue 22 item 5); on a loaded machine a stage may
+        # measure off its report and the host plans again ("reassessed"): that replan is the
+        # product's, not the huge prompt's, so wait for it to settle.
+        status = c.call(0, "wait", states=["ready"], timeout_s=60)
+        events = [r for r in c.call(0, "trace") if r["event"] in ("member_lost", "ring_broken", "degraded",
+                                                                   "session_failed", "replanned", "reassessed")]
+        assert not [r for r in events if r["event"] not in ("replanned", "reassessed")], events
+        assert sum(r["event"] == "replanned" for r in events) == sum(r["event"] == "reassessed" for r in events), events
+        assert not any(m["lost"] for m in status["members"]), status["members"]
         assert (status.get("schedule") or {}).get("stalls", []) == [], status["schedule"]  # no ring pass overdue
