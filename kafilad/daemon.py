@@ -20,7 +20,7 @@ import trio
 
 from kafilad.control.api import OPS
 from kafilad.control.server import serve_control
-from kafilad.errors import KafilaError, RendezvousRefused, collapse_groups
+from kafilad.errors import HEAD_UNREACHABLE, KafilaError, RendezvousRefused, collapse_groups
 from kafilad.modelref import resolve_model_dir
 from kafilad.planner.plan import DEFAULT_STRATEGY
 from kafilad.node.session import comeback
@@ -606,7 +606,7 @@ class Node:
         head = s.members[order[0]].name if order and order[0] in s.members else "not chosen yet"
         if link is None or link.closed_reason is not None:
             raise KafilaError(f"The ring's head ({head}) cannot be reached now; set the schedule once the "
-                              "session is ready.")
+                              "session is ready.", code=HEAD_UNREACHABLE)
         req = f"schedule-{uuid.uuid4().hex[:12]}"
         send, recv = trio.open_memory_channel(1)
         s.generations[req] = send  # the host's ctl reader routes the answer by `req`

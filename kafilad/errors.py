@@ -17,6 +17,7 @@ ADMIT_TIMEOUT = "admit_timeout"
 SESSION_FAILED = "session_failed"
 HOST_KEY_MISMATCH = "host_key_mismatch"
 DUPLICATE_PEER = "duplicate_peer"
+HEAD_UNREACHABLE = "head_unreachable"  # a member head the host must ask cannot be reached now (proto_spec 05 §4)
 SHUTTING_DOWN = "shutting_down"  # the daemon stops, so the operation was not finished (proto_spec 05 §4)
 
 
@@ -29,6 +30,11 @@ class KafilaError(Exception):
     """
 
     code: str = ""
+
+    def __init__(self, *args, code: str | None = None):
+        super().__init__(*args)
+        if code is not None:
+            self.code = code
 
 
 class LocalProtocolError(KafilaError):
