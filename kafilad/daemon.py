@@ -560,7 +560,8 @@ class Node:
     async def op_schedule(self, args: dict, emit) -> dict:
         """Show or set the head's decode schedule (kafilad/node/serving/schedule_settings.py `apply_schedule`),
         on the host or, when a member is the ring's head, on that member through its ctl link. A
-        setting lasts for the session, replans that keep the head included."""
+        setting lasts for the session, replans included: the plan frame carries it to a head that a
+        replan moves to a member (proto_spec 05 §2 `plan`)."""
         from kafilad.node.serving.schedule_settings import apply_schedule, parse_schedule, schedule_result
         s = self._host_session()
         mode, m = args.get("mode"), None

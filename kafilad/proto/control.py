@@ -172,6 +172,9 @@ class PlanFrame(ControlFrame):
     #: every tensor of the checkpoint as [name, dtype, shape], for the model's own sanitize
     #: (kafilad/executor/stage.py `build_stage`); absent: the member's tensors only
     checkpoint: Optional[list] = _field(list, optional=True)
+    #: to the head only: the decode schedule `kafila-ctl schedule` set in this session (schedule_settings
+    #: `parse_schedule`'s words), so the setting follows the head when a replan moves it; absent: none set
+    schedule: Optional[str] = _field(str, optional=True)
 
 
 @_frame("fetch")

@@ -567,9 +567,16 @@ class HostSession(SessionDriver):
             await self._perform(sm.Send(pid, cf.PlanFrame(plan=planned.plan, ring=order, roster=roster, start=start,
                                                           end=end, head=head, tensors=tensors, files=files,
                                                           epoch=epoch, dtype=stagehost.stage_dtype(planned.plan, e.name),
-                                                          checkpoint=self.files.info.checkpoint_shapes())))
+                                                          checkpoint=self.files.info.checkpoint_shapes(),
+                                                          schedule=self._head_schedule() if head else None)))
         if epoch == self.machine.epoch:
             self.nursery.start_soon(self._run_stage, roster, epoch)
+
+    def _head_schedule(self) -> Optional[str]:
+        """The decode schedule `kafila-ctl schedule` set in this session, as the plan frame carries it
+        to a member head (proto_spec 05 §2 `plan`), or None when none was set."""
+        mode = getattr(self, "schedule_mode", None)
+        return None if mode is None else str(mode)
 
     async def _run_stage(self, roster: dict, epoch: int) -> None:
         """The host's stage of plan `epoch`, in its own cancel scope (a replan ends it)."""

@@ -375,6 +375,8 @@ class MemberSession(SessionDriver):
         epoch = f.epoch or 0
         try:
             self.ring_order = [str(p) for p in f.ring]
+            if f.head:
+                self._take_schedule(f.schedule)
             self.roster = {pid: {"name": str(r["name"]), "public_key": bytes(r["public_key"])}
                            for pid, r in f.roster.items()}
             all_cached = await trio.to_thread.run_sync(lambda: all(  # file lookups, off the trio thread
@@ -446,6 +448,19 @@ class MemberSession(SessionDriver):
         await ring.broken_event.wait()
         if self.state in (sm.MemberState.LOADING, sm.MemberState.READY):
             await self._handle(sm.RingFailed(ring.broken_member, ring.broken, getattr(ring, "epoch", None)))
+
+    def _take_schedule(self, mode: Optional[str]) -> None:
+        """Hold the decode schedule a plan frame carries to this head (proto_spec 05 §2 `plan`; None:
+        the host set none), which the driver applies to the ring it makes; a setting this daemon
+        cannot read is logged and left."""
+        from kafilad.node.serving.schedule_settings import parse_schedule
+        try:
+            if mode is not None:
+                parse_schedule(mode)
+        except ValueError as e:
+            log.warning("the host's plan carries a schedule this daemon cannot apply (%s); the default stays", e)
+            return
+        self.schedule_mode = mode
 
     def _answer_schedule(self, f: cf.Schedule) -> cf.ScheduleState:
         """Show or set this head's decode schedule (proto_spec 05 §2 `schedule`); the setting outlives
