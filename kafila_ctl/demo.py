@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import shutil
 import signal
 import subprocess
@@ -58,8 +59,13 @@ class LoopbackCluster:
     """
 
     def __init__(self, n: int, *, root: Optional[str] = None, record_relay: bool = False,
-                 names: Optional[list[str]] = None, env: Optional[dict] = None):
+                 names: Optional[list[str]] = None, env: Optional[dict] = None,
+                 hop_delay_ms: Optional[float] = None, hop_mbps: Optional[float] = None):
         self.n = n
+        #: an emulated WAN hop in front of every daemon (kafila_ctl/wan_hops.py): each direct ring edge
+        #: is delayed `hop_delay_ms` each way and capped at `hop_mbps`; None: plain loopback
+        self.hop_delay_ms, self.hop_mbps = hop_delay_ms, hop_mbps
+        self.hops: list[tuple[subprocess.Popen, str, str]] = []  # (forwarder, its address, the daemon's UDP address)
         self._own_root = root is None
         self.root = Path(root or tempfile.mkdtemp(prefix="kafila-demo-"))
         self.root.mkdir(parents=True, exist_ok=True)
@@ -102,9 +108,32 @@ class LoopbackCluster:
                 "--rendezvous", self.rdv_url, "--http", "127.0.0.1:0"]
 
     def daemon_env(self, i: int) -> dict:
-        return self.env
+        if not self.hops:
+            return self.env
+        _proc, advertised, bind = self.hops[i]
+        return {**self.env, "KAFILA_UDP_BIND": bind, "KAFILA_TEST_ADVERTISE": advertised}
+
+    def start_hops(self) -> None:
+        """One WAN hop forwarder per daemon (`python -m kafila_ctl.wan_hops`), in front of a UDP port
+        chosen for the daemon; its address is the daemon's only candidate (KAFILA_TEST_ADVERTISE)."""
+        for i in range(self.n):
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.bind(("127.0.0.1", 0))
+                bind = f"127.0.0.1:{s.getsockname()[1]}"
+            cmd = [sys.executable, "-m", "kafila_ctl.wan_hops", "--listen", "127.0.0.1:0", "--upstream", bind,
+                   "--hop-delay-ms", str(self.hop_delay_ms)] + (["--hop-mbps", str(self.hop_mbps)] if self.hop_mbps else [])
+            log = open(self.root / f"hop-{self.names[i]}.log", "ab")
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=self.env)
+            self.hops.append((proc, "", bind))
+            line = proc.stdout.readline().decode()
+            m = re.search(r"listening on ([\d.]+:\d+)", line)
+            if not m:
+                raise KafilaError(f"The WAN hop forwarder did not start: {line!r}; see {self.root / f'hop-{self.names[i]}.log'}.")
+            self.hops[-1] = (proc, m.group(1), bind)
 
     def start(self) -> None:
+        if self.hop_delay_ms is not None:
+            self.start_hops()
         self.start_rendezvous()
         for i in range(self.n):
             self.daemons.append(self.start_daemon(i))
@@ -197,7 +226,7 @@ class LoopbackCluster:
         return self.call(0, "generate", prompt=prompt, max_tokens=max_tokens, temperature=temperature)
 
     def stop(self) -> None:
-        procs = [p for p in self.daemons if p is not None] + ([self.rdv] if self.rdv else [])
+        procs = [p for p in self.daemons if p is not None] + ([self.rdv] if self.rdv else []) + [h[0] for h in self.hops]
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -210,6 +239,9 @@ class LoopbackCluster:
                 p.wait()
         if self.rdv and self.rdv.stdout:
             self.rdv.stdout.close()
+        for proc, _, _ in self.hops:
+            if proc.stdout:
+                proc.stdout.close()
         if self._own_root and not os.environ.get("KAFILA_KEEP_DEMO"):
             shutil.rmtree(self.root, ignore_errors=True)
 

@@ -27,3 +27,37 @@ def test_probe_through_rate_cap_waits_for_the_bucket_once_the_burst_is_spent():
     clock = trio.testing.MockClock(autojump_threshold=0)
     rtts = trio.run(probe_rtt_ms, 10.0, 1.0, 5, 20000, clock=clock)
     assert rtts == pytest.approx([20.0, 20.0, 20.0, 75.712, 160.0], abs=1e-6)
+
+
+def test_each_client_has_its_own_mapping_and_gets_its_own_answers():
+    """Two peers reach one daemon through one forwarder (kafila_ctl.wan_hops.forward): the daemon sees
+    each from its own upstream socket, and each answer goes back to the peer it was for."""
+    from kafila_ctl.wan_hops import forward, udp_socket
+
+    async def main() -> tuple:
+        daemon = await udp_socket()
+        fwd = await udp_socket()
+        a, b = await udp_socket(), await udp_socket()
+        seen: list = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: forward(fwd, daemon.getsockname(), delay_ms=10.0))
+
+            async def answer() -> None:
+                while True:
+                    data, addr = await daemon.recvfrom(100)
+                    seen.append((data, addr))
+                    await daemon.sendto(b"re:" + data, addr)
+            nursery.start_soon(answer)
+            t0 = trio.current_time()
+            await a.sendto(b"from a", fwd.getsockname())
+            await b.sendto(b"from b", fwd.getsockname())
+            got_a, _ = await a.recvfrom(100)
+            got_b, _ = await b.recvfrom(100)
+            took_ms = (trio.current_time() - t0) * 1000
+            nursery.cancel_scope.cancel()
+        return got_a, got_b, seen, took_ms
+
+    got_a, got_b, seen, took_ms = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert (got_a, got_b) == (b"re:from a", b"re:from b")
+    assert [d for d, _ in seen] == [b"from a", b"from b"] and seen[0][1] != seen[1][1]  # two mappings
+    assert took_ms == pytest.approx(20.0, abs=1e-6)

@@ -45,6 +45,9 @@ Environment (read when used, so each daemon can differ):
   addressed to the connectivity checks of attempts ``try < N`` of every edge, as a firewall
   dropping the peer's UDP would, so those attempts fail honestly (no answer within the check
   timeout) and the edges relay; later re-probes run normally. Used by tests/e2e/test_upgrade.py.
+- ``KAFILA_TEST_ADVERTISE=IP:PORT`` (test hook): the daemon offers this address as its only
+  candidate, a host candidate (an emulated WAN hop's forwarder in front of its socket,
+  kafila_ctl/wan_hops.py), so every direct edge to it crosses that forwarder.
 """
 
 from __future__ import annotations
@@ -114,6 +117,20 @@ def dropped_check_attempts() -> int:
         return max(0, int(os.environ.get("KAFILA_TEST_DROP_CHECKS", "0")))
     except ValueError:
         return 0
+
+
+def advertised_candidate() -> Optional[tuple[str, int]]:
+    """Test hook ``KAFILA_TEST_ADVERTISE``: the (IP, PORT) offered as this daemon's only candidate, or
+    None (unset, or not IP:PORT: then a warning, and the daemon's own candidates)."""
+    text = os.environ.get("KAFILA_TEST_ADVERTISE", "").strip()
+    if not text:
+        return None
+    host, _, port = text.rpartition(":")
+    try:
+        return str(ipaddress.ip_address(host)), int(port)
+    except ValueError:
+        log.warning("KAFILA_TEST_ADVERTISE=%r is not IP:PORT; offering this daemon's own candidates", text)
+        return None
 
 
 class PathManager:
@@ -222,6 +239,9 @@ class PathManager:
         two members on one LAN or behind one NAT reach each other there), all with the socket's
         port; then the server-reflexive (STUN-mapped) address when it differs.
         """
+        advertised = advertised_candidate()
+        if advertised is not None:  # the KAFILA_TEST_ADVERTISE hook: a forwarder stands in front of us
+            return ice.candidates_to_sdp([ice.make_candidate("host", advertised)])
         port = self.endpoint.local_address[1]
         hosts: list[str] = []
         target = await self._rendezvous_target()

@@ -1,0 +1,31 @@
+"""Ring edges across emulated WAN hops (issue 24 item 2): three real daemons on loopback, each behind
+its own forwarder (kafila_ctl/wan_hops.py) that its only candidate names (the KAFILA_TEST_ADVERTISE
+hook). Every edge must still go direct, its connectivity check's round trip must carry two hop
+delays, each decode pass must carry three, and the tokens must be those of single-process mlx-lm.
+The delays are lower bounds on measured times, never wall-clock limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from kafila_ctl.demo import LoopbackCluster, packaged_model_dir
+from kafila_testing import STORIES_PROMPT, reference_tokens
+
+pytestmark = pytest.mark.slow
+
+HOP_DELAY_MS = 20.0
+TOKENS = 24
+
+
+def test_a_ring_across_delayed_hops_goes_direct_pays_every_hop_and_keeps_its_tokens(tmp_path):
+    model = packaged_model_dir()
+    with LoopbackCluster(3, root=str(tmp_path / "c"), hop_delay_ms=HOP_DELAY_MS) as c:
+        st = c.form(str(model))["status"]
+        advertised = {addr for _, addr, _ in c.hops}
+        assert len(st["edges"]) == 3 and all(e["path"] == "direct" for e in st["edges"]), st["edges"]
+        assert {e["remote"] for e in st["edges"]} <= advertised, (st["edges"], advertised)  # through the forwarders
+        assert all(e["rtt_ms"] >= 2 * HOP_DELAY_MS for e in st["edges"]), st["edges"]
+        result = c.generate(STORIES_PROMPT, TOKENS)
+        assert result["token_ids"] == reference_tokens(model, STORIES_PROMPT, TOKENS)
+        # a decode pass crosses the ring's three edges, each delayed once on the way
+        assert result["circuit_s_median"] >= 3 * HOP_DELAY_MS / 1000, result["circuit_s_median"]
