@@ -100,6 +100,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--plot", type=Path, default=None, help="PNG of tokens/s by strategy (needs matplotlib: the plot extra)")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     ap.add_argument("--root", default=None, help="keep the clusters' state dirs and logs here")
+    ap.add_argument("--hop-delay-ms", type=float, default=None,
+                    help="one-way delay of every direct ring hop (a WAN forwarder per daemon, kafila_ctl/wan_hops.py)")
+    ap.add_argument("--hop-mbps", type=float, default=None, help="rate cap of every direct ring hop, Mbit/s")
     ap.add_argument("--summarize", nargs="+", type=Path, metavar="JSON",
                     help="print the median of every ratio over the --json files of several runs, and exit")
     ap.add_argument("--mlx-pipeline-rank", nargs=3, metavar=("MODEL", "TOKENS", "RUNS"), help=argparse.SUPPRESS)
@@ -135,7 +138,8 @@ def measure_session(args, members: Sequence[Member], cgroups: Cgroups, base_cap:
 
 
 def _measure(args, members, cgroups, base_cap, model_dir, *, strategy, concurrency, saturated, log, FleetCluster):
-    with FleetCluster(members, cgroups, base_cap, args.root and str(Path(args.root) / f"{strategy}-{len(members)}")) as c:
+    with FleetCluster(members, cgroups, base_cap, args.root and str(Path(args.root) / f"{strategy}-{len(members)}"),
+                      getattr(args, "hop_delay_ms", None), getattr(args, "hop_mbps", None)) as c:
         t0 = time.perf_counter()
         snap = form(c, model_dir, strategy=strategy, concurrency=concurrency, context=args.context)
         form_s = time.perf_counter() - t0

@@ -176,6 +176,9 @@ def main() -> int:
     ap.add_argument("--strategy", default="uniform", help="the host's division (kafila-ctl host --strategy); "
                     "default uniform: a ring over every member with the same stages from run to run "
                     "(the host's own default, load, may leave some daemons of one machine standing by)")
+    ap.add_argument("--hop-delay-ms", type=float, default=None,
+                    help="one-way delay of every direct ring hop (a WAN forwarder per daemon, kafila_ctl/wan_hops.py)")
+    ap.add_argument("--hop-mbps", type=float, default=None, help="rate cap of every direct ring hop, Mbit/s")
     args = ap.parse_args()
     model = args.model
     if args.synth:
@@ -191,11 +194,16 @@ def main() -> int:
         env = {"KAFILA_DIRECT": "0" if mode == "relayed" else "1"}
         if args.timeline:
             env["KAFILA_STEP_TIMELINE"] = tempfile.mkdtemp(prefix="kafila-timeline-")
-        with (PinnedCluster if args.pin else LoopbackCluster)(args.members, record_relay=True, env=env) as c:
+        hops = {"hop_delay_ms": args.hop_delay_ms, "hop_mbps": args.hop_mbps} if mode == "direct" else {}
+        with (PinnedCluster if args.pin else LoopbackCluster)(args.members, record_relay=True, env=env, **hops) as c:
             formed = c.form(model, strategy=args.strategy)
             edges = [e["path"] for e in formed["status"].get("edges", [])]
             print(f"[{mode}] time to form the session: {formed['form_s']:.2f} s "
                   f"(blocks {formed['status']['plan']['blocks']}, head {formed['status']['plan']['head']}, edges {edges})")
+            if hops and args.hop_delay_ms is not None:  # the hops' probe: each edge's check round trip
+                rtts = ", ".join(f"{e.get('rtt_ms') or 0:.1f}" for e in formed["status"].get("edges", []))
+                print(f"[{mode}] WAN hops of {args.hop_delay_ms:g} ms one way: edge check RTTs {rtts} ms "
+                      f"(expected >= {2 * args.hop_delay_ms:g}; the relayed mode bypasses the hops)")
             if args.api:
                 results[mode] = api_rates(c, args, formed, mode)
                 continue

