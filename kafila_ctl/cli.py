@@ -479,7 +479,7 @@ def _daemon_checked(check):
 
 #: every state `wait --state` accepts (kafilad/daemon.py WAIT_STATES)
 WAIT_STATES = sorted({s.value for s in sm.HostState} | {s.value for s in sm.MemberState}
-                     | {"idle", "reconnecting", "restoring"})  # the last two: kafilad/node/session/comeback.py
+                     | {"idle", "reconnecting", "restoring"})  # the last two: kafilad/proto/comeback.py
 
 
 #: the largest --max-tokens the control API carries (a 32-bit count; a session's context is far smaller)

@@ -23,10 +23,11 @@ from kafilad.control.server import serve_control
 from kafilad.errors import HEAD_UNREACHABLE, KafilaError, RendezvousRefused, collapse_groups
 from kafilad.modelref import resolve_model_dir
 from kafilad.planner.plan import DEFAULT_STRATEGY
-from kafilad.node.session import comeback
+from kafilad.node.session.comeback import session_back as wait_session_back
+from kafilad.proto import comeback
 # the rejoin backoff lives with the rest of a comeback (REJOIN_* are imported from here by tests)
-from kafilad.node.session.comeback import (REJOIN_FIRST_S, REJOIN_MAX_S, REJOIN_UNKNOWN_SESSION_TRIES,  # noqa: F401
-                                   rejoin_delay_s)
+from kafilad.proto.comeback import (REJOIN_FIRST_S, REJOIN_MAX_S, REJOIN_UNKNOWN_SESSION_TRIES,  # noqa: F401
+                                    rejoin_delay_s)
 from kafilad.node.session.statedir import StateDir
 from kafilad.proto import lifecycle as lc
 from kafilad.proto import session as sm
@@ -142,7 +143,8 @@ class Node:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         remembered = self.state.remembered_session()
         if remembered is not None:  # said from the first status on: a request never finds "no session" meanwhile
-            comeback_info = comeback.record(str(remembered.get("code") or ""), 1, "this daemon restarted")
+            comeback_info = comeback.record(str(remembered.get("code") or ""), 1, "this daemon restarted",
+                                            now_s=time.time())
             if remembered.get("role") == "host":
                 self.restoring = comeback_info
                 self._lifecycle(lc.Restore())
@@ -229,7 +231,7 @@ class Node:
             # with a growing wait after sessions that failed before serving (comeback.rejoin_first_wait_s)
             self._failed_unready = 0 if session.served else self._failed_unready + 1
             wait_s = comeback.rejoin_first_wait_s(self._failed_unready) * random.uniform(0.8, 1.2)
-            self.rejoining = comeback.record(session.code, 1, session.error, wait_s=wait_s)
+            self.rejoining = comeback.record(session.code, 1, session.error, now_s=time.time(), wait_s=wait_s)
             self.nursery.start_soon(self._rejoin, session.error, wait_s)
 
     def _will_rejoin(self, session) -> bool:
@@ -267,7 +269,7 @@ class Node:
         try:
             while self.session is None or self.session.state in ("failed", "closed"):
                 attempt += 1
-                self.restoring = comeback.record(code, attempt, reason)
+                self.restoring = comeback.record(code, attempt, reason, now_s=time.time())
                 self.changed()
                 try:
                     session = HostSession(self, model_dir=record["model_dir"], members=int(record["members"]),
@@ -295,7 +297,7 @@ class Node:
                         return
                     reason = str(e) if isinstance(e, KafilaError) else f"the remembered session is damaged ({e!r})"
                 wait_s = delay_s * random.uniform(0.8, 1.2)
-                self.restoring = comeback.record(code, attempt + 1, reason, wait_s=wait_s)
+                self.restoring = comeback.record(code, attempt + 1, reason, now_s=time.time(), wait_s=wait_s)
                 self.changed()
                 log.warning("re-hosting the remembered session failed (%s); retrying in %.1f s", reason, wait_s)
                 await trio.sleep(wait_s)
@@ -330,7 +332,8 @@ class Node:
                     self._lifecycle(lc.GaveUp())  # forgotten (`leave`), or a user's host/join runs: no-op then
                     return
                 attempt += 1
-                self.rejoining = comeback.record(record["code"], attempt, reason or "this daemon restarted")
+                self.rejoining = comeback.record(record["code"], attempt, reason or "this daemon restarted",
+                                                 now_s=time.time())
                 self.changed()
                 log.info("rejoining the remembered session %s (attempt %d)", record["code"], attempt)
                 try:
@@ -349,7 +352,8 @@ class Node:
                         # the usual race after a rendezvous restart: the host reconnects on its own backoff
                         reason = ("the host has not registered the session at the rendezvous again yet (it "
                                   "reconnects too)")
-                    self.rejoining = comeback.record(record["code"], attempt + 1, reason, wait_s=wait_s)
+                    self.rejoining = comeback.record(record["code"], attempt + 1, reason, now_s=time.time(),
+                                                     wait_s=wait_s)
                     self.changed()
                     log.warning("rejoining %s failed (%s); retrying in %.1f s", record["code"], reason, wait_s)
                     await trio.sleep(wait_s)
@@ -381,17 +385,17 @@ class Node:
         return {"session_id": session.session_id, "host": session.host_name, "state": str(session.state)}
 
     async def session_back(self, gone: Optional[trio.Event] = None) -> None:
-        """Return once this daemon is no longer restoring its remembered session (comeback.session_back:
+        """Return once this daemon is no longer restoring its remembered session (kafilad/node/session/comeback.py session_back:
         at most host_requests.RECOVERY_WAIT_S, or until `gone` is set); the HTTP API waits on it."""
-        await comeback.session_back(self, gone)
+        await wait_session_back(self, gone)
 
     async def host_session_back(self, gone: Optional[trio.Event] = None):
-        """The hosted session, once a restarted daemon restoring it has it back (comeback.session_back).
+        """The hosted session, once a restarted daemon restoring it has it back (kafilad/node/session/comeback.py session_back).
 
         Raises:
             KafilaError: as `_host_session` (still restoring after the wait: the sentence says so).
         """
-        await comeback.session_back(self, gone)
+        await wait_session_back(self, gone)
         return self._host_session()
 
     def _host_session(self):
@@ -499,7 +503,7 @@ class Node:
         if info is None:  # the session just failed; the rejoin loop starts at once (`_run_session`)
             if s is None or not self._will_rejoin(s):
                 return None
-            info = comeback.record(s.code, 1, s.error)
+            info = comeback.record(s.code, 1, s.error, now_s=time.time())
         snap = s.snapshot() if s is not None and getattr(s, "code", None) == info["code"] else {}
         return comeback.reconnecting_snapshot(info, snap, time.time())
 

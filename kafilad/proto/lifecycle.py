@@ -74,7 +74,7 @@ class Left:
 
 @attrs.frozen
 class GaveUp:
-    """Bringing the remembered session back was refused for good (kafilad/node/session/comeback.py
+    """Bringing the remembered session back was refused for good (kafilad/proto/comeback.py
     ``rejoin_gives_up`` / ``rehost_gives_up``): the daemon forgets it."""
 
 

@@ -1,6 +1,6 @@
 """kafila-ctl's own argument checks: `wait --state` accepts every state the daemon's `wait` does
 (kafilad/daemon.py WAIT_STATES, including `reconnecting` and `restoring` of
-kafilad/node/session/comeback.py), and `--max-tokens` is refused with a sentence outside 1..2^31-1 (a new
+kafilad/proto/comeback.py), and `--max-tokens` is refused with a sentence outside 1..2^31-1 (a new
 user's trial: a huge value printed "Frame 'request' holds a value msgpack cannot encode")."""
 
 import pytest

@@ -4,7 +4,7 @@ A real control server (kafilad/control/server.py) on a real socket, with handler
 answers kafila-ctl's client (kafila_ctl/client.py): the error's `code` (proto_spec 05 §4) reaches the
 client as DaemonRefused.code, and the chat loop's "the conversation no longer fits" decision follows
 that code; the daemon's rejoin and re-host loops decide on JoinRefused / RendezvousRefused codes
-(kafilad/node/session/comeback.py).
+(kafilad/proto/comeback.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kafilad.control.server import serve_control
 from kafilad.errors import (ALREADY_IN_SESSION, CONTEXT_LENGTH_EXCEEDED, DENIED, DUPLICATE_PEER, HOST_KEY_MISMATCH,
                             SESSION_COMPLETE, ContextTooLongError, JoinRefused, KafilaError, RendezvousRefused,
                             SessionError, collapse_groups)
-from kafilad.node.session.comeback import rehost_gives_up, rejoin_gives_up
+from kafilad.proto.comeback import rehost_gives_up, rejoin_gives_up
 
 
 def _handlers():

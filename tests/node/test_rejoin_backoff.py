@@ -16,7 +16,7 @@ import trio
 from trio.testing import trio_test
 
 from kafilad.errors import RendezvousRefused, SessionError
-from kafilad.node.session.comeback import rejoin_first_wait_s
+from kafilad.proto.comeback import rejoin_first_wait_s
 from kafilad.daemon import REJOIN_FIRST_S, REJOIN_MAX_S, REJOIN_UNKNOWN_SESSION_TRIES, rejoin_delay_s
 from kafilad.node.session.driver import RECONNECT_MAX_S, reconnect_delay_s
 from kafilad.proto.identity import compose_session_code
