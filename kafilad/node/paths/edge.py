@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from typing import Awaitable, Callable, Optional, Union
 
 import trio
@@ -387,14 +388,14 @@ class RingEdge:
         self._use(link)
         if upgrade:
             after_s = None if self._relayed_at is None else round(trio.current_time() - self._relayed_at, 3)
-            self.record.upgraded(link if self.sender else None, direct_after_s=after_s)
+            self.record.upgraded(link if self.sender else None, direct_after_s=after_s, now_s=time.time())
             fields = {"edge": self.name, "remote": self.record.remote, "tries": self.record.tries}
             if self.record.birthday is not None:  # time to direct and the probes it took (§7b)
                 fields.update(via="birthday", probes=self.record.birthday["probes"], direct_after_s=after_s)
             self.paths.event("edge_upgraded", **fields)
         else:
             self._relayed_at = trio.current_time()
-            self.record.fell_back(why, link if self.sender else None)
+            self.record.fell_back(why, link if self.sender else None, now_s=time.time())
             fields = {"edge": self.name, "reason": why}
             if self.sender:
                 fields.update(resent=self.link.resent, fallback_s=took_s)

@@ -363,7 +363,7 @@ class PathManager:
         """
         t, found = await self._attempt(rec, edge=self.edge_id(peer_id, sender), peer_id=peer_id,
                                        peer_name=peer_name, sender=sender, attempt=attempt)
-        rec.note_attempt(attempt, found if t is not None else None, found.get("reason", ""))
+        rec.note_attempt(attempt, found if t is not None else None, found.get("reason", ""), now_s=time.time())
         return t
 
     async def _attempt(self, rec: EdgeRecord, *, edge: str, peer_id: str, peer_name: str, sender: bool,
