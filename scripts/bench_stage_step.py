@@ -8,8 +8,9 @@ token it times:
 1. `mlx-lm`: the whole model in mlx_lm.generate's `generate_step` (greedy), which builds step n+1's
    graph and hands it to `mx.async_eval` while step n computes (its cross-step overlap);
 2. `ring`: the same model as `--stages` StageRunners called as the ring calls them
-   (kafilad/executor/runner.py `generate_local`, no wire encoding): each stage evaluates its step
-   only when its input has arrived, as a ring member does;
+   (kafilad/node/serving/ring.py for one request: the head's fused `head_sample_and_run`, then
+   each member's `run`; no wire encoding): each stage evaluates its step only when its input has
+   arrived, as a ring member does (the tokens are checked equal to mlx-lm's);
 3. for each stage's blocks alone (a middle stage's `run_blocks`), fed its own previous output:
    `sync` = build the step's graph, then evaluate it (StageRunner.run: the graph is built only
    once the input is there) vs `overlapped` = build step n+1's graph and `mx.async_eval` it before
@@ -33,29 +34,53 @@ import time
 import kafilad.executor  # noqa: F401 - loads the optimised BLAS before mlx (DESIGN §6)
 
 
-def per_token_mlx_lm_s(model, prompt: list[int], tokens: int) -> float:
-    """Seconds per decode token of mlx-lm's generate_step (first token, the prefill, excluded)."""
+def mlx_lm_decode(model, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+    """(seconds per decode token, the greedy tokens) of mlx-lm's generate_step; the first token
+    (the prefill's) is excluded from the time."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    t0 = None
-    for i, _ in zip(range(tokens + 1), generate_step(mx.array(prompt), model, max_tokens=tokens + 1)):
+    t0, out = None, []
+    for i, (tok, _) in zip(range(tokens + 1), generate_step(mx.array(prompt), model, max_tokens=tokens + 1)):
+        out.append(int(tok))
         if i == 0:
             t0 = time.perf_counter()
-    return (time.perf_counter() - t0) / tokens
+    return (time.perf_counter() - t0) / tokens, out
 
 
-def per_token_ring_s(runners, prompt: list[int], tokens: int) -> float:
-    """Seconds per decode token of the in-process ring (generate_local without wire encoding),
-    the prefill's time subtracted by timing a 1-token generation of the same prompt."""
-    from kafilad.executor.runner import generate_local
+def ring_decode(runners, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+    """(seconds per decode token, the greedy tokens) of the stages called as ring.py calls them for
+    one request (no wire encoding): the head's `head_sample_and_run` (sampling and the next step's
+    head blocks in one MLX call) when its caches allow it, else `head_sample` then
+    `head_embed_and_run`; then each other stage's `run`, which evaluates only once its input
+    is there. The first token (the prefill's) is excluded from the time."""
+    from kafilad.executor.runner import prefill_chunks
 
-    t = time.perf_counter()
-    generate_local(runners, prompt, 1, wire=False)
-    t_prefill = time.perf_counter() - t
-    t = time.perf_counter()
-    generate_local(runners, prompt, tokens + 1, wire=False)
-    return (time.perf_counter() - t - t_prefill) / tokens
+    head, rid = runners[0], "bench"
+
+    def rest(h):
+        for r in runners[1:]:
+            h = r.run(rid, h)
+        return h
+
+    try:
+        h = None
+        for chunk in prefill_chunks(prompt):
+            h = rest(head.head_embed_and_run(rid, chunk))
+        out, t0 = [], None
+        while True:
+            if len(out) == tokens:
+                out.append(head.head_sample(rid, h))
+                break
+            tok, nxt = head.head_sample_and_run(rid, h)
+            out.append(tok)
+            if t0 is None:
+                t0 = time.perf_counter()
+            h = rest(nxt if nxt is not None else head.head_embed_and_run(rid, [tok]))
+        return (time.perf_counter() - t0) / tokens, out
+    finally:
+        for r in runners:
+            r.drop(rid)
 
 
 def stage_step_s(stage, tokens: int) -> tuple[float, float, float]:
@@ -134,12 +159,15 @@ def main() -> None:
     model, tok = mlx_lm.load(model_dir)
     prompt = tok.encode("Once upon a time there was a little")
 
-    per_token_mlx_lm_s(model, prompt, 8)  # warm-up
-    per_token_ring_s(runners, prompt, 8)
+    mlx_lm_decode(model, prompt, 8)  # warm-up
+    ring_decode(runners, prompt, 8)
     single, ring = [], []
     for _ in range(args.runs):
-        single.append(per_token_mlx_lm_s(model, prompt, args.tokens))
-        ring.append(per_token_ring_s(runners, prompt, args.tokens))
+        (t_single, want), (t_ring, got) = mlx_lm_decode(model, prompt, args.tokens), ring_decode(runners, prompt, args.tokens)
+        if got != want:
+            raise SystemExit(f"the ring's greedy tokens differ from mlx-lm's: {got} vs {want}")
+        single.append(t_single)
+        ring.append(t_ring)
     ms, mr = statistics.median(single), statistics.median(ring)
     print(f"model {model_dir}, blocks {cuts}, {args.tokens} tokens x {args.runs} runs (medians)")
     print(f"whole model: mlx-lm generate_step {ms * 1e3:.3f} ms/token, in-process ring of {k} stages "
@@ -150,7 +178,7 @@ def main() -> None:
     sync, over, build = (statistics.median(r[i] for r in rows) for i in range(3))
     print(f"stage [{mid.start}, {mid.end}) run_blocks: sync {sync * 1e3:.3f} ms/step, overlapped {over * 1e3:.3f} "
           f"ms/step, overlapped / sync {over / sync:.3f}; graph build {build * 1e3:.3f} ms/step "
-          f"({build / sync:.0%} of a sync step)")
+          f"({build / sync:.0%} of a sync step, per-block async_eval hand-offs included)")
 
 
 if __name__ == "__main__":
