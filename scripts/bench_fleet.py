@@ -61,6 +61,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from kafilad.errors import KafilaError  # the daemons' refusals (kafila_ctl.client.DaemonRefused) are KafilaErrors
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the fleet_* modules beside this script
 
 from fleet_harness import (CALIBRATIONS, CPU_CGROUP, REPO, Cgroups, Member, _cluster_class,  # noqa: E402
@@ -71,7 +73,22 @@ from fleet_report import (TARGETS, fmt, plot, predict_sub_fleets, saturated_stag
                           summarize, summary_ratios, throughput_at, verdicts)
 
 STRATEGIES = ("kafila", "uniform", "memory", "load")
-DEFAULT_FLEET = "fast:80:900,mid:40:1300,slow:20:700"
+#: named fleets (`--fleet NAME`; NAME:QUOTA_PCT:MEM_MB,... host first). Memory as each member's
+#: probe reports it (its group's limit less what the daemon holds when it probes, less the 256 MB
+#: runtime reserve, kafilad/executor/probe.py) on the default model: about 154, 185 and 170 MB for
+#: "mission", where the model's stages need about 22 MB a block plus 16 MB for the head's
+#: embedding and output (16 blocks, ~370 MB at K = 6 and context 512).
+FLEETS = {
+    # the model no member holds, nor any two (each holds 6-8 of the 16 blocks): every division
+    # uses every member; memory ranks mid > slow > fast, against speed (issue 24 item 3)
+    "mission": "fast:80:480,mid:40:510,slow:20:490",
+    # as "mission", but the fast member holds about 3 blocks: uniform's 5-6 do not fit it, so
+    # uniform cannot place the model (the paper's Qwen3-32B case) and its refusal names the device
+    "no-uniform": "fast:80:400,mid:40:560,slow:20:480",
+    # issue 12's fleet: the fast member holds the whole model, so the default division puts it all there
+    "issue12": "fast:80:900,mid:40:1300,slow:20:700",
+}
+DEFAULT_FLEET = "mission"
 #: what `--quick` changes (a smoke run of every code path)
 QUICK = {"tokens": 8, "runs": 1, "hidden": 128, "layers": 6, "concurrency": 2, "sub_fleets": 0, "peer_tokens": 8}
 
@@ -79,7 +96,8 @@ QUICK = {"tokens": 8, "runs": 1, "hidden": 128, "layers": 6, "concurrency": 2, "
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Command line (module docstring); --quick replaces the sizes by QUICK where not given."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fleet", default=DEFAULT_FLEET, help=f"NAME:QUOTA_PCT:MEM_MB,... host first (default {DEFAULT_FLEET})")
+    ap.add_argument("--fleet", default=DEFAULT_FLEET, help=f"one of {', '.join(FLEETS)}, or NAME:QUOTA_PCT:MEM_MB,... "
+                    f"host first (default {DEFAULT_FLEET}: {FLEETS[DEFAULT_FLEET]})")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--concurrency", type=int, default=None, help="K, saturated requests (default 6)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per request (default 32)")
@@ -112,6 +130,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, QUICK[key] if args.quick else value)
+    args.fleet = FLEETS.get(args.fleet, args.fleet)
     args.fleet_members = parse_fleet(args.fleet)
     args.strategy_list = [s for s in args.strategies.split(",") if s]
     bad = [s for s in args.strategy_list if s not in STRATEGIES]
@@ -138,7 +157,9 @@ def measure_session(args, members: Sequence[Member], cgroups: Cgroups, base_cap:
 
 
 def _measure(args, members, cgroups, base_cap, model_dir, *, strategy, concurrency, saturated, log, FleetCluster):
-    with FleetCluster(members, cgroups, base_cap, args.root and str(Path(args.root) / f"{strategy}-{len(members)}"),
+    # one state dir per session under --root: a daemon started on a dir that remembers a session rejoins it
+    where = f"{strategy}-K{concurrency}-{'+'.join(m.name for m in members)}"
+    with FleetCluster(members, cgroups, base_cap, args.root and str(Path(args.root) / where),
                       getattr(args, "hop_delay_ms", None), getattr(args, "hop_mbps", None)) as c:
         t0 = time.perf_counter()
         snap = form(c, model_dir, strategy=strategy, concurrency=concurrency, context=args.context)
@@ -249,12 +270,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             else:
                 log("calibration: each daemon probes itself inside its CPU and memory groups")
             for s in args.strategy_list:
-                res["strategies"][s] = measure_session(args, fleet, cgroups, base, model_dir, strategy=s,
-                                                       concurrency=args.concurrency, saturated=True, log=log)
+                try:
+                    res["strategies"][s] = measure_session(args, fleet, cgroups, base, model_dir, strategy=s,
+                                                           concurrency=args.concurrency, saturated=True, log=log)
+                except KafilaError as e:  # a division that cannot place the model on this fleet
+                    res["strategies"][s] = {"strategy": s, "refused": str(e)}
+                    log(f"[{s}] refused: {e}")
             if "load" in args.strategy_list:
                 res["load_at_1"] = measure_session(args, fleet, cgroups, base, model_dir, strategy="load",
                                                    concurrency=1, saturated=False, log=log)
-            live = next(iter(res["strategies"].values()), {}).get("fleet")
+            live = next((r.get("fleet") for r in res["strategies"].values() if r.get("fleet")), None)
             if live:
                 res["sub_fleets_predicted"] = predict_sub_fleets(live, str(model_dir), context=args.context)
                 log("predicted 1-user tokens/s of proper sub-fleets: " + "; ".join(

@@ -115,6 +115,27 @@ def _stage_dev(measured: dict) -> Optional[float]:
     return max(abs(r - 1) for r in ratios) if ratios else None
 
 
+def memory_use(res: dict) -> tuple[Optional[float], Optional[int]]:
+    """(the largest peak / limit of any member's memory group over every session, the times any group
+    hit its limit in all), from each session's `cgroup_stat` lines (scripts/cg.sh stat:
+    "NAME: ... mem_peak_MB=N failcnt=K") and the fleet's MEM_MB; (None, None) without cgroups."""
+    limits = {}
+    for part in str(res.get("fleet") or "").split(","):
+        bits = part.split(":")
+        if len(bits) == 3:
+            limits[bits[0]] = float(bits[2])
+    peaks, hits = [], 0
+    for rec in list((res.get("strategies") or {}).values()) + [res.get("load_at_1") or {}]:
+        for line in rec.get("cgroup_stat") or []:
+            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+            group = line.split(":", 1)[0]
+            limit = next((v for k, v in limits.items() if group == k or group.endswith(("_" + k, "-" + k))), None)
+            if "mem_peak_MB" in fields and limit:
+                peaks.append(float(fields["mem_peak_MB"]) / limit)
+            hits += int(fields.get("failcnt", 0) or 0)
+    return (max(peaks) if peaks else None), (hits if peaks else None)
+
+
 def summary_ratios(res: dict) -> dict:
     """The ratios the issue's targets name, from the collected results (None where not measured).
 
@@ -131,10 +152,18 @@ def summary_ratios(res: dict) -> dict:
                    default=None)
     load1 = (res.get("load_at_1") or {}).get("one_user_tps")
     peers = res.get("peers", {})
+    def sat_predicted(s):
+        return (strat.get(s) or {}).get("saturated_predicted_tps")
+    gain, gain_predicted = ratio(sat(DEFAULT_STRATEGY), sat("uniform")), \
+        ratio(sat_predicted(DEFAULT_STRATEGY), sat_predicted("uniform"))
     return {
-        "default_over_uniform_saturated": ratio(sat(DEFAULT_STRATEGY), sat("uniform")),
+        "default_over_uniform_saturated": gain,
+        "default_over_uniform_saturated_predicted": gain_predicted,
+        "default_over_uniform_measured_over_predicted_gain": ratio(gain, gain_predicted),
         "default_over_memory_saturated": ratio(sat(DEFAULT_STRATEGY), sat("memory")),
         "default_stage_measured_over_predicted_max_dev": _stage_dev(strat.get(DEFAULT_STRATEGY) or {}),
+        "memory_peak_over_limit_max": memory_use(res)[0],
+        "memory_limit_hits": memory_use(res)[1],
         "kafila_over_uniform_saturated": ratio(sat("kafila"), sat("uniform")),
         "kafila_over_memory_saturated": ratio(sat("kafila"), sat("memory")),
         "kafila_stage_measured_over_predicted_max_dev": _stage_dev(strat.get("kafila") or {}),
@@ -148,6 +177,8 @@ def summary_ratios(res: dict) -> dict:
 TARGETS = {  # ratio key -> (comparison, bound) from issue 12's targets ("Kafila": the default strategy)
     "default_over_uniform_saturated": (">=", 1.6),
     "default_over_memory_saturated": (">=", 1.3),
+    "default_over_uniform_measured_over_predicted_gain": (">=", 0.9),  # issue 24 item 3
+    "memory_limit_hits": ("<=", 0),  # no member reaches its memory limit (issue 24 item 3)
     "default_stage_measured_over_predicted_max_dev": ("<=", 0.10),
     "one_user_load_at_1_over_best_sub_fleet": (">=", 1.0),
     "ring_api_over_mlx_lm_single": (">=", 0.95),

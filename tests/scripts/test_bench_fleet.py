@@ -251,3 +251,32 @@ def test_cpu_share_of_a_process_from_proc():
     # it is depends on what else the machine runs, so only its agreement with process_time is asserted
     assert share[0] > 0 and share[0] == pytest.approx(cpu_s / wall_s, abs=0.05 / wall_s) and share[1] is None
     assert fh.cpu_shares([1.0], [1.5], 2.0) == [0.25] and fh.cpu_shares([1.0], [1.5], 0.0) == [None]
+
+
+def test_named_fleets_expand_and_the_mission_fleet_ranks_memory_against_speed():
+    """`--fleet mission` (the default, issue 24 item 3) names a spec; memory does not rank like speed."""
+    args = bf.parse_args(["--skip-peers"])
+    assert args.fleet == bf.FLEETS["mission"] and [m.name for m in args.fleet_members] == ["fast", "mid", "slow"]
+    by_speed = sorted(args.fleet_members, key=lambda m: -m.quota_pct)
+    assert [m.mem_mb for m in by_speed] != sorted((m.mem_mb for m in by_speed), reverse=True)
+    assert bf.parse_args(["--fleet", "no-uniform"]).fleet == bf.FLEETS["no-uniform"]
+    assert bf.parse_args(["--fleet", "a:50:300,b:50:300"]).fleet == "a:50:300,b:50:300"
+
+
+def test_memory_use_reads_each_groups_peak_against_its_limit_and_counts_limit_hits():
+    res = {"fleet": "fast:80:480,mid:40:510", "strategies": {
+        "load": {"cgroup_stat": ["bf_fast: nr_periods 10 mem_peak_MB=240 failcnt=0",
+                                 "bf_mid: nr_periods 10 mem_peak_MB=459 failcnt=2"]},
+        "uniform": {"strategy": "uniform", "refused": "the plan does not fit fast"}}}
+    peak, hits = fr.memory_use(res)
+    assert peak == pytest.approx(459 / 510) and hits == 2
+    assert fr.verdicts(fr.summary_ratios(res))["memory_limit_hits"] == "not met"
+    assert fr.memory_use({"fleet": "fast:80:480", "strategies": {}}) == (None, None)
+
+
+def test_the_gain_over_uniform_is_set_against_the_predicted_gain():
+    res = {"strategies": {"load": {"saturated_tps": 72.0, "saturated_predicted_tps": 120.0},
+                          "uniform": {"saturated_tps": 36.0, "saturated_predicted_tps": 80.0}}}
+    r = fr.summary_ratios(res)
+    assert r["default_over_uniform_saturated"] == 2.0 and r["default_over_uniform_saturated_predicted"] == 1.5
+    assert r["default_over_uniform_measured_over_predicted_gain"] == pytest.approx(2.0 / 1.5)
