@@ -79,8 +79,9 @@ STRATEGIES = ("kafila", "uniform", "memory", "load")
 #: "mission", where the model's stages need about 22 MB a block plus 16 MB for the head's
 #: embedding and output (16 blocks, ~370 MB at K = 6 and context 512).
 FLEETS = {
-    # the model no member holds, nor any two (each holds 6-8 of the 16 blocks): every division
-    # uses every member; memory ranks mid > slow > fast, against speed (issue 24 item 3)
+    # the model no member holds alone (each holds 6-9 of the 16 blocks; any two hold it at one
+    # request, and at K = 6 the default division used all three in the first run); memory ranks
+    # mid > slow > fast, against speed (issue 24 item 3)
     "mission": "fast:80:480,mid:40:510,slow:20:490",
     # as "mission", but the fast member holds about 3 blocks: uniform's 5-6 do not fit it, so
     # uniform cannot place the model (the paper's Qwen3-32B case) and its refusal names the device
