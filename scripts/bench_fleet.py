@@ -39,7 +39,7 @@ installed mlx-lm pipelines only architectures whose model class has `pipeline()`
 qwen3.py, the two architectures kafilad.executor.synth writes, have none, so sharded_load would
 raise "The model does not support pipelining". Ratios are printed at the end; --json writes them.
 
-    sudo python scripts/bench_fleet.py [--fleet fast:80:900,mid:40:1300,slow:20:700] [--concurrency 6]
+    sudo python scripts/bench_fleet.py [--fleet mission|no-uniform|issue12|NAME:PCT:MB,...] [--concurrency 6]
         [--tokens 32] [--runs 3] [--strategies kafila,uniform,memory,load] [--sub-fleets 2]
         [--hidden 512] [--layers 16] [--calibration probe|scaled] [--plot docs/fleet-bench.png] [--json FILE]
         [--no-cgroups] [--quick]
