@@ -49,7 +49,8 @@ def _model_ref(model: str) -> str:
 def cmd_host(args) -> int:
     r = _call(args, "host", model_dir=_model_ref(args.model), members=args.members, context=args.context,
               concurrency=args.concurrency, queue=args.queue, rendezvous=args.rendezvous, open=args.open,
-              admit_timeout_s=args.admit_timeout, strategy=args.strategy, head=args.head)
+              admit_timeout_s=args.admit_timeout, strategy=args.strategy, head=args.head,
+              **({"draft_model": _model_ref(args.draft_model)} if args.draft_model else {}))
     if args.json:
         _print_json(r)
     else:
@@ -552,6 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the members whose reported speed their measured stage times confirmed, and replans around a "
                         "report they find off (default); any: trusts the members' reports (a group whose machines "
                         "are all its own): any member may head, a report found off is shown, not acted on")
+    s.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="a small model with the same tokenizer that proposes speculative decoding's drafts "
+                        "(instead of looking them up in the prompt and output); it runs on this host, which "
+                        "is then the head of every plan, and the planner counts its weights in this host's memory")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_host)
 

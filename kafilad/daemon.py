@@ -252,12 +252,23 @@ class Node:
                               rendezvous=self._rdv(args), open_=_arg(args, "open", bool, False),
                               admit_timeout_s=_arg(args, "admit_timeout_s", float, DEFAULT_ADMIT_TIMEOUT_S),
                               queue_limit=_queue_limit(args), strategy=strategy, head_self=_head_self(args),
-                              head_any=args.get("head") == "any")
+                              head_any=args.get("head") == "any", draft_model=await self._draft_model(args))
         code = await self.nursery.start(self._run_session, session)
         self.session = session
         self._lifecycle(lc.Hosted())
         self.changed()
         return {"code": code, "session_id": session.session_id}
+
+    async def _draft_model(self, args: dict) -> Optional[str]:
+        """`host --draft-model`: the draft model's local directory (resolved like the model), or None.
+
+        Raises:
+            KafilaError: not a string, or a reference that resolves to no local model.
+        """
+        ref = _arg(args, "draft_model", str, None)
+        if ref is None:
+            return None
+        return await resolve_model_dir(ref, self.state.path / "models")
 
     async def _rehost(self, record: dict) -> None:
         """Host the remembered session again after a restart (issue 8 §4): same session id and code,
@@ -281,6 +292,7 @@ class Node:
                                           strategy=str(record.get("strategy") or DEFAULT_STRATEGY),
                                           head_self=bool(record.get("head_self")),
                                           head_any=bool(record.get("head_any")),
+                                          draft_model=record.get("draft_model") or None,
                                           queue_limit=_queue_limit(record))  # none in records before issue 25
                     session.session_id = str(record["session_id"])
                     session.rehosted = True  # requests wait while its members rejoin (host_requests.returning)

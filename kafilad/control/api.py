@@ -54,7 +54,7 @@ OPS = {
 OP_ARGS = {
     "keys": frozenset(),
     "host": frozenset({"model_dir", "members", "context", "concurrency", "queue", "strategy", "rendezvous", "open",
-                       "admit_timeout_s", "head"}),
+                       "admit_timeout_s", "head", "draft_model"}),
     "join": frozenset({"code", "rendezvous"}),
     "pending": frozenset(),
     "admit": frozenset({"peer"}),

@@ -36,3 +36,29 @@ def test_three_daemons_speculate_with_the_same_greedy_tokens(stories260k, cluste
     assert records[-1]["accepted"] == on["accepted"]
     with pytest.raises(Exception, match="speculation mode"):
         c.call(0, "speculate", mode="fast")
+
+
+def test_a_draft_model_on_the_host_proposes_the_drafts_and_the_tokens_stay_the_models(stories260k, cluster3):
+    """`host --draft-model` (issue 24 item 1): the draft model, here the model itself, runs on the host,
+    which heads; its drafts are nearly all accepted on a prompt prompt lookup could not draft from,
+    and greedy output is single-process mlx-lm's."""
+    c = cluster3
+    code = c.call(0, "host", model_dir=str(stories260k), members=3, context=512, open=True, strategy="kafila",
+                  draft_model=str(stories260k))["code"]  # kafila: every member holds blocks
+    for i in (1, 2):
+        c.call(i, "join", code=code)
+    st = c.call(0, "wait", states=["ready"], timeout_s=120)
+    assert st["plan"]["head"] == "m0" and len([m for m in st["members"] if m["blocks"]]) == 3
+    assert st["speculation"]["drafts"] == f"draft model {stories260k.name}"
+    c.call(0, "speculate", mode="k=4")
+    out = c.generate("Lily", 40)  # two tokens: nothing to look up
+    assert out["token_ids"] == reference_tokens(stories260k, "Lily", 40)
+    assert out["drafted"] >= 20 and out["accepted"] >= 0.9 * out["drafted"], out
+
+
+def test_a_draft_model_with_another_tokenizer_fails_the_session_naming_it(stories260k, synth_llama, tmp_path):
+    from kafila_ctl.demo import LoopbackCluster
+    with LoopbackCluster(1, root=str(tmp_path / "c")) as c:
+        c.call(0, "host", model_dir=str(stories260k), members=1, context=256, draft_model=str(synth_llama))
+        with pytest.raises(Exception, match="does not share the model's tokenizer"):
+            c.call(0, "wait", states=["ready"], timeout_s=60)

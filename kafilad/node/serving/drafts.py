@@ -72,6 +72,8 @@ class Drafter:
     def __init__(self, setting: Optional[int], refusal: Optional[str]):
         self.setting = setting
         self.refusal = refusal
+        #: what proposes the drafts: "prompt lookup", or "draft model NAME" (`host --draft-model`)
+        self.source = "prompt lookup"
         self.counters = SpeculationCounters()
         self._reqs: dict[str, _Req] = {}
 
@@ -98,11 +100,24 @@ class Drafter:
         """The drafts the request's next pass carries: up to its planned k (at most `room`, the
         tokens it may still produce minus one) looked up in `history` (prompt + output, the token
         being sent last). Records them as sent; [] for a plain pass."""
+        k = self.take_k(req, room)
+        return self.record(req, lookup_drafts(history, k) if k > 0 else [], k)
+
+    def take_k(self, req: str, room: int) -> int:
+        """The number of drafts the request's next pass may carry: its planned k, at most `room`
+        (0: a plain pass). A draft model proposes that many (`record` takes them)."""
         st = self._reqs.get(req)
         if st is None or not self.on:
-            return []
+            return 0
         k, st.planned = min(st.planned, max(0, room)), 0
-        out = lookup_drafts(history, k) if k > 0 else []
+        return k
+
+    def record(self, req: str, drafts: Sequence[int], k: int) -> list[int]:
+        """Record `drafts` (proposed for a k of `take_k`) as the ones the request's next pass carries."""
+        st = self._reqs.get(req)
+        if st is None:
+            return []
+        out = list(drafts)[:max(0, k)]
         if k > 0 and not out:
             st.chooser.note_no_drafts()
         st.sent = tuple(out)
@@ -160,7 +175,7 @@ class Drafter:
 
     def status(self) -> dict:
         """For `status`: on or why not, the setting, and the counters."""
-        out: dict = {"on": self.on, "k": "auto" if self.setting is None else self.setting}
+        out: dict = {"on": self.on, "k": "auto" if self.setting is None else self.setting, "drafts": self.source}
         if self.refusal is not None:
             out["why"] = self.refusal
         elif self.setting == 0:

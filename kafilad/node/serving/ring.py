@@ -147,6 +147,9 @@ class RingMember:
             stage = getattr(runner, "stage", None)
             self.drafter = Drafter(speculation_setting(), getattr(stage, "speculation_refusal", None)
                                    if stage is not None else "this member's runner holds no stage")
+        #: head: a draft model proposing the drafts instead of prompt lookup (`host --draft-model`;
+        #: kafilad/executor/draft.py DraftModel, run on the MLX thread)
+        self.draft_model = None
         self._streams: dict[str, RequestState] = {}  # head: requests not yet finished
         self.broken: Optional[str] = None
         self.broken_member: Optional[str] = None
@@ -461,7 +464,7 @@ class RingMember:
         if fused is not None:
             await self._take_back_fused(fused)
         if len(rids) == 1:  # the single form: a lone request decodes exactly as generate_step
-            drafts = self._drafts_for(rids[0], tokens[0])  # speculative decoding (kafilad/node/serving/drafts.py)
+            drafts = await self._drafts_for(rids[0], tokens[0])  # speculative decoding (kafilad/node/serving/drafts.py)
             out, dt = await self._compute(self.wire.head_embed, rids[0], tokens + drafts)
             frame = Act(req=rids[0], sample=True, h=out, hops=((self.peer_id, dt),))
         else:
@@ -470,13 +473,25 @@ class RingMember:
         self.stats.note_step(rids, dt)
         await self._send_next(self._with_trims(frame))
 
-    def _drafts_for(self, req: str, token: int) -> list[int]:
-        """The drafts the request's next pass carries after `token` (kafilad/node/serving/drafts.py; [] for none)."""
+    def use_draft_model(self, draft_model) -> None:
+        """Head: `draft_model` (kafilad/executor/draft.py DraftModel) proposes the drafts from now on."""
+        self.draft_model = draft_model
+        if self.drafter is not None:
+            self.drafter.source = f"draft model {draft_model.name}"
+
+    async def _drafts_for(self, req: str, token: int) -> list[int]:
+        """The drafts the request's next pass carries after `token` (kafilad/node/serving/drafts.py; [] for
+        none): looked up in the prompt and output, or proposed by the draft model on the MLX thread."""
         rec = self.scheduler.requests.get(req) if self.drafter is not None else None
         if rec is None or not rec.generated or rec.generated[-1] != token:
             return []
-        return self.drafter.drafts(req, tuple(rec.prompt_ids) + tuple(rec.generated),
-                                   rec.max_tokens - len(rec.generated) - 1)
+        history = tuple(rec.prompt_ids) + tuple(rec.generated)
+        room = rec.max_tokens - len(rec.generated) - 1
+        if self.draft_model is None:
+            return self.drafter.drafts(req, history, room)
+        k = self.drafter.take_k(req, room)
+        proposed = (await self._compute(self.draft_model.propose, req, history, k))[0] if k > 0 else []
+        return self.drafter.record(req, proposed, k)
 
     def _with_trims(self, frame: Union[Act, BatchAct]) -> Union[Act, BatchAct]:
         """`frame` with the positions each row's stages take back first: `trim` (single form) or
@@ -644,6 +659,8 @@ class RingMember:
             self._fused = None  # its caches are dropped below
         if self.drafter is not None:
             self.drafter.forget(req)
+        if self.draft_model is not None:
+            self.draft_model.forget(req)
         st = self._streams.get(req)
         if st is not None:
             st.detok.finalize()
@@ -708,6 +725,8 @@ class RingMember:
         self._fused = None
         if self.drafter is not None:
             self.drafter.forget_all()
+        if self.draft_model is not None:
+            self.draft_model.forget_all()
         await self._compute(self._drop_every_request)
         self._wake_idle()
 

@@ -39,7 +39,7 @@ def executor():
     """kafilad.executor, imported on first use (only it imports mlx); logs its BLAS the first time."""
     global _announced
     import kafilad.executor as ex  # noqa: PLC0415
-    from kafilad.executor import gguf, grammar, prefix, probe, runner, stage, synth  # noqa: F401,PLC0415
+    from kafilad.executor import draft, gguf, grammar, prefix, probe, runner, stage, synth  # noqa: F401,PLC0415
     if not _announced:
         _announced = True
         log.info("the executor's matrix products run on %s", ex.blas_status())
@@ -266,10 +266,12 @@ def edge_paths(session) -> dict:
     return {e["from"]: e.get("path") for e in session_edges(session)}
 
 
-def make_ring_member(node, *, stage, head: bool, tokenizer, plan: Optional[dict] = None) -> RingMember:
+def make_ring_member(node, *, stage, head: bool, tokenizer, plan: Optional[dict] = None,
+                     draft_model=None) -> RingMember:
     """The RingMember of a built stage; the head gets constrained decoding over its tokenizer (issue 23
     item 2) and, when the model's caches allow it, the prompt cache's index, its budget the plan's
-    context x concurrency (kafilad/executor/prefix.py; KAFILA_PROMPT_CACHE=0 turns it off)."""
+    context x concurrency (kafilad/executor/prefix.py; KAFILA_PROMPT_CACHE=0 turns it off), and
+    `draft_model` (kafilad/executor/draft.py DraftModel, `host --draft-model`) proposes its drafts."""
     ex = executor()
     runner = ex.runner.StageRunner(stage)
     if head and tokenizer is not None:
@@ -277,8 +279,11 @@ def make_ring_member(node, *, stage, head: bool, tokenizer, plan: Optional[dict]
     context, concurrency = int((plan or {}).get("context") or 0), int((plan or {}).get("concurrency") or 1)
     if head and context > 0 and stage.prefix_cacheable and os.environ.get(PROMPT_CACHE_ENV, "1") != "0":
         runner.prefix_index = ex.prefix.PrefixIndex(context * concurrency, context)
-    return RingMember(peer_id=node.peer_id, name=node.name, runner=runner,
+    ring = RingMember(peer_id=node.peer_id, name=node.name, runner=runner,
                       mlx_lock=node.mlx_lock, head=head, tokenizer=tokenizer, executor=ex.runner)
+    if head and draft_model is not None:
+        ring.use_draft_model(draft_model)
+    return ring
 
 
 def attach_ring(ring: RingMember, *, nursery, me: str, ring_order: list[str], names: dict, next_link, prev_link,

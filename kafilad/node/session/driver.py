@@ -163,7 +163,7 @@ class SessionDriver:
 
     async def _join_ring(self, stage, tokenizer, *, head: bool, epoch: int, roster: dict,
                          on_edges: Callable[[], Awaitable[None]], stage_nursery: trio.Nursery,
-                         plan: Optional[dict] = None) -> None:
+                         plan: Optional[dict] = None, draft_model=None) -> None:
         """Make the built stage this node's RingMember of plan `epoch` and join the ring (DESIGN §6).
 
         Args:
@@ -172,10 +172,12 @@ class SessionDriver:
             on_edges: awaited when a ring edge changes path (an upgrade).
             stage_nursery: where the ring's tasks run (the stage's scope).
             plan: the plan's JSON (its context and concurrency size the head's prompt cache).
+            draft_model: the head's draft model (kafilad/executor/draft.py; `host --draft-model`), or None.
         Raises:
             KafilaError: a ring link could not be made.
         """
-        self.ring = stagehost.make_ring_member(self.node, stage=stage, head=head, tokenizer=tokenizer, plan=plan)
+        self.ring = stagehost.make_ring_member(self.node, stage=stage, head=head, tokenizer=tokenizer, plan=plan,
+                                               draft_model=draft_model)
         self.ring.epoch = epoch
         if self.ring.scheduler is not None and getattr(self, "schedule_mode", None) is not None:
             apply_schedule(self.ring.scheduler, self.schedule_mode)  # `kafila-ctl schedule` outlives a replan

@@ -56,8 +56,15 @@ class HostSession(SessionDriver):
 
     def __init__(self, node, *, model_dir: str, members: int, context: Optional[int], concurrency: int,
                  rendezvous: str, open_: bool, admit_timeout_s: float, queue_limit: Optional[int] = None,
-                 strategy: str = DEFAULT_STRATEGY, head_self: bool = False, head_any: bool = False):
+                 strategy: str = DEFAULT_STRATEGY, head_self: bool = False, head_any: bool = False,
+                 draft_model: Optional[str] = None):
         super().__init__(node)
+        #: `host --draft-model`: a small model of the same tokenizer that proposes the drafts
+        #: (kafilad/executor/draft.py); it runs on this host, so this host heads every plan, and its
+        #: weights are counted in this host's memory when planning
+        self.draft_model_dir = str(Path(draft_model).resolve()) if draft_model else None
+        self.draft_model_bytes = stagehost.executor().draft.draft_model_bytes(draft_model) if draft_model else 0
+        head_self = head_self or draft_model is not None
         self.requests = HostRequests(self)
         self.strategy = strategy  # the planner's division (DESIGN §5.3, §5.5; `host --strategy`)
         #: `host --head self`: this host is the head of every plan (it alone sees prompts and samples)
@@ -335,7 +342,7 @@ class HostSession(SessionDriver):
                 "model_dir": self.model_dir, "members": self.expected, "context": self.context,
                 "concurrency": self.concurrency, "open": self.machine.open, "admit_timeout_s": self.admit_timeout_s,
                 "strategy": self.strategy, "queue": self.admission.queue.queue_limit, "head_self": self.head_self,
-                "head_any": self.head_any}
+                "head_any": self.head_any, "draft_model": self.draft_model_dir}
 
     async def _measure_self(self) -> None:
         cap = await run_on_mlx_thread(stagehost.measure_capability, self.model_dir, self.node.state.path)
@@ -512,7 +519,8 @@ class HostSession(SessionDriver):
         # each member counted by its report scaled by what its stage measured (kafilad/planner/trust.py)
         scaled = (lambda d: d) if self.head_any else self.checks.device  # `--head any`: reports trusted
         self.fleet_devices = [scaled(Device(
-            name=e.name, memory_bytes=int(e.capability["memory_bytes"]), bandwidth_Bps=e.capability.get("bandwidth_Bps"),
+            name=e.name, memory_bytes=int(e.capability["memory_bytes"]) - (self.draft_model_bytes if e.is_host else 0),
+            bandwidth_Bps=e.capability.get("bandwidth_Bps"),
             step_overhead_s=float(e.capability.get("step_overhead_s") or 0.0), nat_class=e.capability.get("nat_class"),
             rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"), batch_row_cost=e.capability.get("batch_row_cost"),
             dtype=e.capability.get("dtype"), fallback_dtype=self._fallback_dtype(e.capability))) for e in order]
@@ -606,14 +614,17 @@ class HostSession(SessionDriver):
             except Exception as e:  # no plan builds it: the session fails (issue 21 item 3)
                 raise stagehost.build_failure(me.name, self.info.config, start, end, head, e) from e
             tok = ex.synth.load_tokenizer(self.model_dir) if head else None
-            return stage, tok
+            draft = None
+            if head and self.draft_model_dir is not None:  # `host --draft-model`: refused by name if unusable
+                draft = ex.draft.DraftModel.load(self.draft_model_dir, tok)
+            return stage, tok, draft
 
         async with self.node.mlx_lock:
-            stage, tok = await run_on_mlx_thread(build)
+            stage, tok, draft = await run_on_mlx_thread(build)
         if epoch != self.machine.epoch:
             return  # replanned while building
         await self._join_ring(stage, tok, head=head, epoch=epoch, roster=roster, on_edges=self._own_edges_changed,
-                              stage_nursery=stage_nursery, plan=self.machine.planned.plan)
+                              stage_nursery=stage_nursery, plan=self.machine.planned.plan, draft_model=draft)
         await self._handle(sm.OwnStageLoaded({"fetched_bytes": 0, "cached_bytes": 0,
                                               "load_s": time.perf_counter() - t0}, epoch))
 
