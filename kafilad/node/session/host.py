@@ -519,7 +519,9 @@ class HostSession(SessionDriver):
         # each member counted by its report scaled by what its stage measured (kafilad/planner/trust.py)
         scaled = (lambda d: d) if self.head_any else self.checks.device  # `--head any`: reports trusted
         self.fleet_devices = [scaled(Device(
-            name=e.name, memory_bytes=int(e.capability["memory_bytes"]) - (self.draft_model_bytes if e.is_host else 0),
+            # the host also holds the draft model (`host --draft-model`); at least 1 byte, so that a plan
+            # that does not fit names this device and its shortfall (DESIGN §5.4)
+            name=e.name, memory_bytes=max(1, int(e.capability["memory_bytes"]) - (self.draft_model_bytes if e.is_host else 0)),
             bandwidth_Bps=e.capability.get("bandwidth_Bps"),
             step_overhead_s=float(e.capability.get("step_overhead_s") or 0.0), nat_class=e.capability.get("nat_class"),
             rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"), batch_row_cost=e.capability.get("batch_row_cost"),
