@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
 import trio
 from trio.testing import trio_test
 
@@ -15,21 +14,17 @@ from kafilad.daemon import _ignore
 from node.session_harness import session_world
 
 
-@pytest.fixture(scope="module")
-def model_dir(session_model):
-    return session_model
-
-
 @trio_test
-async def test_a_draft_model_too_large_for_the_host_fails_the_plan_naming_the_host(tmp_path, model_dir, monkeypatch):
+async def test_a_draft_model_too_large_for_the_host_fails_the_plan_naming_the_host(tmp_path, session_model,
+                                                                                  monkeypatch):
     draft = tmp_path / "huge-draft"
     draft.mkdir()
-    shutil.copy(model_dir / "config.json", draft / "config.json")
+    shutil.copy(session_model / "config.json", draft / "config.json")
     with open(draft / "model.safetensors", "wb") as f:
         f.truncate(64 << 30)  # sparse: no disk used
-    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+    async with session_world(tmp_path, session_model, monkeypatch) as w:
         d = w.daemon("h")
-        await d.op_host({"model_dir": str(model_dir), "members": 1, "context": 256, "draft_model": str(draft)},
+        await d.op_host({"model_dir": str(session_model), "members": 1, "context": 256, "draft_model": str(draft)},
                         _ignore)
         h = d.session
         assert h.draft_model_bytes == 64 << 30 and h.head_self  # the draft model's host heads

@@ -5,7 +5,6 @@ in the in-process world (tests/node/session_harness.py)."""
 
 from __future__ import annotations
 
-import pytest
 from trio.testing import trio_test
 
 from kafilad.daemon import _ignore
@@ -13,18 +12,13 @@ from kafilad.proto.session import HostState
 from node.session_harness import CAPABILITY, session_world
 
 
-@pytest.fixture(scope="module")
-def model_dir(session_model):
-    return session_model
-
-
 @trio_test
-async def test_a_schedule_set_on_a_member_head_follows_the_head_that_a_replan_moves(tmp_path, model_dir,
+async def test_a_schedule_set_on_a_member_head_follows_the_head_that_a_replan_moves(tmp_path, session_model,
                                                                                    monkeypatch):
-    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+    async with session_world(tmp_path, session_model, monkeypatch) as w:
         w.host_capability = {**CAPABILITY, "bandwidth_Bps": CAPABILITY["bandwidth_Bps"] / 20}  # a slow host
         d = w.daemon("h")
-        await d.op_host({"model_dir": str(model_dir), "members": 3, "context": 256, "concurrency": 2,
+        await d.op_host({"model_dir": str(session_model), "members": 3, "context": 256, "concurrency": 2,
                          "head": "any", "strategy": "kafila", "open": True}, _ignore)
         h = d.session
         ms = [await w.join(f"m{i}", h.code) for i in (1, 2)]
