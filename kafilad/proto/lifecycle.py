@@ -134,7 +134,5 @@ class Lifecycle:
             LocalProtocolError: code SHUTTING_DOWN, in phase ``stopping``.
         """
         if self.phase == Phase.STOPPING:
-            e = LocalProtocolError(f"The daemon is shutting down, so it starts no session ('{what}'); "
-                                   "start it again once the daemon is back.")
-            e.code = SHUTTING_DOWN
-            raise e
+            raise LocalProtocolError(f"The daemon is shutting down, so it starts no session ('{what}'); "
+                                     "start it again once the daemon is back.", code=SHUTTING_DOWN)
