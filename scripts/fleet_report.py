@@ -156,14 +156,15 @@ def summary_ratios(res: dict) -> dict:
         return (strat.get(s) or {}).get("saturated_predicted_tps")
     gain, gain_predicted = ratio(sat(DEFAULT_STRATEGY), sat("uniform")), \
         ratio(sat_predicted(DEFAULT_STRATEGY), sat_predicted("uniform"))
+    memory_peak, memory_hits = memory_use(res)
     return {
         "default_over_uniform_saturated": gain,
         "default_over_uniform_saturated_predicted": gain_predicted,
         "default_over_uniform_measured_over_predicted_gain": ratio(gain, gain_predicted),
         "default_over_memory_saturated": ratio(sat(DEFAULT_STRATEGY), sat("memory")),
         "default_stage_measured_over_predicted_max_dev": _stage_dev(strat.get(DEFAULT_STRATEGY) or {}),
-        "memory_peak_over_limit_max": memory_use(res)[0],
-        "memory_limit_hits": memory_use(res)[1],
+        "memory_peak_over_limit_max": memory_peak,
+        "memory_limit_hits": memory_hits,
         "kafila_over_uniform_saturated": ratio(sat("kafila"), sat("uniform")),
         "kafila_over_memory_saturated": ratio(sat("kafila"), sat("memory")),
         "kafila_stage_measured_over_predicted_max_dev": _stage_dev(strat.get("kafila") or {}),
