@@ -32,6 +32,7 @@ from kafilad.node.session.statedir import StateDir
 from kafilad.proto import lifecycle as lc
 from kafilad.proto import session as sm
 from kafilad.proto.identity import fingerprint, peer_id as peer_id_of
+from kafilad.proto.status import MemberStatus, NodeStatus
 
 log = logging.getLogger("kafilad")
 
@@ -490,22 +491,25 @@ class Node:
         return {"name": self.name, "peer_id": self.peer_id, "fingerprint": fingerprint(self.public_key),
                 "public_key": self.public_key.hex()}
 
-    def snapshot(self) -> dict:
-        base = {"name": self.name, "peer_id": self.peer_id, "fingerprint": fingerprint(self.public_key),
-                "lifecycle": self.lifecycle.phase.value,
-                "rendezvous": self.rendezvous,
-                "http": f"http://{self.http[0]}:{self.http_port}/v1" if self.http_port else None}
-        rejoin = self._reconnecting_snapshot()
-        if rejoin is None and self.restoring_sentence() is not None:
-            rejoin = comeback.restoring_snapshot(self.restoring, time.time())
-        if rejoin is not None:
-            return {**base, **rejoin}
-        if self.session is None:
-            return {**base, "session": None, "state": "idle", "members": []}
-        snap = self.session.snapshot()
-        return {**base, "session": snap["session_id"], **snap}
+    def status(self) -> NodeStatus:
+        """This daemon's status and its session's (kafilad/proto/status.py; the session's is built by
+        kafilad/node/session/status.py, a comeback's by kafilad/proto/comeback.py)."""
+        session = self._reconnecting_status()
+        if session is None and self.restoring_sentence() is not None:
+            session = comeback.restoring_status(self.restoring, time.time())
+        if session is None and self.session is not None:
+            session = self.session.status()
+        return NodeStatus(name=self.name, peer_id=self.peer_id, fingerprint=fingerprint(self.public_key),
+                          lifecycle=self.lifecycle.phase.value, rendezvous=self.rendezvous,
+                          http=f"http://{self.http[0]}:{self.http_port}/v1" if self.http_port else None,
+                          session=session)
 
-    def _reconnecting_snapshot(self) -> Optional[dict]:
+    def snapshot(self) -> dict:
+        """The status as its JSON document: `kafila-ctl status --json`, the control socket's
+        `status` and `watch` (proto_spec 04)."""
+        return self.status().to_json()
+
+    def _reconnecting_status(self) -> Optional[MemberStatus]:
         """The member's status while its daemon rejoins the remembered session (kafilad/node/session/comeback.py);
         None when not rejoining, or while an attempt's join is under way (its own state says where)."""
         s = self.session
@@ -516,8 +520,8 @@ class Node:
             if s is None or not self._will_rejoin(s):
                 return None
             info = comeback.record(s.code, 1, s.error, now_s=time.time())
-        snap = s.snapshot() if s is not None and getattr(s, "code", None) == info["code"] else {}
-        return comeback.reconnecting_snapshot(info, snap, time.time())
+        ended = s.status() if s is not None and getattr(s, "code", None) == info["code"] else None
+        return comeback.reconnecting_status(info, ended if isinstance(ended, MemberStatus) else None, time.time())
 
     async def op_status(self, args: dict, emit) -> dict:
         return self.snapshot()
@@ -537,16 +541,16 @@ class Node:
             raise KafilaError(f"--timeout must be 0 or more seconds (got {timeout_s:g}).")
         with trio.move_on_after(timeout_s):
             while True:
-                snap = self.snapshot()
-                if snap["state"] in states or (snap["state"] == sm.MemberState.STANDBY.value and "ready" in states
-                                               and snap.get("role") == "member"):
-                    return snap
-                if snap["state"] == "failed" and "failed" not in states:
-                    raise KafilaError(f"The session failed: {str(snap.get('error')).rstrip('.')}.")
+                st = self.status()
+                if st.state in states or (st.state == sm.MemberState.STANDBY.value and "ready" in states
+                                          and st.role == "member"):
+                    return st.to_json()
+                if st.state == "failed" and "failed" not in states:
+                    raise KafilaError(f"The session failed: {str(st.session.error).rstrip('.')}.")
                 ev = self._changed
                 await ev.wait()
         raise KafilaError(f"Timed out waiting for the session to become {'/'.join(sorted(states))} "
-                          f"(state: {self.snapshot()['state']}).")
+                          f"(state: {self.status().state}).")
 
     async def op_watch(self, args: dict, emit) -> None:
         while True:

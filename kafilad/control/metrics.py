@@ -3,8 +3,8 @@
 Two sources. What the API sees as requests run is counted by :class:`ApiMetrics` (one per HTTP
 server; `handle` in kafilad/control/openai_api.py meters every request, and api_common's
 `generate_whole` / `stream_generation` meter each generation through `metered`). What the session
-knows is read from the daemon's status snapshot (`Node.snapshot()`, the `kafila-ctl status
---json` object) at each scrape (:class:`SnapshotCollector`), so it never goes stale:
+knows is read from the daemon's status (`Node.status()`, kafilad/proto/status.py: the `kafila-ctl
+status --json` document) at each scrape (:class:`SnapshotCollector`), so it never goes stale:
 
 ```
 kafila_http_requests_total{route, method, code}        answers by route template ("other" for unknown
@@ -52,6 +52,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from kafilad.errors import ContextTooLongError, GenerationCancelled, HostBusyError, KafilaError
+from kafilad.proto.status import HostStatus, NodeStatus
 
 #: what GET /metrics answers with (the text format every Prometheus scrapes)
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -86,12 +87,12 @@ class ApiMetrics:
         self.duration = Histogram("kafila_generation_seconds", "From the request read to its generation's end.",
                                   ["route"], buckets=GENERATION_BUCKETS_S, registry=r)
 
-    def render(self, snapshot: Optional[dict]) -> bytes:
-        """The text a scrape gets: these metrics, then the snapshot's (None: the API's alone)."""
+    def render(self, status: Optional[NodeStatus]) -> bytes:
+        """The text a scrape gets: these metrics, then the status's (None: the API's alone)."""
         out = generate_latest(self.registry)
-        if snapshot is not None:
+        if status is not None:
             scrape = CollectorRegistry(auto_describe=False)
-            scrape.register(SnapshotCollector(snapshot))
+            scrape.register(SnapshotCollector(status))
             out += generate_latest(scrape)
         return out
 
@@ -165,42 +166,46 @@ def metered(generate: Generate, meter: Optional[RequestMeter] = None) -> Generat
 
 
 class SnapshotCollector:
-    """The session's gauges and counters from one status snapshot (module docstring)."""
+    """The session's gauges and counters from one status snapshot (module docstring).
 
-    def __init__(self, snapshot: dict):
-        self.snapshot = snapshot
+    Args:
+        status: the daemon's status (kafilad/proto/status.py NodeStatus, ``Node.status()``).
+    """
+
+    def __init__(self, status: NodeStatus):
+        self.status = status
 
     def collect(self) -> Iterable:
-        snap = self.snapshot
-        state = snap.get("state")
-        hosting = snap.get("role") == "host"
+        state = self.status.state
+        s = self.status.session
         states = GaugeMetricFamily("kafila_session_state", "1 for the hosted session's state.", labels=["state"])
-        if hosting:
-            for s in SESSION_STATES if state in SESSION_STATES else (*SESSION_STATES, str(state)):
-                states.add_metric([s], 1.0 if s == state else 0.0)
+        if isinstance(s, HostStatus):
+            for name in SESSION_STATES if state in SESSION_STATES else (*SESSION_STATES, str(state)):
+                states.add_metric([name], 1.0 if name == state else 0.0)
         yield states
-        if not hosting:
+        if not isinstance(s, HostStatus):
             return
         info = GaugeMetricFamily("kafila_session_info", "1 while a session is hosted.",
                                  labels=["session_id", "model"])
-        info.add_metric([str(snap.get("session_id") or ""), str(snap.get("model_id") or "")], 1.0)
+        info.add_metric([str(s.session_id or ""), str(s.model_id or "")], 1.0)
         yield info
-        req = snap.get("requests") or {}
-        for key, name, doc in (("running", "kafila_requests_running", "Requests running on the ring."),
-                               ("queued", "kafila_requests_queued", "Requests waiting for their turn (queue depth)."),
-                               ("concurrency", "kafila_concurrency", "Requests the session runs at once."),
-                               ("queue_limit", "kafila_queue_limit", "Requests that may wait past those.")):
-            if isinstance(req.get(key), (int, float)):
-                yield GaugeMetricFamily(name, doc, value=float(req[key]))
-        epoch = snap.get("epoch")
-        if isinstance(epoch, int):
+        if s.requests is not None:
+            req = s.requests
+            for value, name, doc in (
+                    (req.running, "kafila_requests_running", "Requests running on the ring."),
+                    (req.queued, "kafila_requests_queued", "Requests waiting for their turn (queue depth)."),
+                    (req.concurrency, "kafila_concurrency", "Requests the session runs at once."),
+                    (req.queue_limit, "kafila_queue_limit", "Requests that may wait past those.")):
+                if isinstance(value, (int, float)):
+                    yield GaugeMetricFamily(name, doc, value=float(value))
+        if isinstance(s.epoch, int):
             yield CounterMetricFamily("kafila_replans", "Plans made after the session's first.",
-                                      value=float(max(0, epoch - 1)))
-        yield from self._members(snap.get("members") or [])
-        yield from self._edges(snap.get("edges") or [])
-        yield from self._prompt_cache(snap.get("prompt_cache"))
-        yield from self._speculation(snap.get("speculation"))
-        last = snap.get("last_generation") or {}
+                                      value=float(max(0, s.epoch - 1)))
+        yield from self._members(s.members)
+        yield from self._edges(s.edges)
+        yield from self._prompt_cache(s.prompt_cache)
+        yield from self._speculation(s.speculation)
+        last = s.last_generation or {}
         if isinstance(last.get("decode_tokens_per_s"), (int, float)):
             yield GaugeMetricFamily("kafila_last_generation_tokens_per_second",
                                     "Decode speed of the last finished request.",
@@ -249,23 +254,21 @@ class SnapshotCollector:
                 yield fam
 
     @staticmethod
-    def _members(members: list) -> Iterable:
+    def _members(members: tuple) -> Iterable:
         counts = {"ready": 0, "lost": 0, "standby": 0, "other": 0}
         predicted = GaugeMetricFamily("kafila_stage_predicted_step_seconds", "The plan's decode step time per stage.",
                                       labels=["member"])
         measured = GaugeMetricFamily("kafila_stage_measured_step_seconds",
                                      "Median decode step measured per stage on the last request.", labels=["member"])
         for m in members:
-            if not isinstance(m, dict):
-                continue
-            kind = "lost" if m.get("lost") else "standby" if m.get("standby") else "ready" if m.get("ready") \
-                else "other"
+            kind = "lost" if getattr(m, "lost", None) else "standby" if getattr(m, "standby", False) \
+                else "ready" if getattr(m, "ready", False) else "other"
             counts[kind] += 1
-            name = str(m.get("name"))
-            if isinstance(m.get("predicted_stage_s"), (int, float)):
-                predicted.add_metric([name], float(m["predicted_stage_s"]))
-            if isinstance(m.get("measured_stage_s"), (int, float)):
-                measured.add_metric([name], float(m["measured_stage_s"]))
+            name = str(m.name)
+            if isinstance(m.predicted_stage_s, (int, float)):
+                predicted.add_metric([name], float(m.predicted_stage_s))
+            if isinstance(m.measured_stage_s, (int, float)):
+                measured.add_metric([name], float(m.measured_stage_s))
         fam = GaugeMetricFamily("kafila_members", "Members of the session by status.", labels=["status"])
         for k, n in counts.items():
             fam.add_metric([k], float(n))

@@ -12,6 +12,8 @@ from typing import Any, Optional, Protocol
 import attrs
 import trio
 
+from kafilad.proto.status import NodeStatus
+
 
 class NodeView(Protocol):
     """The daemon as the HTTP API sees it.
@@ -23,8 +25,9 @@ class NodeView(Protocol):
 
     session: Any
 
-    def snapshot(self) -> Optional[dict]:
-        """The `kafila-ctl status --json` document (None: none to show, the API's metrics alone)."""
+    def status(self) -> Optional[NodeStatus]:
+        """The daemon's status (kafilad/proto/status.py; its JSON is `kafila-ctl status --json`);
+        None: none to show, the API's metrics alone."""
 
     def restoring_sentence(self) -> Optional[str]:
         """While a restarted daemon brings its remembered session back: what it is doing; else None."""
@@ -39,14 +42,14 @@ class SessionOnly:
 
     Attributes:
         session: as NodeView.session.
-        status: what ``snapshot`` returns (None: no status document).
+        node_status: what ``status`` returns (None: no status document).
     """
 
     session: Any = None
-    status: Optional[dict] = None
+    node_status: Optional[NodeStatus] = None
 
-    def snapshot(self) -> Optional[dict]:
-        return self.status
+    def status(self) -> Optional[NodeStatus]:
+        return self.node_status
 
     def restoring_sentence(self) -> Optional[str]:
         return None

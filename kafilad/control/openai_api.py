@@ -190,10 +190,10 @@ def _route_label(method: str, path: str) -> str:
 
 
 async def _metrics(node, request: Request, res: Responder) -> None:
-    """GET /metrics (kafilad/control/metrics.py): the API's counters and the node's status snapshot."""
+    """GET /metrics (kafilad/control/metrics.py): the API's counters and the node's status."""
     meter = CURRENT.get()
     metrics = meter.metrics if meter is not None else DEFAULT_METRICS
-    await res.send(200, metrics.render(node.snapshot()), content_type=CONTENT_TYPE)
+    await res.send(200, metrics.render(node.status()), content_type=CONTENT_TYPE)
 
 
 def _error_shape(path: str) -> Optional[Callable[[int, str], bytes]]:

@@ -13,7 +13,7 @@ GET  /api/kafila/status   {"node", "role", "state", "members": [...], "edges": [
 The page polls the status document every `POLL_MS` (1 s) and streams chat replies from the
 OpenAI-compatible API (`"stream": true`, Server-Sent Events, kafilad/control/openai_api.py).
 
-The status document is a whitelist of the daemon's snapshot (`Node.snapshot`,
+The status document is a whitelist of the daemon's status (`Node.status`,
 kafilad/daemon.py), never the snapshot itself: the session code lets anyone who knows it
 join (and, with `--open`, be admitted), so it and every key (peer ids, fingerprints) stay off HTTP,
 and so do network addresses (edge `remote`, capability details) and the rendezvous URL. What it
@@ -32,6 +32,7 @@ from importlib import resources
 from typing import Any, Optional
 
 from kafilad.control.http_server import Request, Responder
+from kafilad.proto.status import MemberStatus, NodeStatus
 
 #: how often the page polls /api/kafila/status (app.js reads it from the document)
 POLL_MS = 1000
@@ -83,27 +84,30 @@ def _pick(d: Any, keys: tuple[str, ...]) -> Optional[dict]:
     return {k: d[k] for k in keys if k in d}
 
 
-def public_status(snap: dict) -> dict:
-    """The web page's view of a daemon snapshot: a whitelist of `snap` (module docstring).
+def public_status(status: NodeStatus) -> dict:
+    """The web page's view of a daemon's status: a whitelist of it (module docstring).
 
     Args:
-        snap: ``Node.snapshot()`` (kafilad/daemon.py): the `status --json` document.
+        status: ``Node.status()`` (kafilad/daemon.py; its JSON is the `status --json` document).
     Returns:
         {"node": this daemon's name, "members": [...], "edges": [...], "requests", "plan",
-        "last_generation", "pending": [names], "load", plus TOP_KEYS that `snap` has}; never the
+        "last_generation", "pending": [names], "load", plus the TOP_KEYS its session has}; never the
         session code, peer ids, fingerprints, addresses or the rendezvous URL.
     """
-    out: dict = {"node": snap.get("name"), "session": bool(snap.get("session"))}
-    out.update(_pick(snap, TOP_KEYS) or {})
-    out["members"] = [_pick(m, MEMBER_KEYS) for m in snap.get("members") or [] if isinstance(m, dict)]
-    out["edges"] = [_pick(e, EDGE_KEYS) for e in snap.get("edges") or [] if isinstance(e, dict)]
-    out["requests"] = _pick(snap.get("requests"), REQUEST_KEYS)
-    out["plan"] = _pick(snap.get("plan"), PLAN_KEYS)
-    out["last_generation"] = _pick(snap.get("last_generation"), GENERATION_KEYS) or None
-    out["load"] = _pick(snap.get("load"), LOAD_KEYS) or None
-    out["pending"] = [p.get("name") for p in snap.get("pending") or [] if isinstance(p, dict)]
-    if snap.get("role") == "member":  # a member's own range; the host's members carry theirs
-        out["blocks"], out["head"] = snap.get("blocks"), snap.get("head")
+    s = status.session
+    out: dict = {"node": status.name, "session": bool(s is not None and s.session_id), "state": status.state}
+    if s is not None:
+        out.update({k: getattr(s, k) for k in TOP_KEYS if hasattr(s, k)})
+    out["members"] = [_pick(m.to_json(), MEMBER_KEYS) for m in (s.members if s is not None else ())]
+    out["edges"] = [_pick(e, EDGE_KEYS) for e in getattr(s, "edges", ()) if isinstance(e, dict)]
+    requests = getattr(s, "requests", None)
+    out["requests"] = _pick(requests.to_json() if requests is not None else None, REQUEST_KEYS)
+    out["plan"] = _pick(s.plan if s is not None else None, PLAN_KEYS)
+    out["last_generation"] = _pick(getattr(s, "last_generation", None), GENERATION_KEYS) or None
+    out["load"] = _pick(getattr(s, "load", None), LOAD_KEYS) or None
+    out["pending"] = [p.get("name") for p in getattr(s, "pending", ()) if isinstance(p, dict)]
+    if isinstance(s, MemberStatus):  # a member's own range; the host's members carry theirs
+        out["blocks"], out["head"] = s.blocks, s.head
     out["poll_ms"] = POLL_MS
     return out
 
@@ -112,12 +116,12 @@ async def handle(node, request: Request, res: Responder) -> None:
     """Answer a GET/HEAD of one of ROUTES (openai_api.py checked the path and the method).
 
     Args:
-        node: the daemon (its `snapshot()` feeds the status document).
+        node: the daemon (its `status()` feeds the status document).
         request: the request; its path is a key of ROUTES (a trailing slash removed).
     """
     path = request.path.rstrip("/") or "/"
     if path == STATUS_PATH:
-        body = json.dumps(public_status(node.snapshot())).encode()
+        body = json.dumps(public_status(node.status())).encode()
         await res.send(200, body, headers=HEADERS)
         return
     name, content_type = STATIC[path]

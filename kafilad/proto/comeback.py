@@ -1,7 +1,7 @@
 """The pure half of a daemon's comeback with its remembered session (README "The rendezvous
 restarts", docs/healing.md; issue 25 item 1): when to try again and when to give up, the comeback
 record, and what status says meanwhile, as functions of errors, records and the clock's reading.
-kafilad/daemon.py (``Node._rejoin``, ``Node._rehost``, ``Node.snapshot``) drives them; the wait of a
+kafilad/daemon.py (``Node._rejoin``, ``Node._rehost``, ``Node.status``) drives them; the wait of a
 request for a restored session is kafilad/node/session/comeback.py ``session_back``.
 
 - ``reconnecting``: a member whose session ended with the rendezvous or its host; its daemon
@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+import attrs
+
 from kafilad.errors import ALREADY_IN_SESSION, DUPLICATE_PEER, JoinRefused, RendezvousRefused
+from kafilad.proto.status import HostStatus, MemberStatus
 
 RECONNECTING, RESTORING = "reconnecting", "restoring"
 
@@ -96,29 +99,30 @@ def session_id_of(code: str) -> Optional[str]:
     return str(code).strip().lower().rpartition("-")[0] or None
 
 
-def reconnecting_snapshot(info: dict, session_snap: dict, now_s: float) -> dict:
-    """A member's snapshot while its daemon rejoins: the ended session's (``session_snap``, or {})
-    with state ``reconnecting`` and no stage, and ``reconnecting`` {"attempt", "next_in_s", "reason"}."""
+def reconnecting_status(info: dict, session: Optional[MemberStatus], now_s: float) -> MemberStatus:
+    """A member's status while its daemon rejoins: the ended session's (``session``, or None) with
+    state ``reconnecting``, no stage, and ``reconnecting`` {"attempt", "next_in_s", "reason"}
+    (kafilad/proto/status.py)."""
     left_s = max(0.0, info["at"] - now_s)
     sid = session_id_of(info["code"])
-    return {**session_snap, "role": "member", "session": sid, "session_id": sid, "code": info["code"],
-            "state": RECONNECTING, "error": None, "members": [], "plan": None, "blocks": None, "head": False,
-            "load": {}, "control": "down" if session_snap else None,
-            "rendezvous": f"reconnecting (attempt {info['attempt']}, next in {left_s:.0f} s)",
-            "reconnecting": {"attempt": info["attempt"], "next_in_s": round(left_s, 1), "reason": info["reason"]}}
+    return attrs.evolve(
+        session if session is not None else MemberStatus(), session_id=sid, code=info["code"], state=RECONNECTING,
+        error=None, members=(), plan=None, blocks=None, head=False, load={},
+        control="down" if session is not None else None,
+        rendezvous=f"reconnecting (attempt {info['attempt']}, next in {left_s:.0f} s)",
+        reconnecting={"attempt": info["attempt"], "next_in_s": round(left_s, 1), "reason": info["reason"]})
 
 
-def restoring_snapshot(info: dict, now_s: float) -> dict:
-    """A restarted host's snapshot until its remembered session is registered again: state
-    ``restoring`` and ``restoring`` {"attempt", "next_in_s", "reason"}."""
+def restoring_status(info: dict, now_s: float) -> HostStatus:
+    """A restarted host's status until its remembered session is registered again: state
+    ``restoring`` and ``restoring`` {"attempt", "next_in_s", "reason"} (kafilad/proto/status.py)."""
     left_s = info["at"] - now_s
     when = f"next in {left_s:.0f} s" if left_s > 0 else "under way"
     sid = session_id_of(info["code"])
-    return {"role": "host", "session": sid, "session_id": sid, "code": info["code"], "state": RESTORING,
-            "error": None, "members": [], "pending": [], "plan": None,
-            "rendezvous": f"re-registering the session (attempt {info['attempt']}, {when})",
-            "restoring": {"attempt": info["attempt"], "next_in_s": round(max(0.0, left_s), 1),
-                          "reason": info["reason"]}}
+    return HostStatus(session_id=sid, code=info["code"], state=RESTORING,
+                      rendezvous=f"re-registering the session (attempt {info['attempt']}, {when})",
+                      restoring={"attempt": info["attempt"], "next_in_s": round(max(0.0, left_s), 1),
+                                 "reason": info["reason"]})
 
 
 def restoring_sentence(info: dict) -> str:

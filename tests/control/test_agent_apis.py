@@ -18,12 +18,13 @@ from hypothesis import given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from kafila_ctl.demo import packaged_model_dir
+from kafilad.proto.status import NodeStatus
 from kafilad.control import openai_api
 from kafilad.control.anthropic_api import parse_count_tokens, parse_messages, stop_reason, tool_use
 from kafilad.control.api_common import HttpError
 from kafilad.control.auth import ApiKeys
 from kafilad.control.http_server import HttpServer
-from kafilad.control.metrics import SESSION_STATES, ApiMetrics, RequestMeter, SnapshotCollector, metered
+from kafilad.control.metrics import SESSION_STATES, ApiMetrics, RequestMeter, metered
 from kafilad.control.responses_api import parse_responses
 from kafilad.errors import GenerationCancelled
 from kafilad.executor.tokenizer import load_tokenizer
@@ -37,7 +38,7 @@ from node.healing_host import ready_host
 STORY = [{"role": "user", "content": "Tell me a story."}]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"name": "get_weather", "description": "Weather for a city", "input_schema": CITY}
-IDLE = SessionOnly(None, {"role": None, "state": "idle"})
+IDLE = SessionOnly(None, NodeStatus.from_json({"role": None, "state": "idle"}))
 
 
 def refused(parse, body: dict) -> tuple[str, str]:
@@ -356,7 +357,7 @@ def test_the_snapshot_as_metrics():
                 "prompt_cache": {"on": True, "entries": 2, "entry_tokens": 300, "budget_tokens": 4096, "hits": 5,
                                  "tokens_saved": 1200}}
     metrics = ApiMetrics()
-    got = samples(metrics.render(snapshot))
+    got = samples(metrics.render(NodeStatus.from_json(snapshot)))
     assert got[("kafila_session_state", (("state", "recovering"),))] == 1
     assert sum(v for (name, _), v in got.items() if name == "kafila_session_state") == 1
     assert got[("kafila_replans_total", ())] == 2
@@ -372,9 +373,9 @@ def test_the_snapshot_as_metrics():
     assert got[("kafila_last_generation_tokens_per_second", ())] == 40
     assert [got[(f"kafila_prompt_cache_{k}", ())] for k in ("enabled", "hits_total", "saved_tokens_total", "entries",
                                                             "tokens", "budget_tokens")] == [1, 5, 1200, 2, 300, 4096]
-    off = samples(metrics.render({**snapshot, "prompt_cache": {"on": False, "why": "sliding windows"}}))
+    off = samples(metrics.render(NodeStatus.from_json({**snapshot, "prompt_cache": {"on": False, "why": "sliding windows"}})))
     assert off[("kafila_prompt_cache_enabled", ())] == 0 and ("kafila_prompt_cache_hits_total", ()) not in off
-    idle = samples(metrics.render({"role": None, "state": "idle"}))
+    idle = samples(metrics.render(NodeStatus.from_json({"role": None, "state": "idle"})))
     assert not [k for k in idle if k[0].startswith("kafila_session") or k[0].startswith("kafila_members")]
 
 

@@ -13,6 +13,7 @@ import pytest
 import trio
 from hypothesis import given, settings, strategies as st
 
+from kafilad.proto.status import NodeStatus
 from kafilad.control import openai_api
 from kafilad.control.auth import ApiKeys, check_binding, is_loopback, keys_from, presented_key
 from kafilad.control.http_server import HttpServer
@@ -23,7 +24,7 @@ from control.http_harness import http_request
 
 KEY = "k3y-0123456789abcdef-XYZ"
 OTHER = "another-key-0123456789"
-IDLE = SessionOnly(None, {"role": None, "state": "idle", "name": "anvil"})
+IDLE = SessionOnly(None, NodeStatus.from_json({"role": None, "state": "idle", "name": "anvil"}))
 
 
 async def exchange(raw: bytes, keys: ApiKeys) -> tuple[int, dict, bytes]:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import trio
 
+from kafilad.proto.status import NodeStatus
 from kafilad.control import openai_api
 from kafilad.control.api_common import HttpError, json_object
 from kafilad.control.cors import origin_allowed
@@ -19,7 +20,7 @@ from kafilad.control.node_view import SessionOnly
 
 from control.http_harness import exchange, http_request
 
-IDLE = SessionOnly(None, {"role": None, "state": "idle"})
+IDLE = SessionOnly(None, NodeStatus.from_json({"role": None, "state": "idle"}))
 
 
 def request(method: str, path: str, headers: dict | None = None, body: bytes = b"") -> bytes:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import trio
 
+from kafilad.proto.status import NodeStatus
 from kafilad.control import web
 from kafilad.control.node_view import SessionOnly
 
@@ -51,7 +52,7 @@ HOST_SNAPSHOT = {
 
 
 def test_public_status_keeps_the_ring_and_drops_code_keys_and_addresses():
-    doc = web.public_status(HOST_SNAPSHOT)
+    doc = web.public_status(NodeStatus.from_json(HOST_SNAPSHOT))
     text = json.dumps(doc)
     for secret in (CODE, "p-anvil", "ab:cd:ef", "10.0.0.9", "192.168.1.7", "203.0.113.5", "s-1234", "8400"):
         assert secret not in text, secret
@@ -67,13 +68,13 @@ def test_public_status_keeps_the_ring_and_drops_code_keys_and_addresses():
 
 
 def test_public_status_of_an_idle_daemon_and_of_a_member():
-    idle = web.public_status({"name": "birch", "peer_id": "p-birch", "fingerprint": "x", "rendezvous": None,
-                              "http": None, "session": None, "state": "idle", "members": []})
+    idle = web.public_status(NodeStatus.from_json({"name": "birch", "peer_id": "p-birch", "fingerprint": "x", "rendezvous": None,
+                              "http": None, "session": None, "state": "idle", "members": []}))
     assert idle["session"] is False and idle["state"] == "idle" and idle["members"] == [] and idle["edges"] == []
-    member = web.public_status({"name": "birch", "session": "s-1", "role": "member", "session_id": "s-1",
+    member = web.public_status(NodeStatus.from_json({"name": "birch", "session": "s-1", "role": "member", "session_id": "s-1",
                                 "code": CODE, "state": "loading", "host": "anvil", "blocks": [3, 4], "head": False,
                                 "members": [{"name": "anvil", "peer_id": "p-a", "blocks": [0, 3], "head": True}],
-                                "load": {"progress": "fetching", "done_bytes": 5, "total_bytes": 10, "edges": []}})
+                                "load": {"progress": "fetching", "done_bytes": 5, "total_bytes": 10, "edges": []}}))
     assert CODE not in json.dumps(member)
     assert member["host"] == "anvil" and member["blocks"] == [3, 4] and member["head"] is False
     assert member["load"] == {"progress": "fetching", "done_bytes": 5, "total_bytes": 10}
@@ -81,7 +82,7 @@ def test_public_status_of_an_idle_daemon_and_of_a_member():
 
 async def get(raw: bytes) -> tuple[int, dict, bytes]:
     """One request to the API's handler over memory streams; (status, headers, body)."""
-    return await exchange(raw, SessionOnly(None, HOST_SNAPSHOT))
+    return await exchange(raw, SessionOnly(None, NodeStatus.from_json(HOST_SNAPSHOT)))
 
 
 def test_routes_serve_the_page_its_files_and_the_status_document():
@@ -96,7 +97,7 @@ def test_routes_serve_the_page_its_files_and_the_status_document():
         status, headers, body = await get(request("HEAD", "/"))
         assert status == 200 and body == b"" and headers["content-length"] == str(len((WEB_DIR / "index.html").read_bytes()))
         status, headers, body = await get(request("GET", "/api/kafila/status/"))
-        assert status == 200 and json.loads(body) == json.loads(json.dumps(web.public_status(HOST_SNAPSHOT)))
+        assert status == 200 and json.loads(body) == json.loads(json.dumps(web.public_status(NodeStatus.from_json(HOST_SNAPSHOT))))
         status, headers, body = await get(request("POST", "/"))
         assert status == 405 and headers["allow"] == "GET, HEAD"
         assert json.loads(body)["error"]["message"] == "/ answers GET and HEAD, not POST."

@@ -124,9 +124,9 @@ def test_limiter_runs_k_at_once_and_serves_waiters_in_order():
             for i in range(7):
                 n.start_soon(request, i)
             await trio.sleep(0.5)
-            assert lim.snapshot() == {"running": 2, "queued": 5, "concurrency": 2, "queue_limit": 8}
+            assert lim.counts().to_json() == {"running": 2, "queued": 5, "concurrency": 2, "queue_limit": 8}
         assert started == list(range(7)) and peak[0] == 2
-        assert lim.snapshot()["running"] == 0 and lim.queued == 0
+        assert lim.counts().running == 0 and lim.queued == 0
     run(main)
 
 

@@ -36,6 +36,7 @@ import trio
 
 from kafilad.errors import HostBusyError, KafilaError
 from kafilad.modelinfo import unsplittable_reason
+from kafilad.proto.status import RequestCounts
 
 #: default queue length per slot: a host with --concurrency K queues 4K requests
 QUEUE_PER_SLOT = 4
@@ -149,10 +150,10 @@ class Limiter:
     def queued(self) -> int:
         return len(self.queue.waiting)
 
-    def snapshot(self) -> dict:
-        """{"running", "queued", "concurrency", "queue_limit"} for `status --json`."""
-        return {"running": self.running, "queued": self.queued, "concurrency": self.queue.concurrency,
-                "queue_limit": self.queue.queue_limit}
+    def counts(self) -> RequestCounts:
+        """Requests running and waiting, and the limits, for the status (kafilad/proto/status.py)."""
+        return RequestCounts(running=self.running, queued=self.queued, concurrency=self.queue.concurrency,
+                             queue_limit=self.queue.queue_limit)
 
     async def acquire(self, *, abandoned: Optional[trio.Event] = None) -> Optional[Slot]:
         """Wait for a slot, first in first out.

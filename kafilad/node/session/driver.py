@@ -230,14 +230,14 @@ class SessionDriver:
             return "lost"
         return "connected" if self._rendezvous_connected() else None
 
-    def _reconnecting_status(self) -> dict:
-        """{"reconnecting": {"attempt", "next_in_s", "reason"?}} for the snapshot while the rendezvous
-        is re-tried (the reason `kafila-ctl status` prints after the rendezvous line), else {}."""
+    def _reconnecting_status(self) -> Optional[dict]:
+        """{"attempt", "next_in_s", "reason"?} for the status while the rendezvous is re-tried (the
+        reason `kafila-ctl status` prints after the rendezvous line), else None."""
         r = self.reconnecting
         if r is None or not self._still_reconnecting():
-            return {}
+            return None
         about = {k: v for k, v in r.items() if k not in ("at", "next_in_s")}
-        return {"reconnecting": {**about, "next_in_s": round(max(0.0, r["at"] - time.time()), 1)}}
+        return {**about, "next_in_s": round(max(0.0, r["at"] - time.time()), 1)}
 
     def _still_reconnecting(self) -> bool:
         """Whether ``reconnecting`` still describes the session (not once it is over)."""

@@ -30,6 +30,7 @@ from kafilad.node.session.liveness import Liveness
 from kafilad.node.shards.modelfiles import ModelFiles
 from kafilad.node.session.rdv_client import CurrentRendezvous
 from kafilad.node.session.driver import SessionDriver, reconnect_delay_s
+from kafilad.node.session import status as session_status
 from kafilad.node.serving.outbox import Outbox
 from kafilad.node.serving.ring_state import run_on_mlx_thread
 from kafilad.planner import DEFAULT_STRATEGY, plan as make_plan
@@ -38,6 +39,7 @@ from kafilad.planner.records import Device
 from kafilad.planner.trust import RATIO_HIGH, RATIO_LOW, REHEAD_GAIN, MemberChecks
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
+from kafilad.proto.status import HostStatus
 from kafilad.proto.identity import compose_session_code, peer_id as peer_id_of
 
 log = logging.getLogger("kafilad.host")
@@ -688,20 +690,6 @@ class HostSession(SessionDriver):
             elif self.state == sm.HostState.READY:
                 self.nursery.start_soon(self._handle, sm.Reassess(v.name, reason))
 
-    def _member_report(self, r) -> dict:
-        """What `status` shows of member `r`'s report against its measured stage: `reported` (its
-        capability's time figures), `planned_with` (those the planner used: scaled when its report
-        was judged off) and `check` (MemberChecks.status: ratio, outcome, confirmed), and whether
-        it may head (`head_allowed`)."""
-        cap = r.capability or {}
-        reported = {k: cap.get(k) for k in ("bandwidth_Bps", "step_overhead_s", "memory_bytes")}
-        used = next((d for d in self.fleet_devices if d.name == r.name), None)
-        return {"reported": reported,
-                "planned_with": None if used is None else {"bandwidth_Bps": used.bandwidth_Bps,
-                                                           "step_overhead_s": used.step_overhead_s},
-                "check": self.checks.status(r.name),
-                "head_allowed": r.is_host or self.head_any or r.name in self.checks.confirmed}
-
     # ---- reporting ----------------------------------------------------------------------------
     def fleet_json(self) -> dict:
         from kafilad.planner import fleet_to_json
@@ -714,73 +702,13 @@ class HostSession(SessionDriver):
     def _rendezvous_connected(self) -> bool:
         return isinstance(self.rdv, CurrentRendezvous) and self.rdv.client is not None
 
+    def status(self) -> HostStatus:
+        """This session's status (kafilad/node/session/status.py builds it)."""
+        return session_status.host_status(self)
+
     def snapshot(self) -> dict:
-        plan = self.plan
-        members = []
-        ordered = [self.members[p] for p in self.ring_order if p in self.members]
-        ordered += [e for e in self.members.values() if e.peer_id not in self.ring_order]  # standbys, newcomers
-        for r in ordered:
-            blocks = list(plan.blocks[r.name]) if plan and r.name in plan.blocks else None
-            members.append({"name": r.name, "peer_id": r.peer_id, "blocks": blocks,
-                            "head": bool(plan and plan.head == r.name),
-                            "predicted_stage_s": plan.stage_s.get(r.name) if plan else None,
-                            "measured_stage_s": self.measured_stage_s.get(r.name),
-                            "ready": r.ready and r.lost is None, "lost": r.lost, "left": r.left,
-                            "standby": bool(plan and r.name in plan.standby),
-                            "control": None if r.is_host else ("down" if r.control_down or r.lost else "up"),
-                            "progress": "loading" if self.state == "loading" and not r.ready else None,
-                            "capability": r.capability, **self._member_report(r),
-                            "nat_class": (r.capability or {}).get("nat_class")})
-        for r in self.machine.lost.values():
-            if r.peer_id not in self.members:
-                members.append({"name": r.name, "peer_id": r.peer_id, "blocks": None, "head": False,
-                                "predicted_stage_s": None, "measured_stage_s": None, "ready": False, "lost": r.lost,
-                                "left": r.left, "control": "down", "progress": None, "capability": r.capability,
-                                "nat_class": (r.capability or {}).get("nat_class")})
-        return {"role": "host", "session_id": self.session_id, "code": self.code, "state": self.state.value,
-                "error": self.error, "model_id": self.info.model_id, "expected_members": self.expected,
-                "rendezvous": self._rendezvous_status(), **self._reconnecting_status(),
-                "context": self.context, "concurrency": self.concurrency, "members": members,
-                "requests": self.admission.snapshot(),
-                "pending": [{"peer_id": p.peer_id, "name": p.name} for p in self.pending.values()],
-                "form_s": self.formed_s, "last_generation": self.last_generation,
-                "fleet": self.fleet_json() if self.fleet_devices else None,
-                "plan": plan.to_json() if plan else None, "epoch": self.machine.epoch,
-                "edges": stagehost.session_edges(self),
-                "schedule": self._schedule_status(), "plan_waits": self.requests.plan_waits,
-                "prompt_cache": self._prompt_cache_status(), "speculation": self._speculation_status()}
-
-    def _speculation_status(self) -> Optional[dict]:
-        """The head's speculative decoding (kafilad/node/serving/drafts.py `Drafter.status`) when this host is the head."""
-        drafter = getattr(self.ring, "drafter", None)
-        return drafter.status() if drafter is not None else None
-
-    def _prompt_cache_status(self) -> Optional[dict]:
-        """The prompt cache (kafilad/executor/prefix.py) as this host's stage sees it: on or off and
-        why; with the head here, its entries, hits and prompt tokens saved (a remote head reports
-        each request's reused tokens in its result, `cached_tokens`). None without a stage here."""
-        runner = getattr(self.ring, "runner", None)
-        if runner is None:
-            return None
-        if not runner.stage.prefix_cacheable:
-            return {"on": False, "why": "the model keeps caches that cannot be cut back to a prefix (sliding "
-                                        "windows, linear attention or SSM state)"}
-        if not self.ring.head:
-            return {"on": True, "head": "remote"}
-        index = runner.prefix_index
-        if index is None:
-            return {"on": False, "why": f"{stagehost.PROMPT_CACHE_ENV}=0"}
-        return {"on": True, "entries": len(index.tokens), "entry_tokens": sum(len(t) for t in index.tokens.values()),
-                "budget_tokens": index.budget_tokens, "hits": index.hits, "tokens_saved": index.tokens_saved}
-
-    def _schedule_status(self) -> Optional[dict]:
-        """The head's decode schedule when this host is the head (step_policy.StepPolicy.snapshot)."""
-        sched = getattr(self.ring, "scheduler", None)
-        if sched is None:
-            return None
-        return {**sched.policy.snapshot(), "decode_steps": sched.decode_steps, "decode_rows": sched.decode_rows,
-                "max_batch_rows": sched.max_batch_rows, "max_steps_in_flight": sched.max_steps_in_flight,
-                "stalls": list(self.ring.stalls)}
+        """The status as its JSON document (`kafila-ctl status --json`)."""
+        return self.status().to_json()
 
     async def close(self, reason: str = "the host closed the session") -> None:
         """End the session for everyone, for good: members are told (they forget it), requests fail with `reason`."""

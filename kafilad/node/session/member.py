@@ -23,8 +23,10 @@ from kafilad.node.paths.link import Link, secure_link
 from kafilad.node.session.liveness import Liveness
 from kafilad.node.serving.ring_state import run_on_mlx_thread
 from kafilad.node.session.driver import SessionDriver, reconnect_delay_s
+from kafilad.node.session import status as session_status
 from kafilad.proto import control as cf
 from kafilad.proto import session as sm
+from kafilad.proto.status import MemberStatus
 from kafilad.proto.identity import fingerprint, fingerprint_matches, parse_session_code, peer_id as peer_id_of
 
 log = logging.getLogger("kafilad.member")
@@ -509,21 +511,13 @@ class MemberSession(SessionDriver):
             except LinkClosed:
                 pass
 
+    def status(self) -> MemberStatus:
+        """This session's status (kafilad/node/session/status.py builds it)."""
+        return session_status.member_status(self)
+
     def snapshot(self) -> dict:
-        p = self.machine.plan
-        plan = (p.plan if p else None) or {}
-        members = []
-        for pid in self.ring_order:
-            name = self.roster[pid]["name"]
-            members.append({"name": name, "peer_id": pid, "blocks": plan.get("blocks", {}).get(name),
-                            "head": plan.get("head") == name,
-                            "predicted_stage_s": plan.get("stage_s", {}).get(name), "measured_stage_s": None})
-        return {"role": "member", "session_id": self.session_id, "code": self.code, "state": self.state.value,
-                "error": self.error, "host": self.host_name, "members": members,
-                "rendezvous": self._rendezvous_status(), **self._reconnecting_status(),
-                "control": "down" if self.rendezvous_lost else ("up" if self.link else None),
-                "blocks": [p.start, p.end] if p else None, "head": bool(p and p.head),
-                "capability": self.capability, "load": self.load, "plan": plan or None}
+        """The status as its JSON document (`kafila-ctl status --json`)."""
+        return self.status().to_json()
 
     def _still_reconnecting(self) -> bool:
         return not self._over.is_set()
