@@ -251,6 +251,9 @@ class Gen(ControlFrame):
     #: the request's sampling parameters (kafilad/proto/sampling.py wire map; the head checks it with
     #: `Sampling.from_wire` and answers `gen_error` with the reason); absent: `temperature` alone
     sampling: Optional[dict] = _field(dict, optional=True)
+    #: token ids the request already generated (a stream resumed after a member's loss, issue 25 item
+    #: 4): the head appends them to the prompt's and generates the rest (proto_spec 05 §2 `gen`)
+    cont: Optional[list] = _field(list, optional=True)
 
 
 @_frame("gen_event")

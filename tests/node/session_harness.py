@@ -273,15 +273,15 @@ async def session_world(root: Path, model_dir: Path, monkeypatch, *, one_way_s: 
 
 
 async def generate(host: HostSession, prompt: str, max_tokens: int, *, on_token=None,
-                   gone: Optional[trio.Event] = None) -> dict:
-    """Greedy generation through the host; ``on_token(n)`` is awaited after each of the n tokens
-    streamed; ``gone`` is the client's going away (HostSession.generate)."""
+                   gone: Optional[trio.Event] = None, temperature: float = 0.0) -> dict:
+    """Generation through the host, greedy unless `temperature` > 0; ``on_token(n)`` is awaited after
+    each of the n tokens streamed; ``gone`` is the client's going away (HostSession.generate)."""
     tokens: list = []
 
     async def emit(ev: dict) -> None:
         tokens.append(ev)
         if on_token is not None:
             await on_token(len(tokens))
-    result = await host.generate(prompt, max_tokens=max_tokens, temperature=0.0, emit=emit, gone=gone)
+    result = await host.generate(prompt, max_tokens=max_tokens, temperature=temperature, emit=emit, gone=gone)
     result["events"] = tokens
     return result

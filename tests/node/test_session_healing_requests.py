@@ -137,3 +137,44 @@ async def test_a_member_frozen_mid_stream_pauses_the_stream_which_goes_on_identi
         assert len(result["retried_after"]) == 1 and "m2" in result["retried_after"][0], result.get("retried_after")
         assert out["after"]["token_ids"] == reference_tokens(model_dir, PROMPT, N_TOKENS)
         assert ready_over(h, {"h", "m1"}) and h.snapshot()["requests"]["running"] == 0
+
+
+@pytest.mark.parametrize("head", ["host", "member"])
+@trio_test
+async def test_a_sampled_stream_without_a_seed_goes_on_after_a_loss(tmp_path, model_dir, monkeypatch, head):
+    """Issue 25 item 4: a request sampled by temperature alone, without a seed, that streamed output
+    when a member was frozen no longer fails: its new run prefills the prompt and the tokens already
+    handed in one pass (proto_spec 05 §2 `gen` "cont", through a member head too) and draws the rest.
+    The client gets each token once, and the text is the tokens' text after the prompt, the
+    junction included."""
+    from kafilad.executor.tokenizer import load_tokenizer
+    from node.session_harness import CAPABILITY, shrink_liveness
+    shrink_liveness(monkeypatch, interval_s=0.2, deadline_s=1.5)
+    n_tokens = 24
+    async with session_world(tmp_path, model_dir, monkeypatch) as w:
+        if head == "member":  # a slow host, the members' reports trusted: a member heads
+            w.host_capability = {**CAPABILITY, "bandwidth_Bps": CAPABILITY["bandwidth_Bps"] / 20}
+        h, (m1, m2) = await w.form(2, head_any=head == "member")
+        assert h.machine.head().is_host == (head == "host")
+        victim = "m1" if h.machine.head().name == "m2" else "m2"  # never the head
+
+        async def on_token(n: int) -> None:
+            if n == 5:
+                w.freeze(victim)
+        with trio.fail_after(60):
+            result = await generate(h, PROMPT, n_tokens, on_token=on_token, temperature=0.9)
+        handed = [ev["token_id"] for ev in result["events"] if ev["token_id"] is not None]
+        assert handed == result["token_ids"]  # each token once, in order: a pause, no repeat, no error
+        assert len(handed) == n_tokens or result["finish_reason"] == "stop", result["finish_reason"]
+        assert result["resumed_after_tokens"] >= 5 and len(result["retried_after"]) == 1, result
+        assert result["prompt_tokens"] == len(load_tokenizer(model_dir).encode(PROMPT))
+        tok = load_tokenizer(model_dir)
+        detok = tok.continuation_detokenizer(tok.encode(PROMPT))
+        for t in handed:
+            detok.add_token(t)
+        detok.finalize()
+        assert "".join(ev["text"] for ev in result["events"]) == result["text"] == detok.text
+        assert ready_over(h, {"h", "m1", "m2"} - {victim}) and h.snapshot()["requests"]["running"] == 0
+        records = [json.loads(line) for line in h.node.state.trace_path(h.session_id).read_text().splitlines()]
+        gen = [r for r in records if r["event"] == "generation"]
+        assert gen[-1]["resumed_after_tokens"] == result["resumed_after_tokens"], gen[-1]

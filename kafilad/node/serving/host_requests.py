@@ -15,9 +15,11 @@ head among them, or the ring broken) runs again once the session serves, at most
 times, and its `generation` record lists why (`retried_after`): the host holds its prompt, its
 sampling (seed, penalties) and what its client was handed, and the stream goes on where it paused
 (`StreamReplay`: the new run's events up to there are checked against those sent and dropped), so
-the client sees a pause, not an error (issue 25 item 4). That holds for greedy requests and seeded
-ones (`resumable`); a sampled request without a seed that already streamed output fails naming the
-loss, as its new run would draw other tokens. A session that has never been
+the client sees a pause, not an error (issue 25 item 4). That replay holds for greedy requests and
+seeded ones (`resumable`; a request sampled with more than the temperature and no seed is given one
+here, `seeded`). A request sampled by temperature alone keeps its fast path and goes on instead: its
+new run prefills the prompt and the tokens already handed in one pass and draws the rest
+(`Continuation`, proto_spec 05 §2 `gen` "cont"). A session that has never been
 ready (still forming) is not waited for, unless a restarted host daemon re-hosts it (`rehosted`:
 it served before the restart, and its members are rejoining).
 
@@ -35,6 +37,7 @@ plan records none.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from functools import partial
@@ -256,9 +259,9 @@ class HostRequests:
                 `prompt_tokens` is a lower bound, the prompt was not tokenized).
             HostBusyError: `concurrency` requests run and the queue is full.
             GenerationCancelled: the client went away (or read too slowly); the request was ended.
-            GenerationError: a member was lost (named in the message) after an unseeded sampled
-                request handed output to `emit`, or it failed MAX_LOSS_RETRIES + 1 times, or its
-                new run's output differed from what was sent; the head failed it.
+            GenerationError: a member was lost (named in the message) and the request failed
+                MAX_LOSS_RETRIES + 1 times, or its replayed run's output differed from what was
+                sent; the head failed it.
         """
         await self.wait_serving(gone)
         n_prompt, exact = await self.prompt_tokens(prompt, self.session.context)  # exact unless alone past the context
@@ -274,29 +277,44 @@ class HostRequests:
         req = uuid.uuid4().hex[:12]
         retried: list[str] = []  # why each earlier attempt failed (a loss: the request runs again)
         stream = StreamReplay(emit)  # what the client was handed, across attempts
+        sampling = seeded(temperature, sampling)
+        continued = Continuation()  # a run resumed after the tokens handed (`continuable`)
         try:
             t0 = time.perf_counter()
             if sampling is not None:
                 temperature = sampling.temperature
+            stopper = StopFilter(stop) if stop else None
+            tokens_seen = [0]
             while True:
                 await self.wait_serving(gone)  # a member may have been lost while the request waited its turn
                 epoch = self.session.machine.epoch  # the plan it runs under (its stage times belong to it)
                 self.session.on_ring.add(req)  # a new plan waits for it before replacing the ring (drain_for)
-                stopper = StopFilter(stop) if stop else None
-                tokens_seen, emitted = [0], [0]
-                stream.rewind()
+                if not continued.ids:  # from the prompt: the new run's events are checked against those sent
+                    stopper = StopFilter(stop) if stop else None
+                    tokens_seen = [0]
+                    stream.rewind()
                 try:
-                    result = await self._run_attempt(req, prompt, max_tokens, temperature, sampling, n_prompt,
-                                                     stream.emit, gone, stopper, tokens_seen, emitted)
+                    if max_tokens - len(continued.ids) <= 0:  # every token was handed; only the end was lost
+                        result = continued.finished(n_prompt)
+                    else:
+                        result = await self._run_attempt(req, prompt, max_tokens - len(continued.ids), temperature,
+                                                         sampling, n_prompt, stream.emit, gone, stopper, tokens_seen,
+                                                         [0], continued)
                     if stream.diverged is not None:
                         raise GenerationError(stream.diverged)
+                    result = continued.joined(result)
                     break
                 except GenerationError as e:
-                    if (stream.diverged is not None or (stream.sent and not resumable(temperature, sampling))
+                    replay = resumable(temperature, sampling)
+                    if (stream.diverged is not None or (stream.sent and not replay and not continuable(sampling))
                             or len(retried) >= MAX_LOSS_RETRIES or not await self._healing_since(epoch)):
                         raise
+                    if stream.sent and not replay:  # sampled: the new run prefills what was handed and goes on
+                        continued.keep(stream.sent, continued.raw)
+                        stream.go_on()
                     log.info("request %s failed after %d event(s) handed to its client (%s); it runs again once "
-                             "the session serves, and its stream goes on where it paused", req, len(stream.sent), e)
+                             "the session serves, and its stream goes on where it paused%s", req, len(stream.sent), e,
+                             f" (its {len(continued.ids)} token(s) prefilled)" if continued.ids else "")
                     retried.append(str(e))
                     self.session.on_ring.discard(req)
                     req = uuid.uuid4().hex[:12]
@@ -318,6 +336,8 @@ class HostRequests:
             result["wall_s"] = time.perf_counter() - t0
             if retried:
                 result["retried_after"] = retried
+            if continued.ids:
+                result["resumed_after_tokens"] = len(continued.ids)
             self._record_generation(result, epoch)
             if result["finish_reason"] == "cancelled":
                 raise GenerationCancelled(f"The request was ended after {n_tokens} tokens: "
@@ -332,9 +352,12 @@ class HostRequests:
 
     async def _run_attempt(self, req: str, prompt: str, max_tokens: int, temperature: float,
                            sampling: Optional[Sampling], n_prompt: int, emit, gone: Optional[trio.Event],
-                           stopper: Optional[StopFilter], tokens_seen: list, emitted: list) -> dict:
+                           stopper: Optional[StopFilter], tokens_seen: list, emitted: list,
+                           continued: Optional["Continuation"] = None) -> dict:
         """One run of a request on the current ring (local head) or through the remote head; counts
         the events it handed on in ``emitted[0]`` (a loss ends the run; `generate` runs it again).
+        `continued`: the tokens an earlier run handed on, prefilled after the prompt (their ring text
+        is collected in ``continued.raw`` as the events arrive).
 
         Raises:
             GenerationError: the ring broke, a member was lost, or the head failed the request.
@@ -352,8 +375,12 @@ class HostRequests:
                 except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
 
+        cont = list(continued.ids) if continued is not None else []
+
         async def emit_checked(ev: dict) -> None:
             """`emit`, with the stop sequences applied (the request is ended once one matched)."""
+            if continued is not None:
+                continued.raw.append(str(ev.get("text") or ""))
             if stopper is None:
                 emitted[0] += 1
                 await emit(ev)
@@ -379,7 +406,7 @@ class HostRequests:
                 try:
                     if local:
                         st = await ring.generate(req, prompt, max_tokens=max_tokens, temperature=temperature,
-                                                 on_event=emit_checked, sampling=sampling)
+                                                 on_event=emit_checked, sampling=sampling, continue_ids=cont)
                         result = result_of(st)
                         if st.cancelled is not None and st.error != ring.broken:
                             result.update(finish_reason="cancelled", cancel_reason=st.cancelled,
@@ -388,7 +415,7 @@ class HostRequests:
                             raise GenerationError(st.error)
                     else:
                         result = await self._generate_remote(head, req, prompt, max_tokens, temperature,
-                                                             emit_checked, sampling)
+                                                             emit_checked, sampling, cont)
                         result.setdefault("prompt_tokens", n_prompt)
                 except trio.Cancelled:  # the caller was cancelled (e.g. the daemon stops): end the request too
                     if local:
@@ -408,7 +435,7 @@ class HostRequests:
         return self.returning() or (self.session.state == sm.HostState.READY and self.session.machine.epoch != epoch)
 
     async def _generate_remote(self, head, req: str, prompt: str, max_tokens: int, temperature: float,
-                               emit, sampling: Optional[Sampling] = None) -> dict:
+                               emit, sampling: Optional[Sampling] = None, cont: Sequence[int] = ()) -> dict:
         """The request through a remote head (proto_spec 05 §2 `gen`); a `Cancel` put on its channel
         (by `generate`), or `emit` raising, sends the head a `cancel` frame; the result then has
         `"finish_reason": "cancelled"` once the head answered (or CANCEL_WAIT_S passed). A
@@ -442,7 +469,7 @@ class HostRequests:
         try:
             await link.send(cf.Gen(req=req, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                                    sampling=sampling.to_wire() if sampling is not None and not sampling.plain
-                                   else None).to_wire())
+                                   else None, cont=list(cont) or None).to_wire())
             with trio.CancelScope() as wait:  # given a deadline once the request is cancelled
                 async for f in recv:
                     if isinstance(f, cf.GenEvent):
@@ -547,6 +574,63 @@ class HostRequests:
         return self.session._chat_tokenizer
 
 
+def seeded(temperature: float, sampling: Optional[Sampling]) -> Optional[Sampling]:
+    """`sampling`, with a seed drawn here when it is sampled with more than the temperature and has
+    none: its tokens then follow from its prompt (`resumable`), so a loss mid-stream replays it
+    exactly; it is off the temperature-only path anyway (`Sampling.plain`), so the seed costs nothing.
+    A temperature-only request keeps that path (fused steps, speculation) and is `continuable`."""
+    if sampling is None or sampling.plain or sampling.seed is not None or sampling.temperature <= 0:
+        return sampling
+    return attrs.evolve(sampling, seed=secrets.randbits(31))
+
+
+def continuable(sampling: Optional[Sampling]) -> bool:
+    """Whether a request may go on after a loss by prefilling the tokens its client was handed
+    (`Continuation`) rather than by replaying them: sampled by temperature alone (no penalties, no
+    logprobs, `Sampling.plain`), so the rest is a draw of the model given the prompt and those tokens."""
+    return sampling is None or sampling.plain
+
+
+@attrs.define
+class Continuation:
+    """A sampled request going on after a loss (issue 25 item 4): its new run prefills the prompt
+    and the tokens its client was handed in one pass (proto_spec 05 §2 `gen` "cont") and generates
+    the rest; a replay (`resumable`) would draw other tokens.
+
+    Attributes:
+        ids: the token ids handed to the client before the loss ([] while the request runs from its prompt).
+        raw: the ring's text of each event the runs handed on (before stop sequences), so the whole
+            text is the earlier runs' and the last one's.
+    """
+
+    ids: list = attrs.Factory(list)
+    raw: list = attrs.Factory(list)
+    _text: str = ""
+
+    def keep(self, sent: list, raw: list) -> None:
+        """The run failed after handing `sent` [(token_id, text)]: the next one goes on after them."""
+        self.ids = [t for t, _ in sent if t is not None]
+        self._text = "".join(raw[:len(sent)])
+        self.raw = list(raw[:len(sent)])
+
+    def joined(self, result: dict) -> dict:
+        """The last run's `result` as the whole request's: the earlier tokens and text first."""
+        if not self.ids:
+            return result
+        out = dict(result)
+        out["token_ids"] = self.ids + list(result.get("token_ids") or [])
+        out["text"] = self._text + str(result.get("text") or "")
+        if isinstance(out.get("prompt_tokens"), int):
+            out["prompt_tokens"] = max(0, out["prompt_tokens"] - len(self.ids))
+        return out
+
+    def finished(self, n_prompt: int) -> dict:
+        """The result when every token was handed before the loss (only the run's end was lost)."""
+        return {"text": "", "token_ids": [], "prompt_tokens": n_prompt + len(self.ids), "ttft_s": None,
+                "decode_tokens": 0, "decode_tokens_per_s": None, "circuit_s_median": None, "stats": [],
+                "finish_reason": "length"}
+
+
 def resumable(temperature: float, sampling: Optional[Sampling]) -> bool:
     """Whether a request that already streamed output may run again after a loss and go on with
     the same stream: its tokens are a function of its prompt alone (greedy, temperature 0, or drawn
@@ -575,6 +659,11 @@ class StreamReplay:
     def rewind(self) -> None:
         """A new run starts: its events are compared with `sent` from the first."""
         self._pos = 0
+
+    def go_on(self) -> None:
+        """A new run starts after what was sent (it prefills those tokens, `Continuation`): each of
+        its events goes to the client."""
+        self._pos = len(self.sent)
 
     async def emit(self, ev: dict) -> None:
         """Hand `ev` ({"t": "token", "token_id", "text", ...}) to the client unless it was handed before.

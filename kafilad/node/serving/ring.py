@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Awaitable, Callable, Optional, Union
+from typing import Awaitable, Callable, Optional, Sequence, Union
 
 import attrs
 import trio
@@ -358,18 +358,31 @@ class RingMember:
 
     # ---- head -------------------------------------------------------------------------------
     async def generate(self, req: str, prompt: str, *, max_tokens: int, temperature: float,
-                       on_event: Callable[[dict], Awaitable[None]], sampling=None) -> RequestState:
+                       on_event: Callable[[dict], Awaitable[None]], sampling=None,
+                       continue_ids: Sequence[int] = ()) -> RequestState:
         """Start a generation; stream its events {"t": "token", ...} to `on_event`; return at the end.
 
         `on_event` runs in the caller's task, fed from the request's own bounded stream, so a slow
         or failing consumer ends only its own request (`RequestState.error` says why).
         `sampling` (kafilad.proto.sampling.Sampling) replaces `temperature` when given; a token event
         of a request that asked for `logprobs` carries "logprob" and "top_logprobs" ([[id, logprob]]).
+        `continue_ids`: tokens the request already generated (a stream resumed after a loss,
+        proto_spec 05 §2 `gen` "cont"): prefilled after the prompt's in one pass; the events and the
+        result's text and tokens are those after them (its `prompt_tokens` counts them).
 
         Raises:
-            GenerationError: the ring broke (the message names the member), or an empty prompt.
+            GenerationError: the ring broke (the message names the member), an empty prompt, or a
+                continued token outside the vocabulary.
         """
         ids = list(await trio.to_thread.run_sync(self.tokenizer.encode, prompt))  # a long prompt: off the loop
+        if continue_ids:
+            vocab = getattr(getattr(self.runner, "stage", None), "config", {}).get("vocab_size")
+            bad = [t for t in continue_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0
+                   or (isinstance(vocab, int) and t >= vocab)]
+            if bad:
+                raise GenerationError(f"The request continues after token {bad[0]!r}, outside this model's "
+                                      f"vocabulary.")
+        prompt_ids, ids = ids, ids + list(continue_ids)
         if self.broken:
             raise GenerationError(self.broken)
         early = self._early_cancels.pop(req, None)
@@ -394,9 +407,12 @@ class RingMember:
                                                        now_s=time.perf_counter(), sampling=sampling,
                                                        from_entry=entry, reuse_tokens=reuse, evict=tuple(evict)))
         send, recv = trio.open_memory_channel(self.stream_events)
-        st = RequestState(req=req, detok=self.tokenizer.continuation_detokenizer(ids), events=send,
-                          record=self.scheduler.requests.get(req))
+        st = RequestState(req=req, detok=self.tokenizer.continuation_detokenizer(prompt_ids),
+                          events=send, record=self.scheduler.requests.get(req))
         st.detok.reset()
+        for t in continue_ids:  # the text goes on as it would have: a character split across the pause included
+            st.detok.add_token(t)
+        st.detok.last_segment  # noqa: B018 - read: their text was streamed by the earlier run
         self._streams[req] = st
         async with recv:  # closed on the way out: an abandoned stream ends its request at the next event
             with trio.CancelScope(shield=True):  # the first chunk goes whole, or the request would never return

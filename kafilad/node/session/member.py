@@ -495,7 +495,7 @@ class MemberSession(SessionDriver):
                 raise GenerationError(f"The head {self.node.name} cannot sample this request: {e}.",
                                       INVALID_LOGIT_BIAS) from None
             st = await self.ring.generate(req, f.prompt, max_tokens=f.max_tokens, temperature=float(f.temperature),
-                                          on_event=on_event, sampling=sampling)
+                                          on_event=on_event, sampling=sampling, continue_ids=f.cont or ())
             if st.cancel_requested and st.error != self.ring.broken:  # the host's `cancel`: what was produced,
                 # with every member's `end` row (its KV rows were freed on every stage)
                 await self.send_ctl(cf.GenDone(req=req, result=cf.GenResult.from_wire(result_of(st))).to_wire())
