@@ -19,7 +19,7 @@ by another script, e.g. one whose ring edges go through a hop-delay forwarder), 
 measurement runs with WAN hops.
 
     python scripts/bench_speculation.py [--model DIR|GGUF] [--members 3] [--runs 3] [--tokens 160]
-        [--kinds repeat,edit,miss] [--mode auto] [--dequantize]
+        [--kinds repeat,edit,miss] [--mode auto] [--dequantize] [--mlx-lm]
 """
 
 from __future__ import annotations
@@ -91,6 +91,30 @@ def dequantized(model: str) -> str:
     return str(out / "f32")
 
 
+def mlx_lm_tps(model_dir: str, prompt: str, tokens: int, runs: int) -> float:
+    """Single-process mlx-lm on the same chat prompt, greedy: the median over `runs` (after one
+    discarded warm-up) of decode tokens/s, the first token excluded (scripts/bench_ring.py
+    `single_process_tps`, fed the chat template's ids). This process loaded the daemons' BLAS
+    first (`import kafilad.executor`, DESIGN §6)."""
+    import kafilad.executor  # noqa: F401 - the optimised BLAS, loaded before mlx as the daemons load it
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+    model, tok = load(model_dir)
+    ids = mx.array(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
+    rates = []
+    for run in range(runs + 1):
+        t_first, n = None, 0
+        for (t, _), _ in zip(generate_step(ids, model, max_tokens=tokens), range(tokens)):
+            mx.eval(t)
+            n += 1
+            if t_first is None:
+                t_first = time.perf_counter()
+        if run:
+            rates.append((n - 1) / (time.perf_counter() - t_first))
+    return statistics.median(rates)
+
+
 def make_cluster(members: int, root: Optional[str] = None, hop_delay_ms: Optional[float] = None,
                  hop_mbps: Optional[float] = None):
     """`members` daemons on loopback, each behind a WAN hop of `hop_delay_ms` one way (kafila_ctl/wan_hops.py) when given."""
@@ -158,6 +182,9 @@ def main(argv=None, cluster_factory: Callable[..., object] = make_cluster) -> in
     ap.add_argument("--hop-delay-ms", type=float, default=None, help="one-way delay of every ring hop (WAN emulation)")
     ap.add_argument("--hop-mbps", type=float, default=None, help="rate cap of every ring hop, Mbit/s")
     ap.add_argument("--root", default=None, help="keep the daemons' state dirs and logs here")
+    ap.add_argument("--mlx-lm", action="store_true",
+                    help="also run single-process mlx-lm on the same prompts (a model directory mlx-lm loads, e.g. "
+                         "--dequantize's) and print ring ÷ mlx-lm for each mode (issue 24: >= 1.0 with speculation)")
     ap.add_argument("--dequantize", action="store_true",
                     help="serve the model's float32 weights (mlx_lm convert --dequantize): on a CPU, MLX's quantized "
                          "matmul costs about L times a one-token pass for L tokens, so drafts barely pay on Q4 weights")
@@ -175,6 +202,14 @@ def main(argv=None, cluster_factory: Callable[..., object] = make_cluster) -> in
         hop_check(formed["status"], args.hop_delay_ms)
         results = measure(c, args.kinds.split(","), ["off", args.mode], args.runs, args.tokens)
     report(results, "off")
+    if args.mlx_lm:
+        if not Path(model).is_dir():
+            print("--mlx-lm needs a model directory mlx-lm loads (a GGUF: add --dequantize)", file=sys.stderr)
+            return 2
+        for kind, by_mode in results.items():  # after the cluster stopped: mlx-lm has the machine to itself
+            single = mlx_lm_tps(model, PROMPTS[kind], args.tokens, args.runs)
+            ring = ", ".join(f"{m} {statistics.median(r['rates']) / single:.2f}" for m, r in by_mode.items())
+            print(f"{kind}: ring ÷ single-process mlx-lm ({single:.1f} tokens/s): {ring}")
     return 0
 
 

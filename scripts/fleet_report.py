@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Optional, Sequence
@@ -106,6 +107,27 @@ def predict_sub_fleets(fleet_json: dict, model_dir: str, *, context: int) -> lis
     return sorted(out, key=lambda r: -(r["tokens_per_s"] or 0))
 
 
+def predict_strategies(fleet_json: dict, model_dir: str, *, context: int, concurrency: int) -> dict:
+    """The planner's saturated tokens/s at `concurrency` of every division on ONE fleet: {strategy:
+    tokens/s, or None where it cannot place the model}. Given the default session's fleet (the
+    devices as its members measured themselves), a predicted gain then compares divisions of the
+    same devices; each strategy's own session re-probes its members, and those probes differ by up
+    to 1.5x from session to session on a slow quota, which the cross-session ratio mixes in."""
+    from kafilad.errors import KafilaError
+    from kafilad.modelinfo import read_model_info
+    from kafilad.planner import load_fleet, plan
+    profile = read_model_info(model_dir).profile(float_dtype_bytes=4)  # CPU members hold f32 (DESIGN §6)
+    devices = load_fleet(fleet_json).devices
+    out: dict = {}
+    for strategy in ("load", "kafila", "uniform", "memory"):
+        try:
+            out[strategy] = throughput_at(plan(devices, profile, context=context, concurrency=concurrency,
+                                               strategy=strategy).to_json(), concurrency)
+        except KafilaError:
+            out[strategy] = None
+    return out
+
+
 def _stage_dev(measured: dict) -> Optional[float]:
     """Worst |measured/predicted − 1| over one strategy's stages: under load when measured (quotas
     model saturated throughput well, a lone request badly: an idle member bursts above its quota,
@@ -154,12 +176,16 @@ def summary_ratios(res: dict) -> dict:
     peers = res.get("peers", {})
     def sat_predicted(s):
         return (strat.get(s) or {}).get("saturated_predicted_tps")
-    gain, gain_predicted = ratio(sat(DEFAULT_STRATEGY), sat("uniform")), \
-        ratio(sat_predicted(DEFAULT_STRATEGY), sat_predicted("uniform"))
+    one_fleet = res.get("predicted_on_default_fleet") or {}  # `predict_strategies`: divisions of the same devices
+    gain = ratio(sat(DEFAULT_STRATEGY), sat("uniform"))
+    gain_by_session = ratio(sat_predicted(DEFAULT_STRATEGY), sat_predicted("uniform"))
+    gain_predicted = ratio(one_fleet.get(DEFAULT_STRATEGY), one_fleet.get("uniform")) if one_fleet else gain_by_session
     memory_peak, memory_hits = memory_use(res)
     return {
         "default_over_uniform_saturated": gain,
         "default_over_uniform_saturated_predicted": gain_predicted,
+        "default_over_uniform_saturated_predicted_by_session": gain_by_session,
+        "default_over_memory_saturated_predicted": ratio(one_fleet.get(DEFAULT_STRATEGY), one_fleet.get("memory")),
         "default_over_uniform_measured_over_predicted_gain": ratio(gain, gain_predicted),
         "default_over_memory_saturated": ratio(sat(DEFAULT_STRATEGY), sat("memory")),
         "default_stage_measured_over_predicted_max_dev": _stage_dev(strat.get(DEFAULT_STRATEGY) or {}),
@@ -246,9 +272,29 @@ def median_ratios(results: Sequence[dict]) -> dict:
     return out
 
 
+def _model_dir_of(res: dict) -> Optional[str]:
+    """The model directory of a run's JSON: its `model_dir`, or for older runs the synthesised
+    model its `model` line names, where it is still cached (None otherwise)."""
+    if res.get("model_dir"):
+        return res["model_dir"]
+    found = re.findall(r"hidden (\d+), (\d+) blocks", str(res.get("model")))
+    if not found:
+        return None
+    from fleet_harness import model_dir_for
+    path = model_dir_for(int(found[0][0]), int(found[0][1]))
+    return str(path) if path.is_dir() else None
+
+
 def summarize(paths: Sequence[Path]) -> int:
     """`--summarize`: the median of every ratio over several runs' JSON files, with the targets' verdicts."""
     results = [json.loads(Path(p).read_text()) for p in paths]
+    for r in results:  # runs written before `predicted_on_default_fleet` existed: predicted from their JSON
+        fleet = ((r.get("strategies") or {}).get(DEFAULT_STRATEGY) or {}).get("fleet")
+        model_dir = _model_dir_of(r)
+        if "predicted_on_default_fleet" not in r and fleet and model_dir is not None:
+            r["predicted_on_default_fleet"] = predict_strategies(
+                fleet, model_dir, context=fleet.get("context") or 512,
+                concurrency=int(r.get("concurrency") or fleet.get("concurrency") or 1))
     med = median_ratios(results)
     ver = verdicts(med)
     print(f"medians over {len(results)} runs (commits {sorted({r.get('commit') for r in results})}):")

@@ -169,6 +169,21 @@ def test_predict_sub_fleets_uses_the_planner_and_drops_what_does_not_fit(tmp_pat
     assert rates == sorted(rates, reverse=True) and rates[0] > 0
 
 
+def test_predict_strategies_divides_one_fleet_every_way(tmp_path):
+    """The predicted gain compares divisions of the same devices (fleet_report.predict_strategies):
+    on a fleet 4:1 in speed with room everywhere, the default beats uniform, and a division that
+    cannot place the model is None."""
+    model = fh.synthesize_qwen2(tmp_path / "q2", hidden=64, layers=4)
+    gib = 1 << 30
+    fleet = {"devices": [{"name": "fast", "memory_bytes": gib, "bandwidth_Bps": 8e9},
+                         {"name": "slow", "memory_bytes": gib, "bandwidth_Bps": 2e9}], "context": 256}
+    pred = fr.predict_strategies(fleet, str(model), context=256, concurrency=2)
+    assert set(pred) == {"load", "kafila", "uniform", "memory"}
+    assert pred["load"] > pred["uniform"] > 0 and pred["memory"] == pytest.approx(pred["uniform"], rel=0.01)
+    tight = {"devices": [{**fleet["devices"][0], "memory_bytes": 40_000}, fleet["devices"][1]], "context": 256}
+    assert fr.predict_strategies(tight, str(model), context=256, concurrency=2)["uniform"] is None
+
+
 def test_summary_ratios_and_verdicts():
     res = {"strategies": {"kafila": {"saturated_tps": 40.0, "one_user_tps": 12.0,
                                      "stages": [{"mean_ratio": 1.05}, {"mean_ratio": 0.92}, {"mean_ratio": None}]},
@@ -190,6 +205,11 @@ def test_summary_ratios_and_verdicts():
     assert r["one_user_kafila_full_fleet_over_best_sub_fleet"] == pytest.approx(12 / 15)
     assert r["ring_api_over_mlx_lm_single"] == 0.75
     assert r["ring_api_over_mlx_lm_pipeline"] == 2.0
+    assert r["default_over_uniform_saturated_predicted"] is None  # no plan rows: nothing predicted
+    one_fleet = fr.summary_ratios({**res, "predicted_on_default_fleet": {"load": 30.0, "uniform": 15.0, "memory": 20.0}})
+    assert one_fleet["default_over_uniform_saturated_predicted"] == 2.0  # the same devices divided both ways
+    assert one_fleet["default_over_uniform_measured_over_predicted_gain"] == pytest.approx(0.9)
+    assert one_fleet["default_over_memory_saturated_predicted"] == 1.5
     v = fr.verdicts(r)
     assert v["default_over_uniform_saturated"] == "met"
     assert v["default_over_memory_saturated"] == "not met"
