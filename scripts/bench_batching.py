@@ -19,7 +19,7 @@ request its own passes, pipelined, as KAFILA_BATCH=0), `micro2`, `micro3` (M pin
 Results: docs/performance.md "Serving schedule".
 
     python scripts/bench_batching.py [--concurrency 4] [--tokens 48] [--runs 4]
-        [--hidden 512] [--layers 8] [--members 3] [--modes auto,lockstep,per-request]
+        [--hidden 512] [--layers 8] [--members 3] [--modes auto,lockstep,per-request] [--bound]
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2,
                     help="rounds discarded first (auto's policy may spend one learning that overlapped steps do "
                          "not pay on this machine: a 1-s trial, once per daemon)")
+    ap.add_argument("--bound", action="store_true",
+                    help="after the cluster, time mlx-lm alone's K-row and 1-row decode steps on the same model in "
+                         "this process (scripts/bench_batch_cost.py) and print each mode's K ÷ 1 against that bound, "
+                         "K ÷ (step(K) ÷ step(1)) (issue 24: >= 0.95 of it)")
     ap.add_argument("--modes", default="auto,lockstep,per-request",
                     help="comma list of auto (the default schedule), lockstep (KAFILA_MICRO_BATCHES=1), "
                          "per-request (KAFILA_BATCH=0), micro3 (KAFILA_MICRO_BATCHES=3); the first is compared "
@@ -87,7 +91,32 @@ def main() -> int:
             print(f"{n} concurrent: {names[0]} / {other} = {rates[(names[0], n)] / rates[(other, n)]:.2f}")
     for mode in names:
         print(f"{mode}: {k} concurrent / 1 = {rates[(mode, k)] / rates[(mode, 1)]:.2f}")
+    if args.bound:  # after the cluster stopped: mlx-lm alone has the machine to itself
+        bound = mlx_lm_batch_bound(str(model), k, args.runs)
+        for mode in names:
+            got = rates[(mode, k)] / rates[(mode, 1)]
+            print(f"{mode}: {k} concurrent / 1 = {got:.2f} = {got / bound:.2f} of mlx-lm alone's bound {bound:.2f} "
+                  f"(its {k}-row decode step ÷ its 1-row one, same BLAS, this run)")
     return 0
+
+
+def mlx_lm_batch_bound(model_dir: str, k: int, rounds: int, steps: int = 40) -> float:
+    """K ÷ (step(K rows) ÷ step(1 row)) of mlx-lm alone on `model_dir`: the most K concurrent ÷ 1
+    any batched server reaches on this machine (scripts/bench_batch_cost.py `step_ms`), the median
+    over `rounds`."""
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_batch_cost import step_ms
+    model, _ = load_model(Path(model_dir))
+    model.set_dtype(mx.float32)
+    bounds = []
+    for _ in range(rounds):
+        one, many = step_ms(model, 1, steps), step_ms(model, k, steps)
+        bounds.append(k / (many / one))
+    return statistics.median(bounds)
 
 
 if __name__ == "__main__":
