@@ -84,16 +84,18 @@ def _pick(d: Any, keys: tuple[str, ...]) -> Optional[dict]:
     return {k: d[k] for k in keys if k in d}
 
 
-def public_status(status: NodeStatus) -> dict:
+def public_status(status: Optional[NodeStatus]) -> dict:
     """The web page's view of a daemon's status: a whitelist of it (module docstring).
 
     Args:
-        status: ``Node.status()`` (kafilad/daemon.py; its JSON is the `status --json` document).
+        status: ``Node.status()`` (kafilad/daemon.py; its JSON is the `status --json` document), or
+            None (a view with no status document: shown as an idle node).
     Returns:
         {"node": this daemon's name, "members": [...], "edges": [...], "requests", "plan",
         "last_generation", "pending": [names], "load", plus the TOP_KEYS its session has}; never the
         session code, peer ids, fingerprints, addresses or the rendezvous URL.
     """
+    status = status if status is not None else NodeStatus()  # a view with no status shows an idle node
     s = status.session
     out: dict = {"node": status.name, "session": bool(s is not None and s.session_id), "state": status.state}
     if s is not None:

@@ -71,6 +71,7 @@ def test_public_status_of_an_idle_daemon_and_of_a_member():
     idle = web.public_status(NodeStatus.from_json({"name": "birch", "peer_id": "p-birch", "fingerprint": "x", "rendezvous": None,
                               "http": None, "session": None, "state": "idle", "members": []}))
     assert idle["session"] is False and idle["state"] == "idle" and idle["members"] == [] and idle["edges"] == []
+    assert {**web.public_status(None), "node": "birch"} == idle  # a view with no status document: idle
     member = web.public_status(NodeStatus.from_json({"name": "birch", "session": "s-1", "role": "member", "session_id": "s-1",
                                 "code": CODE, "state": "loading", "host": "anvil", "blocks": [3, 4], "head": False,
                                 "members": [{"name": "anvil", "peer_id": "p-a", "blocks": [0, 3], "head": True}],
