@@ -506,7 +506,7 @@ class Node:
 
     def snapshot(self) -> dict:
         """The status as its JSON document: `kafila-ctl status --json`, the control socket's
-        `status` and `watch` (proto_spec 04)."""
+        `status` and `watch` (proto_spec 05 §4)."""
         return self.status().to_json()
 
     def _reconnecting_status(self) -> Optional[MemberStatus]:

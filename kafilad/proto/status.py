@@ -1,7 +1,7 @@
 """The status snapshot as types (issue 25 item 1): what a daemon shows of itself and its session.
 
 One snapshot feeds every reader: `kafila-ctl status --json` and `watch` (the control socket sends
-``NodeStatus.to_json()``, proto_spec 04), the web page's whitelist (kafilad/control/web.py
+``NodeStatus.to_json()``, proto_spec 05 §4), the web page's whitelist (kafilad/control/web.py
 ``public_status``) and GET /metrics (kafilad/control/metrics.py). It is built in one place,
 kafilad/node/session/status.py, from the session machines' fields; the restarting daemon's two
 statuses (reconnecting, restoring) come from kafilad/proto/comeback.py.

@@ -1,6 +1,6 @@
 """The session's status snapshot, built in one place (issue 25 item 1) from the host's and the
 member's machines: kafilad/proto/status.py holds its types and their JSON (`kafila-ctl status
---json`, proto_spec 04); kafilad/daemon.py wraps it in the node's (``NodeStatus``).
+--json`, proto_spec 05 §4); kafilad/daemon.py wraps it in the node's (``NodeStatus``).
 
 Each function reads the session's fields and its parts' own documents (the plan's, the edges',
 the schedule's, the drafter's, the prompt cache's); none changes anything.
