@@ -27,7 +27,9 @@ IDLE = "idle"
 
 
 def _rows(cls, rows) -> tuple:
-    return tuple(r if isinstance(r, MemberRow) else cls.from_json(r) for r in rows or () if isinstance(r, (dict, MemberRow)))
+    """Member rows of class `cls` from a document's "members" (rows already typed kept; others skipped)."""
+    return tuple(r if isinstance(r, MemberRow) else cls.from_json(r) for r in rows or ()
+                 if isinstance(r, (dict, MemberRow)))
 
 
 def _from_json(cls, d: dict, **override) -> Any:
@@ -37,6 +39,8 @@ def _from_json(cls, d: dict, **override) -> Any:
 
 
 def _to_json(obj, omit_none: tuple = ()) -> dict:
+    """`obj`'s fields as JSON: typed values by their own `to_json`, tuples as lists; the fields
+    named in `omit_none` left out while None."""
     out = {}
     for f in attrs.fields(type(obj)):
         v = getattr(obj, f.name)
