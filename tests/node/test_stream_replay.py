@@ -81,7 +81,7 @@ def test_a_continuation_joins_the_earlier_tokens_and_text_to_the_last_run():
     c = Continuation()
     assert c.joined({"text": "x", "token_ids": [1]}) == {"text": "x", "token_ids": [1]}  # nothing resumed
     c.raw.extend(["Once", " upon", " a"])  # the ring's text of each event handed (before stop sequences)
-    c.keep([(5, "Once"), (6, " upon")], c.raw)  # the third event never reached the client
+    c.keep([(5, "Once"), (6, " upon")])  # the third event never reached the client
     assert c.ids == [5, 6] and c.raw == ["Once", " upon"]
     out = c.joined({"text": " a time", "token_ids": [7, 8], "prompt_tokens": 9, "finish_reason": "length"})
     assert out == {"text": "Once upon a time", "token_ids": [5, 6, 7, 8], "prompt_tokens": 7, "finish_reason": "length"}

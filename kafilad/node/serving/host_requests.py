@@ -299,7 +299,7 @@ class HostRequests:
                     else:
                         result = await self._run_attempt(req, prompt, max_tokens - len(continued.ids), temperature,
                                                          sampling, n_prompt, stream.emit, gone, stopper, tokens_seen,
-                                                         [0], continued)
+                                                         continued)
                     if stream.diverged is not None:
                         raise GenerationError(stream.diverged)
                     result = continued.joined(result)
@@ -310,7 +310,7 @@ class HostRequests:
                             or len(retried) >= MAX_LOSS_RETRIES or not await self._healing_since(epoch)):
                         raise
                     if stream.sent and not replay:  # sampled: the new run prefills what was handed and goes on
-                        continued.keep(stream.sent, continued.raw)
+                        continued.keep(stream.sent)
                         stream.go_on()
                     log.info("request %s failed after %d event(s) handed to its client (%s); it runs again once "
                              "the session serves, and its stream goes on where it paused%s", req, len(stream.sent), e,
@@ -352,10 +352,10 @@ class HostRequests:
 
     async def _run_attempt(self, req: str, prompt: str, max_tokens: int, temperature: float,
                            sampling: Optional[Sampling], n_prompt: int, emit, gone: Optional[trio.Event],
-                           stopper: Optional[StopFilter], tokens_seen: list, emitted: list,
+                           stopper: Optional[StopFilter], tokens_seen: list,
                            continued: Optional["Continuation"] = None) -> dict:
-        """One run of a request on the current ring (local head) or through the remote head; counts
-        the events it handed on in ``emitted[0]`` (a loss ends the run; `generate` runs it again).
+        """One run of a request on the current ring (local head) or through the remote head (a loss
+        ends the run; `generate` runs it again; `StreamReplay` keeps what its client was handed).
         `continued`: the tokens an earlier run handed on, prefilled after the prompt (their ring text
         is collected in ``continued.raw`` as the events arrive).
 
@@ -382,7 +382,6 @@ class HostRequests:
             if continued is not None:
                 continued.raw.append(str(ev.get("text") or ""))
             if stopper is None:
-                emitted[0] += 1
                 await emit(ev)
                 return
             if stopper.stopped:
@@ -393,7 +392,6 @@ class HostRequests:
             if stopper.stopped:
                 cancel(STOPPED)
             if out or ev.get("token_id") is not None:
-                emitted[0] += 1
                 await emit({**ev, "text": out})
 
         with collapse_groups():  # the request's own error, not a group (strict exception groups)
@@ -607,11 +605,11 @@ class Continuation:
     raw: list = attrs.Factory(list)
     _text: str = ""
 
-    def keep(self, sent: list, raw: list) -> None:
+    def keep(self, sent: list) -> None:
         """The run failed after handing `sent` [(token_id, text)]: the next one goes on after them."""
         self.ids = [t for t, _ in sent if t is not None]
-        self._text = "".join(raw[:len(sent)])
-        self.raw = list(raw[:len(sent)])
+        self.raw = self.raw[:len(sent)]
+        self._text = "".join(self.raw)
 
     def joined(self, result: dict) -> dict:
         """The last run's `result` as the whole request's: the earlier tokens and text first."""

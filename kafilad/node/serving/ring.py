@@ -375,8 +375,8 @@ class RingMember:
                 continued token outside the vocabulary.
         """
         ids = list(await trio.to_thread.run_sync(self.tokenizer.encode, prompt))  # a long prompt: off the loop
+        vocab = getattr(getattr(self.runner, "stage", None), "config", {}).get("vocab_size")
         if continue_ids:
-            vocab = getattr(getattr(self.runner, "stage", None), "config", {}).get("vocab_size")
             bad = [t for t in continue_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0
                    or (isinstance(vocab, int) and t >= vocab)]
             if bad:
@@ -392,7 +392,6 @@ class RingMember:
             raise GenerationError("The prompt encodes to no tokens.")
         if sampling is not None:
             temperature = sampling.temperature
-            vocab = getattr(getattr(self.runner, "stage", None), "config", {}).get("vocab_size")
             bad = [t for t, _ in sampling.logit_bias if isinstance(vocab, int) and t >= vocab]
             if bad:
                 raise GenerationError(f"'logit_bias' names token {bad[0]}, outside this model's vocabulary of "
