@@ -80,14 +80,16 @@ def error_json(e: KafilaError) -> dict:
     return {"error": err}
 
 
-def plan_all(devices, profile, *, context: int, concurrency: int, mu: float, heads=None) -> dict[str, Outcome]:
+def plan_all(devices, profile, *, context: int, concurrency: int, mu: float, heads=None,
+             rtt_ms=None) -> dict[str, Outcome]:
     """strategy -> Plan or the PlanError it raised, for every strategy; `heads`: the fleet's names that
-    may be the head (proto_spec/06-fleet.md §1), None: any."""
+    may be the head (proto_spec/06-fleet.md §1), None: any; `rtt_ms`: the fleet's measured round
+    trips ({(from, to): ms}, its `edges`)."""
     out: dict[str, Outcome] = {}
     for s in STRATEGIES:
         try:
             out[s] = plan(devices, profile, context=context, concurrency=concurrency, strategy=s, mu=mu,
-                          heads=None if heads is None else frozenset(heads))
+                          heads=None if heads is None else frozenset(heads), measured_rtt_ms=rtt_ms)
         except PlanError as e:
             out[s] = e
     return out
@@ -279,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"kafila-ctl: {e}", file=sys.stderr)
         return 1
     outcomes = plan_all(fleet.devices, profile, context=context, concurrency=concurrency, mu=args.mu,
-                        heads=fleet.heads)
+                        heads=fleet.heads, rtt_ms=fleet.rtt_ms)
     chosen = outcomes[args.strategy]
     if args.json:
         if isinstance(chosen, PlanError):

@@ -11,7 +11,8 @@
      "dtype": "float32", "fallback_dtype": "bfloat16", ...}   unknown keys ignored
   ],
   "context": 4096, "concurrency": 1,                          optional (flags win)
-  "heads": ["studio"]                                          optional: who may be the head (absent: any)
+  "heads": ["studio"],                                         optional: who may be the head (absent: any)
+  "edges": [{"from": "studio", "to": "pc", "rtt_ms": 41.0}]   optional: measured round trips
 }
 ```
 Pure: `load_fleet` reads a file only when given a path.
@@ -48,6 +49,9 @@ class Fleet:
         name: optional display name of the fleet ("" when absent).
         heads: names of the devices that may be the head (a live session's host and the members
             whose reports measurement confirmed, issue 22 item 5), or None: any.
+        rtt_ms: measured round trips of device pairs, {(from, to): ms} (a live session's ring
+            edges, proto_spec/06-fleet.md §1 `edges`), for `plan(measured_rtt_ms=...)`; empty when
+            none were given.
     """
 
     devices: tuple
@@ -55,6 +59,7 @@ class Fleet:
     concurrency: Optional[int] = None
     name: str = ""
     heads: Optional[tuple] = None
+    rtt_ms: dict = attrs.field(factory=dict)
 
 
 def _num(d: dict, key: str, where: str, *, integer: bool = False, positive: bool = True,
@@ -146,13 +151,32 @@ def load_fleet(obj_or_path: Any) -> Fleet:
         if not isinstance(heads, list) or not heads or not all(isinstance(h, str) and h in names for h in heads):
             raise FleetFormatError("The fleet's 'heads' must be a non-empty list of its device names.")
         heads = tuple(heads)
-    return Fleet(devices=devices, context=ctx, concurrency=conc, name=name, heads=heads)
+    return Fleet(devices=devices, context=ctx, concurrency=conc, name=name, heads=heads,
+                 rtt_ms=_edges(obj.get("edges"), set(names)))
+
+
+def _edges(obj: Any, names: set) -> dict:
+    """The fleet's measured round trips, {(from, to): rtt_ms}, from its `edges` list (§1)."""
+    if obj is None:
+        return {}
+    if not isinstance(obj, list):
+        raise FleetFormatError("The fleet's 'edges' must be a list of {from, to, rtt_ms} objects.")
+    out = {}
+    for i, e in enumerate(obj):
+        where = f"Fleet edge #{i}"
+        if not isinstance(e, dict) or e.get("from") not in names or e.get("to") not in names \
+                or e.get("from") == e.get("to"):
+            raise FleetFormatError(f"{where} must be an object whose 'from' and 'to' are two of the fleet's device names.")
+        out[e["from"], e["to"]] = float(_num(e, "rtt_ms", where, positive=False, optional=False))
+    return out
 
 
 def fleet_to_json(devices: Sequence[Device], context: Optional[int] = None,
-                  concurrency: Optional[int] = None, heads: Optional[Sequence[str]] = None) -> dict:
+                  concurrency: Optional[int] = None, heads: Optional[Sequence[str]] = None,
+                  rtt_ms: Optional[dict] = None) -> dict:
     """The fleet object of proto_spec/06-fleet.md §1 for `devices` (anchor first); `heads`: the
-    names that may be the head (None: any, omitted).
+    names that may be the head (None: any, omitted); `rtt_ms`: measured round trips,
+    {(from, to): ms} (omitted when empty).
 
     Optional fields that are unknown (None) are omitted, and step_overhead_s when 0, so that
     load_fleet(fleet_to_json(ds)) == ds. Used by `status --json` for the live session.
@@ -183,4 +207,6 @@ def fleet_to_json(devices: Sequence[Device], context: Optional[int] = None,
         out["concurrency"] = int(concurrency)
     if heads is not None:
         out["heads"] = [d.name for d in devices if d.name in set(heads)]
+    if rtt_ms:
+        out["edges"] = [{"from": a, "to": b, "rtt_ms": float(v)} for (a, b), v in sorted(rtt_ms.items())]
     return out

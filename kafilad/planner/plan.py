@@ -28,7 +28,7 @@ is short even in the narrowest dtype it may hold.
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import attrs
 
@@ -49,26 +49,67 @@ def _gb(x: int) -> str:
     return f"{x / 1e9:.2f} GB"
 
 
-def ring_hop_s(order: Sequence[Device]) -> float:
-    """H: Σ one-way latency (RTT estimate / 2) of the ring's edges whose RTT is known, seconds."""
+def ring_hop_s(order: Sequence[Device], measured_rtt_ms: Optional[Mapping] = None) -> float:
+    """H: Σ one-way latency (RTT / 2; measured where `measured_rtt_ms` has the pair, else the
+    rendezvous estimate, kafilad.planner.ring) of the ring's edges whose RTT is known, seconds."""
     total = 0.0
     for a, b in ring.ring_edges(order):
-        rtt = ring.edge_rtt_ms(a, b)
+        rtt = ring.edge_rtt_ms(a, b, measured_rtt_ms)
         if rtt is not None:
             total += rtt / 2.0 / 1000.0
     return total
 
 
+#: A plan is made again once the ring edges' measured round trips move its hops (H, the Σ of one-way
+#: latencies a token pays) by at least this much a token and this fraction of its circuit (issue 24:
+#: the rendezvous RTTs cannot see a slow hop between two members). The floor keeps LAN and loopback
+#: rings, whose sub-millisecond check RTTs wobble with load, from replanning on noise.
+RTT_REPLAN_MIN_S = 0.005
+RTT_REPLAN_FRACTION = 0.10
+
+
+def hop_change_s(p: Plan, measured_rtt_ms: Optional[Mapping]) -> tuple[float, Optional[tuple]]:
+    """How much the measured round trips change plan `p`'s hops, seconds a token.
+
+    Args:
+        p: a plan; its edges and `edge_latency_s` are what it was made with.
+        measured_rtt_ms: measured round trips, {(from, to): ms} (either direction).
+    Returns:
+        (Σ over the plan's ring edges of measured one-way latency − the latency the plan used, with
+        an unknown latency counted as 0; the (from, to) edge whose latency changed most, or None
+        when no edge of the plan was measured).
+    """
+    total, worst, worst_d = 0.0, None, 0.0
+    for i, (a, b, _path) in enumerate(p.edges):
+        rtt = ring.measured_rtt(measured_rtt_ms, a, b)
+        if rtt is None:
+            continue
+        used = p.edge_latency_s[i] if i < len(p.edge_latency_s) and p.edge_latency_s[i] is not None else 0.0
+        d = rtt / 2.0 / 1000.0 - used
+        total += d
+        if worst is None or abs(d) > abs(worst_d):
+            worst, worst_d = (a, b), d
+    return total, worst
+
+
+def rtt_replan_due(p: Plan, measured_rtt_ms: Optional[Mapping]) -> bool:
+    """Whether plan `p` should be made again with `measured_rtt_ms`: its hops moved by at least
+    RTT_REPLAN_MIN_S and RTT_REPLAN_FRACTION of its circuit (a plan made with those very figures
+    never is, so replanning on them ends)."""
+    change_s, _ = hop_change_s(p, measured_rtt_ms)
+    return abs(change_s) >= max(RTT_REPLAN_MIN_S, RTT_REPLAN_FRACTION * p.circuit_s)
+
+
 def build_plan(chain: Sequence[Device], model: Profiles, bounds: Sequence[int], *, tier: str,
                strategy: str, context: int, concurrency: int,
                rotation_bottleneck_s: Optional[dict] = None, standby: Sequence[Device] = (),
-               full_fleet_tokens_per_s: Optional[float] = None) -> Plan:
+               full_fleet_tokens_per_s: Optional[float] = None, measured_rtt_ms: Optional[Mapping] = None) -> Plan:
     """Evaluate a division of `model` over `chain` (head = chain[0]) as a Plan.
 
     Args:
         chain: the active devices in ring order, head first.
         bounds: [0, b1, ..., n]; chain[j] holds [bounds[j], bounds[j+1]).
-        tier, strategy, context, concurrency: as in `plan`.
+        tier, strategy, context, concurrency, measured_rtt_ms: as in `plan`.
         standby: fleet members left without blocks (strategy "load").
     Returns:
         the Plan (no memory check; see `admit`).
@@ -78,11 +119,12 @@ def build_plan(chain: Sequence[Device], model: Profiles, bounds: Sequence[int], 
     dtypes = {names[j]: cc.dtype(j, bounds[j], bounds[j + 1]) for j in range(len(chain))}
     stage = [cc.stage_s(j, bounds[j], bounds[j + 1]) for j in range(len(chain))]
     bottleneck, util, imb = summarize(stage)
-    edges, lat = [], []
+    edges, lat, measured = [], [], []
     for a, b in ring.ring_edges(chain):
         edges.append((a.name, b.name, ring.predict_path(a.nat_class, b.nat_class)))
-        rtt = ring.edge_rtt_ms(a, b)
+        rtt = ring.edge_rtt_ms(a, b, measured_rtt_ms)
         lat.append(None if rtt is None else rtt / 2.0 / 1000.0)
+        measured.append(ring.measured_rtt(measured_rtt_ms, a.name, b.name) is not None)
     hop = sum(x for x in lat if x is not None)
     circuit = sum(stage) + hop
     rho = throughput.row_costs(chain)
@@ -108,6 +150,7 @@ def build_plan(chain: Sequence[Device], model: Profiles, bounds: Sequence[int], 
         concurrency=concurrency,
         memory_bytes={d.name: int(d.memory_bytes) for d in [*chain, *standby]},
         edge_latency_s=tuple(lat),
+        edge_measured=tuple(measured),
         rotation_bottleneck_s=dict(rotation_bottleneck_s or {}),
         standby=tuple(d.name for d in standby),
         working_bytes={names[j]: cc.working_bytes(j, bounds[j], bounds[j + 1]) for j in range(len(chain))},
@@ -144,7 +187,7 @@ def admit(p: Plan) -> Plan:
 
 
 def _refuse(order: list[Device], model: Profiles, *, tier: str, context: int,
-            concurrency: int) -> AdmissionError:
+            concurrency: int, measured_rtt_ms: Optional[Mapping] = None) -> AdmissionError:
     """The AdmissionError for a fleet no rotation fits: the division minimising the worst
     shortfall (exact, over all rotations, anchor preferred on ties) names the device."""
     best = None
@@ -157,13 +200,14 @@ def _refuse(order: list[Device], model: Profiles, *, tier: str, context: int,
     assert best is not None  # n >= m was checked
     short, chain, bounds = best
     p = build_plan(chain, model, bounds, tier=tier, strategy="kafila", context=context,
-                   concurrency=concurrency)
+                   concurrency=concurrency, measured_rtt_ms=measured_rtt_ms)
     worst = max(p.order, key=lambda n: p.resident_bytes[n] - p.memory_bytes[n])
     return _admission_error(p, worst, p.resident_bytes[worst] - p.memory_bytes[worst], best=True)
 
 
 def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: str, context: int,
-               concurrency: int, head_self: bool = False, heads: Optional[frozenset] = None) -> Plan:
+               concurrency: int, head_self: bool = False, heads: Optional[frozenset] = None,
+               measured_rtt_ms: Optional[Mapping] = None) -> Plan:
     """Strategy "load": the plan with the most predicted tokens/s at `concurrency` users.
 
     Candidates, in preference order: active subsets that keep the anchor, largest first (then in
@@ -181,7 +225,8 @@ def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: s
         AdmissionError: no subset fits (named for the full fleet, as strategy "kafila" would).
     """
     n, m = precision.reference(model).n_blocks, len(devices)
-    order = ring.order_ring(devices)
+    measured = measured_rtt_ms
+    order = ring.order_ring(devices, measured)
     kw = dict(tier=tier, context=context, concurrency=concurrency)
     # each member's cost rows as head and as a later stage, computed once (throughput.cost_rows)
     rows = {}
@@ -196,8 +241,8 @@ def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: s
     default_v = full_v = None
     for size in range(min(m, n), 0, -1):
         for combo in itertools.combinations(range(1, m), size - 1):
-            active = ring.order_ring([devices[0], *(devices[i] for i in combo)])
-            hop = ring_hop_s(active)
+            active = ring.order_ring([devices[0], *(devices[i] for i in combo)], measured)
+            hop = ring_hop_s(active, measured)
             for r in range(1 if head_self else size):  # head_self: only the anchor heads
                 chain = partition.rotate(active, r)
                 allowed = heads is None or chain[0].name in heads
@@ -223,12 +268,12 @@ def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: s
     if best is None and best_any is not None:  # no head allowed by `heads` fits: the planner's choice
         best, unconfirmed = best_any, True
     if best is None:
-        raise _refuse(order, model, **kw)
+        raise _refuse(order, model, measured_rtt_ms=measured, **kw)
     if not unconfirmed and default_v is not None and default_v > 0 and (default_v - best[0]) / default_v <= mu:
         chain = order
         cc = ChainCost(chain, model, **kw)
         sol = throughput.solve_chain_load(n, m, cc.stage_s, cc.fits, throughput.row_costs(chain),
-                                          ring_hop_s(chain), concurrency)
+                                          ring_hop_s(chain, measured), concurrency)
         assert sol is not None
         best = (sol[0], list(chain), sol[1], {d.name for d in chain})
     held_back, gain = None, 0.0
@@ -239,13 +284,13 @@ def _plan_load(devices: Sequence[Device], model: Profiles, mu: float, *, tier: s
     standby = [d for d in order if d.name not in active_names]
     full_rate = None if full_v is None or full_v <= 0 else 1.0 / full_v
     return attrs.evolve(build_plan(chain, model, bounds, strategy="load", standby=standby,
-                                   full_fleet_tokens_per_s=full_rate, **kw),
+                                   full_fleet_tokens_per_s=full_rate, measured_rtt_ms=measured, **kw),
                         held_back=held_back, held_back_gain=gain, head_unconfirmed=unconfirmed)
 
 
 def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
          concurrency: int = 1, strategy: str = "kafila", mu: float = DEFAULT_MU, head_self: bool = False,
-         heads: Optional[frozenset] = None) -> Plan:
+         heads: Optional[frozenset] = None, measured_rtt_ms: Optional[Mapping] = None) -> Plan:
     """Divide `model` over `devices` (DESIGN §5).
 
     Args:
@@ -268,6 +313,11 @@ def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
             outside them would be more than μ faster as head, `Plan.held_back` names it; when none of
             them can hold the head's share, the unrestricted choice is taken and `Plan.head_unconfirmed`
             is set. "uniform" and "memory" keep the anchor as head, as before.
+        measured_rtt_ms: measured round trips of device pairs, {(from name, to name): ms} (either
+            direction), e.g. a live session's ring edges' connectivity checks (proto_spec 07 §6);
+            they win over the rendezvous estimates in the ring order and in every edge's latency
+            (kafilad.planner.ring), so a slow hop the rendezvous cannot see is planned for. None or
+            empty: estimates only, as before.
     Returns:
         the Plan; `order` is the ring from the head.
     Raises:
@@ -286,8 +336,9 @@ def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
     if n < m:
         baselines.uniform_counts(n, m)  # raises the PlanError with its message
     tier = select_tier(devices, model)
-    order = ring.order_ring(devices)
-    kw = dict(tier=tier, context=context, concurrency=concurrency)
+    measured = dict(measured_rtt_ms or {})
+    order = ring.order_ring(devices, measured)
+    kw = dict(tier=tier, context=context, concurrency=concurrency, measured_rtt_ms=measured)
     if strategy == "load":
         return _plan_load(devices, model, mu, head_self=head_self, heads=heads, **kw)
     if strategy == "uniform":
@@ -299,7 +350,7 @@ def plan(devices: Sequence[Device], model: Profiles, *, context: int = 4096,
     sols = []
     for r in range(1 if head_self else m):
         chain = partition.rotate(order, r)
-        cc = ChainCost(chain, model, **kw)
+        cc = ChainCost(chain, model, tier=tier, context=context, concurrency=concurrency)
         sols.append((chain, partition.solve_chain(n, m, cc.stage_s, cc.fits)))
     rot_b = {chain[0].name: (sol[0] if sol else None) for chain, sol in sols}
     every = [sol[0] if sol else None for _, sol in sols]

@@ -136,8 +136,11 @@ class Plan:
         context: context length (tokens) the resident bytes were checked at.
         concurrency: concurrent requests the resident bytes were checked at.
         memory_bytes: name -> memory available to the model on that device.
-        edge_latency_s: one-way latency of each edge in `edges` (RTT estimate / 2), or None
+        edge_latency_s: one-way latency of each edge in `edges` (RTT / 2), or None
             where an RTT is unknown.
+        edge_measured: for each edge in `edges`, whether its latency is from a measured round
+            trip (`plan(measured_rtt_ms=...)`) rather than the rendezvous estimate; empty on plans
+            made before it existed.
         rotation_bottleneck_s: head name -> best bottleneck with that head (None where that
             rotation cannot fit); for the "kafila" strategy only, else empty.
         standby: members of the fleet left without blocks (strategy "load" only): they are
@@ -176,6 +179,7 @@ class Plan:
     concurrency: int = 0
     memory_bytes: dict = attrs.field(factory=dict)
     edge_latency_s: tuple = ()
+    edge_measured: tuple = ()
     rotation_bottleneck_s: dict = attrs.field(factory=dict)
     standby: tuple = ()
     working_bytes: dict = attrs.field(factory=dict)
@@ -195,7 +199,7 @@ class Plan:
 
         Keys: order, head, blocks ({name: [start, end]}), stage_s, bottleneck_s, circuit_s,
         utilization, imbalance, resident_bytes, tier, plus strategy, model_id, n_blocks, context,
-        concurrency, memory_bytes, edges ([{from, to, path, latency_s}]), rotation_bottleneck_s,
+        concurrency, memory_bytes, edges ([{from, to, path, latency_s, measured}]), rotation_bottleneck_s,
         standby, working_bytes, throughput ([{users, tokens_per_s, round_s, micro_batches, rows,
         circuit_s, bottleneck_s, bound}], 1 user first), full_fleet_tokens_per_s and dtype
         ({name: dtype}, present when the plan decided each stage's dtype).
@@ -219,7 +223,8 @@ class Plan:
             "memory_bytes": {n: int(v) for n, v in self.memory_bytes.items()},
             "edges": [
                 {"from": a, "to": b, "path": p,
-                 "latency_s": (self.edge_latency_s[i] if i < len(self.edge_latency_s) else None)}
+                 "latency_s": (self.edge_latency_s[i] if i < len(self.edge_latency_s) else None),
+                 "measured": bool(self.edge_measured[i]) if i < len(self.edge_measured) else False}
                 for i, (a, b, p) in enumerate(self.edges)
             ],
             "rotation_bottleneck_s": dict(self.rotation_bottleneck_s),

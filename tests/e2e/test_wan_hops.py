@@ -2,6 +2,7 @@
 its own forwarder (kafila_ctl/wan_hops.py) that its only candidate names (the KAFILA_TEST_ADVERTISE
 hook). Every edge must still go direct, its connectivity check's round trip must carry two hop
 delays, each decode pass must carry three, and the tokens must be those of single-process mlx-lm.
+The host plans again with the edges' measured round trips, which the rendezvous RTTs cannot see.
 The delays are lower bounds on measured times, never wall-clock limits."""
 
 from __future__ import annotations
@@ -25,7 +26,35 @@ def test_a_ring_across_delayed_hops_goes_direct_pays_every_hop_and_keeps_its_tok
         assert len(st["edges"]) == 3 and all(e["path"] == "direct" for e in st["edges"]), st["edges"]
         assert {e["remote"] for e in st["edges"]} <= advertised, (st["edges"], advertised)  # through the forwarders
         assert all(e["rtt_ms"] >= 2 * HOP_DELAY_MS for e in st["edges"]), st["edges"]
+        # the host planned again with the measured round trips: the same division (the paper's
+        # bottleneck objective does not count hops), kept without reloading, now predicting them
+        kinds = [r["event"] for r in c.call(0, "trace")]
+        assert "reassessed" in kinds and "plan_kept" in kinds[kinds.index("reassessed"):], kinds
+        plan = st["plan"]
+        assert all(e["measured"] and e["latency_s"] >= HOP_DELAY_MS / 1000 for e in plan["edges"]), plan["edges"]
+        assert plan["circuit_s"] >= sum(plan["stage_s"].values()) + 3 * HOP_DELAY_MS / 1000
+        assert {(e["from"], e["to"]) for e in st["fleet"]["edges"]} == {(e["from"], e["to"]) for e in st["edges"]}
         result = c.generate(STORIES_PROMPT, TOKENS)
         assert result["token_ids"] == reference_tokens(model, STORIES_PROMPT, TOKENS)
         # a decode pass crosses the ring's three edges, each delayed once on the way
         assert result["circuit_s_median"] >= 3 * HOP_DELAY_MS / 1000, result["circuit_s_median"]
+
+
+def test_one_user_across_slow_hops_is_served_without_them(tmp_path):
+    """The default division (most tokens/s for the declared users) is made again once the ring's
+    edges measured their hops: for one user, 3 x 20 ms a token costs more than the host's own
+    stories260K stage alone, so the members stand by and the tokens stay mlx-lm's."""
+    model = packaged_model_dir()
+    with LoopbackCluster(3, root=str(tmp_path / "c"), hop_delay_ms=HOP_DELAY_MS) as c:
+        st = c.form(str(model), strategy=None)["status"]
+        events = c.call(0, "trace")
+        kinds = [r["event"] for r in events]
+        assert "reassessed" in kinds, kinds
+        reason = next(r["reason"] for r in events if r["event"] == "reassessed")
+        assert "measured round trips" in reason
+        plan = st["plan"]
+        assert plan["order"] == ["m0"] and sorted(plan["standby"]) == ["m1", "m2"], plan
+        assert plan["throughput"][0]["tokens_per_s"] > 1 / (3 * HOP_DELAY_MS / 1000)
+        result = c.generate(STORIES_PROMPT, TOKENS)
+        assert result["token_ids"] == reference_tokens(model, STORIES_PROMPT, TOKENS)
+        assert result["circuit_s_median"] < HOP_DELAY_MS / 1000, result["circuit_s_median"]

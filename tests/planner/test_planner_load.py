@@ -175,13 +175,13 @@ def test_each_chain_matches_exhaustive_search(inst):
         assert all(cc.fits(j, bounds[j], bounds[j + 1]) for j in range(cc.m))
 
 
-def exhaustive_candidates(devices, model, users, ctx):
+def exhaustive_candidates(devices, model, users, ctx, measured=None):
     """Every (active subset keeping the anchor, rotation) with its least seconds per token."""
     out = []
     for size in range(len(devices), 0, -1):
         for combo in itertools.combinations(range(1, len(devices)), size - 1):
-            active = order_ring([devices[0], *(devices[i] for i in combo)])
-            hop = ring_hop_s(active)
+            active = order_ring([devices[0], *(devices[i] for i in combo)], measured)
+            hop = ring_hop_s(active, measured)
             for r in range(size):
                 cc = ChainCost(rotate(active, r), model, context=ctx, concurrency=users, tier="cost-model")
                 v = exhaustive_chain(cc, hop, users) if model.n_blocks >= size else None
@@ -189,17 +189,29 @@ def exhaustive_candidates(devices, model, users, ctx):
     return out
 
 
+@st.composite
+def measured_rtts(draw, devices):
+    """Measured round trips for a random set of the devices' pairs (ms, either direction)."""
+    out = {}
+    for a, b in itertools.combinations([d.name for d in devices], 2):
+        if draw(st.booleans()):
+            out[(a, b) if draw(st.booleans()) else (b, a)] = float(draw(st.integers(0, 4000)))
+    return out
+
+
 @settings(max_examples=200, deadline=None)
-@given(load_instances(), st.sampled_from([0.0, 0.05, 0.2]))
-def test_load_plan_follows_its_rule_against_exhaustive_search(inst, mu):
+@given(load_instances(), st.sampled_from([0.0, 0.05, 0.2]), st.data())
+def test_load_plan_follows_its_rule_against_exhaustive_search(inst, mu, data):
     devices, model, users, ctx = inst
-    cands = exhaustive_candidates(devices, model, users, ctx)
+    # measured round trips (issue 24) for some pairs, none in a third of the cases
+    measured = data.draw(st.one_of(st.just({}), measured_rtts(devices)))
+    cands = exhaustive_candidates(devices, model, users, ctx, measured)
     feasible = [c for c in cands if c[1] is not None]
     if not feasible:
         with pytest.raises(AdmissionError):
-            plan(devices, model, context=ctx, concurrency=users, strategy="load", mu=mu)
+            plan(devices, model, context=ctx, concurrency=users, strategy="load", mu=mu, measured_rtt_ms=measured)
         return
-    p = plan(devices, model, context=ctx, concurrency=users, strategy="load", mu=mu)
+    p = plan(devices, model, context=ctx, concurrency=users, strategy="load", mu=mu, measured_rtt_ms=measured)
     v = p.throughput[-1].round_s / users
     best = min(c[1] for c in feasible)
     default = next((c[1] for c in cands if c[0]), None)

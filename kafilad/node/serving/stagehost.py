@@ -251,6 +251,30 @@ def session_edges(session) -> list[dict]:
     return out
 
 
+def measured_rtt_ms(session) -> dict:
+    """The round trips the session's edge records measured, {(from name, to name): rtt_ms}.
+
+    From the same reports as :func:`session_edges` (the members' `ready` and `edges` frames and the
+    host's own edges, proto_spec 07 §6), every edge of whatever ring they last joined, with the
+    sender's record first; an edge without a numeric, non-negative `rtt_ms` (pending, or a relay
+    that measured none) is left out. The host keeps what this returns across rings for the planner
+    (`plan(measured_rtt_ms=...)`)."""
+    out: dict = {}
+    sources = [(session.node.name, _own_edges(session))]
+    sources += [(r.name, (r.load or {}).get("edges") or []) for r in session.members.values() if not r.is_host]
+    for reporter, edges in sources:
+        for e in edges:
+            if not isinstance(e, dict) or not isinstance(e.get("from"), str) or not isinstance(e.get("to"), str):
+                continue
+            rtt = e.get("rtt_ms")
+            if isinstance(rtt, bool) or not isinstance(rtt, (int, float)) or not rtt >= 0 or rtt == float("inf"):
+                continue
+            key = (e["from"], e["to"])
+            if key not in out or e["from"] == reporter:
+                out[key] = float(rtt)
+    return out
+
+
 def generation_edges(session, result: dict) -> list[dict]:
     """Add a finished request's per-sender ring bytes to the edges' totals; the edges now (trace)."""
     names = {r.peer_id: r.name for r in session.members.values()}

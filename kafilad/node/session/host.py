@@ -34,6 +34,7 @@ from kafilad.node.session import status as session_status
 from kafilad.node.serving.outbox import Outbox
 from kafilad.node.serving.ring_state import run_on_mlx_thread
 from kafilad.planner import DEFAULT_STRATEGY, plan as make_plan
+from kafilad.planner.plan import hop_change_s, rtt_replan_due
 from kafilad.planner.moe import moe_spec
 from kafilad.planner.records import Device
 from kafilad.planner.trust import RATIO_HIGH, RATIO_LOW, REHEAD_GAIN, MemberChecks
@@ -101,11 +102,17 @@ class HostSession(SessionDriver):
         self.fleet_devices: list[Device] = []
         #: the names the last plan allowed to head (None: any), reported in the live `fleet`
         self.fleet_heads = None
+        #: the measured round trips the last plan was made with, reported in the live `fleet`'s `edges`
+        self.fleet_rtt_ms: dict[tuple, float] = {}
         self.generations: dict[str, trio.MemorySendChannel] = {}
         self.formed_s: Optional[float] = None
         self.measured_stage_s: dict[str, float] = {}
         #: every member's report against its measured stage (kafilad/planner/trust.py, issue 22 item 5)
         self.checks = MemberChecks()
+        #: measured round trips of member pairs, {(from name, to name): ms}: every ring edge's check this
+        #: session (stagehost.measured_rtt_ms), kept across rings; the planner takes them over the
+        #: rendezvous estimates (kafilad/planner/ring.py), and a serving plan they move is made again
+        self.edge_rtt_ms: dict[tuple, float] = {}
         #: {sender name: ring frame bytes sent for the finished requests} (stagehost.generation_edges)
         self.edge_bytes_sent: dict[str, int] = {}
         self.last_generation: dict = {}
@@ -233,8 +240,10 @@ class HostSession(SessionDriver):
             self._write_trace("edges", edges=stagehost.session_edges(self))
             self._write_trace("session_formed", form_s=took_s,
                               load={e.name: e.load for e in self.members.values()})
+            await self._edges_measured()
         elif isinstance(a, sm.EdgesChanged):
             self._write_trace("edges", edges=stagehost.session_edges(self), cause="upgrade", reporter=a.reporter)
+            await self._edges_measured()
         else:  # pragma: no cover - a new action without a driver is a bug
             raise KafilaError(f"no driver for the host action {a!r}")
 
@@ -536,10 +545,13 @@ class HostSession(SessionDriver):
         # reproduces this plan)
         self.fleet_heads = (frozenset({devices[0].name}) if self.head_self and devices else heads)
 
+        measured = dict(self.edge_rtt_ms)  # the ring edges' measured round trips so far
+        self.fleet_rtt_ms = measured  # ... as the live `fleet` reports them (its `edges`)
+
         def planned():  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
             return make_plan(devices, stagehost.plan_profiles(self.info, devices), context=self.context,
                              concurrency=self.concurrency, strategy=self.strategy, head_self=self.head_self,
-                             heads=heads)
+                             heads=heads, measured_rtt_ms=measured)
 
         try:  # on a worker thread: a large search once held the event loop 36 s (issue 25 item 6); the
             # planner is pure, so a plan abandoned when the session ends costs nothing
@@ -632,6 +644,23 @@ class HostSession(SessionDriver):
         await self._handle(sm.OwnStageLoaded({"fetched_bytes": 0, "cached_bytes": 0,
                                               "load_s": time.perf_counter() - t0}, epoch))
 
+    async def _edges_measured(self) -> None:
+        """Keep the ring edges' measured round trips; when they move the serving plan's hops by
+        enough (kafilad/planner/plan.py `rtt_replan_due`), plan again with them (Reassess: the ring
+        serves on, and a plan with the same division is kept without reloading). Handled right after
+        the event whose action called this (SessionDriver._handle), so no watcher sees the ring
+        ready on the old figures in between."""
+        self.edge_rtt_ms.update(stagehost.measured_rtt_ms(self))
+        plan = self.plan
+        if plan is None or self.state != sm.HostState.READY or not rtt_replan_due(plan, self.edge_rtt_ms):
+            return
+        change_s, (a, b) = hop_change_s(plan, self.edge_rtt_ms)
+        rtt = self.edge_rtt_ms.get((a, b), self.edge_rtt_ms.get((b, a)))
+        reason = (f"the ring's measured round trips change its hops by {change_s * 1000:+.1f} ms a token "
+                  f"(edge {a} -> {b}: {rtt:.1f} ms measured); planning again with them")
+        log.info("%s.", reason)
+        await self._handle(sm.Reassess(a, reason))
+
     def _ring_names(self) -> dict:
         return {pid: e.name for pid, e in self.members.items()}
 
@@ -693,7 +722,8 @@ class HostSession(SessionDriver):
     # ---- reporting ----------------------------------------------------------------------------
     def fleet_json(self) -> dict:
         from kafilad.planner import fleet_to_json
-        return fleet_to_json(self.fleet_devices, self.context, self.concurrency, heads=self.fleet_heads)
+        return fleet_to_json(self.fleet_devices, self.context, self.concurrency, heads=self.fleet_heads,
+                             rtt_ms=self.fleet_rtt_ms)
 
     def _rdv_client(self):
         """The rendezvous client of the moment (None while it is away)."""
