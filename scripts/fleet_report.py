@@ -85,7 +85,9 @@ def sub_fleets(fleet_json: dict, *, min_size: int = 1) -> list[dict]:
     out = []
     for size in range(min_size, len(devices)):
         for combo in itertools.combinations(devices, size):
-            out.append({**fleet_json, "devices": list(combo)})
+            names = {d["name"] for d in combo}  # the measured edges between the subset's devices only
+            edges = [e for e in fleet_json.get("edges") or [] if {e.get("from"), e.get("to")} <= names]
+            out.append({**fleet_json, "devices": list(combo), **({"edges": edges} if "edges" in fleet_json else {})})
     return out
 
 
@@ -99,7 +101,9 @@ def predict_sub_fleets(fleet_json: dict, model_dir: str, *, context: int) -> lis
     out = []
     for sub in sub_fleets(fleet_json):
         try:
-            p = plan(load_fleet(sub).devices, profile, context=context, concurrency=1, strategy="kafila").to_json()
+            f = load_fleet(sub)  # with the ring edges' measured round trips where the fleet carries them
+            p = plan(f.devices, profile, context=context, concurrency=1, strategy="kafila",
+                     measured_rtt_ms=f.rtt_ms).to_json()
         except KafilaError:
             continue  # does not fit, or fewer blocks than devices
         out.append({"names": [d["name"] for d in sub["devices"]], "tokens_per_s": throughput_at(p, 1),
@@ -117,12 +121,12 @@ def predict_strategies(fleet_json: dict, model_dir: str, *, context: int, concur
     from kafilad.modelinfo import read_model_info
     from kafilad.planner import load_fleet, plan
     profile = read_model_info(model_dir).profile(float_dtype_bytes=4)  # CPU members hold f32 (DESIGN §6)
-    devices = load_fleet(fleet_json).devices
+    fleet = load_fleet(fleet_json)  # its `edges`: the round trips the session measured (issue 24)
     out: dict = {}
     for strategy in ("load", "kafila", "uniform", "memory"):
         try:
-            out[strategy] = throughput_at(plan(devices, profile, context=context, concurrency=concurrency,
-                                               strategy=strategy).to_json(), concurrency)
+            out[strategy] = throughput_at(plan(fleet.devices, profile, context=context, concurrency=concurrency,
+                                               strategy=strategy, measured_rtt_ms=fleet.rtt_ms).to_json(), concurrency)
         except KafilaError:
             out[strategy] = None
     return out

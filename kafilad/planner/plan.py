@@ -63,8 +63,11 @@ def ring_hop_s(order: Sequence[Device], measured_rtt_ms: Optional[Mapping] = Non
 #: A plan is made again once the ring edges' measured round trips move its hops (H, the Σ of one-way
 #: latencies a token pays) by at least this much a token and this fraction of its circuit (issue 24:
 #: the rendezvous RTTs cannot see a slow hop between two members). The floor keeps LAN and loopback
-#: rings, whose sub-millisecond check RTTs wobble with load, from replanning on noise.
-RTT_REPLAN_MIN_S = 0.005
+#: rings from replanning on noise: their check RTTs are 0.4-5 ms on this 2-core VM when quiet (one
+#: sample per edge, taken while three daemons start), more under load, and at a 5 ms floor a
+#: loaded loopback ring once replanned two equal members into one. Across WAN hops (10-80 ms one
+#: way) a ring of two or more edges moves by 20 ms or more.
+RTT_REPLAN_MIN_S = 0.015
 RTT_REPLAN_FRACTION = 0.10
 
 

@@ -7,10 +7,13 @@ The delays are lower bounds on measured times, never wall-clock limits."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kafila_ctl.demo import LoopbackCluster, packaged_model_dir
 from kafila_testing import STORIES_PROMPT, reference_tokens
+from kafilad.node.serving.stagehost import TEST_CAPABILITY_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -40,21 +43,32 @@ def test_a_ring_across_delayed_hops_goes_direct_pays_every_hop_and_keeps_its_tok
         assert result["circuit_s_median"] >= 3 * HOP_DELAY_MS / 1000, result["circuit_s_median"]
 
 
+#: a slow host and two fast members, by their reports (trusted: `host --head any`): across a LAN one
+#: user is served fastest by the host holding the head and a block, the members the rest
+SPEEDS_BPS = {0: 2e8, 1: 5e10, 2: 5e10}
+
+
+class SpeedsCluster(LoopbackCluster):
+    def daemon_env(self, i: int) -> dict:
+        return {**super().daemon_env(i), TEST_CAPABILITY_ENV: json.dumps({"bandwidth_Bps": SPEEDS_BPS[i],
+                                                                          "step_overhead_s": 0.0})}
+
+
 def test_one_user_across_slow_hops_is_served_without_them(tmp_path):
     """The default division (most tokens/s for the declared users) is made again once the ring's
-    edges measured their hops: for one user, 3 x 20 ms a token costs more than the host's own
-    stories260K stage alone, so the members stand by and the tokens stay mlx-lm's."""
+    edges measured their hops: for one user, 20 ms a hop costs more than the slow host's own
+    stories260K stage alone, so the fast members stand by and the tokens stay mlx-lm's."""
     model = packaged_model_dir()
-    with LoopbackCluster(3, root=str(tmp_path / "c"), hop_delay_ms=HOP_DELAY_MS) as c:
-        st = c.form(str(model), strategy=None)["status"]
+    with SpeedsCluster(3, root=str(tmp_path / "c"), hop_delay_ms=HOP_DELAY_MS) as c:
+        st = c.form(str(model), strategy=None, head="any")["status"]
         events = c.call(0, "trace")
-        kinds = [r["event"] for r in events]
-        assert "reassessed" in kinds, kinds
-        reason = next(r["reason"] for r in events if r["event"] == "reassessed")
-        assert "measured round trips" in reason
+        first = next(r["plan"] for r in events if r["event"] == "plan")
+        assert len(first["order"]) >= 2, first  # on the rendezvous estimates: a ring (no hop seen)
+        reassessed = [r for r in events if r["event"] == "reassessed"]
+        assert reassessed and "measured round trips" in reassessed[0]["reason"], [r["event"] for r in events]
         plan = st["plan"]
         assert plan["order"] == ["m0"] and sorted(plan["standby"]) == ["m1", "m2"], plan
-        assert plan["throughput"][0]["tokens_per_s"] > 1 / (3 * HOP_DELAY_MS / 1000)
+        assert plan["throughput"][0]["tokens_per_s"] > 1 / (2 * HOP_DELAY_MS / 1000)
         result = c.generate(STORIES_PROMPT, TOKENS)
         assert result["token_ids"] == reference_tokens(model, STORIES_PROMPT, TOKENS)
         assert result["circuit_s_median"] < HOP_DELAY_MS / 1000, result["circuit_s_median"]

@@ -89,6 +89,8 @@ def test_a_plan_is_due_again_when_measured_hops_move_it():
     lo = {k: 0.4 for k in wan}
     assert hop_change_s(p, lo)[0] == pytest.approx(0.0006) and 0.0006 < RTT_REPLAN_MIN_S
     assert not rtt_replan_due(p, lo)
+    # nor a loaded loopback ring's 5 ms checks (7.5 ms a token), while 10 ms hops (20 ms RTTs) are
+    assert not rtt_replan_due(p, {k: 5.0 for k in wan}) and rtt_replan_due(p, {k: 20.0 for k in wan})
     # nothing measured on this plan's ring: no change
     assert hop_change_s(p, {("x", "y"): 500.0}) == (0.0, None) and not rtt_replan_due(p, {})
 

@@ -151,6 +151,32 @@ def test_sub_fleets_are_every_proper_subset_anchor_first():
     assert all(s["context"] == 512 for s in fr.sub_fleets(fleet))
 
 
+def test_sub_fleets_keep_only_their_own_measured_edges():
+    fleet = {"devices": [{"name": n} for n in ("a", "b", "c")],
+             "edges": [{"from": "a", "to": "b", "rtt_ms": 80.0}, {"from": "b", "to": "c", "rtt_ms": 1.0}]}
+    edges = {tuple(d["name"] for d in s["devices"]): s["edges"] for s in fr.sub_fleets(fleet)}
+    assert edges[("a", "b")] == [{"from": "a", "to": "b", "rtt_ms": 80.0}]
+    assert edges[("a", "c")] == [] and edges[("a",)] == []
+
+
+def test_predictions_count_the_fleets_measured_round_trips(tmp_path):
+    """A live fleet carries the round trips its ring measured (proto_spec/06-fleet.md §1 `edges`): the
+    predictions plan with them, so hops the rendezvous cannot see lower the predicted rates."""
+    model = fh.synthesize_qwen2(tmp_path / "q2", hidden=64, layers=4)
+    gib = 1 << 30
+    fleet = {"devices": [{"name": "fast", "memory_bytes": gib, "bandwidth_Bps": 8e9},
+                         {"name": "slow", "memory_bytes": gib, "bandwidth_Bps": 2e9}], "context": 256}
+    hops = {**fleet, "edges": [{"from": "fast", "to": "slow", "rtt_ms": 80.0}]}
+    lan = fr.predict_strategies(fleet, str(model), context=256, concurrency=1)
+    wan = fr.predict_strategies(hops, str(model), context=256, concurrency=1)
+    # uniform's two edges each pay 40 ms one way: at most 1 / 0.08 s tokens/s for one user
+    assert wan["uniform"] < 1 / 0.08 < lan["uniform"]
+    pair = [p for p in fr.predict_sub_fleets({**hops, "devices": [*hops["devices"], {"name": "x", "memory_bytes": gib,
+                                                                                    "bandwidth_Bps": 1e9}]},
+                                             str(model), context=256) if p["names"] == ["fast", "slow"]]
+    assert pair and pair[0]["tokens_per_s"] < 1 / 0.08
+
+
 def test_predict_sub_fleets_uses_the_planner_and_drops_what_does_not_fit(tmp_path):
     model = fh.synthesize_qwen2(tmp_path / "q2", hidden=64, layers=4)
     assert json.loads((model / "config.json").read_text())["model_type"] == "qwen2"

@@ -110,9 +110,13 @@ class HostSession(SessionDriver):
         #: every member's report against its measured stage (kafilad/planner/trust.py, issue 22 item 5)
         self.checks = MemberChecks()
         #: measured round trips of member pairs, {(from name, to name): ms}: every ring edge's check this
-        #: session (stagehost.measured_rtt_ms), kept across rings; the planner takes them over the
-        #: rendezvous estimates (kafilad/planner/ring.py), and a serving plan they move is made again
+        #: session (stagehost.measured_rtt_ms), kept across rings
         self.edge_rtt_ms: dict[tuple, float] = {}
+        #: the measured round trips plans are made with (they win over the rendezvous estimates,
+        #: kafilad/planner/ring.py): `edge_rtt_ms` as it was when it last moved the serving plan's hops
+        #: past noise (`_edges_measured`); empty until then, so LAN and loopback rings, whose
+        #: sub-millisecond check RTTs wobble with load, plan as they always did
+        self.planning_rtt_ms: dict[tuple, float] = {}
         #: {sender name: ring frame bytes sent for the finished requests} (stagehost.generation_edges)
         self.edge_bytes_sent: dict[str, int] = {}
         self.last_generation: dict = {}
@@ -545,7 +549,7 @@ class HostSession(SessionDriver):
         # reproduces this plan)
         self.fleet_heads = (frozenset({devices[0].name}) if self.head_self and devices else heads)
 
-        measured = dict(self.edge_rtt_ms)  # the ring edges' measured round trips so far
+        measured = dict(self.planning_rtt_ms)  # the ring edges' measured round trips, once they mattered
         self.fleet_rtt_ms = measured  # ... as the live `fleet` reports them (its `edges`)
 
         def planned():  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
@@ -646,14 +650,15 @@ class HostSession(SessionDriver):
 
     async def _edges_measured(self) -> None:
         """Keep the ring edges' measured round trips; when they move the serving plan's hops by
-        enough (kafilad/planner/plan.py `rtt_replan_due`), plan again with them (Reassess: the ring
-        serves on, and a plan with the same division is kept without reloading). Handled right after
-        the event whose action called this (SessionDriver._handle), so no watcher sees the ring
-        ready on the old figures in between."""
+        enough (kafilad/planner/plan.py `rtt_replan_due`), plan with them from now on and plan again
+        (Reassess: the ring serves on, and a plan with the same division is kept without reloading).
+        Handled right after the event whose action called this (SessionDriver._handle), so no
+        watcher sees the ring ready on the old figures in between."""
         self.edge_rtt_ms.update(stagehost.measured_rtt_ms(self))
         plan = self.plan
         if plan is None or self.state != sm.HostState.READY or not rtt_replan_due(plan, self.edge_rtt_ms):
             return
+        self.planning_rtt_ms = dict(self.edge_rtt_ms)
         change_s, (a, b) = hop_change_s(plan, self.edge_rtt_ms)
         rtt = self.edge_rtt_ms.get((a, b), self.edge_rtt_ms.get((b, a)))
         reason = (f"the ring's measured round trips change its hops by {change_s * 1000:+.1f} ms a token "
