@@ -555,8 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "are all its own): any member may head, a report found off is shown, not acted on")
     s.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a small model with the same tokenizer that proposes speculative decoding's drafts "
-                        "(instead of looking them up in the prompt and output); it runs on this host, which "
-                        "is then the head of every plan, and the planner counts its weights in this host's memory")
+                        "(instead of looking them up in the prompt and output); it runs on the ring's head (a "
+                        "member head fetches it from this host), and the planner counts its weights in the head's share")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_host)
 

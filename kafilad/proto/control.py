@@ -175,6 +175,10 @@ class PlanFrame(ControlFrame):
     #: to the head only: the decode schedule `kafila-ctl schedule` set in this session (schedule_settings
     #: `parse_schedule`'s words), so the setting follows the head when a replan moves it; absent: none set
     schedule: Optional[str] = _field(str, optional=True)
+    #: to the head only, when the host serves a draft model (`host --draft-model`, issue 24 item 1):
+    #: its files, [{name, nbytes, sha256}], which the head fetches whole as `draft/NAME` (§2.1) and
+    #: loads beside its stage; absent: no draft model
+    draft_files: Optional[list] = _field(list, optional=True)
 
 
 @_frame("fetch")

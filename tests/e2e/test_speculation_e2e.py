@@ -56,6 +56,42 @@ def test_a_draft_model_on_the_host_proposes_the_drafts_and_the_tokens_stay_the_m
     assert out["drafted"] >= 20 and out["accepted"] >= 0.9 * out["drafted"], out
 
 
+#: the host slow, m1 fast, m2 mid, by their reports (trusted: `host --head any`): the paper's division
+#: moves the head off the slow host to m1
+SPEEDS_BPS = {0: 2e8, 1: 5e10, 2: 1e10}
+
+
+def test_a_member_head_fetches_the_draft_model_and_drafts_with_it(stories260k, tmp_path):
+    """`host --draft-model` with the head on a member (issue 24 item 1): the member fetches the draft
+    model from the host with its share (proto_spec 05 §2 `plan` `draft_files`), checked by sha256,
+    and proposes every pass's drafts with it; greedy output is single-process mlx-lm's."""
+    import json
+    from kafila_ctl.demo import LoopbackCluster
+    from kafilad.node.serving.stagehost import TEST_CAPABILITY_ENV
+
+    class Speeds(LoopbackCluster):
+        def daemon_env(self, i: int) -> dict:
+            return {**super().daemon_env(i), TEST_CAPABILITY_ENV: json.dumps({"bandwidth_Bps": SPEEDS_BPS[i],
+                                                                              "step_overhead_s": 0.0})}
+
+    with Speeds(3, root=str(tmp_path / "c")) as c:
+        code = c.call(0, "host", model_dir=str(stories260k), members=3, context=512, open=True, strategy="kafila",
+                      head="any", draft_model=str(stories260k))["code"]
+        for i in (1, 2):
+            c.call(i, "join", code=code)
+        st = c.call(0, "wait", states=["ready"], timeout_s=120)
+        assert st["plan"]["head"] == "m1", st["plan"]
+        # the draft model's weights count in the head's share, not the host's
+        weights = sum(p.stat().st_size for p in stories260k.glob("*.safetensors"))
+        assert st["plan"]["resident_bytes"]["m1"] > weights
+        fetched = list(c.root.rglob("draft-*/model.safetensors"))  # on the head, from the host's copy
+        assert len(fetched) == 1 and fetched[0].is_relative_to(c.state_dir(1))
+        assert fetched[0].read_bytes() == (stories260k / "model.safetensors").read_bytes()
+        out = c.generate("Lily", 40)  # two tokens: nothing for prompt lookup to draft from
+        assert out["token_ids"] == reference_tokens(stories260k, "Lily", 40)
+        assert out["drafted"] >= 20 and out["accepted"] >= 0.9 * out["drafted"], out
+
+
 def test_a_draft_model_with_another_tokenizer_fails_the_session_naming_it(stories260k, synth_llama, tmp_path):
     from kafila_ctl.demo import LoopbackCluster
     with LoopbackCluster(1, root=str(tmp_path / "c")) as c:

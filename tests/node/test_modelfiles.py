@@ -79,3 +79,29 @@ def test_any_fetch_is_either_refused_with_a_reason_or_served_whole(model, fname,
         assert len(model.read(fname, offset, length)) == length
     else:
         assert isinstance(problem, str) and problem
+
+
+def test_a_draft_model_is_served_whole_and_nothing_else_of_its_directory(model, tmp_path):
+    """`host --draft-model` (issue 24 item 1): a member head fetches the draft model's weights, index,
+    config and tokenizer files as `draft/NAME` (proto_spec 05 §2.1); no other file of its directory."""
+    import shutil
+    from kafilad.node.shards.modelfiles import DraftFiles
+    d = tmp_path / "draft"
+    shutil.copytree(model.model_dir, d)
+    (d / "notes.txt").write_text("private")
+    (d / "sub").mkdir()
+    (d / "sub" / "model.safetensors").write_bytes(b"x" * 16)
+    files = DraftFiles(str(d), state_dir=tmp_path)
+    table = files.file_table()
+    names = [e["name"] for e in table]
+    assert names == sorted(names) and "model.safetensors" in names and "config.json" in names
+    assert "notes.txt" not in names and not any("/" in n for n in names)
+    for e in table:
+        data = (d / e["name"]).read_bytes()
+        assert e["nbytes"] == len(data) and e["sha256"] == hashlib.sha256(data).hexdigest()
+        assert files.check_range(e["name"], 0, min(len(data), FETCH_MAX_BYTES)) is None
+    assert files.read("model.safetensors", 0, 8) == (d / "model.safetensors").read_bytes()[:8]
+    for bad in ("notes.txt", "sub/model.safetensors", "../draft/model.safetensors", None):
+        assert "not a file of the draft model" in files.check_range(bad, 0, 1)
+    assert "past the end" in files.check_range("config.json", 0, (d / "config.json").stat().st_size + 1)
+    assert "not a valid range" in files.check_range("config.json", -1, 1)

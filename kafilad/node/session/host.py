@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import attrs
 import trio
 
 from kafilad.errors import (ALREADY_IN_SESSION, HandshakeError, KafilaError, LinkClosed, RemoteProtocolError, RingEdgeError, SessionError,
@@ -27,7 +28,7 @@ from kafilad.node.session.host_pending import wait_while_pending
 from kafilad.node.serving.host_requests import HostRequests, RequestFailed
 from kafilad.node.paths.link import Link, secure_link
 from kafilad.node.session.liveness import Liveness
-from kafilad.node.shards.modelfiles import ModelFiles
+from kafilad.node.shards.modelfiles import DRAFT_PREFIX, DraftFiles, ModelFiles
 from kafilad.node.session.rdv_client import CurrentRendezvous
 from kafilad.node.session.driver import SessionDriver, reconnect_delay_s
 from kafilad.node.session import status as session_status
@@ -63,11 +64,12 @@ class HostSession(SessionDriver):
                  draft_model: Optional[str] = None):
         super().__init__(node)
         #: `host --draft-model`: a small model of the same tokenizer that proposes the drafts
-        #: (kafilad/executor/draft.py); it runs on this host, so this host heads every plan, and its
-        #: weights are counted in this host's memory when planning
+        #: (kafilad/executor/draft.py); it runs on the head, wherever the plan puts it (a member head
+        #: fetches its files from this host: `draft_files`), and the planner counts its weights in the
+        #: head's share (`_plan_profiles`)
         self.draft_model_dir = str(Path(draft_model).resolve()) if draft_model else None
         self.draft_model_bytes = stagehost.executor().draft.draft_model_bytes(draft_model) if draft_model else 0
-        head_self = head_self or draft_model is not None
+        self.draft_files = DraftFiles(self.draft_model_dir, state_dir=node.state.path) if draft_model else None
         self.requests = HostRequests(self)
         self.strategy = strategy  # the planner's division (DESIGN §5.3, §5.5; `host --strategy`)
         #: `host --head self`: this host is the head of every plan (it alone sees prompts and samples)
@@ -511,7 +513,11 @@ class HostSession(SessionDriver):
                 await self._handle(sm.FrameFrom(pid, f))
 
     async def _serve_fetch(self, link: Link, f: cf.Fetch) -> None:
-        """Serve one byte range of a model file (proto_spec 05 §2.1; fetch_serving.serve_fetch)."""
+        """Serve one byte range of a model file, or of the draft model's (`draft/NAME`, proto_spec 05
+        §2.1; fetch_serving.serve_fetch)."""
+        if self.draft_files is not None and f.file.startswith(DRAFT_PREFIX):
+            await serve_fetch(self.draft_files, link, attrs.evolve(f, file=f.file[len(DRAFT_PREFIX):]))
+            return
         await serve_fetch(self.files, link, f)
 
     # ---- formation --------------------------------------------------------------------------
@@ -534,9 +540,7 @@ class HostSession(SessionDriver):
         # each member counted by its report scaled by what its stage measured (kafilad/planner/trust.py)
         scaled = (lambda d: d) if self.head_any else self.checks.device  # `--head any`: reports trusted
         self.fleet_devices = [scaled(Device(
-            # the host also holds the draft model (`host --draft-model`); at least 1 byte, so that a plan
-            # that does not fit names this device and its shortfall (DESIGN §5.4)
-            name=e.name, memory_bytes=max(1, int(e.capability["memory_bytes"]) - (self.draft_model_bytes if e.is_host else 0)),
+            name=e.name, memory_bytes=int(e.capability["memory_bytes"]),
             bandwidth_Bps=e.capability.get("bandwidth_Bps"),
             step_overhead_s=float(e.capability.get("step_overhead_s") or 0.0), nat_class=e.capability.get("nat_class"),
             rendezvous_rtt_ms=e.capability.get("rendezvous_rtt_ms"), batch_row_cost=e.capability.get("batch_row_cost"),
@@ -553,7 +557,7 @@ class HostSession(SessionDriver):
         self.fleet_rtt_ms = measured  # ... as the live `fleet` reports them (its `edges`)
 
         def planned():  # each device counted in the dtype it holds its stage in (kafilad/planner/precision.py)
-            return make_plan(devices, stagehost.plan_profiles(self.info, devices), context=self.context,
+            return make_plan(devices, self._plan_profiles(devices), context=self.context,
                              concurrency=self.concurrency, strategy=self.strategy, head_self=self.head_self,
                              heads=heads, measured_rtt_ms=measured)
 
@@ -570,6 +574,16 @@ class HostSession(SessionDriver):
         await self._handle(ev)
         kept = self.machine.planned.seq if self.machine.planned is not None else seq
         self._plans = {s: p for s, p in self._plans.items() if s >= min(kept, seq)}
+
+    def _plan_profiles(self, devices) -> dict:
+        """The model's byte profiles for the planner (stagehost.plan_profiles), with the draft model's
+        weights (`host --draft-model`) in the head's resident bytes: whichever device heads holds it,
+        and a plan whose head cannot names that device and its shortfall (DESIGN §5.4)."""
+        profiles = stagehost.plan_profiles(self.info, devices)
+        if not self.draft_model_bytes:
+            return profiles
+        return {dt: attrs.evolve(p, head_resident_bytes=p.head_resident_bytes + self.draft_model_bytes)
+                for dt, p in profiles.items()}
 
     async def _distribute(self, planned: sm.Planned, epoch: int) -> None:
         """Send each remote member its share (proto_spec 05 §2 `plan`), then load our own stage."""
@@ -590,13 +604,17 @@ class HostSession(SessionDriver):
             head = planned.head == e.name
             tensors = await trio.to_thread.run_sync(self.files.tensor_table, start, end, head)
             files = await trio.to_thread.run_sync(self.files.file_table) if head else []
+            draft = None  # a member head fetches the draft model whole (proto_spec 05 §2 `plan` `draft_files`)
+            if head and self.draft_files is not None:
+                draft = await trio.to_thread.run_sync(self.draft_files.file_table)
             if epoch != self.machine.epoch:
                 return  # replanned while the tables were made: the newer plan's frame may have gone first
             await self._perform(sm.Send(pid, cf.PlanFrame(plan=planned.plan, ring=order, roster=roster, start=start,
                                                           end=end, head=head, tensors=tensors, files=files,
                                                           epoch=epoch, dtype=stagehost.stage_dtype(planned.plan, e.name),
                                                           checkpoint=self.files.info.checkpoint_shapes(),
-                                                          schedule=self._head_schedule() if head else None)))
+                                                          schedule=self._head_schedule() if head else None,
+                                                          draft_files=draft)))
         if epoch == self.machine.epoch:
             self.nursery.start_soon(self._run_stage, roster, epoch)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Optional
 
 import trio
@@ -18,6 +19,7 @@ from kafilad.errors import (HOST_KEY_MISMATCH, HandshakeError, JoinRefused, Kafi
 from kafilad.node.paths import manager as paths
 from kafilad.node.serving import stagehost
 from kafilad.node.shards.fetcher import FETCH_WINDOW, FROM_HOST, FROM_HF_CACHE, Fetcher, checked_file_name, store_error
+from kafilad.node.shards.modelfiles import DRAFT_PREFIX
 from kafilad.node.serving.host_requests import result_of
 from kafilad.node.paths.link import Link, secure_link
 from kafilad.node.session.liveness import Liveness
@@ -399,6 +401,7 @@ class MemberSession(SessionDriver):
                         await trio.to_thread.run_sync(_write_file, tok_dir / name, data)
                     except OSError as e:
                         raise store_error(e, tok_dir, len(data)) from None
+            draft_dir = await self._fetch_draft_model(f) if f.head and f.draft_files else None
             config = self.machine.admitted.config
 
             def build():
@@ -415,17 +418,19 @@ class MemberSession(SessionDriver):
                     raise stagehost.build_failure(self.machine.admitted.name or self.node.name, config, f.start,
                                                   f.end, f.head, e) from e
                 tok = ex.synth.load_tokenizer(tok_dir) if tok_dir else None
-                return stage, tok
+                # the host's draft model (`host --draft-model`): refused by name if unusable
+                draft = ex.draft.DraftModel.load(draft_dir, tok) if draft_dir is not None else None
+                return stage, tok, draft
 
             self.load["progress"] = "building the stage"
             self.node.changed()
             async with self.node.mlx_lock:
-                stage, tok = await run_on_mlx_thread(build)
+                stage, tok, draft = await run_on_mlx_thread(build)
             self.load["progress"] = "joining the ring"
             self.node.changed()
             await self._join_ring(stage, tok, head=f.head, epoch=epoch, roster=self.roster,
                                   on_edges=lambda: self.send_ctl(cf.Edges(self.paths.edge_list()).to_wire()),
-                                  stage_nursery=stage_nursery, plan=f.plan)
+                                  stage_nursery=stage_nursery, plan=f.plan, draft_model=draft)
             self.load = {"fetched_bytes": fetched, "cached_bytes": cached, "hf_cache_bytes": hf_cached,
                          "tensors": len(f.tensors), "load_s": time.perf_counter() - t0,
                          "edges": self.paths.edge_list()}
@@ -442,6 +447,33 @@ class MemberSession(SessionDriver):
                 else:
                     await self._handle(sm.LoadFailed(reason, cf.FAILED_STAGE_BUILD if isinstance(e, StageBuildError)
                                                      else None))
+
+    async def _fetch_draft_model(self, f: cf.PlanFrame) -> Path:
+        """Fetch the host's draft model whole into a directory of this session (proto_spec 05 §2.1:
+        each file as `draft/NAME`, checked against its sha256 and cached like tensors).
+
+        Returns:
+            the directory, for DraftModel.load.
+        Raises:
+            RemoteProtocolError: a `draft_files` entry is malformed (a name that is not a plain file
+                name, a size that is not a count, a digest that is not one).
+            SessionError: as `Fetcher.fetch_verified`; or the file cannot be written (`store_error`).
+        """
+        out = self.node.state.path / "models" / f"draft-{self.session_id}"
+        for fi in f.draft_files:
+            if not isinstance(fi, dict) or isinstance(fi.get("nbytes"), bool) or not isinstance(fi.get("nbytes"), int) \
+                    or fi["nbytes"] < 0 or not isinstance(fi.get("sha256"), str):
+                raise RemoteProtocolError(f"The plan's draft_files entry {fi!r} is malformed.")
+            name = checked_file_name(fi.get("name"))
+            self.load["progress"] = f"fetching the draft model ({name})"
+            self.node.changed()
+            data, _ = await self.fetcher.fetch_verified(file=DRAFT_PREFIX + name, offset=0, nbytes=fi["nbytes"],
+                                                        sha256=fi["sha256"])
+            try:
+                await trio.to_thread.run_sync(_write_file, out / name, data)
+            except OSError as e:
+                raise store_error(e, out, len(data)) from None
+        return out
 
     def _ring_names(self) -> dict:
         return {pid: r["name"] for pid, r in self.roster.items()}

@@ -146,3 +146,49 @@ class ModelFiles:
                 data = p.read_bytes()
                 out.append({"name": name, "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
         return out
+
+
+#: the prefix of a draft model's file names in `fetch` frames (proto_spec 05 §2.1): "draft/config.json"
+DRAFT_PREFIX = "draft/"
+
+
+class DraftFiles:
+    """The host's draft model (`host --draft-model`) as a member head fetches it whole (issue 24
+    item 1; proto_spec 05 §2 `plan` `draft_files`): its safetensors weights, their index, its
+    config and tokenizer files, no other file of the directory.
+
+    Args:
+        model_dir: the draft model's directory.
+        state_dir: the host's state dir, where whole-file sha256s are remembered (None: in memory).
+    """
+
+    def __init__(self, model_dir: str, state_dir: Optional[Path] = None):
+        self.model_dir = Path(model_dir)
+        self.allowed = {p.name for p in self.model_dir.iterdir() if p.is_file() and (
+            p.name in HEAD_FILES or p.name.endswith(".safetensors") or p.name == "model.safetensors.index.json")}
+        self.file_hashes = FileHashes(Path(state_dir) / FILE_SHA256_CACHE if state_dir is not None else None)
+
+    def check_range(self, fname, offset, length) -> Optional[str]:
+        """As `ModelFiles.check_range`, for a name without DRAFT_PREFIX. Never raises."""
+        if not isinstance(fname, str) or fname not in self.allowed or "/" in fname:
+            return f"{fname!r} is not a file of the draft model"
+        if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or not 0 <= length <= FETCH_MAX_BYTES:
+            return f"the range [{offset!r}, +{length!r}) is not a valid range of at most {FETCH_MAX_BYTES} bytes"
+        path = self.model_dir / fname
+        if not path.is_file():
+            return f"{fname!r} is missing on the host"
+        if offset + length > path.stat().st_size:
+            return f"the range [{offset}, +{length}) is past the end of {fname!r}"
+        return None
+
+    def read(self, fname: str, offset: int, length: int) -> bytes:
+        return read_range(self.model_dir / fname, offset, length)
+
+    def file_table(self) -> list[dict]:
+        """Every file a member head needs to load the draft model: [{name, nbytes, sha256}] (names
+        without DRAFT_PREFIX), sorted by name. Blocking (hashes): call it off the trio thread."""
+        out = []
+        for name in sorted(self.allowed):
+            p = self.model_dir / name
+            out.append({"name": name, "nbytes": p.stat().st_size, "sha256": self.file_hashes.sha256(p)})
+        return out
