@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -259,7 +260,29 @@ def form(c, model_dir: Path, *, strategy: str, concurrency: int, context: int, t
             for i in range(1, c.n):
                 nursery.start_soon(lambda i=i: c.client(i).call("join", code=code))
     trio.run(join_all)
-    return c.call(0, "wait", states=["ready"], timeout_s=timeout_s)
+    c.call(0, "wait", states=["ready"], timeout_s=timeout_s)
+    return settle(c, timeout_s=timeout_s)
+
+
+def settle(c, *, timeout_s: float = 120.0) -> dict:
+    """Wait until every direct ring edge reported its settled round trip (proto_spec 07 §6
+    `path_rtt_ms`, a few seconds of PINGs) and the session is ready on the plan those made (the host
+    plans again when they move its hops: docs/planner.md "Measured round trips"); the status."""
+    from kafilad.node.paths.edge import RTT_SETTLED_SAMPLES
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = c.call(0, "status")
+        settled = all(e.get("path") != "direct" or (e.get("rtt_samples") or 0) >= RTT_SETTLED_SAMPLES
+                      for e in st.get("edges") or [])
+        if st["state"] == "ready" and settled:
+            time.sleep(1.0)  # a report handled a moment after it showed: the plan must have stayed
+            again = c.call(0, "status")
+            if again["state"] == "ready" and again.get("plan") == st.get("plan"):
+                return again
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the ring's round trips did not settle in {timeout_s:.0f} s: state {st['state']}, "
+                               f"edges {st.get('edges')}")
+        time.sleep(0.5)
 
 
 def rounds(fn, runs: int) -> tuple[float, list[float]]:

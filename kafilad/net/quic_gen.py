@@ -49,7 +49,7 @@ class Generation:
     """
 
     __slots__ = ("t", "conn", "odcid", "decoder", "connected", "fin_received", "fin_sent", "stream_seen",
-                 "retired", "terminated", "dead", "started_s")
+                 "retired", "terminated", "dead", "started_s", "last_rtt_s")
 
     def __init__(self, t: "QuicTransport", conn: QuicConnection, odcid: bytes, now: float):
         self.t, self.conn, self.odcid = t, conn, bytes(odcid)
@@ -57,6 +57,7 @@ class Generation:
         self.connected = self.fin_received = self.fin_sent = self.retired = self.terminated = self.dead = False
         self.stream_seen = conn.configuration.is_client
         self.started_s = now
+        self.last_rtt_s: Optional[float] = None  # the connection's latest RTT sample seen (QuicTransport.min_rtt_s)
 
     def on_datagram(self, data: bytes, addr: Address) -> None:
         if self.dead:

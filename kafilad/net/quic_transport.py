@@ -106,6 +106,12 @@ class QuicTransport:
         self._ping_uid = 0
         self.ping_interval_s = PING_INTERVAL_S
         self.last_ack_s: Optional[float] = None
+        #: the smallest RTT sample of any generation (RFC 9002 §5.2 min_rtt: ack delay included, so
+        #: an upper bound on the path's round trip), seconds; None before a sample
+        self.min_rtt_s: Optional[float] = None
+        #: RTT samples seen so far (each new `latest_rtt` reading; the liveness PINGs alone give two a
+        #: second), how settled `min_rtt_s` is
+        self.rtt_samples = 0
         self._backlog: list[tuple[bytes, Address]] = []
         self._sleep_scope: Optional[trio.CancelScope] = None
         self._gens: list[Generation] = []
@@ -228,6 +234,13 @@ class QuicTransport:
                 self.endpoint.route_cid(ev.connection_id, g.on_datagram, g.on_datagrams)
             elif isinstance(ev, qe.ConnectionTerminated):
                 self._terminated(g, ev)
+        core = conn._core
+        rtt_s = core.latest_rtt if core is not None else None
+        if rtt_s and rtt_s != g.last_rtt_s:  # a new sample: an ACK of an ack-eliciting packet arrived
+            g.last_rtt_s = rtt_s
+            self.rtt_samples += 1
+            if self.min_rtt_s is None or rtt_s < self.min_rtt_s:
+                self.min_rtt_s = rtt_s
         close = conn._close_event  # qh3 reports a peer's CONNECTION_CLOSE here, its event only after draining
         if close is not None and not g.terminated:
             if (close.error_code == 0 and close.frame_type is None and (g is self._rx or g is self._tx)

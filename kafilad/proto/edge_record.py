@@ -63,6 +63,12 @@ class EdgeRecord:
     pmtu: Optional[dict] = None            # the sender's path MTU search: state, probes, black_holes (§4a)
     birthday: Optional[dict] = None        # the birthday search that found the direct path in use (§7b)
     direct_after_s: Optional[float] = None  # relay up -> the switch to that path, seconds (§7b)
+    #: the direct path in use: its smallest QUIC RTT sample so far (RFC 9002 §5.2 min_rtt), ms, and how
+    #: many samples (the sender's; §6). Unlike `rtt_ms`, one check's round trip taken while the daemons
+    #: start, it settles on the path's own round trip as the liveness PINGs and the ring's traffic are
+    #: acknowledged
+    path_rtt_ms: Optional[float] = None
+    rtt_samples: int = 0
 
     @property
     def link(self):
@@ -145,6 +151,8 @@ class EdgeRecord:
             out["fell_back_at"] = self.fell_back_at
         if self.last_attempt is not None:
             out["last_attempt"] = dict(self.last_attempt)
+        if self.path == PathKind.DIRECT and self.rtt_samples:
+            out["path_rtt_ms"], out["rtt_samples"] = self.path_rtt_ms, self.rtt_samples
         if self.path == PathKind.DIRECT and self.datagram_bytes is not None:
             out["datagram_bytes"] = self.datagram_bytes
             if self.pmtu is not None:

@@ -270,3 +270,26 @@ async def test_the_receiver_takes_only_the_attempts_connection_not_an_earlier_on
         await c.send_message(b"this attempt")
         assert await s.receive_message() == b"this attempt"
         nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_each_transport_keeps_its_smallest_rtt_sample_and_counts_them():
+    """`min_rtt_s` (RFC 9002 §5.2 min_rtt) and `rtt_samples`: what a ring edge reports as its path's
+    round trip once settled (proto_spec 07 §6 `path_rtt_ms`); each acknowledged message adds a sample."""
+    a, b = await UdpEndpoint.bind("127.0.0.1"), await UdpEndpoint.bind("127.0.0.1")
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.serve)
+            await nursery.start(b.serve)
+            client, server = await connected_pair(nursery, a, b)
+            seen = []
+            for i in range(12):  # one message at a time, each answered: an ACK per round trip
+                await client.send_message(b"ping %d" % i)
+                assert await server.receive_message() == b"ping %d" % i
+                await server.send_message(b"pong")
+                assert await client.receive_message() == b"pong"
+                await trio.sleep(0.01)
+                seen.append(client.rtt_samples)
+            assert client.rtt_samples >= 6 and seen == sorted(seen), seen
+            assert client.min_rtt_s is not None and 0 < client.min_rtt_s <= client.smoothed_rtt_s + 1e-9
+            nursery.cancel_scope.cancel()

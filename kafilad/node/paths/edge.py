@@ -303,12 +303,18 @@ class RingEdge:
         t = self.transport
         where = f"{t.remote[0]}:{t.remote[1]}"
         reported = self._size_state()
+        rtt_reported: Optional[float] = None
         while True:
             with trio.move_on_after(WATCH_INTERVAL_S):
                 await self._repair.wait()
             if self._size_state() != reported:  # the datagram size search moved on (§4a): status shows it
                 reported = self._size_state()
                 await _report(self._on_edges)
+            if t.rtt_samples and t.min_rtt_s is not None:  # the path's own round trip (§6 `path_rtt_ms`)
+                self.record.path_rtt_ms, self.record.rtt_samples = t.min_rtt_s * 1000.0, t.rtt_samples
+                if rtt_report_due(self.record.path_rtt_ms, self.record.rtt_samples, rtt_reported):
+                    rtt_reported = self.record.path_rtt_ms
+                    await _report(self._on_edges)
             if self.link.over:
                 return None
             if self._repair_reason is not None:
@@ -509,6 +515,26 @@ class RingEdge:
                 pass
         await link.close()
         return None
+
+
+#: RTT samples a direct path's `path_rtt_ms` needs before it is reported: the liveness PINGs alone
+#: give two a second, so about 4 s after formation at the latest (§6)
+RTT_SETTLED_SAMPLES = 8
+#: a reported `path_rtt_ms` is reported again once it fell by this fraction and RTT_REPORT_MIN_MS
+RTT_REPORT_FRACTION = 0.2
+RTT_REPORT_MIN_MS = 1.0
+
+
+def rtt_report_due(path_rtt_ms: float, samples: int, reported_ms: Optional[float]) -> bool:
+    """Whether the sender reports its edge's settled round trip (an `edges` frame, proto_spec 05
+    §2): first once RTT_SETTLED_SAMPLES samples were taken, then whenever the minimum fell by
+    RTT_REPORT_FRACTION and RTT_REPORT_MIN_MS since the last report (a minimum only falls)."""
+    if samples < RTT_SETTLED_SAMPLES:
+        return False
+    if reported_ms is None:
+        return True
+    drop_ms = reported_ms - path_rtt_ms
+    return drop_ms >= RTT_REPORT_MIN_MS and drop_ms >= RTT_REPORT_FRACTION * reported_ms
 
 
 async def _report(on_edges) -> None:

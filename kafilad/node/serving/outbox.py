@@ -15,7 +15,6 @@ reading loop then reports the loss, as for any closed link). Nothing is dropped 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Optional
 
 import trio

@@ -210,7 +210,7 @@ def edges_of(paths: PathManager) -> list[dict]:
     return paths.edge_list()
 
 
-def _own_edges(session) -> list[dict]:
+def own_edges(session) -> list[dict]:
     """The session's own edge records (none before its paths are open)."""
     pm = getattr(session, "paths", None)
     return pm.edge_list() if isinstance(pm, PathManager) else []
@@ -227,7 +227,7 @@ def session_edges(session) -> list[dict]:
     """
     names = {r.peer_id: r.name for r in session.members.values()}
     reports: dict[tuple, dict] = {}
-    sources = [(session.node.name, _own_edges(session))]
+    sources = [(session.node.name, own_edges(session))]
     sources += [(r.name, (r.load or {}).get("edges") or []) for r in session.members.values() if not r.is_host]
     for reporter, edges in sources:
         for e in edges:
@@ -252,22 +252,26 @@ def session_edges(session) -> list[dict]:
 
 
 def measured_rtt_ms(session) -> dict:
-    """The round trips the session's edge records measured, {(from name, to name): rtt_ms}.
+    """The round trips the session's edge records measured, {(from name, to name): ms}.
 
     From the same reports as :func:`session_edges` (the members' `ready` and `edges` frames and the
     host's own edges, proto_spec 07 §6), every edge of whatever ring they last joined, with the
-    sender's record first; an edge without a numeric, non-negative `rtt_ms` (pending, or a relay
-    that measured none) is left out. The host keeps what this returns across rings for the planner
-    (`plan(measured_rtt_ms=...)`)."""
+    sender's record first: its direct path's settled round trip, `path_rtt_ms` once it has
+    RTT_SETTLED_SAMPLES samples (kafilad/node/paths/edge.py). The connectivity check's `rtt_ms` is
+    not used: one sample, taken while the daemons start, it read up to tens of ms on a loaded
+    loopback ring. Relayed and pending edges are left out. The host keeps what this returns across
+    rings for the planner (`plan(measured_rtt_ms=...)`)."""
+    from kafilad.node.paths.edge import RTT_SETTLED_SAMPLES
     out: dict = {}
-    sources = [(session.node.name, _own_edges(session))]
+    sources = [(session.node.name, own_edges(session))]
     sources += [(r.name, (r.load or {}).get("edges") or []) for r in session.members.values() if not r.is_host]
     for reporter, edges in sources:
         for e in edges:
             if not isinstance(e, dict) or not isinstance(e.get("from"), str) or not isinstance(e.get("to"), str):
                 continue
-            rtt = e.get("rtt_ms")
-            if isinstance(rtt, bool) or not isinstance(rtt, (int, float)) or not rtt >= 0 or rtt == float("inf"):
+            rtt, samples = e.get("path_rtt_ms"), e.get("rtt_samples")
+            if isinstance(rtt, bool) or not isinstance(rtt, (int, float)) or not rtt >= 0 or rtt == float("inf") \
+                    or isinstance(samples, bool) or not isinstance(samples, int) or samples < RTT_SETTLED_SAMPLES:
                 continue
             key = (e["from"], e["to"])
             if key not in out or e["from"] == reporter:

@@ -119,6 +119,8 @@ class HostSession(SessionDriver):
         #: past noise (`_edges_measured`); empty until then, so LAN and loopback rings, whose
         #: sub-millisecond check RTTs wobble with load, plan as they always did
         self.planning_rtt_ms: dict[tuple, float] = {}
+        #: each reporter's edge paths as last reported (`_edges_cause`)
+        self._edge_paths: dict[str, tuple] = {}
         #: {sender name: ring frame bytes sent for the finished requests} (stagehost.generation_edges)
         self.edge_bytes_sent: dict[str, int] = {}
         self.last_generation: dict = {}
@@ -246,9 +248,13 @@ class HostSession(SessionDriver):
             self._write_trace("edges", edges=stagehost.session_edges(self))
             self._write_trace("session_formed", form_s=took_s,
                               load={e.name: e.load for e in self.members.values()})
+            for e in self.members.values():  # the paths a later report is compared with (`_edges_cause`)
+                self._edges_cause(e.name, stagehost.own_edges(self) if e.is_host else (e.load or {}).get("edges"))
             await self._edges_measured()
         elif isinstance(a, sm.EdgesChanged):
-            self._write_trace("edges", edges=stagehost.session_edges(self), cause="upgrade", reporter=a.reporter)
+            reported = next((e.load.get("edges") for e in self.members.values() if e.name == a.reporter), None)
+            self._write_trace("edges", edges=stagehost.session_edges(self), reporter=a.reporter,
+                              cause=self._edges_cause(a.reporter, reported))
             await self._edges_measured()
         else:  # pragma: no cover - a new action without a driver is a bug
             raise KafilaError(f"no driver for the host action {a!r}")
@@ -670,11 +676,17 @@ class HostSession(SessionDriver):
         """Keep the ring edges' measured round trips; when they move the serving plan's hops by
         enough (kafilad/planner/plan.py `rtt_replan_due`), plan with them from now on and plan again
         (Reassess: the ring serves on, and a plan with the same division is kept without reloading).
-        Handled right after the event whose action called this (SessionDriver._handle), so no
-        watcher sees the ring ready on the old figures in between."""
+        Called when a ring formed, when a member's `edges` frame came (an upgrade, or its edge's round
+        trip settled: path_rtt_ms, proto_spec 07 §6) and when the host's own edge reported."""
         self.edge_rtt_ms.update(stagehost.measured_rtt_ms(self))
         plan = self.plan
-        if plan is None or self.state != sm.HostState.READY or not rtt_replan_due(plan, self.edge_rtt_ms):
+        if plan is None or self.state != sm.HostState.READY:
+            return
+        # decided on the whole ring only: a replan on some edges' round trips would take the others'
+        # for free, and the next ring would move again once they settled
+        unsettled = [e for e in stagehost.session_edges(self) if e.get("path") == "direct"
+                     and (e.get("from"), e.get("to")) not in self.edge_rtt_ms]
+        if unsettled or not rtt_replan_due(plan, self.edge_rtt_ms):
             return
         self.planning_rtt_ms = dict(self.edge_rtt_ms)
         change_s, (a, b) = hop_change_s(plan, self.edge_rtt_ms)
@@ -687,9 +699,21 @@ class HostSession(SessionDriver):
     def _ring_names(self) -> dict:
         return {pid: e.name for pid, e in self.members.items()}
 
+    def _edges_cause(self, reporter: str, edges) -> str:
+        """Why `reporter` reported its edges again (the trace's `edges` record): "upgrade" when a path
+        changed (an upgrade or a fallback, proto_spec 07 §7), else "measured" (its round trip
+        settled, or its datagram size search moved on)."""
+        paths = tuple((e.get("from"), e.get("to"), e.get("path"), e.get("fallbacks"), e.get("upgraded_at"))
+                      for e in edges or [] if isinstance(e, dict))
+        before = self._edge_paths.get(reporter)
+        self._edge_paths[reporter] = paths
+        return "measured" if before == paths else "upgrade"
+
     async def _own_edges_changed(self) -> None:
-        self._write_trace("edges", edges=stagehost.session_edges(self), cause="upgrade", reporter=self.node.name)
+        self._write_trace("edges", edges=stagehost.session_edges(self), reporter=self.node.name,
+                          cause=self._edges_cause(self.node.name, stagehost.own_edges(self)))
         self.node.changed()
+        await self._edges_measured()  # its settled round trip, perhaps (kafilad/node/paths/edge.py)
 
     async def _watch_ring(self, ring) -> None:
         await ring.broken_event.wait()
