@@ -111,13 +111,14 @@ class HostSession(SessionDriver):
         self.measured_stage_s: dict[str, float] = {}
         #: every member's report against its measured stage (kafilad/planner/trust.py, issue 22 item 5)
         self.checks = MemberChecks()
-        #: measured round trips of member pairs, {(from name, to name): ms}: every ring edge's check this
-        #: session (stagehost.measured_rtt_ms), kept across rings
+        #: measured round trips of member pairs, {(from name, to name): ms}: every ring edge's settled
+        #: round trip this session (stagehost.measured_rtt_ms, proto_spec 07 §6 `path_rtt_ms`), kept
+        #: across rings
         self.edge_rtt_ms: dict[tuple, float] = {}
         #: the measured round trips plans are made with (they win over the rendezvous estimates,
         #: kafilad/planner/ring.py): `edge_rtt_ms` as it was when it last moved the serving plan's hops
-        #: past noise (`_edges_measured`); empty until then, so LAN and loopback rings, whose
-        #: sub-millisecond check RTTs wobble with load, plan as they always did
+        #: past noise (`_edges_measured`); empty until then, so LAN and loopback rings plan on the
+        #: rendezvous estimates as they always did
         self.planning_rtt_ms: dict[tuple, float] = {}
         #: each reporter's edge paths as last reported (`_edges_cause`)
         self._edge_paths: dict[str, tuple] = {}
@@ -242,6 +243,8 @@ class HostSession(SessionDriver):
                 self._write_trace(a.kind, **a.fields, fleet=self.fleet_json())
             else:
                 self._write_trace(a.kind, **a.fields)
+            if a.kind == "plan_kept":  # round trips that settled while it was made count now
+                await self._edges_measured()
         elif isinstance(a, sm.Formed):  # form_s: the first formation from the session's start, a later one from its plan
             took_s = time.perf_counter() - (self._t0 if self.formed_s is None else self._replan_t0)
             self.formed_s = self.formed_s if self.formed_s is not None else took_s
@@ -676,15 +679,16 @@ class HostSession(SessionDriver):
         """Keep the ring edges' measured round trips; when they move the serving plan's hops by
         enough (kafilad/planner/plan.py `rtt_replan_due`), plan with them from now on and plan again
         (Reassess: the ring serves on, and a plan with the same division is kept without reloading).
-        Called when a ring formed, when a member's `edges` frame came (an upgrade, or its edge's round
-        trip settled: path_rtt_ms, proto_spec 07 §6) and when the host's own edge reported."""
+        Called when a ring formed or a plan was kept, when a member's `edges` frame came (an upgrade,
+        or its edge's round trip settled: path_rtt_ms, proto_spec 07 §6) and when the host's own edge
+        reported."""
         self.edge_rtt_ms.update(stagehost.measured_rtt_ms(self))
         plan = self.plan
         if plan is None or self.state != sm.HostState.READY:
             return
         # decided on the whole ring only: a replan on some edges' round trips would take the others'
-        # for free, and the next ring would move again once they settled
-        unsettled = [e for e in stagehost.session_edges(self) if e.get("path") == "direct"
+        # for free, and the next ring would move again once they settled (a relayed edge has none)
+        unsettled = [e for e in stagehost.session_edges(self) if e.get("path") != "relayed"
                      and (e.get("from"), e.get("to")) not in self.edge_rtt_ms]
         if unsettled or not rtt_replan_due(plan, self.edge_rtt_ms):
             return
