@@ -181,6 +181,8 @@ def _measure(args, members, cgroups, base_cap, model_dir, *, strategy, concurren
                "plan": {k: plan.get(k) for k in ("order", "head", "blocks", "stage_s", "bottleneck_s", "circuit_s",
                                                  "standby", "throughput")},
                "fleet": snap.get("fleet"), "form_s": form_s,
+               "edges": [{k: e.get(k) for k in ("from", "to", "path", "rtt_ms", "path_rtt_ms", "rtt_samples")}
+                         for e in snap.get("edges") or []],
                "capability": reported_capabilities(snap.get("fleet"))}
         log(f"[{strategy}] reported capability: " + "; ".join(
             f"{n} {(c_['bandwidth_Bps'] or 0) / 1e9:.2f} GB/s + {(c_['step_overhead_s'] or 0) * 1e6:.0f} us/step, "
