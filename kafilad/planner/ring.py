@@ -20,16 +20,17 @@ skip a path that works. Status says which classes were unknown and why (kafilad/
 
 Edge RTT estimates from the members' rendezvous RTTs rA, rB (ms): a direct edge ≈ |rA − rB|
 (a lower bound), a relayed one = rA + rB. Unknown when either RTT is unknown. A *measured* RTT
-wins over the estimate: the round trip of the edge's connectivity check at ring formation
-(proto_spec 07 §6 edge records, RFC 8445 §7.2.5.3), which a live session passes back to the planner
-for the pairs its rings have joined (issue 24: the rendezvous RTTs cannot see a slow hop between two
-members, so a plan from estimates alone over-predicted a 1-user rate 2-3x across 40 ms hops).
+wins over the estimate: a ring edge's settled round trip (the smallest QUIC RTT sample of its
+direct path, `path_rtt_ms` in proto_spec 07 §6 edge records, RFC 9002 §5.2), which a live session
+passes back to the planner for the pairs its rings have joined (issue 24: the rendezvous RTTs
+cannot see a slow hop between two members, so a plan from estimates alone over-predicted a 1-user
+rate 2-3x across 40 ms hops).
 
 Ordering (anchor = devices[0] stays first). The ring is cyclic, so each ordering of the others
 is one candidate ring. Candidates are ranked by, in turn:
-1. Σ edge RTTs (measured, else estimated), when every pair of devices has one (relays cost
-   rA + rB, so this already prefers direct edges);
-2. the number of predicted-relayed edges;
+1. the number of predicted-relayed edges (DESIGN §5.2's first pass by NAT class);
+2. Σ edge RTTs (measured, else estimated), when every pair of devices has one (relays cost
+   rA + rB);
 3. Σ |rA − rB| over edges when RTTs are known — breaks the tie when every edge relays (then
    key 1 is 2·Σr for every order) by putting members with similar RTT next to each other;
 4. the listed order (the first candidate in lexicographic order of listed positions wins).

@@ -31,6 +31,24 @@ def read_range(path: Path, offset: int, length: int) -> bytes:
         return f.read(length)
 
 
+def check_file_range(model_dir: Path, allowed: set, fname, offset, length, what: str) -> Optional[str]:
+    """None when [offset, +length) of `fname` may be served from `model_dir` (a name in `allowed`,
+    the range inside the file, at most FETCH_MAX_BYTES; proto_spec 05 §2.1), else the reason it may
+    not, `what` naming the model ("this model", "the draft model"). Never raises: every argument but
+    the first two comes from a member's `fetch` frame."""
+    if not isinstance(fname, str) or fname not in allowed or "/" in fname:
+        return f"{fname!r} is not a file of {what}"
+    if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or not 0 <= length <= FETCH_MAX_BYTES:
+        return f"the range [{offset!r}, +{length!r}) is not a valid range of at most {FETCH_MAX_BYTES} bytes"
+    path = model_dir / fname
+    if not path.is_file():
+        return f"{fname!r} is missing on the host"
+    size = path.stat().st_size
+    if offset + length > size:
+        return f"the range [{offset}, +{length}) is past the end of {fname!r} ({size} bytes)"
+    return None
+
+
 def hash_file(path: Path) -> str:
     """The sha256 hex digest of a whole file, read in chunks."""
     h = hashlib.sha256()
@@ -106,17 +124,7 @@ class ModelFiles:
         """None when [offset, +length) of `fname` may be served (a file of the model, the range inside
         it, at most FETCH_MAX_BYTES; proto_spec 05 §2.1), else the reason it may not. Never raises:
         every argument comes from a member's `fetch` frame."""
-        if not isinstance(fname, str) or fname not in self.allowed or "/" in fname:
-            return f"{fname!r} is not a file of this model"
-        if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or not 0 <= length <= FETCH_MAX_BYTES:
-            return f"the range [{offset!r}, +{length!r}) is not a valid range of at most {FETCH_MAX_BYTES} bytes"
-        path = self.model_dir / fname
-        if not path.is_file():
-            return f"{fname!r} is missing on the host"
-        size = path.stat().st_size
-        if offset + length > size:
-            return f"the range [{offset}, +{length}) is past the end of {fname!r} ({size} bytes)"
-        return None
+        return check_file_range(self.model_dir, self.allowed, fname, offset, length, "this model")
 
     def read(self, fname: str, offset: int, length: int) -> bytes:
         return read_range(self.model_dir / fname, offset, length)
@@ -170,16 +178,7 @@ class DraftFiles:
 
     def check_range(self, fname, offset, length) -> Optional[str]:
         """As `ModelFiles.check_range`, for a name without DRAFT_PREFIX. Never raises."""
-        if not isinstance(fname, str) or fname not in self.allowed or "/" in fname:
-            return f"{fname!r} is not a file of the draft model"
-        if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or not 0 <= length <= FETCH_MAX_BYTES:
-            return f"the range [{offset!r}, +{length!r}) is not a valid range of at most {FETCH_MAX_BYTES} bytes"
-        path = self.model_dir / fname
-        if not path.is_file():
-            return f"{fname!r} is missing on the host"
-        if offset + length > path.stat().st_size:
-            return f"the range [{offset}, +{length}) is past the end of {fname!r}"
-        return None
+        return check_file_range(self.model_dir, self.allowed, fname, offset, length, "the draft model")
 
     def read(self, fname: str, offset: int, length: int) -> bytes:
         return read_range(self.model_dir / fname, offset, length)
