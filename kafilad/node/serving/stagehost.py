@@ -216,16 +216,11 @@ def own_edges(session) -> list[dict]:
     return pm.edge_list() if isinstance(pm, PathManager) else []
 
 
-def session_edges(session) -> list[dict]:
-    """The host's view of every ring edge, in ring order (proto_spec 07 §6; `status --json` "edges").
-
-    Each member reports its own edges in its `ready` frame and again after an upgrade (`edges`
-    frame); the sender's record of an edge wins (it measured the RTT). Edges nobody reported yet
-    come from the plan's prediction. ``bytes_sent`` is live: the frame bytes the edge's sender
-    sent for the session's finished requests (the sum of its `ring_bytes_sent` over every
-    generation so far), kept by :func:`generation_edges`.
-    """
-    names = {r.peer_id: r.name for r in session.members.values()}
+def reported_edges(session) -> dict[tuple, dict]:
+    """Every edge record the session holds, {(from, to): a copy of the record}: the host's own and
+    those the members reported in their `ready` and `edges` frames (proto_spec 07 §6), of whatever
+    ring they last joined; where both ends reported an edge, the sender's record wins (it measured
+    the path)."""
     reports: dict[tuple, dict] = {}
     sources = [(session.node.name, own_edges(session))]
     sources += [(r.name, (r.load or {}).get("edges") or []) for r in session.members.values() if not r.is_host]
@@ -236,6 +231,20 @@ def session_edges(session) -> list[dict]:
             key = (e.get("from"), e.get("to"))
             if key not in reports or e.get("from") == reporter:
                 reports[key] = dict(e)
+    return reports
+
+
+def session_edges(session) -> list[dict]:
+    """The host's view of every ring edge, in ring order (proto_spec 07 §6; `status --json` "edges").
+
+    Each member reports its own edges in its `ready` frame and again after an upgrade (`edges`
+    frame); the sender's record of an edge wins (it measured the RTT). Edges nobody reported yet
+    come from the plan's prediction. ``bytes_sent`` is live: the frame bytes the edge's sender
+    sent for the session's finished requests (the sum of its `ring_bytes_sent` over every
+    generation so far), kept by :func:`generation_edges`.
+    """
+    names = {r.peer_id: r.name for r in session.members.values()}
+    reports = reported_edges(session)
     order = [names.get(p, p) for p in session.ring_order]
     predicted = {(a, b): p for a, b, p in (session.plan.edges if session.plan else [])}
     sent = getattr(session, "edge_bytes_sent", {})
@@ -254,28 +263,21 @@ def session_edges(session) -> list[dict]:
 def measured_rtt_ms(session) -> dict:
     """The round trips the session's edge records measured, {(from name, to name): ms}.
 
-    From the same reports as :func:`session_edges` (the members' `ready` and `edges` frames and the
-    host's own edges, proto_spec 07 §6), every edge of whatever ring they last joined, with the
-    sender's record first: its direct path's settled round trip, `path_rtt_ms` once it has
+    From :func:`reported_edges` (the sender's record of each edge of whatever ring the members last
+    joined): its direct path's settled round trip, `path_rtt_ms` once it has
     RTT_SETTLED_SAMPLES samples (kafilad/node/paths/edge.py). The connectivity check's `rtt_ms` is
     not used: one sample, taken while the daemons start, it read up to tens of ms on a loaded
     loopback ring. Relayed and pending edges are left out. The host keeps what this returns across
     rings for the planner (`plan(measured_rtt_ms=...)`)."""
     from kafilad.node.paths.edge import RTT_SETTLED_SAMPLES
     out: dict = {}
-    sources = [(session.node.name, own_edges(session))]
-    sources += [(r.name, (r.load or {}).get("edges") or []) for r in session.members.values() if not r.is_host]
-    for reporter, edges in sources:
-        for e in edges:
-            if not isinstance(e, dict) or not isinstance(e.get("from"), str) or not isinstance(e.get("to"), str):
-                continue
-            rtt, samples = e.get("path_rtt_ms"), e.get("rtt_samples")
-            if isinstance(rtt, bool) or not isinstance(rtt, (int, float)) or not rtt >= 0 or rtt == float("inf") \
-                    or isinstance(samples, bool) or not isinstance(samples, int) or samples < RTT_SETTLED_SAMPLES:
-                continue
-            key = (e["from"], e["to"])
-            if key not in out or e["from"] == reporter:
-                out[key] = float(rtt)
+    for (a, b), e in reported_edges(session).items():
+        rtt, samples = e.get("path_rtt_ms"), e.get("rtt_samples")
+        if not isinstance(a, str) or not isinstance(b, str) or isinstance(rtt, bool) \
+                or not isinstance(rtt, (int, float)) or not rtt >= 0 or rtt == float("inf") \
+                or isinstance(samples, bool) or not isinstance(samples, int) or samples < RTT_SETTLED_SAMPLES:
+            continue
+        out[a, b] = float(rtt)
     return out
 
 

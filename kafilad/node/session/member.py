@@ -393,15 +393,13 @@ class MemberSession(SessionDriver):
             if f.head:
                 model_id = checked_file_name(self.machine.admitted.model_id.replace("/", "--"))
                 tok_dir = self.node.state.path / "models" / f"{model_id}-{self.session_id}"
-                for fi in f.files:
-                    name = checked_file_name(fi["name"])
-                    data, _ = await self.fetcher.fetch_verified(file=name, offset=0, nbytes=fi["nbytes"],
-                                                                sha256=fi["sha256"])
-                    try:
-                        await trio.to_thread.run_sync(_write_file, tok_dir / name, data)
-                    except OSError as e:
-                        raise store_error(e, tok_dir, len(data)) from None
-            draft_dir = await self._fetch_draft_model(f) if f.head and f.draft_files else None
+                await self._fetch_files(f.files, tok_dir)
+            draft_dir = None
+            if f.head and f.draft_files:  # the host's draft model (`host --draft-model`), whole, as draft/NAME
+                draft_dir = self.node.state.path / "models" / f"draft-{self.session_id}"
+                self.load["progress"] = "fetching the draft model"
+                self.node.changed()
+                await self._fetch_files(f.draft_files, draft_dir, prefix=DRAFT_PREFIX)
             config = self.machine.admitted.config
 
             def build():
@@ -448,32 +446,27 @@ class MemberSession(SessionDriver):
                     await self._handle(sm.LoadFailed(reason, cf.FAILED_STAGE_BUILD if isinstance(e, StageBuildError)
                                                      else None))
 
-    async def _fetch_draft_model(self, f: cf.PlanFrame) -> Path:
-        """Fetch the host's draft model whole into a directory of this session (proto_spec 05 §2.1:
-        each file as `draft/NAME`, checked against its sha256 and cached like tensors).
+    async def _fetch_files(self, entries: list, into: Path, prefix: str = "") -> None:
+        """Fetch whole files the plan lists ([{name, nbytes, sha256}]: the head's tokenizer files, or
+        the draft model's as `draft/NAME`) into directory `into` (proto_spec 05 §2.1: each checked
+        against its sha256 and cached like tensors).
 
-        Returns:
-            the directory, for DraftModel.load.
         Raises:
-            RemoteProtocolError: a `draft_files` entry is malformed (a name that is not a plain file
-                name, a size that is not a count, a digest that is not one).
-            SessionError: as `Fetcher.fetch_verified`; or the file cannot be written (`store_error`).
+            RemoteProtocolError: an entry is malformed (a name that is not a plain file name, a size
+                that is not a count, a digest that is not one).
+            SessionError: as `Fetcher.fetch_verified`; or a file cannot be written (`store_error`).
         """
-        out = self.node.state.path / "models" / f"draft-{self.session_id}"
-        for fi in f.draft_files:
+        for fi in entries:
             if not isinstance(fi, dict) or isinstance(fi.get("nbytes"), bool) or not isinstance(fi.get("nbytes"), int) \
                     or fi["nbytes"] < 0 or not isinstance(fi.get("sha256"), str):
-                raise RemoteProtocolError(f"The plan's draft_files entry {fi!r} is malformed.")
+                raise RemoteProtocolError(f"The plan's file entry {fi!r} is malformed.")
             name = checked_file_name(fi.get("name"))
-            self.load["progress"] = f"fetching the draft model ({name})"
-            self.node.changed()
-            data, _ = await self.fetcher.fetch_verified(file=DRAFT_PREFIX + name, offset=0, nbytes=fi["nbytes"],
+            data, _ = await self.fetcher.fetch_verified(file=prefix + name, offset=0, nbytes=fi["nbytes"],
                                                         sha256=fi["sha256"])
             try:
-                await trio.to_thread.run_sync(_write_file, out / name, data)
+                await trio.to_thread.run_sync(_write_file, into / name, data)
             except OSError as e:
-                raise store_error(e, out, len(data)) from None
-        return out
+                raise store_error(e, into, len(data)) from None
 
     def _ring_names(self) -> dict:
         return {pid: r["name"] for pid, r in self.roster.items()}
