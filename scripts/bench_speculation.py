@@ -19,7 +19,10 @@ by another script, e.g. one whose ring edges go through a hop-delay forwarder), 
 measurement runs with WAN hops.
 
     python scripts/bench_speculation.py [--model DIR|GGUF] [--members 3] [--runs 3] [--tokens 160]
-        [--kinds repeat,edit,miss] [--mode auto] [--dequantize] [--mlx-lm]
+        [--kinds repeat,edit,miss] [--mode auto] [--dequantize] [--mlx-lm] [--users N]
+
+With `--users N` each measurement is N concurrent requests (their prompts differ in a first line
+naming the user), which the head decodes in one lockstep batch; the rate is theirs together.
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ PROMPTS = {
 }
 
 
-def chat_decode(http_base: str, prompt: str, tokens: int) -> tuple[float, str]:
+def chat_decode(http_base: str, prompt: str, tokens: int, spans: Optional[list] = None) -> tuple[float, str]:
     """One streamed greedy /v1/chat/completions request. Returns (decode tokens/s as the client sees
-    it, the text)."""
+    it, the text); appends (completion tokens, first chunk's time, last chunk's time) to `spans`."""
     import httpx
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -68,7 +71,24 @@ def chat_decode(http_base: str, prompt: str, tokens: int) -> tuple[float, str]:
             if chunk.get("usage"):
                 n = chunk["usage"]["completion_tokens"]
     rate = (n - 1) / (times[-1] - times[0]) if n > 1 and len(times) > 1 and times[-1] > times[0] else 0.0
+    if spans is not None and times:
+        spans.append((n, times[0], times[-1]))
     return rate, "".join(text)
+
+
+def users_decode(http_base: str, prompt: str, tokens: int, users: int) -> tuple[float, str]:
+    """`users` concurrent requests (each prompt headed by its user's number, so they differ).
+    Returns (their decode tokens/s together: the tokens after each one's first ÷ the span from the
+    first first chunk to the last last chunk, the texts joined); one user is `chat_decode`."""
+    if users <= 1:
+        return chat_decode(http_base, prompt, tokens)
+    from concurrent.futures import ThreadPoolExecutor
+    spans: list = []
+    with ThreadPoolExecutor(users) as pool:
+        texts = list(pool.map(lambda i: chat_decode(http_base, f"(User {i + 1}.) {prompt}", tokens, spans)[1],
+                              range(users)))
+    span = max(s[2] for s in spans) - min(s[1] for s in spans) if spans else 0.0
+    return (sum(n - 1 for n, _, _ in spans) / span if span > 0 else 0.0), "\n---\n".join(texts)
 
 
 def default_model() -> Optional[str]:
@@ -133,8 +153,10 @@ def hop_check(status: dict, hop_delay_ms: Optional[float], log: Callable[[str], 
         raise SystemExit("an edge relayed: the relay bypasses the WAN hops, so this run would not measure them")
 
 
-def measure(c, kinds: list[str], modes: list[str], runs: int, tokens: int, log: Callable[[str], None] = print) -> dict:
-    """Alternate modes per run for each prompt kind on a formed cluster `c`. Returns
+def measure(c, kinds: list[str], modes: list[str], runs: int, tokens: int, log: Callable[[str], None] = print,
+            users: int = 1) -> dict:
+    """Alternate modes per run for each prompt kind on a formed cluster `c`, `users` concurrent
+    requests at a time (`users_decode`). Returns
     {kind: {mode: {"rates": [...], "texts": [...], "status": {...}}}}."""
     http = c.call(0, "status")["http"]
     out: dict = {}
@@ -146,7 +168,7 @@ def measure(c, kinds: list[str], modes: list[str], runs: int, tokens: int, log: 
         for run in range(runs):
             for mode in modes:
                 before = c.call(0, "speculate", mode=mode)
-                rate, text = chat_decode(http, PROMPTS[kind], tokens)
+                rate, text = users_decode(http, PROMPTS[kind], tokens, users)
                 after = c.call(0, "speculate")
                 rec = out[kind][mode]
                 rec["rates"].append(rate)
@@ -178,6 +200,8 @@ def main(argv=None, cluster_factory: Callable[..., object] = make_cluster) -> in
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--kinds", default="repeat,miss")
     ap.add_argument("--mode", default="auto", help="the speculating mode: auto or k=N")
+    ap.add_argument("--users", type=int, default=1,
+                    help="concurrent requests per measurement (>= 2: the head decodes them in one lockstep batch)")
     ap.add_argument("--strategy", default="uniform")
     ap.add_argument("--hop-delay-ms", type=float, default=None, help="one-way delay of every ring hop (WAN emulation)")
     ap.add_argument("--hop-mbps", type=float, default=None, help="rate cap of every ring hop, Mbit/s")
@@ -200,9 +224,11 @@ def main(argv=None, cluster_factory: Callable[..., object] = make_cluster) -> in
         formed = c.form(model, strategy=args.strategy, context=2048, timeout_s=600)
         print(f"formed in {formed['form_s']:.1f} s: blocks {formed['status']['plan']['blocks']}")
         hop_check(formed["status"], args.hop_delay_ms)
-        results = measure(c, args.kinds.split(","), ["off", args.mode], args.runs, args.tokens)
+        results = measure(c, args.kinds.split(","), ["off", args.mode], args.runs, args.tokens, users=args.users)
     report(results, "off")
-    if args.mlx_lm:
+    if args.mlx_lm and args.users > 1:
+        print("--mlx-lm compares one user; ignored with --users", file=sys.stderr)
+    elif args.mlx_lm:
         if not Path(model).is_dir():
             print("--mlx-lm needs a model directory mlx-lm loads (a GGUF: add --dequantize)", file=sys.stderr)
             return 2

@@ -32,7 +32,9 @@ head may keep several decode micro-batches in flight, kafilad/proto/step_policy.
 it with the ids of each step: new ids are merged in from their single caches or taken from
 another group (`merge`/`extend`), absent ids are taken out (`extract`, `filter`) back into single
 caches, and the order is permuted to match. Batched steps run (B, 1, D) matmuls, so
-tokens match single-request decoding but log-probs may differ in the last bits.
+tokens match single-request decoding but log-probs may differ in the last bits. A batched
+speculative pass (proto_spec 05 §3.1) runs (B, 1 + k, D): `head_verify_batch` accepts each row's
+drafts and `trim_rows` cuts each row back inside the batch caches.
 
 Sampling parameters (kafilad/proto/sampling.py): a request with only a temperature is sampled by
 `head_sample` / `head_sample_batch` as above. Any other parameter (top_p, top_k, min_p, seed,
@@ -328,20 +330,7 @@ class StageRunner:
                                       f"{tuple(h.shape)}, not (1, {k + 1}, D).")
         with self._lock:
             logits = self.stage.logits(h, all_positions=True)[0]
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            if temperature == 0:
-                out = accept_greedy(drafts, [int(x) for x in mx.argmax(logprobs, axis=-1).tolist()])
-            else:
-                probs = mx.softmax(logprobs * (1.0 / temperature), axis=-1)
-                idx = mx.array(drafts, dtype=mx.int32)
-                p_d = probs[mx.arange(k), idx].tolist() if k else []
-                n = accept_point_drafts(p_d, mx.random.uniform(shape=(k,)).tolist() if k else [])
-                if n < k:  # the residual: p_n without the rejected draft, renormalised
-                    row = mx.where(mx.arange(probs.shape[-1]) == drafts[n], 0.0, probs[n])
-                    nxt = mx.random.categorical(mx.log(row))
-                else:
-                    nxt = categorical_sampling(logprobs[k:k + 1], temperature)
-                out = list(drafts[:n]) + [int(nxt.item())]
+            out = _accept(logits - mx.logsumexp(logits, axis=-1, keepdims=True), drafts, temperature)
             rejected = k + 1 - len(out)
             if rejected:
                 trim_prompt_cache(self._cache(request_id), rejected)
@@ -358,13 +347,102 @@ class StageRunner:
         if n_tokens <= 0:
             return
         with self._lock:
-            self._take_out_of_batch([request_id])
-            cache = self._caches.get(request_id)
-            held = next((int(c.offset) for c in cache or () if isinstance(getattr(c, "offset", None), int)), 0)
-            if not cache or held < n_tokens or not can_trim_prompt_cache(cache):
+            self._trim_alone(request_id, n_tokens)
+
+    def _trim_alone(self, request_id: str, n_tokens: int) -> None:
+        """`trim` under _lock."""
+        if n_tokens <= 0:
+            return
+        self._take_out_of_batch([request_id])
+        cache = self._caches.get(request_id)
+        held = next((int(c.offset) for c in cache or () if isinstance(getattr(c, "offset", None), int)), 0)
+        if not cache or held < n_tokens or not can_trim_prompt_cache(cache):
+            raise RemoteProtocolError(f"Stage [{self.stage.start}, {self.stage.end}) cannot take {n_tokens} "
+                                      f"positions back out of request {request_id}'s caches ({held} held).")
+        trim_prompt_cache(cache, n_tokens)
+
+    def head_verify_batch(self, request_ids: list[str], h: mx.array, drafts: list[list[int]],
+                          temperatures: list[float], group: int = 0) -> list[list[int]]:
+        """Head: `head_verify` for every row of a batched speculative pass (proto_spec 05 §3.1).
+
+        Row i of h (B, k+1, D) ran request_ids[i]'s last sampled token and its k drafts
+        `drafts[i]` (every row carries the same k) in micro-batch `group`; each row is accepted
+        by its own temperature's rule, and its rows of the group's batch caches are trimmed back
+        to its accepted tokens at once (`trim_rows`; the other stages trim by the next act's
+        `trims`).
+
+        Returns:
+            Per row, its accepted drafts and its next token (1 to k+1 tokens).
+        Raises:
+            RemoteProtocolError: drafts or temperatures of another count than the rows, rows of
+                unequal k, or h not (B, k+1, D).
+        """
+        B = len(request_ids)
+        k = len(drafts[0]) if drafts else 0
+        if len(drafts) != B or len(temperatures) != B or any(len(d) != k for d in drafts):
+            raise RemoteProtocolError(f"A batched speculative pass of {B} rows needs {B} equal draft lists and "
+                                      f"temperatures, not {[len(d) for d in drafts]} and {len(temperatures)}.")
+        if h.ndim != 3 or h.shape[0] != B or h.shape[1] != k + 1:
+            raise RemoteProtocolError(f"A batched speculative pass of {B} rows of {k} drafts returned activations "
+                                      f"of shape {tuple(h.shape)}, not ({B}, {k + 1}, D).")
+        with self._lock:
+            logits = self.stage.logits(h, all_positions=True)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            if all(t == 0 for t in temperatures):
+                targets = mx.argmax(logprobs, axis=-1).tolist()
+                outs = [accept_greedy(d, t) for d, t in zip(drafts, targets)]
+            else:
+                outs = [_accept(logprobs[i], list(drafts[i]), temperatures[i]) for i in range(B)]
+            self._trim_batch(request_ids, self._sync_batch(request_ids, group), [k + 1 - len(o) for o in outs])
+            return outs
+
+    def trim_rows(self, request_ids: list[str], n_tokens: list[int], group: int = 0) -> None:
+        """Take the last n_tokens[i] positions back out of request_ids[i]'s caches before a batched
+        step of micro-batch `group` (its act's `trims`, proto_spec 05 §3.1); the rows stay in the
+        group's batch caches (`_trim_batch`).
+
+        Raises:
+            RemoteProtocolError: a count per row mismatch, a negative count, more positions than
+                a row holds, or caches mlx-lm cannot trim; as `_sync_batch`.
+        """
+        if len(n_tokens) != len(request_ids):
+            raise RemoteProtocolError(f"A batched step of {len(request_ids)} rows carried {len(n_tokens)} trims.")
+        if not any(n_tokens):
+            return
+        with self._lock:
+            self._trim_batch(request_ids, self._sync_batch(request_ids, group), list(n_tokens))
+
+    def _trim_batch(self, request_ids: list[str], caches: list, n_tokens: list[int]) -> None:
+        """Trim row i of `caches` (a group's batch caches, rows `request_ids`) by n_tokens[i].
+
+        mlx-lm's `BatchKVCache` keeps its rows left-padded to one length: every row is trimmed by
+        the smallest count (`trim`), and a row with more to take back is shifted right by the rest
+        and its left padding grown by it, as mlx-lm itself ends a right-padded prefill
+        (`prepare(right_padding=...)`, `finalize`). Other trimmable cache kinds take such a row out
+        of the batch and trim it alone (`_sync_batch` merges it back at the next step). Call under
+        _lock.
+        """
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in n_tokens):
+            raise RemoteProtocolError(f"A batched step asked to trim {n_tokens} positions.")
+        if not any(n_tokens):
+            return
+        if caches and all(type(c) is BatchKVCache for c in caches):
+            held = caches[0].offset.tolist()
+            short = [r for r, n, have in zip(request_ids, n_tokens, held) if n > have]
+            if short:
                 raise RemoteProtocolError(f"Stage [{self.stage.start}, {self.stage.end}) cannot take {n_tokens} "
-                                          f"positions back out of request {request_id}'s caches ({held} held).")
-            trim_prompt_cache(cache, n_tokens)
+                                          f"positions back out of rows {request_ids} ({held} held).")
+            low = min(n_tokens)
+            rest = [n - low for n in n_tokens]
+            for c in caches:
+                if low:
+                    c.trim(low)
+                if any(rest):
+                    c.prepare(right_padding=rest)
+                    c.finalize()
+            return
+        for r, n in zip(request_ids, n_tokens):
+            self._trim_alone(r, n)
 
     def head_sample_batch_and_run(self, request_ids: list[str], h: mx.array, group: int = 0) -> tuple[list[int], Optional[mx.array]]:
         """Head, batched greedy decode: `head_sample_batch` at temperature 0 and, in the same MLX graph,
@@ -395,32 +473,39 @@ class StageRunner:
             for c in self._groups.get(group, ([], []))[1]:
                 c.trim(1)
 
-    def head_embed_and_run_batch(self, request_ids: list[str], tokens: list[int], group: int = 0) -> mx.array:
-        """Head, batched decode: embed one token per request and run the head's blocks.
+    def head_embed_and_run_batch(self, request_ids: list[str], tokens: list, group: int = 0) -> mx.array:
+        """Head, batched decode: embed one token per request (or, for a batched speculative pass,
+        L tokens per request: its last token and its drafts, proto_spec 05 §3.1) and run the
+        head's blocks.
 
-        tokens[i] belongs to request_ids[i]; `group` is the step's micro-batch group (its batch cache).
-        Returns (B, 1, D) with B = len(request_ids).
+        tokens[i] (an int, or a list of L ints, the same L for every row) belongs to
+        request_ids[i]; `group` is the step's micro-batch group (its batch cache).
+        Returns (B, L, D) with B = len(request_ids) (L = 1 for ints).
         Raises:
-            RemoteProtocolError: a request that was not prefilled here, listed twice, or a bad group.
+            RemoteProtocolError: a request that was not prefilled here, listed twice, a bad group,
+                or rows of unequal length.
         """
         if len(tokens) != len(request_ids):
             raise RemoteProtocolError(f"A batched step has {len(request_ids)} requests but {len(tokens)} tokens.")
+        rows = [list(t) if isinstance(t, (list, tuple)) else [t] for t in tokens]
+        if len({len(r) for r in rows}) != 1 or not rows[0]:
+            raise RemoteProtocolError(f"A batched step's rows carry {[len(r) for r in rows]} tokens; they must be equal.")
         with self._lock:
             caches = self._sync_batch(request_ids, group)
-            h = self.stage.run_tokens(mx.array(list(tokens), dtype=mx.int32).reshape(len(tokens), 1), caches)
+            h = self.stage.run_tokens(mx.array(rows, dtype=mx.int32), caches)
             mx.eval(h)
             return h
 
     def run_batch(self, request_ids: list[str], h: mx.array, group: int = 0) -> mx.array:
-        """Any stage, batched decode: h (B, 1, D), row i for request_ids[i], in micro-batch `group`.
-        Returns (B, 1, D).
+        """Any stage, batched decode: h (B, L, D), row i for request_ids[i], in micro-batch `group`;
+        L = 1, or 1 + k for a batched speculative pass (proto_spec 05 §3.1). Returns (B, L, D).
 
         Raises:
             RemoteProtocolError: shape does not match the ids, an id was not prefilled here, a bad group.
         """
         if not request_ids:
             raise RemoteProtocolError("A batched step listed no requests.")
-        if h.ndim != 3 or h.shape[0] != len(request_ids) or h.shape[1] != 1:
+        if h.ndim != 3 or h.shape[0] != len(request_ids) or h.shape[1] < 1:
             raise RemoteProtocolError(
                 f"A batched step for {len(request_ids)} requests carried activations of shape {tuple(h.shape)}.")
         with self._lock:
@@ -579,6 +664,25 @@ class StageRunner:
 
 
 GREEDY_SAMPLING = Sampling()
+
+
+def _accept(logprobs: mx.array, drafts: list[int], temperature: float) -> list[int]:
+    """One row's accepted drafts and next token from its pass's log-probs (k+1, V): greedy
+    (`accept_greedy`) at temperature 0, else speculative sampling's rule for point-mass drafts
+    (`accept_point_drafts`; `StageRunner.head_verify` states both)."""
+    k = len(drafts)
+    if temperature == 0:
+        return accept_greedy(drafts, [int(x) for x in mx.argmax(logprobs, axis=-1).tolist()])
+    probs = mx.softmax(logprobs * (1.0 / temperature), axis=-1)
+    idx = mx.array(drafts, dtype=mx.int32)
+    p_d = probs[mx.arange(k), idx].tolist() if k else []
+    n = accept_point_drafts(p_d, mx.random.uniform(shape=(k,)).tolist() if k else [])
+    if n < k:  # the residual: p_n without the rejected draft, renormalised
+        row = mx.where(mx.arange(probs.shape[-1]) == drafts[n], 0.0, probs[n])
+        nxt = mx.random.categorical(mx.log(row))
+    else:
+        nxt = categorical_sampling(logprobs[k:k + 1], temperature)
+    return list(drafts[:n]) + [int(nxt.item())]
 
 
 def generate_local(runners: list[StageRunner], prompt_ids: list[int], max_tokens: int, *,

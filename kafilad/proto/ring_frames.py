@@ -206,7 +206,8 @@ class Act(RingFrame):
 
 @attrs.frozen
 class BatchAct(RingFrame):
-    """A batched decode step (proto_spec 05 §3): row i of ``h`` (B, 1, D) belongs to ``reqs[i]``.
+    """A batched decode step (proto_spec 05 §3): row i of ``h`` (B, L, D) belongs to ``reqs[i]``
+    (L = 1, or 1 + k for a speculative pass, §3.1).
 
     Attributes:
         reqs: distinct request ids, in row order. mb: the micro-batch group, 0..MAX_GROUPS-1.

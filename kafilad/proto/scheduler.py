@@ -129,6 +129,7 @@ class HeadScheduler:
         self._last_order: dict[int, tuple[str, ...]] = {}  # group -> its previous step's rows
         self._group_of: dict[str, int] = {}  # request -> the group of its last step
         self._overlapped: set[int] = set()  # groups whose step shared the ring with another step
+        self._drafted: set[int] = set()  # groups whose returned step carried drafts (PassReturned.positions)
         self._decode_circuit_s: Optional[float] = None  # moving average of a decode pass's circuit
         self._prefill_s_per_token: Optional[float] = None  # the slowest prefill seconds per token seen
         self._timed_out: set[tuple[str, ...]] = set()  # passes reported by `overdue`
@@ -211,8 +212,10 @@ class HeadScheduler:
                                           "did not send.")
         group = self._group_by_rows(ev.reqs)
         if group is not None:
+            if ev.positions > 1:
+                self._drafted.add(group)
             self.policy.note_step(len(ev.reqs), ev.hops, ev.now_s - self._sent_s.get(group, ev.now_s),
-                                  alone=group not in self._overlapped)
+                                  alone=group not in self._overlapped and group not in self._drafted)
             self._returned_s[group] = ev.now_s
         actions: list[Action] = []
         live: list[Request] = []
@@ -268,7 +271,8 @@ class HeadScheduler:
         if group is not None:
             returned = self._returned_s.get(group)
             if returned is not None:
-                self.policy.note_sampling(len(ev.reqs), ev.now_s - returned, alone=group not in self._overlapped)
+                self.policy.note_sampling(len(ev.reqs), ev.now_s - returned,
+                                          alone=group not in self._overlapped and group not in self._drafted)
             self.policy.note_tokens(len(ev.reqs), len(self._ready) + sum(map(len, self._steps.values())), ev.now_s)
             self._free(group)
         return actions + self._next_steps(ev.now_s)
@@ -366,6 +370,7 @@ class HeadScheduler:
     def _free(self, group: int) -> None:
         self._steps.pop(group, None)
         self._overlapped.discard(group)
+        self._drafted.discard(group)
         self._sent_s.pop(group, None)
         self._returned_s.pop(group, None)
 
@@ -458,6 +463,7 @@ class HeadScheduler:
         self._ready.clear()
         self._steps.clear()
         self._overlapped.clear()
+        self._drafted.clear()
         self._sent_s.clear()
         self._returned_s.clear()
         self.stats.clear()

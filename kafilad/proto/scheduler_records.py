@@ -59,12 +59,15 @@ class RequestArrived:
 
 @attrs.frozen
 class PassReturned:
-    """An `act` came back to the head: `reqs` its rows in order, `hops` its [peer_id, compute_s]."""
+    """An `act` came back to the head: `reqs` its rows in order, `hops` its [peer_id, compute_s];
+    `positions` per row (1, or 1 + k for a speculative pass, proto_spec 05 §3.1: its times are not
+    a decode step's, so the step policy does not fit its costs to them)."""
 
     reqs: tuple[str, ...]
     sample: bool
     hops: tuple[tuple[str, float], ...]
     now_s: float
+    positions: int = 1
 
 
 @attrs.frozen

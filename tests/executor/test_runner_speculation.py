@@ -14,7 +14,7 @@ import pytest
 
 from kafilad.errors import RemoteProtocolError
 from kafilad.executor import archs
-from kafilad.executor.runner import StageRunner, generate_local, prefill_chunks
+from kafilad.executor.runner import StageRunner, array_from_wire, array_to_wire, generate_local, prefill_chunks
 from kafilad.executor.stage import load_stage_from_dir
 from tests.conftest import STORIES_PROMPT_IDS, STORIES_REFERENCE_IDS
 from tests.executor.test_executor_ring import mlx_lm_greedy, ring_runners
@@ -108,3 +108,98 @@ def test_sampled_acceptance_keeps_the_models_distribution(stories260k):
         q = float(p[t].item())
         assert abs(counts[t] / n - q) < 4 * (q * (1 - q) / n) ** 0.5 + 1e-3, (t, counts[t] / n, q)
     assert len(counts) > 1
+
+
+def hop(a):
+    return array_from_wire(array_to_wire(a))
+
+
+def _batched_speculation(runners, prompts: dict, n: int, k_max: int, wrong_at) -> tuple[dict, dict]:
+    """Decode `prompts` together in batched speculative passes, as the ring does (proto_spec 05
+    §3.1): every row carries the same k drafts, the head verifies them all (`head_verify_batch`,
+    which trims its own rows) and the other stages trim each row before the next pass
+    (`trim_rows`). The drafts are each row's plain greedy continuation with the draft at
+    `wrong_at(pass, row)` changed, so rows accept different counts. Returns (tokens per row,
+    counts of passes and accepted drafts)."""
+    head, rest = runners[0], runners[1:]
+    ref = {r: generate_local(runners, p, n + k_max, request_id="ref-" + r) for r, p in prompts.items()}
+    out: dict = {}
+    for r, p in prompts.items():
+        h = None
+        for chunk in prefill_chunks(p):
+            h = head.head_embed_and_run(r, chunk)
+            for s in rest:
+                h = s.run(r, hop(h))
+        out[r] = [head.head_sample(r, hop(h))]
+    due = {r: 0 for r in prompts}
+    counts = {"passes": 0, "accepted": 0}
+    while True:
+        rows = [r for r in prompts if len(out[r]) < n]
+        if not rows:
+            return out, counts
+        k = min([k_max] + [n - len(out[r]) - 1 for r in rows])
+        drafts = []
+        for i, r in enumerate(rows):
+            d = list(ref[r][len(out[r]):len(out[r]) + k])
+            j = wrong_at(counts["passes"], i)
+            if j < k:
+                d[j] = (d[j] + 1) % head.stage.config["vocab_size"]
+            drafts.append(d)
+        for s in runners:
+            for r in list(s.batch_ids):
+                if r not in rows:
+                    s.drop(r)
+        h = head.head_embed_and_run_batch(rows, [[out[r][-1]] + d for r, d in zip(rows, drafts)])
+        for s in rest:
+            s.trim_rows(rows, [due[r] for r in rows])
+            h = s.run_batch(rows, hop(h))
+        got = head.head_verify_batch(rows, hop(h), drafts, [0.0] * len(rows))
+        for r, toks in zip(rows, got):
+            out[r] += toks
+            due[r] = k + 1 - len(toks)
+            counts["accepted"] += len(toks) - 1
+        counts["passes"] += 1
+
+
+@pytest.fixture(scope="module", params=["stories260k", "synth-llama"])
+def spec_model(request, tmp_path_factory):
+    """stories260K and its twin synthesised by the project."""
+    if request.param == "stories260k":
+        return request.getfixturevalue("stories260k")
+    from kafilad.executor.synth import synthesize_model
+    return synthesize_model(tmp_path_factory.mktemp("spec-synth"), arch="llama", seed=5)
+
+
+def test_batched_speculative_passes_give_each_rows_plain_greedy_tokens(spec_model):
+    """Rows of unequal lengths accept unequal numbers of drafts in the same passes; every row's
+    tokens are its plain greedy ones, and the rows stay in their batch caches while trimmed."""
+    runners = ring_runners(spec_model, BOUNDS)
+    vocab = runners[0].stage.config["vocab_size"]
+    prompts = {r: [t % vocab for t in p] for r, p in
+               {"a": STORIES_PROMPT_IDS, "b": [1, 403, 407], "c": STORIES_PROMPT_IDS + [432, 383, 286, 9]}.items()}
+    n = 24
+    got, counts = _batched_speculation(runners, prompts, n, 4, lambda p, i: (p + 2 * i) % 6)
+    for r, p in prompts.items():
+        assert got[r][:n] == generate_local(runners, p, n, request_id="alone-" + r), r
+    assert counts["accepted"] > counts["passes"]  # more than one draft a pass was taken
+    assert counts["passes"] < n - 1
+
+
+def test_trim_rows_keeps_rows_in_their_batch(spec_model):
+    runners = ring_runners(spec_model, BOUNDS)
+    head, stage = runners[0], runners[1]
+    for rid, n in (("a", 9), ("b", 6), ("c", 4)):
+        stage.run(rid, head.head_embed_and_run(rid, list(range(1, n + 1))))
+    stage.run_batch(["a", "b", "c"], head.head_embed_and_run_batch(["a", "b", "c"], [[5, 6, 7]] * 3))
+    stage.trim_rows(["a", "b", "c"], [3, 1, 2])
+    assert stage.batch_ids == ["a", "b", "c"]  # trimmed in place, not taken out
+    stage.trim_rows(["a", "b", "c"], [0, 0, 0])
+    with pytest.raises(RemoteProtocolError, match="cannot take"):
+        stage.trim_rows(["a", "b", "c"], [1, 9, 0])
+    with pytest.raises(RemoteProtocolError, match="trim"):
+        stage.trim_rows(["a", "b", "c"], [1, -1, 0])
+    with pytest.raises(RemoteProtocolError, match="3 rows carried 2 trims"):
+        stage.trim_rows(["a", "b", "c"], [1, 1])
+    with pytest.raises(RemoteProtocolError, match="must be equal"):
+        head.head_embed_and_run_batch(["a", "b"], [[1, 2], [3]])
+    assert [stage.cache_length(r) for r in ("a", "b", "c")] == [9 + 3 - 3, 6 + 3 - 1, 4 + 3 - 2]

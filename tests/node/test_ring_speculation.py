@@ -142,3 +142,40 @@ async def test_a_member_trims_rows_before_a_batched_act_and_forwards_the_field(s
     member.prev_name = "m0"
     await member._on_frame({"t": "act", "req": "b", "sample": True, "h": h, "hops": [], "trim": -1})
     assert member.broken is not None and "malformed" in member.broken and "m0" in member.broken
+
+
+@pytest.mark.parametrize("setting", ["auto", "k=4"])
+@trio_test
+async def test_a_lockstep_batch_speculates_and_keeps_every_rows_tokens(stories260k, repeat_prompt, monkeypatch,
+                                                                       setting):
+    """Three requests decoding in one batch draft in batched passes (every row the same k, each
+    accepting its own count, the members trimming rows in place): each request's tokens are
+    those it gets with speculation off, with fewer batched steps for the same tokens."""
+    jobs = {"a": (repeat_prompt, 40, None), "b": (repeat_prompt + " Once", 36, None),
+            "c": (STORIES_PROMPT, 32, None)}
+    runs = {}
+    for mode in ("0", setting):
+        monkeypatch.setenv(SPECULATE_ENV, mode)
+        trims = []
+        real = WireStage.run_batch
+
+        def recording(self, rids, h_wire, group=0, trims_=()):
+            trims.append(tuple(trims_))
+            return real(self, rids, h_wire, group, trims_)
+        monkeypatch.setattr(WireStage, "run_batch", recording)
+        with trio.fail_after(180):
+            async with ring_of(stories260k, BOUNDS) as ring:
+                states = await generate_all(ring[0], jobs)
+                await trio.sleep(0.05)
+                runs[mode] = (states, ring[0].drafter.status(), ring[0].decode_steps, trims,
+                              [list(m.runner.active_requests) for m in ring])
+        monkeypatch.setattr(WireStage, "run_batch", real)
+    (off, _, off_steps, _, _), (on, status, on_steps, trims, left) = runs["0"], runs[setting]
+    assert {r: st.generated for r, st in on.items()} == {r: st.generated for r, st in off.items()}
+    assert all(st.error is None and len(st.generated) == jobs[r][1] for r, st in on.items())
+    assert max(on["a"].batch_rows) == 3  # they decoded together
+    assert status["passes"] > 0 and status["accepted"] > 0
+    assert on["a"].accepted > 0 and on["b"].accepted > 0
+    assert any(any(t) for t in trims)  # rows were trimmed in a batched act
+    assert on_steps < off_steps
+    assert left == [[], [], []]

@@ -516,3 +516,31 @@ def test_a_prefill_chunk_is_bounded_by_its_tokens_before_and_after_measurement()
     s.handle(back(["p"], sample=False, now_s=2.0))  # 2 ms a token measured; the next chunk goes at 2.0
     (o,) = s.overdue(2.0 + max(PROGRESS_FLOOR_S, 20 * 2.0) + 0.5)
     assert o.kind == "prefill chunk of 1000 tokens" and o.expected_s == pytest.approx(2.0)
+
+
+def test_a_drafted_batched_step_streams_each_rows_accepted_tokens_and_is_not_fitted():
+    """A batched speculative pass (proto_spec 05 §3.1): each row's accepted drafts stream before its
+    next token, a row whose accepted drafts reach max_tokens ends there, and its times (positions
+    > 1) do not enter the step policy's cost fit, which a plain step's do."""
+    def two_decoding(max_b):
+        s = HeadScheduler(eos_token_ids={EOS}, batching=True)
+        for i, r in enumerate(("a", "b")):
+            s.handle(arrive(r, [1], max_tokens=6 if r == "a" else max_b, now_s=i))
+            s.handle(back([r], now_s=i + 0.5))
+        s.handle(sampled(["a"], [11], now_s=2.0))  # a decodes alone first
+        s.handle(sampled(["b"], [21], now_s=2.1))
+        s.handle(back(["a"], now_s=2.5))
+        assert s.handle(sampled(["a"], [12], now_s=2.6))[-1] == SendDecodeStep(("a", "b"), (12, 21))
+        return s, s.policy.snapshot()["stage_ms"]
+
+    slow = (("p0", 9.0), ("p1", 9.0))
+    s, fitted = two_decoding(3)
+    s.handle(PassReturned(("a", "b"), True, slow, 3.0, positions=4))
+    assert s.policy.snapshot()["stage_ms"] == fitted  # nothing fitted from the drafted step
+    acts = s.handle(TokensSampled(("a", "b"), (15, 24), 3.1, accepted=((13, 14), (22, 23))))
+    assert acts == [EmitToken("a", 13), EmitToken("a", 14), EmitToken("a", 15),
+                    EmitToken("b", 22), EmitToken("b", 23), EndRequest("b"), SendDecodeStep(("a",), (15,))]
+    assert s.requests["a"].generated == [11, 12, 13, 14, 15] and s.requests["b"].generated == [21, 22, 23]
+    s, fitted = two_decoding(6)
+    s.handle(PassReturned(("a", "b"), True, slow, 3.0))
+    assert s.policy.snapshot()["stage_ms"] != fitted  # a plain step's times are fitted

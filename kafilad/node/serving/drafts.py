@@ -14,6 +14,15 @@ A pass's life at the head::
     the pass returns ── returned(req, now) ──▶ the drafts it carried
     head_verify ── verified(req, m, accepted) : the chooser and counters learn; trim due = m − accepted
 
+A lockstep batch (every request in one batched step, proto_spec 05 §3.1) speculates as one: at
+each batched sampling `plan_batch(rows)` decides the k of the batch's next pass from one
+`KChooser` per batch size (a pass of B rows costs more than one of 1, and its cost per extra
+position grows with B), fed the batch's cycles and its rows' mean acceptance; every row carries
+the same k drafts (a row whose lookup found fewer is padded with its last token, which the
+verification treats like any draft), so the step stays one (B, 1+k, D) act. `batch_drafts` /
+`take_batch_k` + `record_batch` make them, `batch_returned` and `batch_verified` learn from the
+pass, and each row's rejected drafts become its trim due, as for a request alone.
+
 Switch: `KAFILA_SPECULATE` = "0"/"off" (never speculate), "auto" (default: k from measured
 acceptance and pass cost), or an integer N ≥ 1 (always up to N drafts: for benchmarks).
 """
@@ -59,6 +68,19 @@ class _Req:
     passes: int = 0
 
 
+@attrs.define
+class _Batch:
+    """The lockstep batch's speculation state (module docstring)."""
+
+    choosers: dict = attrs.field(factory=dict)  # batch size B -> KChooser
+    planned_rows: tuple = ()  # the rows `planned` was decided for
+    planned: int = 0
+    sent_rows: tuple = ()  # the rows of the drafted pass out, and per row its drafts
+    sent: tuple = ()
+    last_rows: tuple = ()  # the rows of the last returned pass, and when it returned
+    last_return_s: Optional[float] = None
+
+
 class Drafter:
     """Speculation state of the head (module docstring).
 
@@ -76,6 +98,7 @@ class Drafter:
         self.source = "prompt lookup"
         self.counters = SpeculationCounters()
         self._reqs: dict[str, _Req] = {}
+        self._batch = _Batch()
 
     @property
     def on(self) -> bool:
@@ -172,6 +195,99 @@ class Drafter:
     def forget_all(self) -> None:
         """The ring broke: every request's state goes (the caches it described are dropped)."""
         self._reqs.clear()
+        self._batch = _Batch()
+
+    # ---- a lockstep batch (module docstring) -------------------------------------------------
+    def _batch_chooser(self, rows: int) -> KChooser:
+        ch = self._batch.choosers.get(rows)
+        if ch is None:
+            ch = self._batch.choosers[rows] = KChooser(k_max=K_MAX if self.setting is None else self.setting)
+        return ch
+
+    def plan_batch(self, reqs: Sequence[str]) -> int:
+        """Decide k for the next batched pass of exactly these rows (call once per batched sampling)."""
+        b = self._batch
+        b.planned_rows, b.planned = tuple(reqs), 0
+        if not self.on or len(reqs) < 2:
+            return 0
+        b.planned = self._batch_chooser(len(reqs)).choose() if self.setting is None else self.setting
+        return b.planned
+
+    def take_batch_k(self, reqs: Sequence[str], rooms: Sequence[int]) -> int:
+        """The drafts each row of the batched pass of `reqs` may carry: the k planned for exactly
+        these rows, at most the smallest `room` (0: a plain step)."""
+        b = self._batch
+        k = b.planned if self.on and tuple(reqs) == b.planned_rows else 0
+        b.planned, b.planned_rows = 0, ()
+        b.sent_rows, b.sent = (), ()  # a new pass goes out: one batched step is in flight at a time
+        return max(0, min([k] + [int(r) for r in rooms]))
+
+    def batch_drafts(self, reqs: Sequence[str], histories: Sequence[Sequence[int]], rooms: Sequence[int]) -> list:
+        """Each row's drafts for the batched pass of `reqs` by prompt lookup in its history (prompt
+        + output, the token being sent last), `record_batch`'s equal-length rows; [] for a plain step."""
+        k = self.take_batch_k(reqs, rooms)
+        if k <= 0:
+            return []
+        return self.record_batch(reqs, [lookup_drafts(h, k) for h in histories], k, [h[-1] for h in histories])
+
+    def record_batch(self, reqs: Sequence[str], proposed: Sequence[Sequence[int]], k: int,
+                     lasts: Sequence[int]) -> list:
+        """Record the drafts the batched pass of `reqs` carries: every row gets as many as the most
+        any row has (at most k), a shorter row padded with its last token (`lasts`). Returns the
+        rows' draft lists, or [] (a plain step) when no row has any."""
+        rows = [list(p)[:max(0, k)] for p in proposed]
+        m = max((len(r) for r in rows), default=0)
+        b = self._batch
+        if m == 0:
+            if k > 0:
+                self._batch_chooser(len(reqs)).note_no_drafts()
+            b.sent_rows, b.sent = (), ()
+            return []
+        out = [r + [int(last)] * (m - len(r)) for r, last in zip(rows, lasts)]
+        b.sent_rows, b.sent = tuple(reqs), tuple(tuple(r) for r in out)
+        return out
+
+    def batch_returned(self, reqs: Sequence[str], now_s: float, *, measure: bool = True) -> tuple:
+        """The batched pass of `reqs` came back: the drafts each row carried (() for a plain step).
+        A plain step is measured here (its cycle since the same rows' previous return) when
+        `measure` (every row may speculate); a drafted one by `batch_verified`."""
+        b = self._batch
+        reqs = tuple(reqs)
+        if b.sent and b.sent_rows == reqs:
+            return b.sent
+        b.sent_rows, b.sent = (), ()
+        if self.on and measure and b.last_rows == reqs and b.last_return_s is not None:
+            cycle = max(0.0, now_s - b.last_return_s)
+            self._batch_chooser(len(reqs)).note_pass(0, 0, cycle)
+            for _ in reqs:
+                self.counters.note(0, 0, cycle)
+        b.last_rows, b.last_return_s = reqs, now_s
+        for r in reqs:  # a row's own (single-form) cycle does not span a batch
+            st = self._reqs.get(r)
+            if st is not None:
+                st.last_return_s = None
+        return ()
+
+    def batch_verified(self, reqs: Sequence[str], accepted: Sequence[int], now_s: float) -> None:
+        """The head accepted accepted[i] of the drafts row i of the batched pass carried: each row's
+        rejected drafts become its trim due; the batch's chooser and the counters learn."""
+        b = self._batch
+        reqs = tuple(reqs)
+        k = len(b.sent[0]) if b.sent else 0
+        b.sent_rows, b.sent = (), ()
+        timed = b.last_rows == reqs and b.last_return_s is not None
+        cycle = max(0.0, now_s - b.last_return_s) if timed else 0.0
+        if timed and k:
+            self._batch_chooser(len(reqs)).note_pass(k, sum(accepted) / len(reqs), cycle)
+        b.last_rows, b.last_return_s = reqs, now_s
+        for r, a in zip(reqs, accepted):
+            st = self._state(r)
+            st.trim_due += k - a
+            st.last_return_s = None
+            st.drafted += k
+            st.accepted += a
+            st.passes += 1
+            self.counters.note(k, a, cycle)
 
     def status(self) -> dict:
         """For `status`: on or why not, the setting, and the counters."""

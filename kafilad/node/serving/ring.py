@@ -8,7 +8,7 @@ the ring loop takes them from its inbox (a malformed one breaks the ring naming 
 ```
 {"t": "act", "req": str, "sample": bool, "h": array | null, "hops": [[peer_id, compute_s], ...],
  "from"?: str, "reuse"?: int, "evict"?: [str]}           a request's first chunk: its prompt-cache start
-{"t": "act", "reqs": [str, ...], "sample": true, "h": array (B, 1, D), "hops": [[peer_id, compute_s], ...]}
+{"t": "act", "reqs": [str, ...], "sample": true, "h": array (B, L, D), "hops": [[peer_id, compute_s], ...]}
  "trim"?: int / "trims"?: [int]                          positions to take back first (speculation, proto_spec 05 §3.1)
 {"t": "end", "req": str, "stats": [[peer_id, steps, compute_s_total, decode_compute_s_median, bytes_sent], ...],
  "keep"?: int, "evict"?: [str]}                          keep its caches as a prompt-cache entry
@@ -19,8 +19,8 @@ the request's caches every stage keeps as an entry named by the request; either 
 to evict. The head decides, every member follows, in ring order.
 The edge's own frames (`path_ready`, `path_switched`, `edge_ack`: proto_spec 07 §7) never reach the
 ring: kafilad/node/paths/edgelink.py's ends keep them.
-`h` is the hidden state in the frame layer's array encoding: (1, L, D) for a single act, (B, 1, D)
-for a batched act whose row i belongs to `reqs[i]`. The head runs its blocks, sends `act` to its
+`h` is the hidden state in the frame layer's array encoding: (1, L, D) for a single act, (B, L, D)
+for a batched act whose row i belongs to `reqs[i]` (L = 1 but for a speculative pass). The head runs its blocks, sends `act` to its
 next member; every other member runs its blocks (`run` for a single act, `run_batch` for a batched
 one) and forwards; when the act returns to the head, the head samples if `sample` is set (the last
 prefill chunk and every decode step), or starts the next prefill chunk. `end` frees every member's
@@ -47,6 +47,9 @@ pass carries (`_plan_next`; 0 leaves the fused sample-and-run path, `FusedStep`,
 the token and the drafts as one single-form act, and on its return accepts them (`_verify`,
 runner `head_verify`), streaming every accepted token; the positions it rejected go out as the
 request's next act's `trim` (or `trims`, batched), which every member applies before running it.
+A lockstep batch of such requests speculates as one (`_plan_next_batch` at each batched sampling,
+`_batch_drafts_for`, `_verify_batch`, runner `head_verify_batch`): every row carries the same k
+drafts, each accepts its own count, and the next batched act's `trims` cut each row back.
 
 Streaming: the ring loop never waits for a client. Each request's events go into its own bounded
 memory channel (`stream_events`, default STREAM_EVENTS) that `generate()` drains into the caller's
@@ -482,8 +485,9 @@ class RingMember:
             drafts = await self._drafts_for(rids[0], tokens[0])  # speculative decoding (kafilad/node/serving/drafts.py)
             out, dt = await self._compute(self.wire.head_embed, rids[0], tokens + drafts)
             frame = Act(req=rids[0], sample=True, h=out, hops=((self.peer_id, dt),))
-        else:
-            out, dt = await self._compute(self.wire.head_embed_batch, rids, tokens, group)
+        else:  # each row its token, or its token and the batch's k drafts (`_batch_drafts_for`)
+            rows = await self._batch_drafts_for(rids, tokens)
+            out, dt = await self._compute(self.wire.head_embed_batch, rids, rows, group)
             frame = BatchAct(reqs=tuple(rids), mb=group, sample=True, h=out, hops=((self.peer_id, dt),))
         self.stats.note_step(rids, dt)
         await self._send_next(self._with_trims(frame))
@@ -508,6 +512,27 @@ class RingMember:
         proposed = (await self._compute(self.draft_model.propose, req, history, k))[0] if k > 0 else []
         return self.drafter.record(req, proposed, k)
 
+    async def _batch_drafts_for(self, rids: list[str], tokens: list[int]) -> list:
+        """The rows of a batched step: `tokens` (one a row), or, when the drafter planned k for
+        exactly these rows (`_plan_next_batch`), each row's token followed by its k drafts (looked
+        up, or proposed by the draft model on the MLX thread; kafilad/node/serving/drafts.py)."""
+        if self.drafter is None:
+            return tokens
+        recs = [self.scheduler.requests.get(r) for r in rids]
+        if any(rec is None or not rec.generated or rec.generated[-1] != t for rec, t in zip(recs, tokens)):
+            self.drafter.take_batch_k(rids, [0])
+            return tokens
+        histories = [tuple(rec.prompt_ids) + tuple(rec.generated) for rec in recs]
+        rooms = [rec.max_tokens - len(rec.generated) - 1 for rec in recs]
+        if self.draft_model is None:
+            drafts = self.drafter.batch_drafts(rids, histories, rooms)
+        else:
+            k = self.drafter.take_batch_k(rids, rooms)
+            proposed = (await self._compute(lambda: [self.draft_model.propose(r, h, k) for r, h in zip(rids, histories)])
+                        )[0] if k > 0 else []
+            drafts = self.drafter.record_batch(rids, proposed, k, tokens) if k > 0 else []
+        return [[t] + d for t, d in zip(tokens, drafts)] if drafts else tokens
+
     def _with_trims(self, frame: Union[Act, BatchAct]) -> Union[Act, BatchAct]:
         """`frame` with the positions each row's stages take back first: `trim` (single form) or
         `trims` (batched), only when any is due (proto_spec 05 §3.1)."""
@@ -525,6 +550,14 @@ class RingMember:
                 or not self._same_rows_next((req,)):
             return 0
         return self.drafter.plan(req)
+
+    def _plan_next_batch(self, reqs) -> int:
+        """Decide k for a lockstep batch's next pass (0: plain; `Drafter.plan_batch`): only when every
+        row is sampled by temperature alone and the next step carries the same rows."""
+        if self.drafter is None or not self.drafter.on or len(reqs) < 2 \
+                or not all(self._may_speculate(r) for r in reqs) or not self._same_rows_next(reqs):
+            return 0
+        return self.drafter.plan_batch(reqs)
 
     def _may_speculate(self, req: str) -> bool:
         """Whether `req` is sampled by temperature alone (speculation's rules cover only that)."""
@@ -545,17 +578,40 @@ class RingMember:
         await self._execute(self.scheduler.handle(TokensSampled(a.reqs, (tokens[-1],), now_s=now,
                                                                 accepted=(tuple(tokens[:-1]),))))
 
+    async def _verify_batch(self, a: SampleTokens, h_wire: Optional[dict], sent: tuple) -> None:
+        """A batched speculative pass returned: accept each row's drafts (runner `head_verify_batch`),
+        stream the tokens."""
+        outs, _ = await self._compute(self.wire.head_verify_batch, list(a.reqs), h_wire, [list(d) for d in sent],
+                                      list(a.temperatures), self._returned_group)
+        now = time.perf_counter()
+        self.drafter.batch_verified(a.reqs, [len(o) - 1 for o in outs], now)
+        for r, d, o in zip(a.reqs, sent, outs):
+            rec = self.scheduler.requests.get(r)
+            if rec is not None:
+                rec.drafted += len(d)
+                rec.accepted += len(o) - 1
+        self._plan_next_batch(a.reqs)
+        await self._execute(self.scheduler.handle(TokensSampled(a.reqs, tuple(o[-1] for o in outs), now_s=now,
+                                                                accepted=tuple(tuple(o[:-1]) for o in outs))))
+
     async def _sample(self, a: SampleTokens, h_wire: Optional[dict], batched: bool) -> None:
         if not batched and len(a.reqs) == 1 and self.drafter is not None and self._may_speculate(a.reqs[0]):
             sent = self.drafter.returned(a.reqs[0], time.perf_counter())
             if sent:  # a speculative pass (proto_spec 05 §3.1)
                 await self._verify(a, h_wire, sent)
                 return
+        if batched and self.drafter is not None:  # (a drafted pass is verified even if a row ended meanwhile)
+            sent = self.drafter.batch_returned(a.reqs, time.perf_counter(),
+                                               measure=all(self._may_speculate(r) for r in a.reqs))
+            if sent:  # a batched speculative pass
+                await self._verify_batch(a, h_wire, sent)
+                return
         recs = [self.scheduler.requests.get(r) for r in a.reqs]
         samplings = [rec.sampling if rec is not None else None for rec in recs]
         logprobs: tuple = ()
         if all(s is None or s.plain for s in samplings):  # temperature only: the token-identical path
-            if batched and self._may_run_next(a.reqs) and not any(a.temperatures):  # one MLX call for both
+            k_next = self._plan_next_batch(a.reqs) if batched else 0
+            if batched and k_next == 0 and self._may_run_next(a.reqs) and not any(a.temperatures):  # one MLX call for both
                 group = self._returned_group
                 (tokens, out), dt = await self._compute(self.wire.head_sample_batch_and_run, list(a.reqs), h_wire,
                                                         group)
@@ -616,8 +672,10 @@ class RingMember:
 
     async def _head_on_return(self, frame: Union[Act, BatchAct]) -> None:
         batched = isinstance(frame, BatchAct)
+        shape = frame.h.get("shape") if isinstance(frame.h, dict) else None
+        positions = shape[1] if isinstance(shape, list) and len(shape) == 3 and isinstance(shape[1], int) else 1
         actions = self.scheduler.handle(PassReturned(tuple(frame.reqs), frame.sample, frame.hops,
-                                                     now_s=time.perf_counter()))
+                                                     now_s=time.perf_counter(), positions=positions))
         self._returned_group = frame.mb if batched else 0
         await self._execute(actions, h_wire=frame.h, batched=batched)
 

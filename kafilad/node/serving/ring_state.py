@@ -150,9 +150,12 @@ class WireStage:
 
     def run_batch(self, rids: list[str], h_wire: dict, group: int = 0, trims: tuple = ()) -> dict:
         h = self.ex.array_from_wire(h_wire)
-        for r, n in zip(rids, trims):
-            self.runner.trim(r, n)
+        if any(trims):  # the rows' rejected drafts first, in their batch caches (proto_spec 05 §3.1)
+            self.runner.trim_rows(rids, list(trims), group)
         return self.ex.array_to_wire(self.runner.run_batch(rids, h, group))
+
+    def head_verify_batch(self, rids: list[str], h_wire: dict, drafts: list, temperatures: list, group: int) -> list:
+        return self.runner.head_verify_batch(rids, self.ex.array_from_wire(h_wire), drafts, temperatures, group)
 
     def head_verify(self, req: str, h_wire: dict, drafts: list, temperature: float) -> list:
         return self.runner.head_verify(req, self.ex.array_from_wire(h_wire), list(drafts), temperature)
@@ -168,7 +171,7 @@ class WireStage:
     def head_embed(self, req: str, ids: list) -> dict:
         return self.ex.array_to_wire(self.runner.head_embed_and_run(req, ids))
 
-    def head_embed_batch(self, rids: list[str], tokens: list[int], group: int = 0) -> dict:
+    def head_embed_batch(self, rids: list[str], tokens: list, group: int = 0) -> dict:
         return self.ex.array_to_wire(self.runner.head_embed_and_run_batch(rids, tokens, group))
 
     def head_sample(self, req: str, h_wire: dict, temperature: float) -> int:

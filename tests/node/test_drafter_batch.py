@@ -1,0 +1,69 @@
+"""The head's speculation state for a lockstep batch (kafilad/node/serving/drafts.py `Drafter`,
+issue 24 item 1; proto_spec 05 §3.1): pure, no MLX, a fake clock."""
+
+from __future__ import annotations
+
+from kafilad.node.serving.drafts import Drafter
+
+REPEAT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]  # lookup drafts 7, 8, 9, 5 after "5 6"
+NEW = [1, 2, 3, 4]  # nothing recurs
+
+
+def test_rows_carry_equal_drafts_padded_with_their_last_token():
+    d = Drafter(4, None)
+    assert d.plan_batch(("a", "b")) == 4
+    rows = d.batch_drafts(("a", "b"), [REPEAT, NEW], rooms=[10, 10])
+    assert rows == [[7, 8, 9, 5], [4, 4, 4, 4]]
+    assert d.batch_returned(("a", "b"), 1.0) == ((7, 8, 9, 5), (4, 4, 4, 4))
+    d.batch_verified(("a", "b"), [3, 0], 1.1)
+    assert [d.take_trim("a"), d.take_trim("b"), d.take_trim("a")] == [1, 4, 0]
+    c = d.status()
+    assert (c["passes"], c["drafted"], c["accepted"], c["tokens"]) == (2, 8, 3, 5)
+    assert d.forget("a") == {"passes": 1, "drafted": 4, "accepted": 3}
+
+
+def test_k_is_bounded_by_the_smallest_room_and_needs_the_planned_rows():
+    d = Drafter(4, None)
+    d.plan_batch(("a", "b"))
+    assert d.batch_drafts(("a", "b"), [REPEAT, REPEAT], rooms=[10, 2]) == [[7, 8], [7, 8]]
+    d.batch_returned(("a", "b"), 1.0)
+    d.batch_verified(("a", "b"), [2, 2], 1.1)
+    d.plan_batch(("a", "b"))
+    assert d.batch_drafts(("a", "b", "c"), [REPEAT] * 3, rooms=[9, 9, 9]) == []  # another set of rows: plain
+    d.plan_batch(("a", "b"))
+    assert d.batch_drafts(("a", "b"), [REPEAT, REPEAT], rooms=[0, 9]) == []  # a row may produce one more token only
+    assert d.plan_batch(("a",)) == 0  # one row speculates in the single form, not here
+
+
+def test_adaptive_k_measures_the_batch_and_backs_off_when_nothing_is_drafted():
+    d = Drafter(None, None)
+    assert d.plan_batch(("a", "b")) == 0  # the first plain passes measure the batch's cycle
+    t = 0.0
+    for expect in (0, 0):
+        assert d.batch_drafts(("a", "b"), [REPEAT, NEW], rooms=[50, 50]) == []
+        assert d.batch_returned(("a", "b"), t) == ()
+        t += 0.1
+        assert d.plan_batch(("a", "b")) == 0 or t > 0.15
+    assert d.status()["plain_passes"] == 2  # the second pass was timed: once per row
+    assert d._batch.choosers[2].c0_s == 0.1
+    assert d._batch.planned > 0  # with c0 measured, the optimistic start drafts
+    for _ in range(12):  # drafted passes that cost more and whose drafts are all rejected drive k to 0
+        sent = d.batch_drafts(("a", "b"), [REPEAT, REPEAT], rooms=[50, 50])
+        if sent:
+            assert d.batch_returned(("a", "b"), t)
+            d.batch_verified(("a", "b"), [0, 0], t)
+        else:
+            d.batch_returned(("a", "b"), t)
+        t += 0.1 + 0.02 * len(sent[0] if sent else ())
+        d.plan_batch(("a", "b"))
+    assert d._batch.choosers[2].accept_rate < 0.3 and d._batch.choosers[2].c1_s > 0
+    assert d._batch.planned == 0
+    assert d.take_trim("a") > 0  # the rejected drafts are due
+
+
+def test_off_or_refused_never_drafts_a_batch():
+    for d in (Drafter(0, None), Drafter(None, "its caches cannot be trimmed")):
+        assert d.plan_batch(("a", "b")) == 0
+        assert d.batch_drafts(("a", "b"), [REPEAT, REPEAT], rooms=[9, 9]) == []
+        assert d.batch_returned(("a", "b"), 1.0) == ()
+        assert d.status()["plain_passes"] == 0
