@@ -22,7 +22,8 @@ measurement runs with WAN hops.
         [--kinds repeat,edit,miss] [--mode auto] [--dequantize] [--mlx-lm] [--users N]
 
 With `--users N` each measurement is N concurrent requests (their prompts differ in a first line
-naming the user), which the head decodes in one lockstep batch; the rate is theirs together.
+naming the user), which the head decodes in one lockstep batch (or in micro-batches where its
+schedule says so: `--schedule lockstep` pins one batch); the rate is theirs together.
 """
 
 from __future__ import annotations
@@ -200,6 +201,8 @@ def main(argv=None, cluster_factory: Callable[..., object] = make_cluster) -> in
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--kinds", default="repeat,miss")
     ap.add_argument("--mode", default="auto", help="the speculating mode: auto or k=N")
+    ap.add_argument("--schedule", default=None,
+                    help="the head's decode schedule (`kafila-ctl schedule`): auto (the default) | lockstep | M")
     ap.add_argument("--users", type=int, default=1,
                     help="concurrent requests per measurement (>= 2: the head decodes them in one lockstep batch)")
     ap.add_argument("--strategy", default="uniform")
@@ -224,6 +227,8 @@ def main(argv=None, cluster_factory: Callable[..., object] = make_cluster) -> in
         formed = c.form(model, strategy=args.strategy, context=2048, timeout_s=600)
         print(f"formed in {formed['form_s']:.1f} s: blocks {formed['status']['plan']['blocks']}")
         hop_check(formed["status"], args.hop_delay_ms)
+        if args.schedule:
+            c.call(0, "schedule", mode=args.schedule)
         results = measure(c, args.kinds.split(","), ["off", args.mode], args.runs, args.tokens, users=args.users)
     report(results, "off")
     if args.mlx_lm and args.users > 1:

@@ -238,7 +238,9 @@ class SnapshotCollector:
         yield GaugeMetricFamily("kafila_speculation_enabled", "1 while the head speculates (drafts decode tokens).",
                                 value=1.0 if spec.get("on") else 0.0)
         for key, fam in (("passes", CounterMetricFamily("kafila_speculation_passes", "Decode passes that carried "
-                                                        "drafts (this session).")),
+                                                        "drafts, a batched one once per row (this session).")),
+                         ("batch_passes", CounterMetricFamily("kafila_speculation_batch_passes", "Drafted decode "
+                                                              "passes of a lockstep batch (this session).")),
                          ("drafted", CounterMetricFamily("kafila_speculation_drafted_tokens", "Draft tokens sent round "
                                                          "the ring (this session).")),
                          ("accepted", CounterMetricFamily("kafila_speculation_accepted_tokens", "Draft tokens the head "

@@ -98,3 +98,28 @@ def test_a_draft_model_with_another_tokenizer_fails_the_session_naming_it(storie
         c.call(0, "host", model_dir=str(stories260k), members=1, context=256, draft_model=str(synth_llama))
         with pytest.raises(Exception, match="does not share the model's tokenizer"):
             c.call(0, "wait", states=["ready"], timeout_s=60)
+
+
+def test_concurrent_requests_speculate_in_one_batch_with_their_own_tokens(stories260k, cluster3):
+    """Three concurrent greedy requests through three real daemons decode in one lockstep batch with
+    drafts (issue 24 item 1: every row the same k, each accepting its own count, the members
+    trimming rows in place): each request's tokens are single-process mlx-lm's, and drafts were
+    accepted across the batch."""
+    from tests.e2e.test_batching import head_batches, run_concurrently
+    c = cluster3
+    c.form(str(stories260k), concurrency=3)
+    story = c.generate(STORIES_PROMPT, 64)["text"]
+    prompts = [(f"{STORIES_PROMPT}{story}\n{STORIES_PROMPT}", 40), (f"{STORIES_PROMPT}{story}\nOnce", 36),
+               (STORIES_PROMPT, 32)]
+    c.call(0, "schedule", mode="lockstep")  # one batch of three (auto may try micro-batches here)
+    before = c.call(0, "speculate", mode="k=4")
+    out = run_concurrently(c, prompts)
+    after = c.call(0, "speculate")
+    for prompt, n in prompts:
+        assert out[prompt]["token_ids"] == reference_tokens(stories260k, prompt, n)[:len(out[prompt]["token_ids"])]
+        assert len(out[prompt]["token_ids"]) == n
+    assert after["accepted"] > before["accepted"] and after["passes"] > before["passes"]
+    assert sum(out[p]["accepted"] for p, _ in prompts) == after["accepted"] - before["accepted"]
+    assert max(out[p]["accepted"] for p, _ in prompts[:2]) > 0
+    assert after["batch_passes"] > before["batch_passes"]  # drafted passes of the batch of three
+    assert max(head_batches(c, c.call(0, "status"))) == 3

@@ -18,7 +18,7 @@ def test_rows_carry_equal_drafts_padded_with_their_last_token():
     d.batch_verified(("a", "b"), [3, 0], 1.1)
     assert [d.take_trim("a"), d.take_trim("b"), d.take_trim("a")] == [1, 4, 0]
     c = d.status()
-    assert (c["passes"], c["drafted"], c["accepted"], c["tokens"]) == (2, 8, 3, 5)
+    assert (c["passes"], c["drafted"], c["accepted"], c["tokens"], c["batch_passes"]) == (2, 8, 3, 5, 1)
     assert d.forget("a") == {"passes": 1, "drafted": 4, "accepted": 3}
 
 
@@ -45,8 +45,8 @@ def test_adaptive_k_measures_the_batch_and_backs_off_when_nothing_is_drafted():
         t += 0.1
         assert d.plan_batch(("a", "b")) == 0 or t > 0.15
     assert d.status()["plain_passes"] == 2  # the second pass was timed: once per row
-    assert d._batch.choosers[2].c0_s == 0.1
-    assert d._batch.planned > 0  # with c0 measured, the optimistic start drafts
+    assert d._batch_choosers[2].c0_s == 0.1
+    assert d._batches[0].planned > 0  # with c0 measured, the optimistic start drafts
     for _ in range(12):  # drafted passes that cost more and whose drafts are all rejected drive k to 0
         sent = d.batch_drafts(("a", "b"), [REPEAT, REPEAT], rooms=[50, 50])
         if sent:
@@ -56,8 +56,8 @@ def test_adaptive_k_measures_the_batch_and_backs_off_when_nothing_is_drafted():
             d.batch_returned(("a", "b"), t)
         t += 0.1 + 0.02 * len(sent[0] if sent else ())
         d.plan_batch(("a", "b"))
-    assert d._batch.choosers[2].accept_rate < 0.3 and d._batch.choosers[2].c1_s > 0
-    assert d._batch.planned == 0
+    assert d._batch_choosers[2].accept_rate < 0.3 and d._batch_choosers[2].c1_s > 0
+    assert d._batches[0].planned == 0
     assert d.take_trim("a") > 0  # the rejected drafts are due
 
 
@@ -67,3 +67,17 @@ def test_off_or_refused_never_drafts_a_batch():
         assert d.batch_drafts(("a", "b"), [REPEAT, REPEAT], rooms=[9, 9]) == []
         assert d.batch_returned(("a", "b"), 1.0) == ()
         assert d.status()["plain_passes"] == 0
+
+
+def test_micro_batch_groups_keep_their_own_passes():
+    d = Drafter(3, None)
+    d.plan_batch(("a", "b"), group=0)
+    d.plan_batch(("c", "d"), group=1)
+    assert d.batch_drafts(("a", "b"), [REPEAT, REPEAT], rooms=[9, 9], group=0) == [[7, 8, 9]] * 2
+    assert d.batch_drafts(("c", "d"), [NEW, REPEAT], rooms=[9, 9], group=1) == [[4, 4, 4], [7, 8, 9]]
+    assert d.batch_returned(("c", "d"), 1.0, group=1) == ((4, 4, 4), (7, 8, 9))
+    d.batch_verified(("c", "d"), [0, 3], 1.0, group=1)
+    assert d.batch_returned(("a", "b"), 1.1, group=0) == ((7, 8, 9),) * 2
+    d.batch_verified(("a", "b"), [1, 2], 1.1, group=0)
+    assert [d.take_trim(r) for r in "abcd"] == [2, 1, 3, 0]
+    assert d.batch_drafts(("a", "b"), [REPEAT, REPEAT], rooms=[9, 9], group=1) == []  # planned for group 0 only

@@ -144,15 +144,17 @@ async def test_a_member_trims_rows_before_a_batched_act_and_forwards_the_field(s
     assert member.broken is not None and "malformed" in member.broken and "m0" in member.broken
 
 
-@pytest.mark.parametrize("setting", ["auto", "k=4"])
+@pytest.mark.parametrize("setting,micro_batches", [("auto", "1"), ("k=4", "1"), ("k=4", "2"), ("k=4", "3")])
 @trio_test
-async def test_a_lockstep_batch_speculates_and_keeps_every_rows_tokens(stories260k, repeat_prompt, monkeypatch,
-                                                                       setting):
-    """Three requests decoding in one batch draft in batched passes (every row the same k, each
-    accepting its own count, the members trimming rows in place): each request's tokens are
-    those it gets with speculation off, with fewer batched steps for the same tokens."""
+async def test_batches_and_micro_batches_speculate_and_keep_every_rows_tokens(stories260k, repeat_prompt,
+                                                                              monkeypatch, setting, micro_batches):
+    """Three requests decoding together draft in every pass: in one lockstep batch (every row the
+    same k, each accepting its own count, the members trimming rows in place), in two micro-batches
+    (a batch and a request in the single form) and in three (each request its own single-form
+    passes). Each request's tokens are those it gets with speculation off, with fewer steps."""
     jobs = {"a": (repeat_prompt, 40, None), "b": (repeat_prompt + " Once", 36, None),
             "c": (STORIES_PROMPT, 32, None)}
+    monkeypatch.setenv("KAFILA_MICRO_BATCHES", micro_batches)
     runs = {}
     for mode in ("0", setting):
         monkeypatch.setenv(SPECULATE_ENV, mode)
@@ -173,9 +175,11 @@ async def test_a_lockstep_batch_speculates_and_keeps_every_rows_tokens(stories26
     (off, _, off_steps, _, _), (on, status, on_steps, trims, left) = runs["0"], runs[setting]
     assert {r: st.generated for r, st in on.items()} == {r: st.generated for r, st in off.items()}
     assert all(st.error is None and len(st.generated) == jobs[r][1] for r, st in on.items())
-    assert max(on["a"].batch_rows) == 3  # they decoded together
+    assert max(on["a"].batch_rows) == {"1": 3, "2": 2, "3": 1}[micro_batches]  # how they decoded together
     assert status["passes"] > 0 and status["accepted"] > 0
     assert on["a"].accepted > 0 and on["b"].accepted > 0
-    assert any(any(t) for t in trims)  # rows were trimmed in a batched act
+    if micro_batches == "1":
+        assert any(any(t) for t in trims)  # rows were trimmed in a batched act
+    assert (status["batch_passes"] > 0) is (micro_batches != "3")  # three micro-batches are single-form
     assert on_steps < off_steps
     assert left == [[], [], []]

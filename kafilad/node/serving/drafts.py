@@ -1,6 +1,6 @@
 """The head's speculative decoding state (issue 24 item 1; proto_spec 05 §3.1).
 
-`Drafter` is what the ring driver (kafilad/node/serving/ring.py) asks, per request decoding alone in the
+`Drafter` is what the ring driver (kafilad/node/serving/ring.py) asks, per request decoding in the
 single form, whether its next pass drafts, which drafts it carries, and how many positions the
 other stages take back before its next pass; it keeps each request's `KChooser` and the head's
 `SpeculationCounters`. The rules themselves (lookup, acceptance, k) are pure and live in
@@ -14,11 +14,11 @@ A pass's life at the head::
     the pass returns ── returned(req, now) ──▶ the drafts it carried
     head_verify ── verified(req, m, accepted) : the chooser and counters learn; trim due = m − accepted
 
-A lockstep batch (every request in one batched step, proto_spec 05 §3.1) speculates as one: at
-each batched sampling `plan_batch(rows)` decides the k of the batch's next pass from one
-`KChooser` per batch size (a pass of B rows costs more than one of 1, and its cost per extra
-position grows with B), fed the batch's cycles and its rows' mean acceptance; every row carries
-the same k drafts (a row whose lookup found fewer is padded with its last token, which the
+A batched step (proto_spec 05 §3.1; each micro-batch group's in turn) speculates as one: at
+each batched sampling `plan_batch(rows, group)` decides the k of the group's next pass, if it
+carries the same rows, from one `KChooser` per batch size (a pass of B rows costs more than one
+of 1, and its cost per extra position grows with B), fed the group's cycles and its rows' mean
+acceptance; every row carries the same k drafts (a row whose lookup found fewer is padded with its last token, which the
 verification treats like any draft), so the step stays one (B, 1+k, D) act. `batch_drafts` /
 `take_batch_k` + `record_batch` make them, `batch_returned` and `batch_verified` learn from the
 pass, and each row's rejected drafts become its trim due, as for a request alone.
@@ -70,9 +70,9 @@ class _Req:
 
 @attrs.define
 class _Batch:
-    """The lockstep batch's speculation state (module docstring)."""
+    """One micro-batch group's batched passes: what was planned and sent, and its last return
+    (module docstring)."""
 
-    choosers: dict = attrs.field(factory=dict)  # batch size B -> KChooser
     planned_rows: tuple = ()  # the rows `planned` was decided for
     planned: int = 0
     sent_rows: tuple = ()  # the rows of the drafted pass out, and per row its drafts
@@ -88,7 +88,9 @@ class Drafter:
         setting: `speculation_setting()`: None adaptive, 0 off, N fixed k.
         refusal: why the model cannot speculate (`Stage.speculation_refusal`), or None.
     Attributes:
-        counters: the head's totals since the session started (status, /metrics).
+        counters: the head's totals since the session started (status, /metrics); a batched pass
+            counts once per row.
+        batch_passes: drafted passes of a lockstep batch (status "batch_passes").
     """
 
     def __init__(self, setting: Optional[int], refusal: Optional[str]):
@@ -98,7 +100,9 @@ class Drafter:
         self.source = "prompt lookup"
         self.counters = SpeculationCounters()
         self._reqs: dict[str, _Req] = {}
-        self._batch = _Batch()
+        self._batches: dict[int, _Batch] = {}  # micro-batch group -> its batched passes' state
+        self._batch_choosers: dict[int, KChooser] = {}  # rows B -> the chooser of k for a pass of B rows
+        self.batch_passes = 0
 
     @property
     def on(self) -> bool:
@@ -195,49 +199,59 @@ class Drafter:
     def forget_all(self) -> None:
         """The ring broke: every request's state goes (the caches it described are dropped)."""
         self._reqs.clear()
-        self._batch = _Batch()
+        self._batches.clear()
 
-    # ---- a lockstep batch (module docstring) -------------------------------------------------
+    # ---- a batched step (module docstring) ----------------------------------------------------
     def _batch_chooser(self, rows: int) -> KChooser:
-        ch = self._batch.choosers.get(rows)
+        ch = self._batch_choosers.get(rows)
         if ch is None:
-            ch = self._batch.choosers[rows] = KChooser(k_max=K_MAX if self.setting is None else self.setting)
+            ch = self._batch_choosers[rows] = KChooser(k_max=K_MAX if self.setting is None else self.setting)
         return ch
 
-    def plan_batch(self, reqs: Sequence[str]) -> int:
-        """Decide k for the next batched pass of exactly these rows (call once per batched sampling)."""
-        b = self._batch
+    def _group(self, group: int) -> _Batch:
+        b = self._batches.get(group)
+        if b is None:
+            b = self._batches[group] = _Batch()
+        return b
+
+    def plan_batch(self, reqs: Sequence[str], group: int = 0) -> int:
+        """Decide k for micro-batch `group`'s next batched pass, if it carries exactly these rows
+        (call once per batched sampling)."""
+        b = self._group(group)
         b.planned_rows, b.planned = tuple(reqs), 0
         if not self.on or len(reqs) < 2:
             return 0
         b.planned = self._batch_chooser(len(reqs)).choose() if self.setting is None else self.setting
         return b.planned
 
-    def take_batch_k(self, reqs: Sequence[str], rooms: Sequence[int]) -> int:
-        """The drafts each row of the batched pass of `reqs` may carry: the k planned for exactly
-        these rows, at most the smallest `room` (0: a plain step)."""
-        b = self._batch
+    def take_batch_k(self, reqs: Sequence[str], rooms: Sequence[int], group: int = 0) -> int:
+        """The drafts each row of `group`'s batched pass of `reqs` may carry: the k planned for
+        exactly these rows, at most the smallest `room` (0: a plain step)."""
+        b = self._group(group)
         k = b.planned if self.on and tuple(reqs) == b.planned_rows else 0
         b.planned, b.planned_rows = 0, ()
-        b.sent_rows, b.sent = (), ()  # a new pass goes out: one batched step is in flight at a time
+        b.sent_rows, b.sent = (), ()  # a new pass of the group goes out: one is in flight at a time
         return max(0, min([k] + [int(r) for r in rooms]))
 
-    def batch_drafts(self, reqs: Sequence[str], histories: Sequence[Sequence[int]], rooms: Sequence[int]) -> list:
-        """Each row's drafts for the batched pass of `reqs` by prompt lookup in its history (prompt
-        + output, the token being sent last), `record_batch`'s equal-length rows; [] for a plain step."""
-        k = self.take_batch_k(reqs, rooms)
+    def batch_drafts(self, reqs: Sequence[str], histories: Sequence[Sequence[int]], rooms: Sequence[int],
+                     group: int = 0) -> list:
+        """Each row's drafts for `group`'s batched pass of `reqs` by prompt lookup in its history
+        (prompt + output, the token being sent last), `record_batch`'s equal-length rows; [] for a
+        plain step."""
+        k = self.take_batch_k(reqs, rooms, group)
         if k <= 0:
             return []
-        return self.record_batch(reqs, [lookup_drafts(h, k) for h in histories], k, [h[-1] for h in histories])
+        return self.record_batch(reqs, [lookup_drafts(h, k) for h in histories], k, [h[-1] for h in histories],
+                                 group)
 
     def record_batch(self, reqs: Sequence[str], proposed: Sequence[Sequence[int]], k: int,
-                     lasts: Sequence[int]) -> list:
-        """Record the drafts the batched pass of `reqs` carries: every row gets as many as the most
-        any row has (at most k), a shorter row padded with its last token (`lasts`). Returns the
-        rows' draft lists, or [] (a plain step) when no row has any."""
+                     lasts: Sequence[int], group: int = 0) -> list:
+        """Record the drafts `group`'s batched pass of `reqs` carries: every row gets as many as the
+        most any row has (at most k), a shorter row padded with its last token (`lasts`). Returns
+        the rows' draft lists, or [] (a plain step) when no row has any."""
         rows = [list(p)[:max(0, k)] for p in proposed]
         m = max((len(r) for r in rows), default=0)
-        b = self._batch
+        b = self._group(group)
         if m == 0:
             if k > 0:
                 self._batch_chooser(len(reqs)).note_no_drafts()
@@ -247,11 +261,11 @@ class Drafter:
         b.sent_rows, b.sent = tuple(reqs), tuple(tuple(r) for r in out)
         return out
 
-    def batch_returned(self, reqs: Sequence[str], now_s: float, *, measure: bool = True) -> tuple:
-        """The batched pass of `reqs` came back: the drafts each row carried (() for a plain step).
-        A plain step is measured here (its cycle since the same rows' previous return) when
+    def batch_returned(self, reqs: Sequence[str], now_s: float, *, group: int = 0, measure: bool = True) -> tuple:
+        """`group`'s batched pass of `reqs` came back: the drafts each row carried (() for a plain
+        step). A plain step is measured here (its cycle since the same rows' previous return) when
         `measure` (every row may speculate); a drafted one by `batch_verified`."""
-        b = self._batch
+        b = self._group(group)
         reqs = tuple(reqs)
         if b.sent and b.sent_rows == reqs:
             return b.sent
@@ -268,10 +282,11 @@ class Drafter:
                 st.last_return_s = None
         return ()
 
-    def batch_verified(self, reqs: Sequence[str], accepted: Sequence[int], now_s: float) -> None:
-        """The head accepted accepted[i] of the drafts row i of the batched pass carried: each row's
-        rejected drafts become its trim due; the batch's chooser and the counters learn."""
-        b = self._batch
+    def batch_verified(self, reqs: Sequence[str], accepted: Sequence[int], now_s: float, *, group: int = 0) -> None:
+        """The head accepted accepted[i] of the drafts row i of `group`'s batched pass carried: each
+        row's rejected drafts become its trim due; the chooser for its batch size and the counters
+        learn."""
+        b = self._group(group)
         reqs = tuple(reqs)
         k = len(b.sent[0]) if b.sent else 0
         b.sent_rows, b.sent = (), ()
@@ -280,6 +295,7 @@ class Drafter:
         if timed and k:
             self._batch_chooser(len(reqs)).note_pass(k, sum(accepted) / len(reqs), cycle)
         b.last_rows, b.last_return_s = reqs, now_s
+        self.batch_passes += 1
         for r, a in zip(reqs, accepted):
             st = self._state(r)
             st.trim_due += k - a
@@ -296,4 +312,4 @@ class Drafter:
             out["why"] = self.refusal
         elif self.setting == 0:
             out["why"] = f"{SPECULATE_ENV}=0"
-        return {**out, **self.counters.snapshot()}
+        return {**out, **self.counters.snapshot(), "batch_passes": self.batch_passes}

@@ -486,7 +486,7 @@ class RingMember:
             out, dt = await self._compute(self.wire.head_embed, rids[0], tokens + drafts)
             frame = Act(req=rids[0], sample=True, h=out, hops=((self.peer_id, dt),))
         else:  # each row its token, or its token and the batch's k drafts (`_batch_drafts_for`)
-            rows = await self._batch_drafts_for(rids, tokens)
+            rows = await self._batch_drafts_for(rids, tokens, group)
             out, dt = await self._compute(self.wire.head_embed_batch, rids, rows, group)
             frame = BatchAct(reqs=tuple(rids), mb=group, sample=True, h=out, hops=((self.peer_id, dt),))
         self.stats.note_step(rids, dt)
@@ -512,25 +512,26 @@ class RingMember:
         proposed = (await self._compute(self.draft_model.propose, req, history, k))[0] if k > 0 else []
         return self.drafter.record(req, proposed, k)
 
-    async def _batch_drafts_for(self, rids: list[str], tokens: list[int]) -> list:
-        """The rows of a batched step: `tokens` (one a row), or, when the drafter planned k for
-        exactly these rows (`_plan_next_batch`), each row's token followed by its k drafts (looked
-        up, or proposed by the draft model on the MLX thread; kafilad/node/serving/drafts.py)."""
+    async def _batch_drafts_for(self, rids: list[str], tokens: list[int], group: int) -> list:
+        """The rows of micro-batch `group`'s batched step: `tokens` (one a row), or, when the
+        drafter planned k for exactly these rows (`_plan_next_batch`), each row's token followed
+        by its k drafts (looked up, or proposed by the draft model on the MLX thread;
+        kafilad/node/serving/drafts.py)."""
         if self.drafter is None:
             return tokens
         recs = [self.scheduler.requests.get(r) for r in rids]
         if any(rec is None or not rec.generated or rec.generated[-1] != t for rec, t in zip(recs, tokens)):
-            self.drafter.take_batch_k(rids, [0])
+            self.drafter.take_batch_k(rids, [0], group)
             return tokens
         histories = [tuple(rec.prompt_ids) + tuple(rec.generated) for rec in recs]
         rooms = [rec.max_tokens - len(rec.generated) - 1 for rec in recs]
         if self.draft_model is None:
-            drafts = self.drafter.batch_drafts(rids, histories, rooms)
+            drafts = self.drafter.batch_drafts(rids, histories, rooms, group)
         else:
-            k = self.drafter.take_batch_k(rids, rooms)
+            k = self.drafter.take_batch_k(rids, rooms, group)
             proposed = (await self._compute(lambda: [self.draft_model.propose(r, h, k) for r, h in zip(rids, histories)])
                         )[0] if k > 0 else []
-            drafts = self.drafter.record_batch(rids, proposed, k, tokens) if k > 0 else []
+            drafts = self.drafter.record_batch(rids, proposed, k, tokens, group) if k > 0 else []
         return [[t] + d for t, d in zip(tokens, drafts)] if drafts else tokens
 
     def _with_trims(self, frame: Union[Act, BatchAct]) -> Union[Act, BatchAct]:
@@ -544,20 +545,21 @@ class RingMember:
         return attrs.evolve(frame, trims=trims) if isinstance(frame, BatchAct) else attrs.evolve(frame, trim=trims[0])
 
     def _plan_next(self, req: str) -> int:
-        """Decide k for a lone request's next pass (0: no drafts; `Drafter.plan`): only a request
-        sampled by temperature alone, decoding in the single form."""
-        if self.drafter is None or not self.drafter.on or not self._may_speculate(req) \
-                or not self._same_rows_next((req,)):
+        """Decide k for a request's next single-form pass (0: no drafts; `Drafter.plan`): only a
+        request sampled by temperature alone. Its drafts go if that pass is single-form (the
+        request decodes alone, per request, or in a micro-batch of its own)."""
+        if self.drafter is None or not self.drafter.on or not self._may_speculate(req):
             return 0
         return self.drafter.plan(req)
 
-    def _plan_next_batch(self, reqs) -> int:
-        """Decide k for a lockstep batch's next pass (0: plain; `Drafter.plan_batch`): only when every
-        row is sampled by temperature alone and the next step carries the same rows."""
+    def _plan_next_batch(self, reqs, group: int) -> int:
+        """Decide k for micro-batch `group`'s next batched pass (0: plain; `Drafter.plan_batch`): only
+        when every row is sampled by temperature alone; its drafts go if that pass carries the
+        same rows."""
         if self.drafter is None or not self.drafter.on or len(reqs) < 2 \
-                or not all(self._may_speculate(r) for r in reqs) or not self._same_rows_next(reqs):
+                or not all(self._may_speculate(r) for r in reqs):
             return 0
-        return self.drafter.plan_batch(reqs)
+        return self.drafter.plan_batch(reqs, group)
 
     def _may_speculate(self, req: str) -> bool:
         """Whether `req` is sampled by temperature alone (speculation's rules cover only that)."""
@@ -581,16 +583,17 @@ class RingMember:
     async def _verify_batch(self, a: SampleTokens, h_wire: Optional[dict], sent: tuple) -> None:
         """A batched speculative pass returned: accept each row's drafts (runner `head_verify_batch`),
         stream the tokens."""
+        group = self._returned_group
         outs, _ = await self._compute(self.wire.head_verify_batch, list(a.reqs), h_wire, [list(d) for d in sent],
-                                      list(a.temperatures), self._returned_group)
+                                      list(a.temperatures), group)
         now = time.perf_counter()
-        self.drafter.batch_verified(a.reqs, [len(o) - 1 for o in outs], now)
+        self.drafter.batch_verified(a.reqs, [len(o) - 1 for o in outs], now, group=group)
         for r, d, o in zip(a.reqs, sent, outs):
             rec = self.scheduler.requests.get(r)
             if rec is not None:
                 rec.drafted += len(d)
                 rec.accepted += len(o) - 1
-        self._plan_next_batch(a.reqs)
+        self._plan_next_batch(a.reqs, group)
         await self._execute(self.scheduler.handle(TokensSampled(a.reqs, tuple(o[-1] for o in outs), now_s=now,
                                                                 accepted=tuple(tuple(o[:-1]) for o in outs))))
 
@@ -601,7 +604,7 @@ class RingMember:
                 await self._verify(a, h_wire, sent)
                 return
         if batched and self.drafter is not None:  # (a drafted pass is verified even if a row ended meanwhile)
-            sent = self.drafter.batch_returned(a.reqs, time.perf_counter(),
+            sent = self.drafter.batch_returned(a.reqs, time.perf_counter(), group=self._returned_group,
                                                measure=all(self._may_speculate(r) for r in a.reqs))
             if sent:  # a batched speculative pass
                 await self._verify_batch(a, h_wire, sent)
@@ -610,7 +613,7 @@ class RingMember:
         samplings = [rec.sampling if rec is not None else None for rec in recs]
         logprobs: tuple = ()
         if all(s is None or s.plain for s in samplings):  # temperature only: the token-identical path
-            k_next = self._plan_next_batch(a.reqs) if batched else 0
+            k_next = self._plan_next_batch(a.reqs, self._returned_group) if batched else self._plan_next(a.reqs[0])
             if batched and k_next == 0 and self._may_run_next(a.reqs) and not any(a.temperatures):  # one MLX call for both
                 group = self._returned_group
                 (tokens, out), dt = await self._compute(self.wire.head_sample_batch_and_run, list(a.reqs), h_wire,
@@ -620,7 +623,7 @@ class RingMember:
             elif batched:
                 tokens, _ = await self._compute(self.wire.head_sample_batch, list(a.reqs), h_wire,
                                                 list(a.temperatures))
-            elif self._may_run_next(a.reqs) and self._plan_next(a.reqs[0]) == 0:  # sample and run the next step in one MLX call
+            elif k_next == 0 and self._may_run_next(a.reqs):  # sample and run the next step in one MLX call
                 (token, out), dt = await self._compute(self.wire.head_sample_and_run, a.reqs[0], h_wire,
                                                        a.temperatures[0])
                 tokens = [token]
