@@ -175,7 +175,7 @@ def measure(c, kinds: list[str], modes: list[str], runs: int, tokens: int, log: 
                 rec["rates"].append(rate)
                 rec["texts"].append(text)
                 rec["status"] = {k: after.get(k, 0) - before.get(k, 0) for k in ("passes", "drafted", "accepted",
-                                                                               "plain_passes")}
+                                                                               "plain_passes", "batch_passes")}
                 log(f"[{kind}] run {run + 1} {mode}: {rate:.1f} tokens/s {rec['status']}")
     return out
 
