@@ -224,7 +224,7 @@ def main(argv=None, cluster_factory: Callable[..., object] = make_cluster) -> in
         return 2
     print(f"model {model}, {args.members} daemons on loopback, {args.tokens} tokens, {args.runs} runs")
     with cluster_factory(args.members, args.root, args.hop_delay_ms, args.hop_mbps) as c:
-        formed = c.form(model, strategy=args.strategy, context=2048, timeout_s=600)
+        formed = c.form(model, strategy=args.strategy, context=2048, concurrency=max(1, args.users), timeout_s=600)
         print(f"formed in {formed['form_s']:.1f} s: blocks {formed['status']['plan']['blocks']}")
         hop_check(formed["status"], args.hop_delay_ms)
         if args.schedule:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kafilad.errors import RemoteProtocolError
 from kafilad.executor import archs
@@ -203,3 +205,21 @@ def test_trim_rows_keeps_rows_in_their_batch(spec_model):
     with pytest.raises(RemoteProtocolError, match="must be equal"):
         head.head_embed_and_run_batch(["a", "b"], [[1, 2], [3]])
     assert [stage.cache_length(r) for r in ("a", "b", "c")] == [9 + 3 - 3, 6 + 3 - 1, 4 + 3 - 2]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_pattern_of_accepted_drafts_keeps_every_rows_tokens(spec_model, data):
+    """Hypothesis: rows of random prompts, a random k and a random draft wrong in each row of each
+    pass (or none); every row's tokens are still its plain greedy ones."""
+    runners = ring_runners(spec_model, BOUNDS)
+    vocab = runners[0].stage.config["vocab_size"]
+    rows = data.draw(st.integers(2, 4), label="rows")
+    prompts = {f"r{i}": data.draw(st.lists(st.integers(1, vocab - 1), min_size=1, max_size=12), label=f"prompt {i}")
+               for i in range(rows)}
+    k_max = data.draw(st.integers(1, 6), label="k")
+    wrong = data.draw(st.lists(st.integers(0, 7), min_size=64, max_size=64), label="wrong draft per pass and row")
+    n = 12
+    got, _ = _batched_speculation(runners, prompts, n, k_max, lambda p, i: wrong[(p * rows + i) % 64])
+    for r, p in prompts.items():
+        assert got[r][:n] == generate_local(runners, p, n, request_id="alone-" + r), r

@@ -45,7 +45,7 @@ def test_adaptive_k_measures_the_batch_and_backs_off_when_nothing_is_drafted():
         t += 0.1
         assert d.plan_batch(("a", "b")) == 0 or t > 0.15
     assert d.status()["plain_passes"] == 2  # the second pass was timed: once per row
-    assert d._batch_choosers[2].c0_s == 0.1
+    assert d._batch_choosers[(2, 8)].c0_s == 0.1
     assert d._batches[0].planned > 0  # with c0 measured, the optimistic start drafts
     for _ in range(12):  # drafted passes that cost more and whose drafts are all rejected drive k to 0
         sent = d.batch_drafts(("a", "b"), [REPEAT, REPEAT], rooms=[50, 50])
@@ -56,7 +56,7 @@ def test_adaptive_k_measures_the_batch_and_backs_off_when_nothing_is_drafted():
             d.batch_returned(("a", "b"), t)
         t += 0.1 + 0.02 * len(sent[0] if sent else ())
         d.plan_batch(("a", "b"))
-    assert d._batch_choosers[2].accept_rate < 0.3 and d._batch_choosers[2].c1_s > 0
+    assert d._batch_choosers[(2, 8)].accept_rate < 0.3 and d._batch_choosers[(2, 8)].c1_s > 0
     assert d._batches[0].planned == 0
     assert d.take_trim("a") > 0  # the rejected drafts are due
 

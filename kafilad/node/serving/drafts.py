@@ -90,7 +90,7 @@ class Drafter:
     Attributes:
         counters: the head's totals since the session started (status, /metrics); a batched pass
             counts once per row.
-        batch_passes: drafted passes of a lockstep batch (status "batch_passes").
+        batch_passes: drafted batched passes (status "batch_passes").
     """
 
     def __init__(self, setting: Optional[int], refusal: Optional[str]):
@@ -101,7 +101,7 @@ class Drafter:
         self.counters = SpeculationCounters()
         self._reqs: dict[str, _Req] = {}
         self._batches: dict[int, _Batch] = {}  # micro-batch group -> its batched passes' state
-        self._batch_choosers: dict[int, KChooser] = {}  # rows B -> the chooser of k for a pass of B rows
+        self._batch_choosers: dict[tuple, KChooser] = {}  # (rows B, k_max) -> the chooser of k for B rows
         self.batch_passes = 0
 
     @property
@@ -203,9 +203,10 @@ class Drafter:
 
     # ---- a batched step (module docstring) ----------------------------------------------------
     def _batch_chooser(self, rows: int) -> KChooser:
-        ch = self._batch_choosers.get(rows)
+        k_max = K_MAX if self.setting is None else self.setting  # (`kafila-ctl speculate` may change it)
+        ch = self._batch_choosers.get((rows, k_max))
         if ch is None:
-            ch = self._batch_choosers[rows] = KChooser(k_max=K_MAX if self.setting is None else self.setting)
+            ch = self._batch_choosers[(rows, k_max)] = KChooser(k_max=k_max)
         return ch
 
     def _group(self, group: int) -> _Batch:
