@@ -41,13 +41,14 @@ the member's busy time and the link's bytes (`scheduler.StageStats`). A request'
 for a decode step runs from the sampling of its previous token to the return of the step, so it
 includes any wait for the step in flight (the token interval the client sees).
 
-Speculative decoding (issue 24 item 1; proto_spec 05 §3.1; kafilad/node/serving/drafts.py): for a lone
-request sampled by temperature alone, the head decides at each sampling how many drafts its next
-pass carries (`_plan_next`; 0 leaves the fused sample-and-run path, `FusedStep`, to run it), sends
-the token and the drafts as one single-form act, and on its return accepts them (`_verify`,
-runner `head_verify`), streaming every accepted token; the positions it rejected go out as the
-request's next act's `trim` (or `trims`, batched), which every member applies before running it.
-A lockstep batch of such requests speculates as one (`_plan_next_batch` at each batched sampling,
+Speculative decoding (issue 24 item 1; proto_spec 05 §3.1; kafilad/node/serving/drafts.py): for a
+request sampled by temperature alone that decodes in the single form, the head decides at each
+sampling how many drafts its next pass carries (`_plan_next`; 0 leaves the fused sample-and-run
+path, `FusedStep`, to run it), sends the token and the drafts as one single-form act, and on its
+return accepts them (`_verify`, runner `head_verify`), streaming every accepted token; the
+positions it rejected go out as the request's next act's `trim` (or `trims`, batched), which
+every member applies before running it. A batched step of such requests (lockstep, or each
+micro-batch group's) speculates as one (`_plan_next_batch` at each batched sampling,
 `_batch_drafts_for`, `_verify_batch`, runner `head_verify_batch`): every row carries the same k
 drafts, each accepts its own count, and the next batched act's `trims` cut each row back.
 
