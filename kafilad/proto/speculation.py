@@ -25,7 +25,9 @@ Choosing k (`KChooser`): with a per-draft acceptance rate a (measured, a moving 
 with k drafts yields E(k) = (1 − a^(k+1)) / (1 − a) tokens (the paper's eq. 1), and costs c(k) =
 c0 + c1·k seconds (c0: a one-token pass, c1: each extra position, both measured moving averages
 of the pass's circuit at the head). k maximises E(k) / c(k) among 0..k_max; k = 0 (no drafting)
-when nothing beats one token per c0. A request whose chooser picked 0 re-probes with k = 1
+when nothing beats one token per c0. Until a drafted pass has measured c1, k is at most
+`K_FIRST`: the first drafted pass must not pay k_max positions where a position is dear (MLX's
+4-bit matmul on a CPU costs about L times a one-token pass for L positions). A request whose chooser picked 0 re-probes with k = 1
 after a back-off of passes that doubles each time the probe does not pay (so a miss prompt pays
 for a probe rarely), and resets when one does. c0 is measured by plain passes: the first ones of
 a request, and one after every `remeasure` drafted passes.
@@ -39,6 +41,8 @@ import attrs
 
 #: the most drafts a pass carries
 K_MAX = 8
+#: the most drafts before a drafted pass has measured the cost of a position (module docstring)
+K_FIRST = 2
 #: n-gram lengths the lookup tries, longest first
 MAX_NGRAM = 3
 MIN_NGRAM = 2
@@ -166,6 +170,7 @@ class KChooser:
     _wait: int = 0
     _probing: bool = False
     _since_plain: int = 0
+    _c1_measured: bool = False
 
     def choose(self) -> int:
         """k for the next pass (0..k_max): a plain pass while c0 is unmeasured or stale, 0 while
@@ -180,6 +185,8 @@ class KChooser:
         if self.c0_s is None or self._since_plain >= self.remeasure:
             return 0
         k = best_k(self.accept_rate, self.c0_s, self.c1_s, self.k_max)
+        if not self._c1_measured:
+            k = min(k, K_FIRST)
         if k == 0:
             self._wait = self.backoff
             self._probing = True
@@ -202,7 +209,8 @@ class KChooser:
         self.accept_rate += EMA * (accepted / k - self.accept_rate)
         if self.c0_s is not None:
             extra = max(0.0, (circuit_s - self.c0_s) / k)
-            self.c1_s += EMA * (extra - self.c1_s)
+            self.c1_s = extra if not self._c1_measured else self.c1_s + EMA * (extra - self.c1_s)
+            self._c1_measured = True
         if self._probing:
             self._end_probe(best_k(self.accept_rate, self.c0_s or 1.0, self.c1_s, self.k_max) > 0)
 

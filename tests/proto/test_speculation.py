@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafilad.proto.speculation import (K_MAX, PROBE_BACKOFF, KChooser, SpeculationCounters, accept_greedy,
+from kafilad.proto.speculation import (K_FIRST, K_MAX, PROBE_BACKOFF, KChooser, SpeculationCounters, accept_greedy,
                                        accept_point_drafts, best_k, expected_tokens, lookup_drafts)
 
 
@@ -97,7 +97,10 @@ def test_chooser_measures_then_drafts_then_backs_off_on_misses():
     assert ch.choose() == 0  # c0 unmeasured: a plain pass measures it
     ch.note_pass(0, 0, 0.05)
     k = ch.choose()
-    assert k == K_MAX  # optimistic acceptance, extra positions not yet measured
+    assert k == K_FIRST  # optimistic acceptance, but extra positions not yet measured
+    ch.note_pass(k, k, 0.05)  # all accepted, at no extra cost: now k may grow
+    assert ch.c1_s == 0.0 and ch.choose() == K_MAX
+    k = K_MAX
     for _ in range(20):  # drafts are never accepted
         ch.note_pass(k, 0, 0.06)
         k = ch.choose()
