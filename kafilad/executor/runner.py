@@ -362,14 +362,16 @@ class StageRunner:
         trim_prompt_cache(cache, n_tokens)
 
     def head_verify_batch(self, request_ids: list[str], h: mx.array, drafts: list[list[int]],
-                          temperatures: list[float], group: int = 0) -> list[list[int]]:
+                          temperatures: list[float], group: int = 0,
+                          rows: Optional[list[int]] = None) -> list[list[int]]:
         """Head: `head_verify` for every row of a batched speculative pass (proto_spec 05 §3.1).
 
         Row i of h (B, k+1, D) ran request_ids[i]'s last sampled token and its k drafts
         `drafts[i]` (every row carries the same k) in micro-batch `group`; each row is accepted
         by its own temperature's rule, and its rows of the group's batch caches are trimmed back
         to its accepted tokens at once (`trim_rows`; the other stages trim by the next act's
-        `trims`).
+        `trims`). `rows`, when given: the rows of h that are request_ids' (the pass's other rows
+        belong to requests that ended while it was out, whose caches are gone).
 
         Returns:
             Per row, its accepted drafts and its next token (1 to k+1 tokens).
@@ -378,6 +380,10 @@ class StageRunner:
                 unequal k, or h not (B, k+1, D).
         """
         B = len(request_ids)
+        if rows is not None:
+            if len(rows) != B or any(not 0 <= i < h.shape[0] for i in rows):
+                raise RemoteProtocolError(f"Rows {rows} of a batched pass of {h.shape[0]} rows cannot be {B} requests'.")
+            h = h[mx.array(rows)]
         k = len(drafts[0]) if drafts else 0
         if len(drafts) != B or len(temperatures) != B or any(len(d) != k for d in drafts):
             raise RemoteProtocolError(f"A batched speculative pass of {B} rows needs {B} equal draft lists and "
@@ -418,7 +424,9 @@ class StageRunner:
         mlx-lm's `BatchKVCache` keeps its rows left-padded to one length: every row is trimmed by
         the smallest count (`trim`), and a row with more to take back is shifted right by the rest
         and its left padding grown by it, as mlx-lm itself ends a right-padded prefill
-        (`prepare(right_padding=...)`, `finalize`). Other trimmable cache kinds take such a row out
+        (`prepare(right_padding=...)`, `finalize`); once every row has padding, mlx-lm's `filter`
+        drops the columns they all pad, so padding stays bounded by the rows' length differences
+        however the counts alternate. Other trimmable cache kinds take such a row out
         of the batch and trim it alone (`_sync_batch` merges it back at the next step). Call under
         _lock.
         """
@@ -440,6 +448,8 @@ class StageRunner:
                 if any(rest):
                     c.prepare(right_padding=rest)
                     c.finalize()
+                    if min(c.left_padding.tolist()) > 0:  # padding in every row: mlx-lm's `filter` drops it
+                        c.filter(mx.arange(len(request_ids)))
             return
         for r, n in zip(request_ids, n_tokens):
             self._trim_alone(r, n)

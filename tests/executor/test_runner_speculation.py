@@ -223,3 +223,28 @@ def test_any_pattern_of_accepted_drafts_keeps_every_rows_tokens(spec_model, data
     got, _ = _batched_speculation(runners, prompts, n, k_max, lambda p, i: wrong[(p * rows + i) % 64])
     for r, p in prompts.items():
         assert got[r][:n] == generate_local(runners, p, n, request_id="alone-" + r), r
+
+
+def test_alternating_acceptance_keeps_batch_padding_bounded(spec_model):
+    """Two rows take turns accepting none and all of their drafts: every pass trims them unequally,
+    yet after every trim the batch caches hold no column that every row pads (mlx-lm's `filter`
+    drops them), so a row's padding stays within the rows' length difference."""
+    runners = ring_runners(spec_model, BOUNDS)
+    vocab = runners[0].stage.config["vocab_size"]
+    prompts = {"a": [t % vocab for t in STORIES_PROMPT_IDS], "b": [t % vocab for t in STORIES_PROMPT_IDS[:4]]}
+    seen = []
+    stage = runners[1]
+    real = stage.trim_rows
+
+    def trim_rows(ids, n_tokens, group=0):
+        real(ids, n_tokens, group)
+        if any(n_tokens):
+            c = stage._groups[group][1][0]
+            seen.append((min(c.left_padding.tolist()), c.size(), max(c.offset.tolist())))
+    stage.trim_rows = trim_rows
+    n = 60
+    got, counts = _batched_speculation(runners, prompts, n, 4, lambda p, i: 0 if i == p % 2 else 99)
+    for r, p in prompts.items():
+        assert got[r][:n] == generate_local(runners, p, n, request_id="alone-" + r), r
+    assert len(seen) > 10
+    assert all(pad == 0 and size == longest for pad, size, longest in seen), seen

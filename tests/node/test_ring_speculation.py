@@ -184,3 +184,79 @@ async def test_batches_and_micro_batches_speculate_and_keep_every_rows_tokens(st
     assert (status["batch_passes"] > 0) is (micro_batches != "3")  # three micro-batches are single-form
     assert on_steps < off_steps
     assert left == [[], [], []]
+
+
+@pytest.mark.parametrize("micro_batches", ["1", "2"])
+@trio_test
+async def test_a_client_gone_while_a_drafted_batch_is_out_ends_only_its_request(stories260k, repeat_prompt,
+                                                                                monkeypatch, micro_batches):
+    """A client that stops reading its stream (a full stream ends its request) or is cancelled while
+    a drafted batched pass is out: its request ends when the pass returns, the head verifies the
+    other rows only (the ended row's caches are gone), and the others get their tokens."""
+    monkeypatch.setenv(SPECULATE_ENV, "0")
+    with trio.fail_after(120):
+        async with ring_of(stories260k, BOUNDS) as ring:
+            ref = {r: (await ring[0].generate(r, p, max_tokens=30, temperature=0.0, on_event=_ignore)).generated
+                   for r, p in (("a", repeat_prompt), ("b", repeat_prompt + " Once"))}
+    monkeypatch.setenv(SPECULATE_ENV, "k=4")
+    monkeypatch.setenv("KAFILA_MICRO_BATCHES", micro_batches)
+    release, states = trio.Event(), {}
+
+    async def stuck(_e):
+        await release.wait()
+    with trio.fail_after(120):
+        async with ring_of(stories260k, BOUNDS, stream_events=4) as ring:
+            head = ring[0]
+            cancelled = []
+            real = head._on_act
+
+            async def on_act(frame):  # the cancel arrives while a drafted batched pass is out
+                if not cancelled and getattr(frame, "reqs", ()) and len(frame.reqs) > 1 and frame.h["shape"][1] > 1:
+                    cancelled.append(head.cancel("gone", "its client went away"))
+                await real(frame)
+            head._on_act = on_act
+
+            async def go(r, p, n, ev):
+                states[r] = await head.generate(r, p, max_tokens=n, temperature=0.0, on_event=ev)
+            async with trio.open_nursery() as n:
+                n.start_soon(go, "slow", repeat_prompt, 40, stuck)
+                n.start_soon(go, "gone", repeat_prompt, 40, _ignore)
+                n.start_soon(go, "a", repeat_prompt, 30, _ignore)
+                n.start_soon(go, "b", repeat_prompt + " Once", 30, _ignore)
+                while not ("a" in states and "b" in states):
+                    await trio.sleep(0.01)
+                release.set()
+            await trio.sleep(0.05)
+            left = [list(m.runner.active_requests) for m in ring]
+            broken, status = head.broken, head.drafter.status()
+    assert broken is None
+    assert {r: states[r].generated for r in ("a", "b")} == ref
+    assert states["slow"].cancelled is not None and "fast enough" in states["slow"].cancelled
+    assert cancelled == [True] and states["gone"].cancelled is not None
+    assert status["batch_passes"] > 0
+    assert left == [[], [], []]
+
+
+@trio_test
+async def test_a_plain_batched_step_returning_more_positions_breaks_the_ring(stories260k, monkeypatch):
+    """The head sent a batched step of one token a row; an act that returns with two positions a
+    row (a member that is wrong or lying) breaks the ring naming the sender, and no token is
+    sampled from it."""
+    import mlx.core as mx
+
+    from kafilad.executor import runner as runner_mod
+    monkeypatch.setenv(SPECULATE_ENV, "0")
+    real = WireStage.run_batch
+
+    def doubled(self, rids, h_wire, group=0, trims=()):
+        a = runner_mod.array_from_wire(real(self, rids, h_wire, group, trims))
+        return runner_mod.array_to_wire(mx.concatenate([a, a], axis=1)) if self.runner.stage.end == 5 else \
+            runner_mod.array_to_wire(a)
+    monkeypatch.setattr(WireStage, "run_batch", doubled)
+    with trio.fail_after(120):
+        async with ring_of(stories260k, BOUNDS) as ring:
+            ring[0].prev_name = "m2"
+            states = await generate_all(ring[0], {"a": (STORIES_PROMPT, 20, None), "b": ("The cat", 20, None)})
+            broken = ring[0].broken
+    assert broken is not None and "m2" in broken and "positions a row" in broken
+    assert all(st.error is not None for st in states.values())

@@ -166,6 +166,7 @@ class RingMember:
         #: or taken back (`_take_back_fused`)
         self._fused: Optional[FusedStep] = None
         self._returned_group = 0  # head: the micro-batch group of the batched act being sampled
+        self._returned_positions = 1  # head: the positions a row of the act being sampled carries
 
     # ---- read-only views for `status` and tests: the head scheduler's step counts (None off the head)
     # and the per-request statistics --------------------------------------------------------------
@@ -582,19 +583,28 @@ class RingMember:
                                                                 accepted=(tuple(tokens[:-1]),))))
 
     async def _verify_batch(self, a: SampleTokens, h_wire: Optional[dict], sent: tuple) -> None:
-        """A batched speculative pass returned: accept each row's drafts (runner `head_verify_batch`),
-        stream the tokens."""
+        """A batched speculative pass returned: accept the drafts of each row still being sampled
+        (runner `head_verify_batch`; a row that ended while the pass was out, e.g. its client went
+        away, has no caches left here and gets no token), stream the tokens."""
         group = self._returned_group
-        outs, _ = await self._compute(self.wire.head_verify_batch, list(a.reqs), h_wire, [list(d) for d in sent],
-                                      list(a.temperatures), group)
+        live = [i for i, r in enumerate(a.reqs) if (rec := self.scheduler.requests.get(r)) is not None
+                and rec.phase is Phase.SAMPLING and rec.error is None]
+        rids = [a.reqs[i] for i in live]
+        outs_live: list = []
+        if rids:
+            outs_live, _ = await self._compute(self.wire.head_verify_batch, rids, h_wire, [list(sent[i]) for i in live],
+                                               [a.temperatures[i] for i in live], group,
+                                               None if len(live) == len(a.reqs) else live)
         now = time.perf_counter()
-        self.drafter.batch_verified(a.reqs, [len(o) - 1 for o in outs], now, group=group)
-        for r, d, o in zip(a.reqs, sent, outs):
-            rec = self.scheduler.requests.get(r)
-            if rec is not None:
-                rec.drafted += len(d)
-                rec.accepted += len(o) - 1
-        self._plan_next_batch(a.reqs, group)
+        self.drafter.batch_verified(rids, [len(o) - 1 for o in outs_live], now, group=group)
+        outs = [[0]] * len(a.reqs)  # an ended row's token is not taken (`TokensSampled` skips it)
+        for i, o in zip(live, outs_live):
+            outs[i] = o
+            rec = self.scheduler.requests[a.reqs[i]]
+            rec.drafted += len(sent[i])
+            rec.accepted += len(o) - 1
+        if len(live) == len(a.reqs):
+            self._plan_next_batch(a.reqs, group)
         await self._execute(self.scheduler.handle(TokensSampled(a.reqs, tuple(o[-1] for o in outs), now_s=now,
                                                                 accepted=tuple(tuple(o[:-1]) for o in outs))))
 
@@ -610,6 +620,9 @@ class RingMember:
             if sent:  # a batched speculative pass
                 await self._verify_batch(a, h_wire, sent)
                 return
+        if batched and self._returned_positions != 1:  # the head sent this step one token a row
+            raise RemoteProtocolError(f"A batched decode step of one token a row came back with "
+                                      f"{self._returned_positions} positions a row.")
         recs = [self.scheduler.requests.get(r) for r in a.reqs]
         samplings = [rec.sampling if rec is not None else None for rec in recs]
         logprobs: tuple = ()
@@ -681,6 +694,7 @@ class RingMember:
         actions = self.scheduler.handle(PassReturned(tuple(frame.reqs), frame.sample, frame.hops,
                                                      now_s=time.perf_counter(), positions=positions))
         self._returned_group = frame.mb if batched else 0
+        self._returned_positions = positions
         await self._execute(actions, h_wire=frame.h, batched=batched)
 
     async def _deliver(self, st: RequestState, event: dict) -> None:

@@ -154,8 +154,10 @@ class WireStage:
             self.runner.trim_rows(rids, list(trims), group)
         return self.ex.array_to_wire(self.runner.run_batch(rids, h, group))
 
-    def head_verify_batch(self, rids: list[str], h_wire: dict, drafts: list, temperatures: list, group: int) -> list:
-        return self.runner.head_verify_batch(rids, self.ex.array_from_wire(h_wire), drafts, temperatures, group)
+    def head_verify_batch(self, rids: list[str], h_wire: dict, drafts: list, temperatures: list, group: int,
+                          rows: Optional[list] = None) -> list:
+        return self.runner.head_verify_batch(rids, self.ex.array_from_wire(h_wire), drafts, temperatures, group,
+                                             rows)
 
     def head_verify(self, req: str, h_wire: dict, drafts: list, temperature: float) -> list:
         return self.runner.head_verify(req, self.ex.array_from_wire(h_wire), list(drafts), temperature)
