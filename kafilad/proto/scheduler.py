@@ -273,7 +273,7 @@ class HeadScheduler:
             if returned is not None:
                 self.policy.note_sampling(len(ev.reqs), ev.now_s - returned,
                                           alone=group not in self._overlapped and group not in self._drafted)
-            made = len(ev.reqs) + sum(map(len, ev.accepted))  # a drafted step's accepted tokens count too
+            made = sum(isinstance(x, EmitToken) for x in actions)  # the tokens it streamed, accepted drafts too
             self.policy.note_tokens(made, len(self._ready) + sum(map(len, self._steps.values())), ev.now_s)
             self._free(group)
         return actions + self._next_steps(ev.now_s)
