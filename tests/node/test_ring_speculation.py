@@ -21,6 +21,18 @@ from kafilad.node.serving.ring_state import WireStage
 from tests.node.test_ring_batch import _ignore, generate_all, ring_of
 
 BOUNDS = [(0, 2), (2, 4), (4, 5)]
+_RUN_BATCH = WireStage.run_batch
+
+
+def record_trims(monkeypatch) -> list:
+    """Record each batched act's `trims` as a member runs it (WireStage.run_batch); returns the list."""
+    trims: list = []
+
+    def recording(self, rids, h_wire, group=0, trims_=()):
+        trims.append(tuple(trims_))
+        return _RUN_BATCH(self, rids, h_wire, group, trims_)
+    monkeypatch.setattr(WireStage, "run_batch", recording)
+    return trims
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +95,7 @@ async def test_requests_that_speculated_alone_keep_their_tokens_in_a_batch(stori
             ref = {r: (await ring[0].generate(r, p, max_tokens=n, temperature=0.0, on_event=_ignore)).generated
                    for r, (p, n, _) in jobs.items()}
         monkeypatch.setenv(SPECULATE_ENV, "k=4")
-        trims = []
-        real = WireStage.run_batch
-
-        def recording(self, rids, h_wire, group=0, trims_=()):
-            trims.append(tuple(trims_))
-            return real(self, rids, h_wire, group, trims_)
-        monkeypatch.setattr(WireStage, "run_batch", recording)
+        trims = record_trims(monkeypatch)
         async with ring_of(stories260k, BOUNDS) as ring:
             states = await generate_all(ring[0], jobs)
             status = ring[0].drafter.status()
@@ -158,20 +164,13 @@ async def test_batches_and_micro_batches_speculate_and_keep_every_rows_tokens(st
     runs = {}
     for mode in ("0", setting):
         monkeypatch.setenv(SPECULATE_ENV, mode)
-        trims = []
-        real = WireStage.run_batch
-
-        def recording(self, rids, h_wire, group=0, trims_=()):
-            trims.append(tuple(trims_))
-            return real(self, rids, h_wire, group, trims_)
-        monkeypatch.setattr(WireStage, "run_batch", recording)
+        trims = record_trims(monkeypatch)
         with trio.fail_after(180):
             async with ring_of(stories260k, BOUNDS) as ring:
                 states = await generate_all(ring[0], jobs)
                 await trio.sleep(0.05)
                 runs[mode] = (states, ring[0].drafter.status(), ring[0].decode_steps, trims,
                               [list(m.runner.active_requests) for m in ring])
-        monkeypatch.setattr(WireStage, "run_batch", real)
     (off, _, off_steps, _, _), (on, status, on_steps, trims, left) = runs["0"], runs[setting]
     assert {r: st.generated for r, st in on.items()} == {r: st.generated for r, st in off.items()}
     assert all(st.error is None and len(st.generated) == jobs[r][1] for r, st in on.items())

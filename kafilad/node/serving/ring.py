@@ -614,7 +614,7 @@ class RingMember:
             if sent:  # a speculative pass (proto_spec 05 §3.1)
                 await self._verify(a, h_wire, sent)
                 return
-        if batched and self.drafter is not None:  # (a drafted pass is verified even if a row ended meanwhile)
+        if batched and self.drafter is not None:  # (its live rows are verified even if a row ended meanwhile)
             sent = self.drafter.batch_returned(a.reqs, time.perf_counter(), group=self._returned_group,
                                                measure=all(self._may_speculate(r) for r in a.reqs))
             if sent:  # a batched speculative pass
