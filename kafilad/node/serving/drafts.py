@@ -18,8 +18,9 @@ A batched step (proto_spec 05 §3.1; each micro-batch group's in turn) speculate
 each batched sampling `plan_batch(rows, group)` decides the k of the group's next pass, if it
 carries the same rows, from one `KChooser` per batch size (a pass of B rows costs more than one
 of 1, and its cost per extra position grows with B), fed the group's cycles and its rows' mean
-acceptance; every row carries the same k drafts (a row whose lookup found fewer is padded with its last token, which the
-verification treats like any draft), so the step stays one (B, 1+k, D) act. `batch_drafts` /
+acceptance; every row carries the same k drafts (a row whose lookup found fewer is padded with
+its last token, which the verification treats like any draft), so the step stays one (B, 1+k, D)
+act. `batch_drafts` /
 `take_batch_k` + `record_batch` make them, `batch_returned` and `batch_verified` learn from the
 pass, and each row's rejected drafts become its trim due, as for a request alone.
 
