@@ -81,3 +81,15 @@ def test_micro_batch_groups_keep_their_own_passes():
     d.batch_verified(("a", "b"), [1, 2], 1.1, group=0)
     assert [d.take_trim(r) for r in "abcd"] == [2, 1, 3, 0]
     assert d.batch_drafts(("a", "b"), [REPEAT, REPEAT], rooms=[9, 9], group=1) == []  # planned for group 0 only
+
+
+def test_a_drafted_pass_whose_rows_all_ended_twice_is_counted_without_rows():
+    """`_verify_batch` reports no rows when every row of a drafted pass ended while it was out;
+    twice in a row for one group must not divide by its zero rows."""
+    d = Drafter(2, None)
+    for t in (1.0, 2.0):
+        d.plan_batch(("a", "b"))
+        assert d.batch_drafts(("a", "b"), [REPEAT, REPEAT], rooms=[9, 9]) == [[7, 8]] * 2
+        assert d.batch_returned(("a", "b"), t)
+        d.batch_verified((), [], t)
+    assert d.status()["batch_passes"] == 2 and d.status()["passes"] == 0

@@ -292,7 +292,7 @@ class Drafter:
         reqs = tuple(reqs)
         k = len(b.sent[0]) if b.sent else 0
         b.sent_rows, b.sent = (), ()
-        timed = b.last_rows == reqs and b.last_return_s is not None
+        timed = bool(reqs) and b.last_rows == reqs and b.last_return_s is not None
         cycle = max(0.0, now_s - b.last_return_s) if timed else 0.0
         if timed and k:
             self._batch_chooser(len(reqs)).note_pass(k, sum(accepted) / len(reqs), cycle)
