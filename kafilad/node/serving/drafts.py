@@ -180,15 +180,20 @@ class Drafter:
         """The head accepted `accepted` of the drafts the request's pass carried."""
         st = self._state(req)
         k, st.sent = len(st.sent), ()
-        st.trim_due += k - accepted
         cycle = max(0.0, now_s - st.last_return_s) if st.last_return_s is not None else 0.0
         if st.last_return_s is not None:
             st.chooser.note_pass(k, accepted, cycle)
+        self._count(st, k, accepted, cycle)
         st.last_return_s = now_s
+
+    def _count(self, st: _Req, k: int, accepted: int, cycle_s: float) -> None:
+        """A drafted pass of k drafts for one request, `accepted` of them taken: its rejected drafts
+        become its trim due; its record and the counters count the pass."""
+        st.trim_due += k - accepted
         st.drafted += k
         st.accepted += accepted
         st.passes += 1
-        self.counters.note(k, accepted, cycle)
+        self.counters.note(k, accepted, cycle_s)
 
     def forget(self, req: str) -> Optional[dict]:
         """The request ended: its speculation record ({"passes", "drafted", "accepted"}), or None."""
@@ -300,12 +305,8 @@ class Drafter:
         self.batch_passes += 1
         for r, a in zip(reqs, accepted):
             st = self._state(r)
-            st.trim_due += k - a
-            st.last_return_s = None
-            st.drafted += k
-            st.accepted += a
-            st.passes += 1
-            self.counters.note(k, a, cycle)
+            st.last_return_s = None  # (its own single-form cycle does not span a batch)
+            self._count(st, k, a, cycle)
 
     def status(self) -> dict:
         """For `status`: on or why not, the setting, and the counters."""
